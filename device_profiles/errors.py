@@ -1,0 +1,50 @@
+"""The error tree of edgeline. It lives here, in the lowest folder, so every other folder can use it.
+
+    EdgelineError              a user's mistake or an environment problem: exit code 2, one clear line
+    ├── ProfileError           unknown profile id, broken profile file, invalid field
+    ├── BundleError            a bundle that cannot be read: missing files, bad manifest
+    │   └── IntegrityError     a file whose size or sha256 differs from the manifest
+    ├── BackendUnavailableError  a backend whose optional dependency is not installed (names the extra)
+    ├── PayloadError           model inputs of the wrong count, shape, dtype, or with NaN/Inf
+    └── ExportError            export failed for a reason the user can act on (defined in ``export.errors``)
+
+``edge_runtime.errors`` re-exports these; import them from there.
+Anything that is not an ``EdgelineError`` reaching the command line is a bug of ours.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "BundleError",
+    "EdgelineError",
+    "IntegrityError",
+    "PayloadError",
+    "ProfileError",
+]
+
+
+class EdgelineError(Exception):
+    """Root of every error edgeline raises on purpose."""
+
+    exit_code = 2
+
+
+class ProfileError(EdgelineError):
+    """A device profile that does not exist or does not validate."""
+
+
+class BundleError(EdgelineError):
+    """A bundle that cannot be used: missing files, unreadable or invalid manifest."""
+
+
+class IntegrityError(BundleError):
+    """A bundle file whose size or hash does not match its manifest."""
+
+
+class BackendUnavailableError(EdgelineError):
+    """A backend that needs an optional dependency that is not installed."""
+
+
+class PayloadError(EdgelineError):
+    """Inputs that do not match what the model expects."""

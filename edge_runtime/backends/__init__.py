@@ -1,0 +1,69 @@
+"""Runtime backends: one module each, found by name, imported on first use.
+
+A backend opens a model file and runs model-native numpy arrays (already quantized where the model
+wants integers) in the order of the manifest's inputs, returning the outputs in manifest order.
+Quantization, validation and post-processing are the ``Model``'s job, shared by every backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from edge_runtime.errors import BackendUnavailableError, BundleError
+from edge_runtime.manifest import TensorSpec
+
+__all__ = ["RUNTIME_BACKENDS", "Session", "SessionFactory", "open_session", "runtime_backend_names"]
+
+RUNTIME_BACKENDS: dict[str, str] = {
+    "litert": "edge_runtime.backends.litert:LiteRTSession",
+    "tflite-runtime": "edge_runtime.backends.litert:TFLiteRuntimeSession",
+    "executorch": "edge_runtime.backends.executorch:ExecuTorchSession",
+}
+
+
+class Session(Protocol):
+    """An opened model, ready to run."""
+
+    def input_specs(self) -> list[TensorSpec]: ...
+
+    def output_specs(self) -> list[TensorSpec]: ...
+
+    def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]: ...
+
+
+class SessionFactory(Protocol):
+    file_suffixes: tuple[str, ...]
+
+    def __call__(self, model_path: Path, *, threads: int, input_names: Sequence[str] | None) -> Session: ...
+
+
+def runtime_backend_names() -> list[str]:
+    return sorted(RUNTIME_BACKENDS)
+
+
+def _factory(name: str) -> SessionFactory:
+    target = RUNTIME_BACKENDS.get(name)
+    if target is None:
+        raise BundleError(f"unknown runtime backend {name!r}; valid: {', '.join(runtime_backend_names())}")
+    module_name, _, attribute = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:  # pragma: no cover - our own modules import nothing optional at top level
+        raise BackendUnavailableError(f"runtime backend {name!r} could not be imported: {exc}") from exc
+    factory: SessionFactory = getattr(module, attribute)
+    return factory
+
+
+def open_session(name: str, model_path: Path, *, threads: int = 1, input_names: Sequence[str] | None = None) -> Session:
+    """Open ``model_path`` with the runtime backend called ``name``."""
+    factory = _factory(name)
+    if model_path.suffix not in factory.file_suffixes:
+        raise BundleError(
+            f"runtime backend {name!r} runs {', '.join(factory.file_suffixes)} models, not {model_path.name}"
+        )
+    return factory(model_path, threads=threads, input_names=input_names)

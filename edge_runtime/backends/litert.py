@@ -1,0 +1,88 @@
+"""LiteRT (``ai-edge-litert``) and the legacy ``tflite-runtime``: the same interpreter API, two packages."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edge_runtime.errors import BackendUnavailableError, BundleError
+from edge_runtime.manifest import Quantization, TensorSpec
+
+__all__ = ["LiteRTSession", "TFLiteRuntimeSession"]
+
+
+def _spec(detail: dict[str, Any], name: str) -> TensorSpec:
+    scale, zero_point = detail["quantization"]
+    quantization = Quantization(scale=float(scale), zero_point=int(zero_point)) if scale else None
+    return TensorSpec(
+        name=name,
+        dtype=np.dtype(detail["dtype"]).name,
+        shape=tuple(int(d) for d in detail["shape"]),
+        quantization=quantization,
+    )
+
+
+class _InterpreterSession:
+    package: ClassVar[str]
+    module: ClassVar[str]
+    extra: ClassVar[str]
+    file_suffixes: ClassVar[tuple[str, ...]] = (".tflite",)
+
+    def __init__(self, model_path: Path, *, threads: int = 1, input_names: Sequence[str] | None = None):
+        try:
+            interpreter_module = importlib.import_module(self.module)
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"this bundle needs {self.package}, which is not installed: {self.extra}"
+            ) from exc
+        try:
+            self._interpreter = interpreter_module.Interpreter(model_path=str(model_path), num_threads=threads)
+            self._interpreter.allocate_tensors()
+        except (ValueError, RuntimeError) as exc:
+            raise BundleError(f"{model_path}: {self.package} could not load the model: {exc}") from exc
+        inputs = self._interpreter.get_input_details()
+        outputs = self._interpreter.get_output_details()
+        # The manifest orders inputs like the model's forward(); match by tensor name when it gives names.
+        if input_names is not None:
+            by_name = {detail["name"]: detail for detail in inputs}
+            missing = [name for name in input_names if name not in by_name]
+            if missing or len(input_names) != len(inputs):
+                raise BundleError(
+                    f"{model_path}: model inputs {sorted(by_name)} differ from the manifest's {list(input_names)}"
+                )
+            inputs = [by_name[name] for name in input_names]
+        self._input_details = inputs
+        self._output_details = outputs
+        self._input_indices = [detail["index"] for detail in inputs]
+        self._output_indices = [detail["index"] for detail in outputs]
+        self._set = self._interpreter.set_tensor
+        self._get = self._interpreter.get_tensor
+        self._invoke = self._interpreter.invoke
+
+    def input_specs(self) -> list[TensorSpec]:
+        return [_spec(detail, detail["name"]) for detail in self._input_details]
+
+    def output_specs(self) -> list[TensorSpec]:
+        return [_spec(detail, detail["name"]) for detail in self._output_details]
+
+    def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        for index, array in zip(self._input_indices, inputs, strict=True):
+            self._set(index, array)
+        self._invoke()
+        return [self._get(index) for index in self._output_indices]
+
+
+class LiteRTSession(_InterpreterSession):
+    package = "ai-edge-litert"
+    module = "ai_edge_litert.interpreter"
+    extra = "pip install ai-edge-litert (part of edgeline's base install)"
+
+
+class TFLiteRuntimeSession(_InterpreterSession):
+    package = "tflite-runtime"
+    module = "tflite_runtime.interpreter"
+    extra = "pip install tflite-runtime 'numpy<2' (the legacy package is built against numpy 1.x)"

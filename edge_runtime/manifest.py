@@ -1,0 +1,211 @@
+"""The bundle manifest, schema version 1: everything a device needs to know and nothing it has to guess.
+
+The manifest is validated data. Every field a device acts on is typed here; export writes it, the
+runtime reads it. See ``docs/bundle.md`` for the field-by-field contract.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Budgets",
+    "Fidelity",
+    "FileEntry",
+    "Golden",
+    "Manifest",
+    "Placement",
+    "Postprocess",
+    "Preprocess",
+    "Quantization",
+    "RuntimeRequirement",
+    "TensorSpec",
+    "Window",
+]
+
+SCHEMA_VERSION = 1
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+Dtype = Literal["float32", "float16", "int8", "uint8", "int16", "int32", "int64", "bool"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Quantization(_Frozen):
+    """Affine quantization of a tensor at the model's edge: ``real = (q - zero_point) * scale``."""
+
+    scale: float = Field(gt=0)
+    zero_point: int
+
+
+class TensorSpec(_Frozen):
+    """One model input or output as the model itself sees it (dtype is the model's, not the caller's)."""
+
+    name: str
+    dtype: Dtype
+    shape: tuple[int, ...]
+    quantization: Quantization | None = None
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if any(dim < 1 for dim in shape):
+            raise ValueError(f"every dimension must be >= 1, got {list(shape)}")
+        return shape
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+class FileEntry(_Frozen):
+    path: str
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("path")
+    @classmethod
+    def _relative_inside(cls, path: str) -> str:
+        parts = path.replace("\\", "/").split("/")
+        if path.startswith("/") or ".." in parts or not path or ":" in parts[0]:
+            raise ValueError(f"must be a relative path inside the bundle, got {path!r}")
+        return path
+
+
+class Postprocess(_Frozen):
+    """How to read the outputs: ``classify`` (labels, softmax score), ``anomaly`` (score vs threshold)."""
+
+    kind: Literal["classify", "regress", "anomaly", "raw"] = "raw"
+    labels: tuple[str, ...] | None = None
+    # classify: "softmax" when output 0 holds logits, "identity" when it already holds probabilities.
+    score: Literal["softmax", "identity"] = "softmax"
+    # anomaly: the score is the mean squared reconstruction error of input 0 by output 0 ("reconstruction"),
+    # or output 0 itself ("output"); flagged when score > threshold.
+    anomaly_score: Literal["reconstruction", "output"] = "reconstruction"
+    threshold: float | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Postprocess:
+        if self.kind == "anomaly" and self.threshold is None:
+            raise ValueError("postprocess kind 'anomaly' needs a threshold")
+        return self
+
+
+class Preprocess(_Frozen):
+    """Applied by the runtime to float inputs before the model: ``x * scale + offset``."""
+
+    scale: float = 1.0
+    offset: float = 0.0
+
+
+class Window(_Frozen):
+    """Time-series windowing of a stream into model inputs (used by the daemon)."""
+
+    size: int = Field(ge=1)
+    hop: int = Field(ge=1)
+    channels: int = Field(ge=1)
+
+
+class Golden(_Frozen):
+    """The self-test in golden.npz: arrays ``input_<i>`` and ``output_<j>``, first axis = samples."""
+
+    path: str = "golden.npz"
+    samples: int = Field(ge=1)
+    atol: tuple[float, ...]
+    rtol: float = 1e-3
+
+
+class Fidelity(_Frozen):
+    """How the bundle compares with the float torch model, or why that was not measured."""
+
+    status: Literal["measured", "not-measured"]
+    reason: str | None = None
+    reference: str
+    samples: int = 0
+    max_abs_error: float | None = None
+    mean_abs_error: float | None = None
+    cosine_min: float | None = None
+    top1_agreement: float | None = None
+    accuracy: float | None = None
+    accuracy_float: float | None = None
+    macro_f1: float | None = None
+    macro_f1_float: float | None = None
+    confusion: list[list[int]] | None = None
+    confusion_float: list[list[int]] | None = None
+    anomaly_agreement: float | None = None
+    measured_with: str | None = None
+
+    @model_validator(mode="after")
+    def _reason_when_not_measured(self) -> Fidelity:
+        if self.status == "not-measured" and not self.reason:
+            raise ValueError("a fidelity that was not measured must say why (reason)")
+        return self
+
+
+class Budgets(_Frozen):
+    """The profile's budgets, carried so the device can check its own share (latency, memory)."""
+
+    max_model_bytes: int | None = None
+    max_accuracy_drop: float | None = None
+    min_cosine: float | None = None
+    max_latency_ms: float | None = None
+    max_memory_mb: int | None = None
+
+
+class RuntimeRequirement(_Frozen):
+    package: str
+    min_version: str
+
+
+class Placement(_Frozen):
+    """Where the converted graph's operators run: per delegate, how many of each operator."""
+
+    delegated: dict[str, int] = Field(default_factory=dict)
+    not_delegated: dict[str, int] = Field(default_factory=dict)
+    delegate: str | None = None
+
+
+class Manifest(_Frozen):
+    schema_version: Literal[1] = 1
+    name: str = Field(pattern=NAME_PATTERN)
+    version: int = Field(ge=1)
+    created: str
+    profile: str
+    backend: str
+    precision: str
+    model: str
+    threads: int = Field(default=1, ge=1)
+    files: tuple[FileEntry, ...]
+    inputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    outputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    postprocess: Postprocess = Postprocess()
+    preprocess: Preprocess | None = None
+    window: Window | None = None
+    fidelity: Fidelity
+    golden: Golden | None = None
+    budgets: Budgets = Budgets()
+    runtime: RuntimeRequirement
+    placement: Placement | None = None
+    export: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _files_cover_model(self) -> Manifest:
+        listed = {entry.path for entry in self.files}
+        if len(listed) != len(self.files):
+            raise ValueError("files lists a path twice")
+        missing = [p for p in (self.model, self.golden.path if self.golden else None) if p and p not in listed]
+        if missing:
+            raise ValueError(f"files does not cover {', '.join(missing)}")
+        if self.postprocess.labels is not None and self.postprocess.kind == "classify":
+            classes = self.outputs[0].shape[-1]
+            if len(self.postprocess.labels) != classes:
+                raise ValueError(
+                    f"postprocess.labels has {len(self.postprocess.labels)} labels but output 0 has {classes} classes"
+                )
+        return self

@@ -1,0 +1,83 @@
+"""Export backends: one module each, found by name, imported on first use.
+
+An exporter takes a float torch module, batch-1 example inputs, a precision and calibration samples,
+and writes model file(s) into a directory. Everything else (bundle, fidelity, budgets) is shared.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from device_profiles import Precision
+from edge_runtime.manifest import Placement, RuntimeRequirement
+from export.errors import ExportError
+
+__all__ = [
+    "EXPORT_BACKENDS",
+    "ExportRequest",
+    "ExportedModel",
+    "Exporter",
+    "export_backend_names",
+    "get_exporter",
+    "operators_named_in",
+]
+
+EXPORT_BACKENDS: dict[str, str] = {
+    "executorch-xnnpack": "export.backends.executorch_xnnpack:XnnpackExporter",
+    "litert": "export.backends.litert:LiteRTExporter",
+}
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    module: Any  # torch.nn.Module in eval mode
+    example_inputs: tuple[Any, ...]  # torch tensors, batch 1
+    calibration: Sequence[tuple[Any, ...]]  # batch-1 samples, used by static quantization
+    precision: Precision
+    out_dir: Path
+    input_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    model_file: str  # relative to out_dir
+    runtime_backend: str  # edge_runtime registry name
+    runtime: RuntimeRequirement
+    input_names: tuple[str, ...]  # the model file's tensor names, in forward()'s order
+    extra_files: tuple[str, ...] = ()  # e.g. a compiled context binary
+    placement: Placement | None = None
+    tool_versions: dict[str, str] = field(default_factory=dict)
+
+
+class Exporter(Protocol):
+    name: str
+    precisions: tuple[Precision, ...]
+
+    def export(self, request: ExportRequest) -> ExportedModel: ...
+
+
+def export_backend_names() -> list[str]:
+    return sorted(EXPORT_BACKENDS)
+
+
+def get_exporter(name: str) -> Exporter:
+    target = EXPORT_BACKENDS.get(name)
+    if target is None:
+        raise ExportError(f"unknown export backend {name!r}; valid: {', '.join(export_backend_names())}")
+    module_name, _, attribute = target.partition(":")
+    module = importlib.import_module(module_name)
+    exporter: Exporter = getattr(module, attribute)()
+    return exporter
+
+
+_OPERATOR = re.compile(r"\b(aten(?:::|\.)[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?|tfl\.[a-z0-9_]+)")
+
+
+def operators_named_in(text: str) -> tuple[str, ...]:
+    """Operator names (aten.*, tfl.*) mentioned in a converter's error text, in order, without repeats."""
+    return tuple(dict.fromkeys(match.group(1).replace("::", ".") for match in _OPERATOR.finditer(text)))

@@ -1,0 +1,90 @@
+"""LiteRT (.tflite) through litert-torch; fp16 weights through ai-edge-quantizer."""
+
+from __future__ import annotations
+
+import re
+from importlib.metadata import version
+from typing import Any
+
+from device_profiles import Precision
+from edge_runtime.manifest import RuntimeRequirement
+from export.backends import ExportedModel, ExportRequest
+from export.errors import ExportError
+
+__all__ = ["LiteRTExporter"]
+
+MODEL_FILE = "model.tflite"
+
+
+def _pt2e(request: ExportRequest, *, dynamic: bool) -> tuple[Any, Any]:
+    import torch
+    from litert_torch.quantize import pt2e_quantizer, quant_config
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = pt2e_quantizer.PT2EQuantizer().set_global(
+        pt2e_quantizer.get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic)
+    )
+    graph = torch.export.export(request.module, request.example_inputs).module()
+    prepared = prepare_pt2e(graph, quantizer)
+    with torch.no_grad():
+        # Dynamic quantization observes nothing, but per-channel weight observers want one pass.
+        for sample in request.calibration if not dynamic else request.calibration[:1]:
+            prepared(*sample)
+    converted = convert_pt2e(prepared, fold_quantize=False)
+    return converted, quant_config.QuantConfig(pt2e_quantizer=quantizer)
+
+
+def _cast_weights_to_fp16(path: str) -> None:
+    from ai_edge_quantizer import algorithm_manager, qtyping, quantizer
+
+    fp16 = quantizer.Quantizer(path)
+    fp16.add_weight_only_config(
+        regex=".*",
+        operation_name=qtyping.TFLOperationName.ALL_SUPPORTED,
+        num_bits=16,
+        algorithm_key=algorithm_manager.AlgorithmName.FLOAT_CASTING,
+    )
+    fp16.quantize().export_model(path, overwrite=True)
+
+
+def _input_names_in_forward_order(path: str) -> tuple[str, ...]:
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=path)
+    by_index = {detail["index"]: detail["name"] for detail in interpreter.get_input_details()}
+    signature = interpreter.get_signature_runner().get_input_details()
+
+    def position(item: tuple[str, Any]) -> tuple[int, str]:
+        found = re.search(r"(\d+)$", item[0])
+        return (int(found.group(1)) if found else 1 << 30, item[0])
+
+    return tuple(by_index[detail["index"]] for _, detail in sorted(signature.items(), key=position))
+
+
+class LiteRTExporter:
+    name = "litert"
+    precisions = (Precision.FP32, Precision.FP16, Precision.INT8_DYNAMIC, Precision.INT8_STATIC)
+
+    def export(self, request: ExportRequest) -> ExportedModel:
+        import litert_torch
+
+        module = request.module
+        config = None
+        if request.precision in (Precision.INT8_STATIC, Precision.INT8_DYNAMIC):
+            module, config = _pt2e(request, dynamic=request.precision is Precision.INT8_DYNAMIC)
+        elif request.precision not in self.precisions:
+            raise ExportError(f"litert cannot export {request.precision.value}")
+        path = str(request.out_dir / MODEL_FILE)
+        litert_torch.convert(module, request.example_inputs, quant_config=config).export(path)
+        if request.precision is Precision.FP16:
+            _cast_weights_to_fp16(path)
+        return ExportedModel(
+            model_file=MODEL_FILE,
+            runtime_backend="litert",
+            runtime=RuntimeRequirement(package="ai-edge-litert", min_version="2.0"),
+            input_names=_input_names_in_forward_order(path),
+            tool_versions={
+                "litert-torch": version("litert-torch"),
+                "ai-edge-quantizer": version("ai-edge-quantizer"),
+            },
+        )

@@ -1,0 +1,109 @@
+"""``edgeline export``. Registering the command imports nothing heavy; running it needs the export extra."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from device_profiles import Precision
+from edge_runtime.errors import BackendUnavailableError, EdgelineError
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "export",
+        help="convert, quantize and verify a PyTorch model for a device profile",
+        description="Convert and quantize a PyTorch model for a device profile, check it against the float "
+        "model on real samples, and write a self-describing bundle.",
+    )
+    parser.add_argument(
+        "model", metavar="MODEL", help="path/to/file.py:function, package.module:function, or a .pt2 file"
+    )
+    parser.add_argument(
+        "--profile", required=True, help="device profile id (see `edgeline profiles list`) or a .toml file"
+    )
+    parser.add_argument(
+        "--calibration",
+        required=True,
+        type=Path,
+        metavar="CAL.npz",
+        help="one array per model input, first axis = samples",
+    )
+    parser.add_argument(
+        "--validation",
+        type=Path,
+        metavar="VAL.npz",
+        help="held-out samples (same arrays) with an optional `labels` array",
+    )
+    parser.add_argument("--backend", help="export backend (default: the profile's targets, in order)")
+    parser.add_argument("--precision", choices=[p.value for p in Precision], help="precision (default: the profile's)")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="bundle directory (default: bundles/NAME)")
+    parser.add_argument("--name", help="bundle name (default: from MODEL)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument(
+        "--task",
+        choices=["classify", "regress", "anomaly", "raw"],
+        help="how to read the outputs (default: classify when validation has labels)",
+    )
+    parser.add_argument("--labels", metavar="FILE", type=Path, help="class names, one per line")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        help="anomaly threshold (default: 99th percentile of the float model's calibration scores)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=run)
+
+
+def _read_labels(path: Path | None) -> tuple[str, ...] | None:
+    if path is None:
+        return None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise EdgelineError(f"--labels {path}: {exc.strerror or exc}") from exc
+    labels = tuple(line.strip() for line in lines if line.strip())
+    if not labels:
+        raise EdgelineError(f"--labels {path}: no labels in the file")
+    return labels
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailableError("edgeline export needs the export extra: pip install 'edgeline[export]'") from exc
+    from export.pipeline import ExportOptions, run_export
+    from export.report import format_report
+
+    options = ExportOptions(
+        model=args.model,
+        profile=args.profile,
+        calibration=args.calibration,
+        validation=args.validation,
+        backend=args.backend,
+        precision=Precision(args.precision) if args.precision else None,
+        out=args.out,
+        name=args.name,
+        force=args.force,
+        task=args.task,
+        labels=_read_labels(args.labels),
+        threshold=args.threshold,
+    )
+    started = time.perf_counter()
+
+    def progress(line: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
+
+    report = run_export(options, progress)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(format_report(report))
+    return 0 if report.selected else 1

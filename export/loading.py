@@ -1,0 +1,124 @@
+"""MODEL (``file.py:function``, ``package.module:function`` or a ``.pt2`` file) to a torch module."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from export.errors import ModelLoadError
+
+__all__ = ["LoadedModel", "default_name", "load_model"]
+
+GENERIC_FUNCTION_NAMES = {"model", "build", "create", "main", "get_model", "make_model"}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    module: Any  # torch.nn.Module, in eval mode
+    source: str
+    default_name: str
+    forward_parameters: tuple[str, ...] | None  # None when the signature does not name them (e.g. *args)
+
+
+def _where(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (at {last.filename}:{last.lineno})"
+
+
+def default_name(spec: str) -> str:
+    """A bundle name from MODEL: the function name, or the file's stem when the function name is generic."""
+    if spec.endswith(".pt2"):
+        path = Path(spec)
+        return path.parent.name if path.stem == "model" and path.parent.name else path.stem
+    location, _, function = spec.rpartition(":")
+    if function and function not in GENERIC_FUNCTION_NAMES:
+        return function
+    return Path(location).stem if location.endswith(".py") else location.rpartition(".")[2]
+
+
+def _import_file(path: Path) -> Any:
+    if not path.is_file():
+        raise ModelLoadError(f"model file {path}: no such file")
+    module_name = "edgeline_user_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelLoadError(f"model file {path}: cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise ModelLoadError(f"importing {path} failed: {type(exc).__name__}: {exc}{_where(exc)}") from exc
+    return module
+
+
+def _import_module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise ModelLoadError(f"cannot import module {name!r}: {exc}") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"importing {name} failed: {type(exc).__name__}: {exc}{_where(exc)}") from exc
+
+
+def _forward_parameters(module: Any) -> tuple[str, ...] | None:
+    import inspect
+
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    names = []
+    for parameter in parameters:
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            return None
+        names.append(parameter.name)
+    return tuple(names)
+
+
+def load_model(spec: str) -> LoadedModel:
+    import torch
+
+    if spec.endswith(".pt2"):
+        path = Path(spec)
+        if not path.is_file():
+            raise ModelLoadError(f"model file {path}: no such file")
+        try:
+            program = torch.export.load(str(path))
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: not a program saved with torch.export.save ({exc})") from exc
+        inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+        return LoadedModel(program.module(), str(path), default_name(spec), tuple(inputs))
+
+    location, sep, function_name = spec.rpartition(":")
+    if not sep or not location or not function_name:
+        raise ModelLoadError(
+            f"MODEL {spec!r}: expected path/to/file.py:function, package.module:function or a .pt2 file"
+        )
+    module = _import_file(Path(location)) if location.endswith(".py") else _import_module(location)
+    factory = getattr(module, function_name, None)
+    if factory is None or not callable(factory):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ModelLoadError(
+            f"{location} has no function {function_name!r}; callables there: {', '.join(public) or 'none'}"
+        )
+    try:
+        result = factory()
+    except TypeError as exc:
+        raise ModelLoadError(f"{spec}: calling it with no arguments failed: {exc}") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"{spec} raised {type(exc).__name__}: {exc}{_where(exc)}") from exc
+    if not isinstance(result, torch.nn.Module):
+        raise ModelLoadError(f"{spec} returned {type(result).__name__}, expected a torch.nn.Module")
+    result.eval()
+    return LoadedModel(result, spec, default_name(spec), _forward_parameters(result))
