@@ -72,11 +72,11 @@ def run_infer(args: argparse.Namespace) -> int:
         answer = model.interpret(inputs, outputs, top_k=args.top_k).as_dict()
         expected = None if labels is None else labels[index].item()
         if post.kind == "classify" and expected is not None:
-            correct += int(answer["index"] == expected)
+            correct += int(answer["class_index"] == expected)
         elif post.kind == "anomaly" and expected is not None:
             correct += int(bool(answer["anomaly"]) == bool(expected))
         if args.json:
-            record: dict[str, Any] = {"index": index, "outputs": [_jsonable(o) for o in outputs], **answer}
+            record: dict[str, Any] = {"sample": index, "outputs": [_jsonable(o) for o in outputs], **answer}
             if expected is not None:
                 record["expected"] = expected
             print(json.dumps(record))
@@ -143,7 +143,8 @@ def _latency_check(model: Model) -> dict[str, Any]:
     sample = [np.zeros(spec.shape, dtype=np.float32) for spec in model.inputs]
     median = median_latency_ms(model, sample, runs=100)
     budget = model.manifest.budgets.max_latency_ms
-    where = f"median {median:.3f} ms on this machine ({platform.machine()}, {model.manifest.threads} threads)"
+    threads = f"{model.threads} thread(s), the bundle asks for {model.manifest.threads}"
+    where = f"median {median:.3f} ms on this machine ({platform.machine()}, {threads})"
     if budget is None:
         return {"check": "latency", "ok": None, "detail": f"{where}; the profile sets no latency budget"}
     return {

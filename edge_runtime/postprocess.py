@@ -26,7 +26,7 @@ class Interpretation:
         """The fields that apply to this model kind, ready for JSON."""
         out: dict[str, Any] = {}
         if self.index is not None:
-            out.update(label=self.label, index=self.index, score=self.score)
+            out.update(label=self.label, class_index=self.index, score=self.score)
             if len(self.top_k) > 1:
                 out["top_k"] = [{"label": label, "score": score} for label, score in self.top_k]
         if self.anomaly_score is not None:

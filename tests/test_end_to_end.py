@@ -1,0 +1,170 @@
+"""End to end, with real parts: every reference model x {executorch-xnnpack, litert} x {fp32, int8-static}
+is trained on its data, exported, verified and run through the device runtime.
+
+Slow (minutes on 2 cores) and part of the test command all the same.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edge_runtime
+from edge_runtime.cli import main
+from edge_runtime.samples import read_npz, sample_set
+from export.reference import REFERENCE_MODELS, Prepared, prepare
+
+pytestmark = pytest.mark.slow
+
+BACKENDS = ("executorch-xnnpack", "litert")
+PRECISIONS = ("fp32", "int8-static")
+
+# Budgets wide open: this matrix checks that every combination converts and runs, and asserts fidelity
+# itself below; the digits test uses the real rpi5 profile and its 1-point budget.
+OPEN_PROFILE = """
+id = "test-open"
+name = "test profile with open budgets"
+description = "every target accepted; fidelity asserted by the tests themselves"
+memory_mb = 4096
+os = "any"
+[cpu]
+name = "any"
+arch = "x86_64"
+cores = 2
+isa_features = []
+[[targets]]
+backend = "litert"
+precision = "fp32"
+threads = 1
+[budgets]
+max_accuracy_drop = 100.0
+"""
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Prepared]:
+    root = tmp_path_factory.mktemp("references")
+    return {name: prepare(name, root / name) for name in sorted(REFERENCE_MODELS)}
+
+
+@pytest.fixture(scope="session")
+def open_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("profiles") / "test-open.toml"
+    path.write_text(OPEN_PROFILE)
+    return path
+
+
+def export_args(ref: Prepared, profile: str | Path, backend: str, precision: str, out: Path) -> list[str]:
+    args = [
+        "export", str(ref.model_path), "--profile", str(profile),
+        "--calibration", str(ref.calibration_path), "--validation", str(ref.validation_path),
+        "--backend", backend, "--precision", precision, "--out", str(out), "--json",
+    ]  # fmt: skip
+    if ref.task == "classify":
+        args += ["--labels", str(ref.labels_path)]
+    else:
+        args += ["--task", ref.task]
+    return args
+
+
+def infer_json(bundle: Path, samples: Path, capsys: pytest.CaptureFixture[str]) -> list[dict]:
+    capsys.readouterr()
+    assert main(["infer", str(bundle), "--input", str(samples), "--json"]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(REFERENCE_MODELS))
+def test_reference_model_exports_verifies_and_runs(
+    name: str,
+    backend: str,
+    precision: str,
+    references: dict[str, Prepared],
+    open_profile: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ref = references[name]
+    out = tmp_path / "bundle"
+    assert main(export_args(ref, open_profile, backend, precision, out)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bundle"] == str(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["precision"] == precision
+    assert manifest["backend"] == {"litert": "litert", "executorch-xnnpack": "executorch"}[backend]
+    fidelity = manifest["fidelity"]
+    assert fidelity["status"] == "measured"
+    assert fidelity["samples"] == len(read_npz(ref.validation_path)["x"])
+    if precision == "fp32":
+        assert fidelity["max_abs_error"] < 1e-3
+        assert fidelity["cosine_min"] > 0.9999
+    else:
+        assert fidelity["cosine_min"] > 0.9
+    if ref.task == "classify":
+        assert fidelity["top1_agreement"] >= (0.99 if precision == "fp32" else 0.85)
+    else:
+        assert fidelity["anomaly_agreement"] >= 0.85
+
+    assert main(["verify", str(out)]) == 0
+    records = infer_json(out, ref.validation_path, capsys)
+    validation = read_npz(ref.validation_path)
+    assert len(records) == len(validation["x"])
+    # The CLI's outputs are the Model's outputs for the same samples.
+    model = edge_runtime.load(out)
+    samples = sample_set(validation, model.inputs, "validation")
+    for index in (0, len(samples) - 1):
+        expected = model.predict(*samples.sample(index))
+        np.testing.assert_allclose(np.array(records[index]["outputs"][0]), expected[0], rtol=1e-6, atol=1e-6)
+    if ref.task == "classify":
+        assert {r["label"] for r in records} <= set(ref.labels)
+    else:
+        assert all(isinstance(r["anomaly"], bool) for r in records)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_digits_int8_accuracy_within_one_point_of_float(
+    backend: str, references: dict[str, Prepared], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ref = references["digits"]
+    out = tmp_path / "digits"
+    assert main(export_args(ref, "rpi5", backend, "int8-static", out)) == 0
+    capsys.readouterr()
+    records = infer_json(out, ref.validation_path, capsys)
+    labels = read_npz(ref.validation_path)["labels"]
+    bundle_accuracy = np.mean([r["class_index"] == label for r, label in zip(records, labels, strict=True)])
+    fidelity = json.loads((out / "manifest.json").read_text())["fidelity"]
+    assert fidelity["accuracy"] == pytest.approx(bundle_accuracy)
+    assert fidelity["accuracy_float"] >= 0.95
+    assert abs(fidelity["accuracy_float"] - bundle_accuracy) * 100 <= 1.0
+
+
+def test_profile_targets_in_order_first_within_budget_wins(
+    references: dict[str, Prepared], open_profile: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A profile whose first target misses its size budget: the report says why, and the next one wins."""
+    ref = references["digits"]
+    assert main(export_args(ref, open_profile, "litert", "fp32", tmp_path / "fp32")) == 0
+    capsys.readouterr()
+    fp32_size = (tmp_path / "fp32" / "model.tflite").stat().st_size
+    profile = tmp_path / "tight.toml"
+    profile.write_text(
+        OPEN_PROFILE.replace('id = "test-open"', 'id = "tight"').replace(
+            "[budgets]", '[[targets]]\nbackend = "litert"\nprecision = "int8-static"\nthreads = 1\n[budgets]'
+        )
+        + f"max_model_bytes = {fp32_size - 1}\n"
+    )
+    out = tmp_path / "bundle"
+    args = [a for a in export_args(ref, profile, "litert", "fp32", out) if a not in ("--backend", "--precision")]
+    args.remove("litert")
+    args.remove("fp32")
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    first, second = report["targets"]
+    assert (first["precision"], first["status"]) == ("fp32", "rejected")
+    assert "model size" in first["reason"]
+    assert (second["precision"], second["status"]) == ("int8-static", "selected")
+    assert json.loads((out / "manifest.json").read_text())["precision"] == "int8-static"

@@ -1,0 +1,323 @@
+"""edge_runtime on the legacy ``tflite-runtime`` package: its own environment (numpy<2), no torch, no ai-edge-litert.
+
+Bundles come from the real exporter (litert-torch, fp32 and static int8 with int8 input/output tensors) in the main
+environment; ``edgeline infer`` and ``edgeline verify`` then run them with ``--backend tflite-runtime`` in the
+environment of ``tests/tflite_runtime_env.py`` and must agree with the default ``litert`` backend here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edge_runtime import Manifest, read_bundle
+from edge_runtime.cli import main
+from tests.tflite_runtime_env import FORBIDDEN_MODULES, TFLiteEnv, TFLiteEnvError, ensure_env, subprocess_env
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"),
+        reason="tflite-runtime 2.14 has wheels for Linux x86-64 and aarch64 only",
+    ),
+    pytest.mark.skipif(sys.version_info >= (3, 12), reason="tflite-runtime (last release 2.14.0) stops at cp311"),
+]
+
+PRECISIONS = ("fp32", "int8-static")
+RUN_TIMEOUT = 180
+
+MODEL_SOURCE = """\
+import torch
+from torch import nn
+
+
+class TinyCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, 3, stride=2, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        return self.fc(x.flatten(1))
+
+
+def model():
+    torch.manual_seed(0)
+    return TinyCNN().eval()
+"""
+
+# Loads and predicts through the Python API in the tflite-runtime environment, then reports what got imported.
+API_SCRIPT = textwrap.dedent(
+    """\
+    import importlib.util, json, sys
+    import numpy as np
+    import edge_runtime
+    from edge_runtime.cli import build_parser
+
+    bundle, validation, *forbidden = sys.argv[1:]
+    build_parser()  # registers every subcommand, as `edgeline` does
+    model = edge_runtime.load(bundle, backend="tflite-runtime")
+    with np.load(validation, allow_pickle=False) as data:
+        x = data["x"]
+    outputs = [model.predict(x[i])[0] for i in range(len(x))]
+    loaded = [name for name in forbidden if name in sys.modules]
+    if loaded:
+        sys.exit(f"imported {loaded} while loading and predicting")
+    print(json.dumps({
+        "backend": model.backend,
+        "numpy": np.__version__,
+        "tflite_runtime_loaded": "tflite_runtime.interpreter" in sys.modules,
+        "forbidden_installed": [name for name in forbidden if importlib.util.find_spec(name) is not None],
+        "dtypes": sorted({str(o.dtype) for o in outputs}),
+        "outputs": [o.tolist() for o in outputs],
+    }))
+    """
+)
+
+
+@dataclass(frozen=True)
+class Data:
+    calibration: Path
+    validation: Path
+    samples: int
+
+
+@dataclass(frozen=True)
+class ExportedBundle:
+    precision: str
+    path: Path
+    manifest: Manifest
+
+
+def _check(proc: subprocess.CompletedProcess[str], what: str) -> str:
+    if proc.returncode != 0:
+        pytest.fail(f"{what}: exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def _run_main_env(args: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            [sys.executable, *args],
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"python {' '.join(args)} did not finish in {RUN_TIMEOUT} s (main environment)")
+
+
+def _run_tflite_env(env: TFLiteEnv, args: list[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        return env.run(args, timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"python {' '.join(args[:4])} ... did not finish in {RUN_TIMEOUT} s (tflite-runtime environment)")
+
+
+def _records(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+def _available_cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@pytest.fixture(scope="module")
+def tflite_env() -> TFLiteEnv:
+    try:
+        return ensure_env()
+    except TFLiteEnvError as exc:
+        problem = str(exc)
+    pytest.fail(f"tflite-runtime environment: {problem}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
+    root = tmp_path_factory.mktemp("tflite-data")
+    rng = np.random.default_rng(20240611)
+    calibration = root / "cal.npz"
+    validation = root / "val.npz"
+    np.savez(calibration, x=rng.standard_normal((64, 1, 8, 8)).astype(np.float32))
+    np.savez(
+        validation,
+        x=rng.standard_normal((24, 1, 8, 8)).astype(np.float32),
+        labels=rng.integers(0, 3, size=24),
+    )
+    return Data(calibration, validation, 24)
+
+
+@pytest.fixture(scope="module", params=PRECISIONS)
+def bundle(request: pytest.FixtureRequest, data: Data, tmp_path_factory: pytest.TempPathFactory) -> ExportedBundle:
+    precision: str = request.param
+    root = tmp_path_factory.mktemp(f"tflite-{precision}")
+    model_file = root / "tiny_cnn.py"
+    model_file.write_text(MODEL_SOURCE)
+    out = root / "bundle"
+    code = main(
+        [
+            "export",
+            f"{model_file}:model",
+            "--profile",
+            "rpi5",
+            "--calibration",
+            str(data.calibration),
+            "--validation",
+            str(data.validation),
+            "--backend",
+            "litert",
+            "--precision",
+            precision,
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0, f"export {precision} failed with exit {code} (see the captured stderr)"
+    return ExportedBundle(precision, out, read_bundle(out).manifest)
+
+
+@pytest.fixture(scope="module")
+def litert_records(bundle: ExportedBundle, data: Data) -> list[dict[str, Any]]:
+    """``edgeline infer --json`` in the main environment with the manifest's backend (litert)."""
+    args = ["-m", "edge_runtime.cli", "infer", str(bundle.path), "--input", str(data.validation), "--json"]
+    return _records(_check(_run_main_env(args), f"litert infer ({bundle.precision})"))
+
+
+def _assert_outputs_agree(bundle: ExportedBundle, got: list[Any], want: list[Any], where: str) -> None:
+    for j, spec in enumerate(bundle.manifest.outputs):
+        a = np.asarray(got[j], dtype=np.float64)
+        b = np.asarray(want[j], dtype=np.float64)
+        assert a.shape == b.shape, f"{where}, output {j}: shape {a.shape} vs {b.shape}"
+        diff = float(np.abs(a - b).max())
+        if spec.quantization is not None and spec.dtype.startswith(("int", "uint")):
+            step = spec.quantization.scale
+            assert diff <= step * 1.0001, f"{where}, output {j}: max |diff| {diff:.3g} > one step ({step:.3g})"
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{where}, output {j}")
+
+
+def test_environment_is_tflite_runtime_only(tflite_env: TFLiteEnv) -> None:
+    versions = tflite_env.versions
+    assert versions["tflite-runtime"] == "2.14.0"
+    assert int(versions["numpy"].split(".")[0]) == 1, versions
+    assert versions["python"] == sys.version.split()[0]
+
+
+def test_exported_bundle_is_what_the_test_needs(bundle: ExportedBundle) -> None:
+    manifest = bundle.manifest
+    assert (manifest.backend, manifest.precision) == ("litert", bundle.precision)
+    assert manifest.model.endswith(".tflite")
+    tensors = [*manifest.inputs, *manifest.outputs]
+    if bundle.precision == "int8-static":
+        # The interesting case: the runtime quantizes inputs and dequantizes outputs itself.
+        assert all(t.dtype == "int8" and t.quantization is not None for t in tensors), tensors
+    else:
+        assert all(t.dtype == "float32" and t.quantization is None for t in tensors), tensors
+
+
+def test_infer_agrees_with_litert(
+    bundle: ExportedBundle, data: Data, tflite_env: TFLiteEnv, litert_records: list[dict[str, Any]]
+) -> None:
+    args = ["-m", "edge_runtime.cli", "infer", str(bundle.path), "--input", str(data.validation), "--json"]
+    tflite_records = _records(
+        _check(_run_tflite_env(tflite_env, [*args, "--backend", "tflite-runtime"]), "tflite-runtime infer")
+    )
+    assert len(tflite_records) == len(litert_records) == data.samples
+    for position, (got, want) in enumerate(zip(tflite_records, litert_records, strict=True)):
+        where = f"{bundle.precision} sample {position}"
+        assert (got["label"], got["index"], got["expected"]) == (want["label"], want["index"], want["expected"]), where
+        _assert_outputs_agree(bundle, got["outputs"], want["outputs"], where)
+
+
+def test_python_api_imports_neither_torch_nor_litert(
+    bundle: ExportedBundle, data: Data, tflite_env: TFLiteEnv, litert_records: list[dict[str, Any]]
+) -> None:
+    args = ["-c", API_SCRIPT, str(bundle.path), str(data.validation), *FORBIDDEN_MODULES]
+    report = json.loads(_check(_run_tflite_env(tflite_env, args), "load + predict").strip().splitlines()[-1])
+    assert report["backend"] == "tflite-runtime"
+    assert report["tflite_runtime_loaded"] is True
+    assert report["forbidden_installed"] == []
+    assert report["numpy"].startswith("1.")
+    assert report["dtypes"] == ["float32"]  # callers speak float, whatever the model's tensors hold
+    assert len(report["outputs"]) == data.samples
+    for position, (got, want) in enumerate(zip(report["outputs"], litert_records, strict=True)):
+        _assert_outputs_agree(bundle, [got], want["outputs"], f"{bundle.precision} sample {position} (API)")
+
+
+def test_verify_passes(bundle: ExportedBundle, tflite_env: TFLiteEnv) -> None:
+    proc = _run_tflite_env(
+        tflite_env, ["-m", "edge_runtime.cli", "verify", str(bundle.path), "--backend", "tflite-runtime", "--json"]
+    )
+    assert proc.returncode in (0, 1), f"verify: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout)
+    checks = {check["check"]: check for check in report["checks"]}
+    for name in ("integrity", "load", "golden self-test"):
+        assert checks[name]["ok"] is True, checks[name]
+    assert checks["load"]["detail"].startswith("tflite-runtime opened"), checks["load"]
+    latency = checks["latency"]
+    threads = bundle.manifest.threads
+    if proc.returncode != 0 and latency["ok"] is False and threads > _available_cpus():
+        pytest.xfail(
+            f"only the latency check failed: {latency['detail']}; tflite-runtime 2.14 slows down by orders of "
+            f"magnitude with more threads ({threads}) than CPUs ({_available_cpus()}): see "
+            "test_more_threads_than_cpus_costs_little"
+        )
+    assert proc.returncode == 0, json.dumps(report, indent=2)
+
+
+LATENCY_SCRIPT = textwrap.dedent(
+    """\
+    import json, statistics, sys, time
+    import numpy as np
+    import edge_runtime
+
+    bundle, threads = sys.argv[1], int(sys.argv[2])
+    medians = {}
+    for n in (1, threads):
+        model = edge_runtime.load(bundle, backend="tflite-runtime", threads=n)
+        x = np.zeros(model.inputs[0].shape, dtype=np.float32)
+        for _ in range(5):
+            model.predict(x)
+        times = []
+        for _ in range(30):
+            start = time.perf_counter()
+            model.predict(x)
+            times.append(time.perf_counter() - start)
+        medians[n] = statistics.median(times) * 1000
+    print(json.dumps({"single_ms": medians[1], "oversubscribed_ms": medians[threads]}))
+    """
+)
+
+
+@pytest.mark.xfail(
+    reason="edge_runtime passes the manifest's thread count to the interpreter unclamped; with more threads than "
+    "CPUs, tflite-runtime 2.14 takes milliseconds to tens of ms per call where one thread takes microseconds",
+    raises=AssertionError,  # anything else (e.g. no tflite-runtime environment) is a real failure
+    strict=False,
+)
+def test_more_threads_than_cpus_costs_little(bundle: ExportedBundle, tflite_env: TFLiteEnv) -> None:
+    threads = _available_cpus() + 2
+    report = json.loads(
+        _check(
+            _run_tflite_env(tflite_env, ["-c", LATENCY_SCRIPT, str(bundle.path), str(threads)]), "latency"
+        ).splitlines()[-1]
+    )
+    single, over = report["single_ms"], report["oversubscribed_ms"]
+    assert over <= 10 * single + 0.5, (
+        f"{bundle.precision}: median {over:.3f} ms with {threads} threads on {_available_cpus()} CPUs, "
+        f"{single:.3f} ms with 1"
+    )
