@@ -51,6 +51,9 @@ class TensorSpec(_Frozen):
     dtype: Dtype
     shape: tuple[int, ...]
     quantization: Quantization | None = None
+    # The tensor's name inside the model file when it differs from ``name`` (the caller-facing name,
+    # e.g. the forward() parameter): how a runtime finds the tensor.
+    tensor: str | None = None
 
     @field_validator("shape")
     @classmethod

@@ -44,7 +44,8 @@ def _input_converter(index: int, spec: TensorSpec, manifest: Manifest) -> Conver
         if x.dtype != _F32:
             if x.dtype.kind not in "fiu":
                 raise PayloadError(f"{where}: dtype {x.dtype}, expected float32")
-            x = x.astype(_F32)
+            with np.errstate(over="ignore"):  # out-of-range values become Inf, refused just below
+                x = x.astype(_F32)
         return x
 
     def check_finite(x: np.ndarray) -> None:
@@ -145,7 +146,8 @@ class Model:
     def predict(self, *arrays: np.ndarray) -> list[np.ndarray]:
         """Run one sample: each array has the input's shape, with or without its batch dimension of 1."""
         if len(arrays) != self._arity:
-            raise PayloadError(f"{self.name} takes {self._arity} input(s), got {len(arrays)}")
+            names = ", ".join(spec.name for spec in self.inputs)
+            raise PayloadError(f"{self.name} takes {self._arity} input(s) ({names}), got {len(arrays)}")
         raw = self._run([convert(array) for convert, array in zip(self._to_model, arrays, strict=True)])
         return [y if convert is None else convert(y) for convert, y in zip(self._from_model, raw, strict=True)]
 
@@ -174,13 +176,13 @@ def load(path: str | os.PathLike[str], *, backend: str | None = None, threads: i
         name,
         bundle.model_path,
         threads=usable_threads(threads or manifest.threads),
-        input_names=[spec.name for spec in manifest.inputs],
+        input_names=[spec.tensor or spec.name for spec in manifest.inputs],
     )
     found = session.input_specs()
     for declared, actual in zip(manifest.inputs, found, strict=True):
         if declared.shape != actual.shape or declared.dtype != actual.dtype:
             raise BundleError(
-                f"{bundle.path}: model input {actual.name} is {actual.dtype}{list(actual.shape)}, "
+                f"{bundle.path}: model input {declared.name} is {actual.dtype}{list(actual.shape)}, "
                 f"the manifest says {declared.dtype}{list(declared.shape)}"
             )
     return Model(bundle, session, name, usable_threads(threads or manifest.threads))

@@ -22,7 +22,13 @@ def read_npz(path: str | Path, role: str = "input") -> dict[str, np.ndarray]:
     if not path.is_file():
         raise PayloadError(f"{role} file {path}: no such file")
     try:
-        with np.load(path, allow_pickle=False) as data:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise PayloadError(
+                f"{role} file {path}: holds one bare array (saved with np.save), not an .npz file; "
+                "save it with np.savez(path, NAME=array), one array per model input"
+            )
+        with loaded as data:
             arrays = {key: data[key] for key in data.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise PayloadError(f"{role} file {path}: not a readable .npz file ({exc})") from exc

@@ -206,6 +206,22 @@ def _postprocess(
     if task is None:
         labelled = validation.labels is not None and np.issubdtype(validation.labels.dtype, np.integer)
         task = "classify" if (options.labels or labelled) and outputs[0].ndim == 2 and classes > 1 else "raw"
+    if options.labels is not None and task != "classify":
+        raise ExportError(f"--labels names classes, but the task is {task}; use --task classify or drop --labels")
+    if options.threshold is not None and task != "anomaly":
+        raise ExportError(f"--threshold applies to --task anomaly, but the task is {task}")
+    truth = validation.labels
+    if (
+        task == "classify"
+        and truth is not None
+        and truth.size
+        and (not np.issubdtype(truth.dtype, np.integer) or truth.min() < 0 or truth.max() >= classes)
+    ):
+        outside = sorted({str(v) for v in truth.reshape(-1).tolist() if not (isinstance(v, int) and 0 <= v < classes)})
+        raise CalibrationError(
+            f"{validation.source}[labels]: class indices must be integers 0..{classes - 1} for a model with "
+            f"{classes} outputs; found {', '.join(outside[:5])}"
+        )
     if task == "classify":
         if options.labels is not None and len(options.labels) != classes:
             raise ExportError(f"--labels gives {len(options.labels)} labels but the model has {classes} outputs")
@@ -331,8 +347,14 @@ def _try_target(
         precision=target.precision.value,
         threads=target.threads,
         model=exported.model_file,
-        inputs=tuple(session.input_specs()),
-        outputs=tuple(session.output_specs()),
+        inputs=tuple(
+            spec.model_copy(update={"name": name, "tensor": spec.name if spec.name != name else None})
+            for spec, name in zip(session.input_specs(), request.input_names, strict=True)
+        ),
+        outputs=tuple(
+            spec.model_copy(update={"name": f"output_{j}", "tensor": spec.name if spec.name != f"output_{j}" else None})
+            for j, spec in enumerate(session.output_specs())
+        ),
         runtime=exported.runtime,
         placement=exported.placement,
         export=dict(common["export"], backend=target.backend, **exported.tool_versions),
