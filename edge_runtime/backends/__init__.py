@@ -7,15 +7,15 @@ Quantization, validation and post-processing are the ``Model``'s job, shared by 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from edge_runtime.errors import BackendUnavailableError, BundleError
+from edge_runtime.errors import BundleError
 from edge_runtime.manifest import TensorSpec
+from edge_runtime.registry import resolve
 
 __all__ = ["RUNTIME_BACKENDS", "Session", "SessionFactory", "open_session", "runtime_backend_names"]
 
@@ -46,22 +46,9 @@ def runtime_backend_names() -> list[str]:
     return sorted(RUNTIME_BACKENDS)
 
 
-def _factory(name: str) -> SessionFactory:
-    target = RUNTIME_BACKENDS.get(name)
-    if target is None:
-        raise BundleError(f"unknown runtime backend {name!r}; valid: {', '.join(runtime_backend_names())}")
-    module_name, _, attribute = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:  # pragma: no cover - our own modules import nothing optional at top level
-        raise BackendUnavailableError(f"runtime backend {name!r} could not be imported: {exc}") from exc
-    factory: SessionFactory = getattr(module, attribute)
-    return factory
-
-
 def open_session(name: str, model_path: Path, *, threads: int = 1, input_names: Sequence[str] | None = None) -> Session:
     """Open ``model_path`` with the runtime backend called ``name``."""
-    factory = _factory(name)
+    factory: SessionFactory = resolve(RUNTIME_BACKENDS, name, "runtime backend", BundleError)
     if model_path.suffix not in factory.file_suffixes:
         raise BundleError(
             f"runtime backend {name!r} runs {', '.join(factory.file_suffixes)} models, not {model_path.name}"
