@@ -26,9 +26,7 @@ def register(subparsers: Any) -> None:
     list_parser.set_defaults(func=_list)
 
     show_parser = actions.add_parser("show", help="show one profile")
-    show_parser.add_argument(
-        "profile", metavar="ID_OR_PATH", help="a bundled id such as rpi5, or a .toml file"
-    )
+    show_parser.add_argument("profile", metavar="ID_OR_PATH", help="a bundled id such as rpi5, or a .toml file")
     show_parser.add_argument("--json", action="store_true", help="print the profile as JSON")
     show_parser.set_defaults(func=_show)
 

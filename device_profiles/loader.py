@@ -75,9 +75,7 @@ def _load_bundled(profile_id: str) -> Profile:
     entry = _bundled_dir().joinpath(profile_id + _SUFFIX)
     if not entry.is_file():
         valid = ", ".join(profile_ids())
-        raise ProfileError(
-            f"unknown profile '{profile_id}'; valid profiles: {valid} (or --profile path/to/file.toml)"
-        )
+        raise ProfileError(f"unknown profile '{profile_id}'; valid profiles: {valid} (or --profile path/to/file.toml)")
     source = str(entry)
     profile = _parse(entry.read_bytes(), source)
     if profile.id != profile_id:

@@ -200,9 +200,7 @@ def test_bundled_profile_whose_id_differs_from_its_file_name_is_refused(
         ('id = "my-board"', 'source = "x"\nid = "my-board"', ["source: unknown key"]),
     ],
 )
-def test_broken_profile_names_the_file_and_the_field(
-    tmp_path: Path, old: str, new: str, expected: list[str]
-) -> None:
+def test_broken_profile_names_the_file_and_the_field(tmp_path: Path, old: str, new: str, expected: list[str]) -> None:
     assert old in VALID_TOML
     path = write_profile(tmp_path, VALID_TOML.replace(old, new, 1))
     with pytest.raises(ProfileError) as caught:

@@ -102,12 +102,12 @@ def test_reference_model_exports_verifies_and_runs(
     if precision == "fp32":
         assert fidelity["max_abs_error"] < 1e-3
         assert fidelity["cosine_min"] > 0.9999
-    else:
-        assert fidelity["cosine_min"] > 0.9
     if ref.task == "classify":
-        assert fidelity["top1_agreement"] >= (0.99 if precision == "fp32" else 0.85)
+        assert fidelity["top1_agreement"] >= (0.99 if precision == "fp32" else 0.95)
+        assert fidelity["accuracy"] >= fidelity["accuracy_float"] - 0.03
     else:
-        assert fidelity["anomaly_agreement"] >= 0.85
+        assert fidelity["cosine_min"] > 0.95  # 640-value reconstructions: cosine is meaningful here
+        assert fidelity["anomaly_agreement"] >= 0.9
 
     assert main(["verify", str(out)]) == 0
     records = infer_json(out, ref.validation_path, capsys)

@@ -6,7 +6,6 @@ and writes model file(s) into a directory. Everything else (bundle, fidelity, bu
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any, Protocol
 
 from device_profiles import Precision
 from edge_runtime.manifest import Placement, RuntimeRequirement
+from edge_runtime.registry import resolve
 from export.errors import ExportError
 
 __all__ = [
@@ -66,12 +66,7 @@ def export_backend_names() -> list[str]:
 
 
 def get_exporter(name: str) -> Exporter:
-    target = EXPORT_BACKENDS.get(name)
-    if target is None:
-        raise ExportError(f"unknown export backend {name!r}; valid: {', '.join(export_backend_names())}")
-    module_name, _, attribute = target.partition(":")
-    module = importlib.import_module(module_name)
-    exporter: Exporter = getattr(module, attribute)()
+    exporter: Exporter = resolve(EXPORT_BACKENDS, name, "export backend", ExportError)()
     return exporter
 
 

@@ -1,0 +1,86 @@
+"""``edgeline reference``: list the reference models, or train them and write what an export run needs.
+
+    edgeline reference list
+    edgeline reference prepare NAME [NAME ...] --out DIR     (or: prepare all --out DIR)
+
+Registering imports neither torch nor the models; ``prepare`` imports them when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from edge_runtime.errors import EdgelineError
+from export.reference.preparation import find_prepared, prepare
+from export.reference.registry import CATALOGUE, REFERENCE_MODELS, resolve_names
+
+__all__ = ["register"]
+
+DEFAULT_PROFILE = "rpi5"
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``reference`` and its actions to the ``edgeline`` command."""
+    parser = subparsers.add_parser(
+        "reference",
+        help="list or prepare the reference models",
+        description="The project's reference models (after MLPerf Tiny), trained on real or synthetic data.",
+    )
+    actions = parser.add_subparsers(dest="reference_action", metavar="ACTION", required=True)
+
+    list_parser = actions.add_parser("list", help="names, tasks, input shapes and data of the reference models")
+    list_parser.set_defaults(func=_list)
+
+    prepare_parser = actions.add_parser(
+        "prepare",
+        help="train reference models and write model.pt2, calibration and validation data",
+        description="Train each named reference model and write DIR/NAME/{model.pt2, calibration.npz, "
+        "validation.npz, labels.txt, reference.json}. A model already prepared there with the same seed "
+        "is not trained again.",
+    )
+    prepare_parser.add_argument(
+        "names", nargs="+", metavar="NAME", help=f"one or more of: {', '.join(REFERENCE_MODELS)}; or 'all'"
+    )
+    prepare_parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    prepare_parser.add_argument("--seed", type=int, default=0, help="data, initialisation and training seed")
+    prepare_parser.set_defaults(func=_prepare)
+
+
+def _list(args: argparse.Namespace) -> int:
+    print(f"{'name':<12} {'task':<9} {'input':<9} {'labels':<7} data")
+    for info in CATALOGUE.values():
+        shape = "x".join(str(size) for size in info.input_shape)
+        labels = str(info.label_count) if info.label_count else "-"
+        print(f"{info.name:<12} {info.task:<9} {shape:<9} {labels:<7} {info.data}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    names = resolve_names(args.names)
+    if args.seed < 0:
+        raise EdgelineError(f"--seed must be 0 or more, got {args.seed}")
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise EdgelineError(f"--out {out} exists and is not a directory")
+    commands = []
+    for name in names:
+        directory = out / name
+        reused = find_prepared(name, directory, seed=args.seed) is not None
+        if not reused:
+            print(f"{name}: training ...", file=sys.stderr, flush=True)
+        try:
+            prepared = prepare(name, directory, seed=args.seed)
+        except OSError as exc:
+            raise EdgelineError(f"cannot write {directory}: {exc}") from exc
+        metric = "float accuracy"
+        if prepared.threshold is not None:
+            metric += f" (anomaly if score > {prepared.threshold:.4g})"
+        note = "  (already prepared)" if reused else ""
+        print(f"{name}: {metric} {prepared.float_accuracy:.4f}  {directory}{note}", flush=True)
+        commands.append(prepared.export_command(DEFAULT_PROFILE))
+    print("next:")
+    for command in commands:
+        print(f"  {command}")
+    return 0

@@ -1,0 +1,275 @@
+"""The reference models: registry, architectures, data, training, ``prepare`` and ``edgeline reference``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edge_runtime.errors import EdgelineError
+from export.reference import CATALOGUE, REFERENCE_MODELS, Prepared, autoencoder, find_prepared, load_reference, prepare
+from export.reference import cli as reference_cli
+from export.reference.data import CALIBRATION_SIZE, Dataset, bilinear_resize
+from export.reference.training import accuracy, predict
+
+NAMES = ("digits", "resnet8", "ds_cnn", "vww", "autoencoder")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgeline")
+    reference_cli.register(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _run_cli(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+@pytest.fixture(scope="module")
+def prepared_digits(tmp_path_factory: pytest.TempPathFactory) -> Prepared:
+    return prepare("digits", tmp_path_factory.mktemp("references") / "digits")
+
+
+# --- registry -----------------------------------------------------------------------------------------------
+
+
+def test_registry_lists_all_five() -> None:
+    assert tuple(REFERENCE_MODELS) == NAMES
+    assert REFERENCE_MODELS["digits"] == "export.reference.digits"
+    assert set(CATALOGUE) == set(NAMES)
+
+
+def test_importing_the_package_and_its_cli_does_not_import_torch() -> None:
+    code = "import sys, export.reference, export.reference.cli; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr or "torch was imported"
+
+
+def test_unknown_name_raises_with_the_valid_names(tmp_path: Path) -> None:
+    with pytest.raises(EdgelineError) as caught:
+        load_reference("lenet")
+    assert "'lenet'" in str(caught.value)
+    for name in NAMES:
+        assert name in str(caught.value)
+    with pytest.raises(EdgelineError):
+        prepare("lenet", tmp_path / "lenet")
+    assert not (tmp_path / "lenet").exists()
+
+
+# --- architectures and data ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_module_matches_catalogue_and_exports_batch_one(name: str) -> None:
+    module = load_reference(name)
+    info = CATALOGUE[name]
+    declared = {"name": module.NAME, "task": module.TASK, "shape": module.INPUT_SHAPE, "labels": len(module.LABELS)}
+    assert declared == {"name": name, "task": info.task, "shape": info.input_shape, "labels": info.label_count}
+    model = module.build(seed=0)
+    assert not model.training
+    example = torch.rand(1, *module.INPUT_SHAPE)
+    with torch.no_grad():
+        output = model(example)
+    expected = (1, len(module.LABELS)) if module.TASK == "classify" else (1, *module.INPUT_SHAPE)
+    assert tuple(output.shape) == expected
+    exported = torch.export.export(model, (example,)).module()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(example), output)
+
+
+def test_build_is_seeded_and_leaves_the_global_rng_alone() -> None:
+    module = load_reference("ds_cnn")
+    state = torch.random.get_rng_state()
+    first, second, other = module.build(seed=3), module.build(seed=3), module.build(seed=4)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    weights = [next(iter(model.parameters())) for model in (first, second, other)]
+    assert torch.equal(weights[0], weights[1])
+    assert not torch.equal(weights[0], weights[2])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_make_data_gives_frozen_arrays_of_the_declared_shape(name: str) -> None:
+    module = load_reference(name)
+    data = module.make_data(seed=0)
+    assert data.input_shape == module.INPUT_SHAPE
+    assert data.calibration_x.shape == (CALIBRATION_SIZE, *module.INPUT_SHAPE)
+    for array in (data.train_x, data.calibration_x, data.validation_x):
+        assert array.dtype == np.float32
+        assert np.isfinite(array).all()
+        assert not array.flags.writeable
+    assert data.train_y.dtype == data.validation_y.dtype == np.int64
+    assert 200 <= len(data.validation_x) <= 450
+    if module.TASK == "classify":
+        assert set(np.unique(data.validation_y)) == set(range(len(module.LABELS)))
+    else:
+        assert set(np.unique(data.validation_y)) == {0, 1}
+        assert not data.train_y.any()
+
+
+def test_dataset_refuses_mismatched_arrays() -> None:
+    x = np.zeros((4, 2), dtype=np.float32)
+    with pytest.raises(ValueError, match="validation_y"):
+        Dataset(train_x=x, train_y=np.zeros(4), calibration_x=x, validation_x=x, validation_y=np.zeros(3))
+    with pytest.raises(ValueError, match="calibration_x"):
+        Dataset(train_x=x, train_y=np.zeros(4), calibration_x=x[:, :1], validation_x=x, validation_y=np.zeros(4))
+
+
+def test_bilinear_resize_matches_torch() -> None:
+    images = np.random.default_rng(0).random((2, 3, 8, 11), dtype=np.float32)
+    expected = torch.nn.functional.interpolate(
+        torch.from_numpy(images), size=(32, 20), mode="bilinear", align_corners=False
+    )
+    np.testing.assert_allclose(bilinear_resize(images, 32, 20), expected.numpy(), atol=1e-5)
+
+
+# --- prepare ------------------------------------------------------------------------------------------------
+
+
+def test_prepare_digits_writes_everything(prepared_digits: Prepared) -> None:
+    directory = prepared_digits.directory
+    assert sorted(path.name for path in directory.iterdir()) == [
+        "calibration.npz",
+        "labels.txt",
+        "model.pt2",
+        "reference.json",
+        "validation.npz",
+    ]
+    with np.load(directory / "calibration.npz", allow_pickle=False) as calibration:
+        assert calibration.files == ["x"]
+        assert calibration["x"].shape == (CALIBRATION_SIZE, 1, 8, 8)
+        assert calibration["x"].dtype == np.float32
+    with np.load(directory / "validation.npz", allow_pickle=False) as validation:
+        assert sorted(validation.files) == ["labels", "x"]
+        x, labels = validation["x"], validation["labels"]
+    assert x.dtype == np.float32 and labels.dtype == np.int64 and x.shape == (450, 1, 8, 8)
+    assert (directory / "labels.txt").read_text().splitlines() == [str(digit) for digit in range(10)]
+    document = json.loads((directory / "reference.json").read_text())
+    assert document == {
+        "name": "digits",
+        "task": "classify",
+        "labels": [str(digit) for digit in range(10)],
+        "input_shape": [1, 8, 8],
+        "float_accuracy": prepared_digits.float_accuracy,
+        "seed": 0,
+    }
+
+    program = torch.export.load(directory / "model.pt2").module()
+    measured = accuracy(program, x, labels, batch_size=1)
+    assert measured >= 0.95
+    assert measured == pytest.approx(prepared_digits.float_accuracy, abs=1 / len(labels))
+
+
+def test_prepare_again_is_a_noop(prepared_digits: Prepared) -> None:
+    before = {path: path.stat().st_mtime_ns for path in prepared_digits.directory.iterdir()}
+    again = prepare("digits", prepared_digits.directory)
+    assert again == prepared_digits
+    assert {path: path.stat().st_mtime_ns for path in prepared_digits.directory.iterdir()} == before
+
+
+def test_a_directory_without_its_reference_json_is_not_prepared(prepared_digits: Prepared, tmp_path: Path) -> None:
+    assert find_prepared("digits", prepared_digits.directory) == prepared_digits
+    assert find_prepared("digits", prepared_digits.directory, seed=1) is None
+    assert find_prepared("resnet8", prepared_digits.directory) is None
+    partial = tmp_path / "digits"
+    partial.mkdir()
+    for path in prepared_digits.files[:-1]:
+        (partial / path.name).write_bytes(path.read_bytes())
+    assert find_prepared("digits", partial) is None
+
+
+def test_training_is_deterministic() -> None:
+    module = load_reference("digits")
+    data = module.make_data()
+    first, second = (module.train(module.build(), data).state_dict() for _ in range(2))
+    for key, value in first.items():
+        assert torch.equal(value, second[key]), key
+
+
+def test_autoencoder_separates_anomalies() -> None:
+    data = autoencoder.make_data()
+    model = autoencoder.train(autoencoder.build(), data)
+    scores = autoencoder.anomaly_scores(model, data.validation_x)
+    normal, anomalous = scores[data.validation_y == 0], scores[data.validation_y == 1]
+    assert anomalous.mean() > 2 * normal.mean()
+    threshold = autoencoder.anomaly_threshold(model, data.calibration_x)
+    assert np.mean(scores[data.validation_y == 0] > threshold) < 0.1
+    assert autoencoder.thresholded_accuracy(model, data.validation_x, data.validation_y, threshold) > 0.8
+
+
+# --- slower training ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "minimum"), [("ds_cnn", 0.9), ("resnet8", 0.9), ("vww", 0.8)])
+def test_trained_model_reaches_its_accuracy_and_exports(name: str, minimum: float) -> None:
+    module = load_reference(name)
+    data = module.make_data()
+    model = module.train(module.build(), data)
+    assert accuracy(model, data.validation_x, data.validation_y) >= minimum
+    examples = data.validation_x[:8]
+    exported = torch.export.export(model, (torch.from_numpy(examples[:1].copy()),)).module()
+    np.testing.assert_allclose(predict(exported, examples, batch_size=1), predict(model, examples), atol=1e-4)
+
+
+# --- command line -------------------------------------------------------------------------------------------
+
+
+def test_reference_list_through_register(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run_cli(["reference", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == list(NAMES)
+
+
+def test_edgeline_reference_list(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        from edge_runtime.cli import main
+    except ImportError as exc:  # pragma: no cover - another folder's module is mid-edit
+        pytest.skip(f"edge_runtime.cli does not import: {exc}")
+    assert main(["reference", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in NAMES:
+        assert name in out
+
+
+def test_reference_prepare_reuses_and_prints_the_next_command(
+    prepared_digits: Prepared, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = prepared_digits.directory.parent
+    before = prepared_digits.reference_path.stat().st_mtime_ns
+    assert _run_cli(["reference", "prepare", "digits", "--out", os.fspath(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"digits: float accuracy {prepared_digits.float_accuracy:.4f}" in out
+    assert "already prepared" in out
+    assert (
+        f"edgeline export {out_dir / 'digits' / 'model.pt2'} --profile rpi5 "
+        f"--calibration {out_dir / 'digits' / 'calibration.npz'} "
+        f"--validation {out_dir / 'digits' / 'validation.npz'} --labels {out_dir / 'digits' / 'labels.txt'}"
+    ) in out
+    assert prepared_digits.reference_path.stat().st_mtime_ns == before
+
+
+def test_export_command_of_an_anomaly_model_names_task_and_threshold(tmp_path: Path) -> None:
+    prepared = Prepared("autoencoder", "anomaly", (), (640,), 0.99, 0.0125, 0, tmp_path / "my models" / "ae")
+    assert prepared.labels_path is None
+    assert prepared.export_command("rpi4") == (
+        f"edgeline export '{tmp_path}/my models/ae/model.pt2' --profile rpi4 "
+        f"--calibration '{tmp_path}/my models/ae/calibration.npz' "
+        f"--validation '{tmp_path}/my models/ae/validation.npz' --task anomaly --threshold 0.0125"
+    )
+
+
+@pytest.mark.parametrize("names", [["lenet"], ["all", "digits"]])
+def test_reference_prepare_refuses_bad_names(names: list[str], tmp_path: Path) -> None:
+    with pytest.raises(EdgelineError, match="digits"):
+        _run_cli(["reference", "prepare", *names, "--out", os.fspath(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
