@@ -239,7 +239,11 @@ def test_infer_agrees_with_litert(
     assert len(tflite_records) == len(litert_records) == data.samples
     for position, (got, want) in enumerate(zip(tflite_records, litert_records, strict=True)):
         where = f"{bundle.precision} sample {position}"
-        assert (got["label"], got["index"], got["expected"]) == (want["label"], want["index"], want["expected"]), where
+        assert (got["label"], got["class_index"], got["expected"]) == (
+            want["label"],
+            want["class_index"],
+            want["expected"],
+        ), where
         _assert_outputs_agree(bundle, got["outputs"], want["outputs"], where)
 
 
@@ -268,56 +272,23 @@ def test_verify_passes(bundle: ExportedBundle, tflite_env: TFLiteEnv) -> None:
     for name in ("integrity", "load", "golden self-test"):
         assert checks[name]["ok"] is True, checks[name]
     assert checks["load"]["detail"].startswith("tflite-runtime opened"), checks["load"]
-    latency = checks["latency"]
-    threads = bundle.manifest.threads
-    if proc.returncode != 0 and latency["ok"] is False and threads > _available_cpus():
-        pytest.xfail(
-            f"only the latency check failed: {latency['detail']}; tflite-runtime 2.14 slows down by orders of "
-            f"magnitude with more threads ({threads}) than CPUs ({_available_cpus()}): see "
-            "test_more_threads_than_cpus_costs_little"
-        )
     assert proc.returncode == 0, json.dumps(report, indent=2)
 
 
-LATENCY_SCRIPT = textwrap.dedent(
+THREADS_SCRIPT = textwrap.dedent(
     """\
-    import json, statistics, sys, time
-    import numpy as np
+    import json, sys
     import edge_runtime
 
-    bundle, threads = sys.argv[1], int(sys.argv[2])
-    medians = {}
-    for n in (1, threads):
-        model = edge_runtime.load(bundle, backend="tflite-runtime", threads=n)
-        x = np.zeros(model.inputs[0].shape, dtype=np.float32)
-        for _ in range(5):
-            model.predict(x)
-        times = []
-        for _ in range(30):
-            start = time.perf_counter()
-            model.predict(x)
-            times.append(time.perf_counter() - start)
-        medians[n] = statistics.median(times) * 1000
-    print(json.dumps({"single_ms": medians[1], "oversubscribed_ms": medians[threads]}))
+    model = edge_runtime.load(sys.argv[1], backend="tflite-runtime", threads=int(sys.argv[2]))
+    print(json.dumps({"threads": model.threads}))
     """
 )
 
 
-@pytest.mark.xfail(
-    reason="edge_runtime passes the manifest's thread count to the interpreter unclamped; with more threads than "
-    "CPUs, tflite-runtime 2.14 takes milliseconds to tens of ms per call where one thread takes microseconds",
-    raises=AssertionError,  # anything else (e.g. no tflite-runtime environment) is a real failure
-    strict=False,
-)
-def test_more_threads_than_cpus_costs_little(bundle: ExportedBundle, tflite_env: TFLiteEnv) -> None:
-    threads = _available_cpus() + 2
-    report = json.loads(
-        _check(
-            _run_tflite_env(tflite_env, ["-c", LATENCY_SCRIPT, str(bundle.path), str(threads)]), "latency"
-        ).splitlines()[-1]
-    )
-    single, over = report["single_ms"], report["oversubscribed_ms"]
-    assert over <= 10 * single + 0.5, (
-        f"{bundle.precision}: median {over:.3f} ms with {threads} threads on {_available_cpus()} CPUs, "
-        f"{single:.3f} ms with 1"
-    )
+def test_threads_are_clamped_to_the_cpus_available(bundle: ExportedBundle, tflite_env: TFLiteEnv) -> None:
+    """tflite-runtime 2.14 slows down by orders of magnitude with more threads than CPUs (measured: 0.002 ms per
+    call with 1-2 threads, 16-48 ms with 2-4 threads pinned to one core), so the runtime never asks for more."""
+    asked = _available_cpus() + 2
+    output = _check(_run_tflite_env(tflite_env, ["-c", THREADS_SCRIPT, str(bundle.path), str(asked)]), "threads")
+    assert json.loads(output.splitlines()[-1]) == {"threads": _available_cpus()}
