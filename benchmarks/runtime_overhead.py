@@ -57,10 +57,9 @@ def raw_executorch(bundle: Path, x: np.ndarray) -> Callable[[], np.ndarray]:
 
     method = Runtime.get().load_program(bundle / "model.pte").load_method("forward")
     assert method is not None
-    tensor = torch.from_numpy(x)
 
-    def call() -> np.ndarray:
-        return method.execute([tensor])[0].numpy()
+    def call() -> np.ndarray:  # a caller gets a new array each time, so wrapping it is part of the call
+        return method.execute([torch.from_numpy(x)])[0].numpy()
 
     return call
 
@@ -96,6 +95,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     work = args.work or Path(tempfile.mkdtemp(prefix="edgeline-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     names = args.models or sorted(REFERENCE_MODELS)
     profile = work / "bench.toml"
     profile.write_text(

@@ -19,7 +19,7 @@ __all__ = ["Model", "load", "usable_threads"]
 
 Converter = Callable[[np.ndarray], np.ndarray]
 _F32 = np.dtype(np.float32)
-_sum = np.add.reduce
+_vdot = np.vdot
 
 
 def _input_converter(index: int, spec: TensorSpec, manifest: Manifest) -> Converter:
@@ -49,8 +49,9 @@ def _input_converter(index: int, spec: TensorSpec, manifest: Manifest) -> Conver
         return x
 
     def check_finite(x: np.ndarray) -> None:
-        # One reduction is the cheapest full scan: NaN or Inf anywhere makes the sum non-finite.
-        if not math.isfinite(_sum(x, axis=None)) and not np.isfinite(x).all():
+        # The cheapest full scan (a BLAS dot product): NaN or Inf anywhere makes it non-finite. Huge finite
+        # values can overflow it too, so only then is every element checked.
+        if not math.isfinite(_vdot(x, x)) and not np.isfinite(x).all():
             raise PayloadError(f"{where}: contains NaN or Inf")
 
     if params is not None and dtype.kind in "iu":
@@ -132,6 +133,7 @@ class Model:
         self._to_model = [_input_converter(i, spec, self.manifest) for i, spec in enumerate(self.inputs)]
         self._from_model = [_output_converter(spec) for spec in self.outputs]
         self._arity = len(self.inputs)
+        self._single = len(self.inputs) == 1 and len(self.outputs) == 1
         self._run = session.run
         self.threads = threads
 
@@ -148,6 +150,10 @@ class Model:
         if len(arrays) != self._arity:
             names = ", ".join(spec.name for spec in self.inputs)
             raise PayloadError(f"{self.name} takes {self._arity} input(s) ({names}), got {len(arrays)}")
+        if self._single:  # the common case, without the generic loops
+            (y,) = self._run([self._to_model[0](arrays[0])])
+            convert = self._from_model[0]
+            return [y if convert is None else convert(y)]
         raw = self._run([convert(array) for convert, array in zip(self._to_model, arrays, strict=True)])
         return [y if convert is None else convert(y) for convert, y in zip(self._from_model, raw, strict=True)]
 

@@ -88,3 +88,15 @@ def test_manifest_names_inputs_like_forward_and_keeps_tensor_names(bundles: dict
     placement = manifest(bundles[("executorch-xnnpack", "fp32")])["placement"]
     assert placement["delegate"] == "xnnpack"
     assert sum(placement["delegated"].values()) > 0
+
+
+@pytest.mark.parametrize("backend", sorted(PRECISIONS))
+def test_results_survive_the_next_predict(backend: str, bundles: dict[tuple[str, str], Path]) -> None:
+    """Runtimes may reuse output buffers; a result the caller keeps must not change under it."""
+    model = edge_runtime.load(bundles[(backend, "fp32")])
+    first = model.predict(np.zeros((1, 1, 8, 8), dtype=np.float32))[0]
+    kept = first.copy()
+    second = model.predict(np.ones((1, 1, 8, 8), dtype=np.float32))[0]
+    assert not np.shares_memory(first, second)
+    np.testing.assert_array_equal(first, kept)
+    assert not np.array_equal(first, second)
