@@ -1,11 +1,13 @@
-"""Capture what converters print on the process's file descriptors (absl, C++ logs, progress bars).
-
-The user sees our progress lines; the converter's own chatter goes to a log, shown when a step fails.
+"""Keep converters from touching the process: what they print on the file descriptors (absl, C++ logs,
+progress bars) goes to a log, shown when a step fails, and any root-logger setup they do is undone
+(executorch calls ``logging.basicConfig()`` on import and module-level ``logging.debug()`` while lowering,
+which would configure the caller's root logger).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -26,6 +28,8 @@ class CapturedOutput:
 @contextlib.contextmanager
 def capture_native_output() -> Iterator[CapturedOutput]:
     captured = CapturedOutput()
+    root = logging.getLogger()
+    root_handlers, root_level = list(root.handlers), root.level
     sys.stdout.flush()
     sys.stderr.flush()
     saved = (os.dup(1), os.dup(2))
@@ -44,3 +48,5 @@ def capture_native_output() -> Iterator[CapturedOutput]:
             os.close(saved[1])
             log.seek(0)
             captured.text = log.read().decode("utf-8", errors="replace")
+            root.handlers[:] = root_handlers
+            root.setLevel(root_level)

@@ -2,9 +2,67 @@
 
 from __future__ import annotations
 
-from export.pipeline import ExportReport, TargetOutcome
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
-__all__ = ["format_report"]
+from edge_runtime.manifest import Fidelity
+
+__all__ = ["ExportReport", "TargetOutcome", "format_report"]
+
+
+@dataclass
+class TargetOutcome:
+    backend: str
+    precision: str
+    threads: int
+    status: Literal["selected", "rejected", "failed", "not tried"] = "not tried"
+    reason: str | None = None
+    size_bytes: int | None = None
+    fidelity: Fidelity | None = None
+    host_latency_ms: float | None = None
+    seconds: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "precision": self.precision,
+            "threads": self.threads,
+            "status": self.status,
+            "reason": self.reason,
+            "size_bytes": self.size_bytes,
+            "fidelity": self.fidelity.model_dump(mode="json") if self.fidelity else None,
+            "host_latency_ms": self.host_latency_ms,
+            "export_seconds": self.seconds,
+        }
+
+
+@dataclass
+class ExportReport:
+    name: str
+    profile: str
+    out: Path
+    outcomes: list[TargetOutcome] = field(default_factory=list)
+    version: int | None = None
+    validation: Path | None = None
+
+    @property
+    def selected(self) -> TargetOutcome | None:
+        return next((o for o in self.outcomes if o.status == "selected"), None)
+
+    def next_command(self) -> str:
+        samples = self.validation or "SAMPLES.npz"
+        return f"edgeline infer {self.out} --input {samples}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "profile": self.profile,
+            "bundle": str(self.out) if self.selected else None,
+            "version": self.version,
+            "targets": [o.as_dict() for o in self.outcomes],
+            "next": self.next_command() if self.selected else None,
+        }
 
 
 def _size(outcome: TargetOutcome) -> str:

@@ -12,6 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# torch binds logging StreamHandlers to sys.stderr when first imported (torch._logging). Imported inside a test,
+# that is the test's capture stream, closed afterwards, and a later torch warning fails to write to it. Importing
+# it here binds them to the session's stream. (The torch-free tests run in fresh subprocesses.)
+import torch  # noqa: F401
+
 from edge_runtime.cli import main
 
 TINY_MODEL_SOURCE = '''\

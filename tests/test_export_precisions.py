@@ -4,6 +4,9 @@ runtime reads the precision's I/O correctly, fidelity is measured, and the bundl
 from __future__ import annotations
 
 import json
+import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +103,22 @@ def test_results_survive_the_next_predict(backend: str, bundles: dict[tuple[str,
     assert not np.shares_memory(first, second)
     np.testing.assert_array_equal(first, kept)
     assert not np.array_equal(first, second)
+
+
+def test_exporting_leaves_the_callers_logging_alone(
+    tiny_model_file: Path, sample_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """executorch calls logging.basicConfig() on import and logging.debug() while lowering; in a fresh process
+    (pytest's own handlers would hide it) an export must leave the root logger as it found it."""
+    script = (
+        "import logging, sys\n"
+        "from edge_runtime.cli import main\n"
+        "code = main(sys.argv[1:])\n"
+        "root = logging.getLogger()\n"
+        "print(code, len(root.handlers), root.level)\n"
+    )
+    args = ["export", f"{tiny_model_file}:model", "--profile", "x86-64",
+            "--calibration", str(sample_files["calibration"]), "--backend", "executorch-xnnpack",
+            "--precision", "fp32", "--out", str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    assert done.stdout.splitlines()[-1].split() == ["0", "0", str(logging.WARNING)], done.stderr[-2000:]

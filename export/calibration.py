@@ -1,0 +1,64 @@
+"""Sample files for export: CAL.npz / VAL.npz matched to the model's forward() and checked against it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from edge_runtime.errors import EdgelineError
+from edge_runtime.samples import SampleSet, read_npz
+from export.errors import CalibrationError
+from export.fidelity import run_float
+from export.loading import LoadedModel
+
+__all__ = ["check_model_runs", "load_samples"]
+
+
+def load_samples(path: Path, role: str, loaded: LoadedModel, expected: SampleSet | None) -> SampleSet:
+    try:
+        arrays = read_npz(path, role)
+    except EdgelineError as exc:
+        raise CalibrationError(str(exc)) from exc
+    labels = arrays.pop("labels", None)
+    names = loaded.forward_parameters
+    if names is not None and set(arrays) == set(names):
+        ordered = [arrays[n] for n in names]
+    else:
+        ordered = list(arrays.values())
+        names = tuple(arrays)
+    if loaded.forward_parameters is not None and len(ordered) != len(loaded.forward_parameters):
+        raise CalibrationError(
+            f"{role} file {path} holds {len(ordered)} input arrays ({', '.join(arrays)}) but the model's "
+            f"forward takes {len(loaded.forward_parameters)} ({', '.join(loaded.forward_parameters)})"
+        )
+    inputs = []
+    for key, array in zip(names, ordered, strict=True):
+        if not np.issubdtype(array.dtype, np.floating):
+            raise CalibrationError(f"{role} file {path}[{key}]: dtype {array.dtype}, expected floating point")
+        if array.ndim < 1 or array.shape[0] < 1:
+            raise CalibrationError(f"{role} file {path}[{key}]: needs a first axis of samples, got {array.shape}")
+        inputs.append(np.ascontiguousarray(array, dtype=np.float32))
+    counts = {a.shape[0] for a in inputs}
+    if len(counts) != 1:
+        raise CalibrationError(f"{role} file {path}: arrays disagree on the number of samples: {sorted(counts)}")
+    if labels is not None and labels.shape[:1] != inputs[0].shape[:1]:
+        raise CalibrationError(f"{role} file {path}[labels]: {labels.shape[0]} labels for {inputs[0].shape[0]} samples")
+    if expected is not None:
+        for key, got, want in zip(names, inputs, expected.inputs, strict=True):
+            if got.shape[1:] != want.shape[1:]:
+                raise CalibrationError(
+                    f"{role} file {path}[{key}]: sample shape {list(got.shape[1:])} differs from the "
+                    f"calibration's {list(want.shape[1:])}"
+                )
+    return SampleSet(inputs, labels, str(path))
+
+
+def check_model_runs(loaded: LoadedModel, samples: SampleSet) -> list[np.ndarray]:
+    try:
+        return run_float(loaded.module, SampleSet(samples.sample(0), None, samples.source)).outputs[0]
+    except Exception as exc:
+        shapes = ", ".join(str(list(a.shape)) for a in samples.sample(0))
+        raise CalibrationError(
+            f"the model rejected a calibration sample of shape {shapes}: {type(exc).__name__}: {exc}"
+        ) from exc

@@ -1,0 +1,46 @@
+"""Writing a bundle into its staging directory: files, manifest and the golden self-test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_runtime import bundle as bundle_io
+from edge_runtime.manifest import Golden, Manifest
+from edge_runtime.model import Model
+from edge_runtime.samples import SampleSet
+from export.backends import ExportedModel
+
+__all__ = ["GOLDEN_SAMPLES", "write_bundle", "write_golden"]
+
+GOLDEN_SAMPLES = 8
+
+
+def write_bundle(staging: Path, exported: ExportedModel, manifest_fields: dict[str, Any]) -> Manifest:
+    files = [bundle_io.file_entry(staging, p) for p in (exported.model_file, *exported.extra_files)]
+    if (staging / "golden.npz").exists():
+        files.append(bundle_io.file_entry(staging, "golden.npz"))
+    manifest = Manifest(files=tuple(files), **manifest_fields)
+    bundle_io.write_manifest(staging, manifest)
+    return manifest
+
+
+def write_golden(staging: Path, model: Model, samples: SampleSet) -> Golden:
+    count = min(GOLDEN_SAMPLES, len(samples))
+    outputs = [model.predict(*samples.sample(i)) for i in range(count)]
+    arrays: dict[str, Any] = {f"input_{i}": samples.inputs[i][:count] for i in range(len(samples.inputs))}
+    for j in range(len(outputs[0])):
+        arrays[f"output_{j}"] = np.concatenate([o[j] for o in outputs])
+    np.savez(staging / "golden.npz", allow_pickle=False, **arrays)
+    # Another CPU may round differently: two quantization steps where the output is quantized, 1% of the
+    # output's range where quantization happens inside the model, float noise otherwise.
+    quantized_inside = model.manifest.precision != "fp32"
+    atol = []
+    for j, spec in enumerate(model.outputs):
+        magnitude = float(np.abs(arrays[f"output_{j}"]).max())
+        step = 2 * spec.quantization.scale if spec.quantization else 0.0
+        inside = 0.01 * (1.0 + magnitude) if quantized_inside else 0.0
+        atol.append(max(step, inside, 1e-4 * (1.0 + magnitude)))
+    return Golden(samples=count, atol=tuple(atol))
