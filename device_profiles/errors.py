@@ -15,6 +15,7 @@ Anything that is not an ``EdgelineError`` reaching the command line is a bug of 
 from __future__ import annotations
 
 __all__ = [
+    "PAYLOAD_CODES",
     "BackendUnavailableError",
     "BundleError",
     "EdgelineError",
@@ -47,4 +48,24 @@ class BackendUnavailableError(EdgelineError):
 
 
 class PayloadError(EdgelineError):
-    """Inputs that do not match what the model expects."""
+    """Inputs that do not match what the model expects.
+
+    ``code`` is the machine-readable reason the daemon puts in its error answers; one of ``PAYLOAD_CODES``.
+    """
+
+    def __init__(self, message: str, *, code: str = "invalid-input"):
+        super().__init__(message)
+        if code not in PAYLOAD_CODES:
+            raise ValueError(f"unknown payload error code {code!r}; valid: {', '.join(PAYLOAD_CODES)}")
+        self.code = code
+
+
+PAYLOAD_CODES = (
+    "invalid-input",  # anything below that has no more precise code
+    "malformed",  # the payload cannot be parsed by its codec
+    "oversized",  # larger than the configured limit (checked before decoding)
+    "missing-input",  # a model input is absent from the message
+    "wrong-shape",  # element count or shape does not fit the model input
+    "wrong-dtype",  # values of a type that is not a real number
+    "non-finite",  # NaN or Inf
+)

@@ -1,6 +1,7 @@
 """Errors of the runtime side; the tree is drawn in ``device_profiles.errors``."""
 
 from device_profiles.errors import (
+    PAYLOAD_CODES,
     BackendUnavailableError,
     BundleError,
     EdgelineError,
@@ -10,6 +11,7 @@ from device_profiles.errors import (
 )
 
 __all__ = [
+    "PAYLOAD_CODES",
     "BackendUnavailableError",
     "BundleError",
     "EdgelineError",

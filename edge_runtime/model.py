@@ -39,11 +39,11 @@ def _input_converter(index: int, spec: TensorSpec, manifest: Manifest) -> Conver
             x = np.asarray(x)
         if x.shape != shape:
             if x.shape != sample_shape:
-                raise PayloadError(f"{where}: shape {list(x.shape)}, expected {list(shape)}")
+                raise PayloadError(f"{where}: shape {list(x.shape)}, expected {list(shape)}", code="wrong-shape")
             x = x.reshape(shape)
         if x.dtype != _F32:
             if x.dtype.kind not in "fiu":
-                raise PayloadError(f"{where}: dtype {x.dtype}, expected float32")
+                raise PayloadError(f"{where}: dtype {x.dtype}, expected float32", code="wrong-dtype")
             with np.errstate(over="ignore"):  # out-of-range values become Inf, refused just below
                 x = x.astype(_F32)
         return x
@@ -52,7 +52,7 @@ def _input_converter(index: int, spec: TensorSpec, manifest: Manifest) -> Conver
         # The cheapest full scan (a BLAS dot product): NaN or Inf anywhere makes it non-finite. Huge finite
         # values can overflow it too, so only then is every element checked.
         if not math.isfinite(_vdot(x, x)) and not np.isfinite(x).all():
-            raise PayloadError(f"{where}: contains NaN or Inf")
+            raise PayloadError(f"{where}: contains NaN or Inf", code="non-finite")
 
     if params is not None and dtype.kind in "iu":
         scale = np.float32(params.scale)
@@ -149,7 +149,9 @@ class Model:
         """Run one sample: each array has the input's shape, with or without its batch dimension of 1."""
         if len(arrays) != self._arity:
             names = ", ".join(spec.name for spec in self.inputs)
-            raise PayloadError(f"{self.name} takes {self._arity} input(s) ({names}), got {len(arrays)}")
+            raise PayloadError(
+                f"{self.name} takes {self._arity} input(s) ({names}), got {len(arrays)}", code="missing-input"
+            )
         if self._single:  # the common case, without the generic loops
             (y,) = self._run([self._to_model[0](arrays[0])])
             convert = self._from_model[0]
