@@ -1,0 +1,148 @@
+"""The daemon's configuration: a validated TOML file, overridden by command-line flags.
+
+[broker]   host, port, client_id, keepalive_s
+[input]    subscribe = ["sensors/+/accel"], codec, qos, max_payload_bytes
+[output]   publish = "edgeline/{name}/{device}/result", error_topic, qos
+[queue]    capacity, policy = "drop-oldest" | "block", max_batch
+[health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off, loopback only)
+[window]   size, hop, channels (overrides the bundle's)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from edge_runtime.bundle import describe_validation_error
+from edge_runtime.errors import EdgelineError
+from edge_runtime.manifest import Window
+from edge_runtime.topics import TopicFilter, validate_template
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["BrokerConfig", "DaemonConfig", "load_config"]
+
+CODEC_NAMES = ("json", "raw", "cbor", "msgpack")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BrokerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=1883, ge=1, le=65535)
+    client_id: str = "edgeline-{name}"
+    keepalive_s: int = Field(default=30, ge=5, le=3600)
+
+
+class InputConfig(_Section):
+    subscribe: tuple[str, ...] = ("sensors/+/data",)
+    codec: Literal["json", "raw", "cbor", "msgpack"] = "json"
+    qos: Literal[0, 1] = 1
+    max_payload_bytes: int = Field(default=1 << 20, ge=16)
+
+    @field_validator("subscribe")
+    @classmethod
+    def _filters(cls, subscribe: tuple[str, ...]) -> tuple[str, ...]:
+        if not subscribe:
+            raise ValueError("at least one subscription is needed")
+        for pattern in subscribe:
+            try:
+                TopicFilter(pattern)
+            except EdgelineError as exc:
+                raise ValueError(str(exc)) from exc
+        return subscribe
+
+
+class OutputConfig(_Section):
+    publish: str = "edgeline/{name}/{device}/result"
+    error_topic: str | None = None
+    qos: Literal[0, 1] = 1
+
+    @field_validator("publish", "error_topic")
+    @classmethod
+    def _template(cls, template: str | None) -> str | None:
+        if template is None:
+            return None
+        try:
+            return validate_template(template)
+        except EdgelineError as exc:
+            raise ValueError(str(exc)) from exc
+
+
+class QueueConfig(_Section):
+    capacity: int = Field(default=1024, ge=1, le=1_000_000)
+    policy: Literal["drop-oldest", "block"] = "drop-oldest"
+    max_batch: int = Field(default=16, ge=1, le=4096)
+
+
+class HealthConfig(_Section):
+    availability_topic: str = "edgeline/{name}/availability"
+    status_topic: str = "edgeline/{name}/status"
+    status_interval_s: float = Field(default=10.0, gt=0)
+    prometheus_port: int = Field(default=0, ge=0, le=65535)
+
+
+class DaemonConfig(_Section):
+    broker: BrokerConfig = BrokerConfig()
+    input: InputConfig = InputConfig()
+    output: OutputConfig = OutputConfig()
+    queue: QueueConfig = QueueConfig()
+    health: HealthConfig = HealthConfig()
+    window: Window | None = None
+
+    def with_overrides(
+        self,
+        *,
+        broker: str | None = None,
+        subscribe: list[str] | None = None,
+        publish: str | None = None,
+        codec: str | None = None,
+        qos: int | None = None,
+    ) -> DaemonConfig:
+        """The command line wins over the file; the result is validated like the file."""
+        data = self.model_dump()
+        if broker is not None:
+            host, sep, port = broker.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise EdgelineError(f"--broker {broker!r}: expected HOST:PORT, e.g. 127.0.0.1:1883")
+            data["broker"].update(host=host, port=int(port))
+        if subscribe:
+            data["input"]["subscribe"] = tuple(subscribe)
+        if publish is not None:
+            data["output"]["publish"] = publish
+        if codec is not None:
+            data["input"]["codec"] = codec
+        if qos is not None:
+            data["input"]["qos"] = qos
+            data["output"]["qos"] = qos
+        return _validate(data, "command line")
+
+
+def _validate(data: object, source: str) -> DaemonConfig:
+    try:
+        return DaemonConfig.model_validate(data)
+    except ValidationError as exc:
+        raise EdgelineError(f"{source}: invalid daemon configuration: {describe_validation_error(exc)}") from exc
+
+
+def load_config(path: Path | None) -> DaemonConfig:
+    """The file's settings over the defaults; no file, the defaults."""
+    if path is None:
+        return DaemonConfig()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise EdgelineError(f"--config {path}: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise EdgelineError(f"{path}: not valid TOML: {exc}") from exc
+    return _validate(data, str(path))

@@ -1,0 +1,107 @@
+"""The daemon's configuration file and flags: validated, with errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edge_runtime.config import DaemonConfig, load_config
+from edge_runtime.errors import EdgelineError
+
+GOOD = """
+[broker]
+host = "127.0.0.1"
+port = 18830
+
+[input]
+subscribe = ["plant/+/vibration"]
+codec = "msgpack"
+qos = 0
+
+[queue]
+capacity = 64
+policy = "block"
+
+[window]
+size = 5
+hop = 1
+channels = 128
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "daemon.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_a_file() -> None:
+    config = load_config(None)
+    assert config == DaemonConfig()
+    assert config.queue.policy == "drop-oldest"
+
+
+def test_file_is_read(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD))
+    assert (config.broker.port, config.input.subscribe, config.input.codec) == (
+        18830,
+        ("plant/+/vibration",),
+        "msgpack",
+    )
+    assert config.queue.policy == "block"
+    assert config.window is not None and config.window.channels == 128
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD)).with_overrides(
+        broker="localhost:1884", subscribe=["a/+/b", "c/+"], publish="out/{device}", codec="json", qos=1
+    )
+    assert (config.broker.host, config.broker.port) == ("localhost", 1884)
+    assert config.input.subscribe == ("a/+/b", "c/+")
+    assert (config.output.publish, config.input.codec, config.input.qos, config.output.qos) == (
+        "out/{device}",
+        "json",
+        1,
+        1,
+    )
+    assert config.queue.capacity == 64  # untouched by flags
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("[input]\nqos = 2\n", "input.qos"),
+        ("[input]\ncodec = 'xml'\n", "input.codec"),
+        ("[queue]\npolicy = 'drop-newest'\n", "queue.policy"),
+        ("[queue]\ncapacity = 0\n", "queue.capacity"),
+        ("[broker]\nprot = 1883\n", "broker.prot"),
+        ("[input]\nsubscribe = ['a/#/b']\n", "input.subscribe"),
+        ("[output]\npublish = 'r/{sensor}'\n", "output.publish"),
+        ("[window]\nsize = 4\n", "window.hop"),
+    ],
+)
+def test_errors_name_the_key(tmp_path: Path, text: str, named: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(EdgelineError) as error:
+        load_config(path)
+    assert str(path) in str(error.value)
+    assert named in str(error.value)
+
+
+def test_valid_values_are_listed(tmp_path: Path) -> None:
+    with pytest.raises(EdgelineError, match="'drop-oldest' or 'block'"):
+        load_config(write(tmp_path, "[queue]\npolicy = 'drop-newest'\n"))
+
+
+def test_broken_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(EdgelineError, match="not valid TOML"):
+        load_config(write(tmp_path, "[input\n"))
+    with pytest.raises(EdgelineError, match=r"--config .*nope\.toml"):
+        load_config(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("broker", ["localhost", ":1883", "host:port", "host:"])
+def test_bad_broker_flag(broker: str) -> None:
+    with pytest.raises(EdgelineError, match="--broker"):
+        DaemonConfig().with_overrides(broker=broker)
