@@ -67,3 +67,17 @@ def test_systemd_notifier_is_a_no_op_outside_systemd() -> None:
     assert not notifier.enabled
     assert notifier.watchdog_interval_s is None
     assert notifier.notify("READY=1") is False
+
+
+def test_systemd_unit_is_notify_with_watchdog_and_runs_the_daemon() -> None:
+    import configparser
+    from importlib.resources import files
+
+    unit = configparser.ConfigParser(strict=True, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]  # systemd keys are case-sensitive
+    unit.read_string(files("edge_runtime").joinpath("systemd/edgeline@.service").read_text())
+    service = unit["Service"]
+    assert service["Type"] == "notify"
+    assert int(service["WatchdogSec"]) > 0
+    assert service["KillSignal"] == "SIGTERM"
+    assert " run " in service["ExecStart"] and "--config" in service["ExecStart"]
