@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "edge_runtime.commands",  # infer, verify
     "device_profiles.cli",  # profiles
     "export.reference.cli",  # reference
+    "sim.cli",  # sim
 )
 
 

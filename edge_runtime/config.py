@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -26,9 +27,44 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["BrokerConfig", "DaemonConfig", "load_config"]
+__all__ = ["BrokerAddress", "BrokerConfig", "DaemonConfig", "load_config"]
 
 CODEC_NAMES = ("json", "raw", "cbor", "msgpack")
+DEFAULT_PORT = 1883
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where the broker listens: an explicit host (``127.0.0.1`` for this machine) and a port."""
+
+    host: str
+    port: int = DEFAULT_PORT
+
+    def __post_init__(self) -> None:
+        if not self.host or any(char.isspace() for char in self.host) or "/" in self.host:
+            raise EdgelineError(f"--broker host {self.host!r}: expected a host name or address, e.g. 127.0.0.1")
+        if not 1 <= self.port <= 65535:
+            raise EdgelineError(f"--broker port {self.port}: must be between 1 and 65535")
+
+    @classmethod
+    def parse(cls, text: str) -> BrokerAddress:
+        """``HOST:PORT``, ``HOST`` (port 1883) or ``[IPv6]:PORT``."""
+        host, port = text, str(DEFAULT_PORT)
+        if text.startswith("["):
+            host, bracket, rest = text[1:].partition("]")
+            if not bracket or (rest and not rest.startswith(":")):
+                raise EdgelineError(f"--broker {text!r}: expected [IPv6]:PORT, e.g. [::1]:1883")
+            port = rest[1:] or port
+        elif text.count(":") == 1:
+            host, _, port = text.partition(":")
+        elif ":" in text:
+            raise EdgelineError(f"--broker {text!r}: write an IPv6 address in brackets, e.g. [::1]:1883")
+        if not port.isdigit():
+            raise EdgelineError(f"--broker {text!r}: expected HOST:PORT, e.g. 127.0.0.1:1883")
+        return cls(host, int(port))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 class _Section(BaseModel):
@@ -110,10 +146,8 @@ class DaemonConfig(_Section):
         """The command line wins over the file; the result is validated like the file."""
         data = self.model_dump()
         if broker is not None:
-            host, sep, port = broker.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise EdgelineError(f"--broker {broker!r}: expected HOST:PORT, e.g. 127.0.0.1:1883")
-            data["broker"].update(host=host, port=int(port))
+            address = BrokerAddress.parse(broker)
+            data["broker"].update(host=address.host, port=address.port)
         if subscribe:
             data["input"]["subscribe"] = tuple(subscribe)
         if publish is not None:

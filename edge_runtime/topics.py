@@ -54,19 +54,20 @@ class TopicFilter:
         return key if key is not None else topic
 
 
-def validate_template(template: str) -> str:
-    """Refuse a publish template with fields other than {device} and {name}, or with MQTT wildcards."""
+def validate_template(
+    template: str, fields: tuple[str, ...] = TEMPLATE_FIELDS, *, what: str = "publish template"
+) -> str:
+    """Refuse a topic template with fields other than ``fields``, or with MQTT wildcards."""
     try:
-        fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+        used = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
     except ValueError as exc:
-        raise EdgelineError(f"publish template {template!r}: {exc}") from exc
-    unknown = sorted(set(fields) - set(TEMPLATE_FIELDS))
+        raise EdgelineError(f"{what} {template!r}: {exc}") from exc
+    unknown = sorted(set(used) - set(fields))
     if unknown:
-        raise EdgelineError(
-            f"publish template {template!r}: unknown field(s) {', '.join(unknown)}; valid: {{device}}, {{name}}"
-        )
-    if "+" in template or "#" in template or not template:
-        raise EdgelineError(f"publish template {template!r}: a publish topic cannot be empty or contain + or #")
+        valid = ", ".join("{" + field + "}" for field in fields)
+        raise EdgelineError(f"{what} {template!r}: unknown field(s) {', '.join(unknown)}; valid: {valid}")
+    if not template or "+" in template or "#" in template or "\x00" in template:
+        raise EdgelineError(f"{what} {template!r}: a topic cannot be empty or contain + or #")
     return template
 
 

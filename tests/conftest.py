@@ -19,6 +19,8 @@ import torch  # noqa: F401
 
 from edge_runtime.cli import main
 
+pytest_plugins = ["tests.mqtt_broker"]  # real-Mosquitto fixtures: broker, session_broker, unique_topic
+
 TINY_MODEL_SOURCE = '''\
 import torch
 from torch import nn

@@ -1,0 +1,241 @@
+"""Publish simulated sensor messages to an MQTT broker: a device, or a fleet interleaved on one connection.
+
+    messages = fleet_messages(sensors, count=100, topic="sensors/{device}/{sensor}")   # pure: no broker
+    report = publish(sensors, BrokerAddress.parse("127.0.0.1:1883"), PublishOptions(rate_hz=10, count=100))
+
+Each of the fleet's devices sends ``count`` messages at ``rate_hz``; message ``j`` of the whole run is message
+``j // D`` of device ``j % D``, due at ``j / (rate_hz * D)`` seconds, so the broker sees an even stream. The run
+ends at ``count`` or at ``time_limit_s``, whichever comes first, and then waits (at most ``ack_timeout_s``) until
+the broker has acknowledged every QoS 1 message (QoS 0: until every message is written to the socket).
+
+A connection lost mid-run is not fatal, as for a real sensor: paho-mqtt reconnects; QoS 0 messages published
+meanwhile are dropped and counted, QoS 1 messages are queued and sent on reconnection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge_runtime.config import BrokerAddress
+from edge_runtime.errors import EdgelineError
+from edge_runtime.topics import validate_template
+from sim.sensors import Sensor
+
+__all__ = [
+    "DEFAULT_TOPIC",
+    "PublishOptions",
+    "PublishReport",
+    "SimMessage",
+    "encode_json",
+    "fleet_messages",
+    "publish",
+    "validate_topic_template",
+]
+
+DEFAULT_TOPIC = "sensors/{device}/{sensor}"
+TOPIC_FIELDS = ("device", "sensor")
+CONNECT_TIMEOUT_S = 5.0
+MAX_COUNT = 10_000_000
+MAX_RATE_HZ = 100_000.0
+
+
+def validate_topic_template(template: str) -> str:
+    """Refuse a topic template with fields other than {device} and {sensor}, or with MQTT wildcards."""
+    return validate_template(template, TOPIC_FIELDS, what="--topic")
+
+
+@dataclass(frozen=True)
+class PublishOptions:
+    """How much, how fast and how safely to publish. ``rate_hz`` is per device; 0 means as fast as possible."""
+
+    count: int = 100
+    rate_hz: float = 10.0
+    topic: str = DEFAULT_TOPIC
+    qos: int = 0
+    time_limit_s: float = 600.0
+    ack_timeout_s: float = 10.0
+    client_id: str | None = None
+    """None: ``edgeline-sim-<first device>-<process id>``."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.count <= MAX_COUNT:
+            raise EdgelineError(f"--count must be between 1 and {MAX_COUNT}, got {self.count}")
+        if not 0 <= self.rate_hz <= MAX_RATE_HZ:
+            raise EdgelineError(f"--rate must be between 0 (unpaced) and {MAX_RATE_HZ:g} Hz, got {self.rate_hz:g}")
+        if self.qos not in (0, 1):
+            raise EdgelineError(f"--qos must be 0 or 1, got {self.qos}")
+        if not self.time_limit_s > 0:
+            raise EdgelineError(f"--time-limit must be more than 0 seconds, got {self.time_limit_s:g}")
+        if not self.ack_timeout_s > 0:
+            raise EdgelineError(f"acknowledgement timeout must be more than 0 seconds, got {self.ack_timeout_s:g}")
+        validate_topic_template(self.topic)
+
+
+@dataclass(frozen=True)
+class SimMessage:
+    """One message of a run: where it goes, what it says, and whose it is."""
+
+    topic: str
+    payload: bytes
+    device: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    """What a run did. ``acknowledged``: QoS 1 messages the broker acknowledged (QoS 0: messages written)."""
+
+    broker: str
+    sensor: str
+    devices: tuple[str, ...]
+    qos: int
+    published: int
+    dropped: int
+    acknowledged: int
+    per_device: dict[str, int]
+    elapsed_s: float
+    stopped_by: str
+    """``count`` (every message sent) or ``time-limit``."""
+
+    def summary(self) -> str:
+        fleet = f"{len(self.devices)} devices" if len(self.devices) > 1 else f"device {self.devices[0]}"
+        rate = self.published / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return (
+            f"sim {self.sensor}: {self.published} messages from {fleet} to {self.broker} (QoS {self.qos}) "
+            f"in {self.elapsed_s:.2f} s ({rate:.1f}/s); {self.dropped} dropped, {self.acknowledged} acknowledged; "
+            f"stopped by {self.stopped_by}"
+        )
+
+
+def encode_json(message: dict[str, Any]) -> bytes:
+    """The json codec's payload: compact, UTF-8."""
+    return json.dumps(message, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def fleet_messages(sensors: Sequence[Sensor], count: int, topic: str = DEFAULT_TOPIC) -> Iterator[SimMessage]:
+    """``count`` messages of each sensor, interleaved device by device (0, 1, 2, 0, 1, 2, ...)."""
+    validate_topic_template(topic)
+    topics = [topic.format(device=sensor.device, sensor=sensor.name) for sensor in sensors]
+    for seq in range(count):
+        for sensor, sensor_topic in zip(sensors, topics, strict=True):
+            yield SimMessage(sensor_topic, encode_json(sensor.next_message(seq)), sensor.device, seq)
+
+
+@dataclass
+class _Tracker:
+    """Connection state and acknowledgements, updated by paho's network thread."""
+
+    connected: threading.Event = field(default_factory=threading.Event)
+    connack: str | None = None
+    done: threading.Condition = field(default_factory=threading.Condition)
+    acknowledged: int = 0
+
+    def on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        self.connack = str(reason_code)
+        if not reason_code.is_failure:
+            self.connected.set()
+
+    def on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        self.connected.clear()
+
+    def on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        with self.done:
+            self.acknowledged += 1
+            self.done.notify_all()
+
+    def wait_for_acks(self, expected: int, timeout: float) -> int:
+        with self.done:
+            self.done.wait_for(lambda: self.acknowledged >= expected, timeout)
+            return self.acknowledged
+
+
+def publish(sensors: Sequence[Sensor], broker: BrokerAddress, options: PublishOptions) -> PublishReport:
+    """Publish ``options.count`` messages of every sensor (one sensor per device) and report what happened."""
+    import paho.mqtt.client as mqtt
+
+    if not sensors:
+        raise EdgelineError("no sensors to publish")
+    devices = tuple(sensor.device for sensor in sensors)
+    if len(set(devices)) != len(devices):
+        raise EdgelineError(f"device ids must be unique, got {', '.join(devices)}")
+    kind = sensors[0].name
+    tracker = _Tracker()
+    client_id = options.client_id or f"edgeline-sim-{devices[0]}-{os.getpid()}"
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+    client.on_connect = tracker.on_connect
+    client.on_disconnect = tracker.on_disconnect
+    client.on_publish = tracker.on_publish
+    client.reconnect_delay_set(min_delay=1, max_delay=4)
+    try:
+        client.connect(broker.host, broker.port, keepalive=30)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise EdgelineError(f"cannot reach the MQTT broker at {broker}: {reason}") from exc
+    client.loop_start()
+    try:
+        if not tracker.connected.wait(CONNECT_TIMEOUT_S):
+            why = f"it refused the connection ({tracker.connack})" if tracker.connack else "no answer"
+            raise EdgelineError(f"MQTT broker at {broker}: {why} within {CONNECT_TIMEOUT_S:g} s")
+        return _run(client, tracker, sensors, broker, options, kind)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def _run(
+    client: Any,
+    tracker: _Tracker,
+    sensors: Sequence[Sensor],
+    broker: BrokerAddress,
+    options: PublishOptions,
+    kind: str,
+) -> PublishReport:
+    import paho.mqtt.client as mqtt
+
+    per_device = {sensor.device: 0 for sensor in sensors}
+    interval = 0.0 if options.rate_hz == 0 else 1.0 / (options.rate_hz * len(sensors))
+    start = time.monotonic()
+    deadline = start + options.time_limit_s
+    published = dropped = 0
+    stopped_by = "count"
+    for index, message in enumerate(fleet_messages(sensors, options.count, options.topic)):
+        due = start + index * interval
+        if due > deadline or time.monotonic() > deadline:
+            stopped_by = "time-limit"
+            break
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        info = client.publish(message.topic, message.payload, qos=options.qos)
+        # QoS 1 while disconnected: paho keeps the message and sends it on reconnection.
+        kept = info.rc == mqtt.MQTT_ERR_SUCCESS or (options.qos == 1 and info.rc == mqtt.MQTT_ERR_NO_CONN)
+        if kept:
+            published += 1
+            per_device[message.device] += 1
+        else:
+            dropped += 1
+    acknowledged = tracker.wait_for_acks(published, options.ack_timeout_s)
+    elapsed = time.monotonic() - start
+    if options.qos == 1 and acknowledged < published:
+        raise EdgelineError(
+            f"MQTT broker at {broker}: acknowledged {acknowledged} of {published} QoS 1 messages "
+            f"within {options.ack_timeout_s:g} s"
+        )
+    return PublishReport(
+        broker=str(broker),
+        sensor=kind,
+        devices=tuple(per_device),
+        qos=options.qos,
+        published=published,
+        dropped=dropped,
+        acknowledged=acknowledged,
+        per_device=per_device,
+        elapsed_s=elapsed,
+        stopped_by=stopped_by,
+    )
