@@ -68,4 +68,7 @@ PAYLOAD_CODES = (
     "wrong-shape",  # element count or shape does not fit the model input
     "wrong-dtype",  # values of a type that is not a real number
     "non-finite",  # NaN or Inf
+    # Not about the payload itself, but answered the same way by the daemon:
+    "dropped",  # the queue was full (policy drop-oldest): the input was never run
+    "inference-failed",  # the runtime failed on a valid input (a bug or a broken model; logged)
 )

@@ -1,0 +1,224 @@
+"""``edgeline run``: a bundle, a broker, and a stream of sensor messages turned into a stream of answers.
+
+    MQTT network thread ──put──► bounded queue ──get_batch──► worker thread: Processor ──► publish
+         (no inference here)       (drop-oldest: the evicted                 (one answer per input)
+                                     input is answered "dropped")
+    status thread: status message + systemd WATCHDOG; availability: retained "online", "offline" as last will
+
+SIGTERM or SIGINT: stop taking input, answer everything already queued, publish "offline", disconnect, exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edge_runtime.codecs import get_codec
+from edge_runtime.config import DaemonConfig
+from edge_runtime.errors import EdgelineError
+from edge_runtime.health import Metrics, MetricsServer, SystemdNotifier
+from edge_runtime.model import load
+from edge_runtime.processor import Answer, Message, Processor
+from edge_runtime.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty
+from edge_runtime.topics import TopicFilter, render_topic
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger("edgeline.daemon")
+CONNECT_TIMEOUT_S = 10.0
+
+
+class Daemon:
+    def __init__(
+        self,
+        bundle: Path,
+        config: DaemonConfig,
+        *,
+        backend: str | None = None,
+        echo: Callable[[Answer], None] | None = None,
+        notifier: SystemdNotifier | None = None,
+    ):
+        import paho.mqtt.client as mqtt
+
+        self.config = config
+        self.model = load(bundle, backend=backend)
+        codec = get_codec(config.input.codec)
+        if codec.name == "raw" and self.model.manifest.preprocess is not None:
+            # raw payloads are the model's own tensors; predict() would apply the preprocessing a second time
+            raise EdgelineError(
+                f"{bundle}: the raw codec sends the model's own tensors, but this bundle preprocesses its inputs; "
+                "use json, cbor or msgpack"
+            )
+        self.metrics = Metrics(model=self.model.name, version=self.model.version)
+        self.processor = Processor(
+            self.model,
+            codec,
+            self.metrics,
+            publish=config.output.publish,
+            error_topic=config.output.error_topic,
+            max_payload_bytes=config.input.max_payload_bytes,
+            window=config.window,
+            result_codec=get_codec("json") if codec.name == "raw" else None,
+        )
+        self.queue: BoundedQueue[Message] = BoundedQueue(config.queue.capacity, DropPolicy(config.queue.policy))
+        self.filters = [TopicFilter(pattern) for pattern in config.input.subscribe]
+        self.echo = echo
+        self.notifier = notifier or SystemdNotifier()
+        name = self.model.name
+        self.availability_topic = render_topic(config.health.availability_topic, device="", name=name)
+        self.status_topic = render_topic(config.health.status_topic, device="", name=name)
+        self.stopping = threading.Event()
+        self.connected = threading.Event()
+        self._metrics_server: MetricsServer | None = None
+        self.client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2,
+            client_id=config.broker.client_id.format(name=name),
+            clean_session=True,
+        )
+        self.client.will_set(self.availability_topic, "offline", qos=1, retain=True)
+        self.client.reconnect_delay_set(1, 30)
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_message = self._on_message
+        self._worker = threading.Thread(target=self._work, name="edgeline-worker", daemon=True)
+        self._status = threading.Thread(target=self._report, name="edgeline-status", daemon=True)
+
+    # -- network thread: never runs the model ---------------------------------------------------------------
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+        if reason.is_failure:
+            log.warning("broker refused the connection: %s", reason)
+            return
+        for topic_filter in self.filters:
+            client.subscribe(topic_filter.pattern, qos=self.config.input.qos)
+        client.publish(self.availability_topic, "online", qos=1, retain=True)
+        self.connected.set()
+
+    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+        self.connected.clear()
+        if not self.stopping.is_set():
+            self.metrics.count("disconnects")
+            log.warning("lost the broker (%s); reconnecting", reason)
+
+    def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
+        device = next((d for f in self.filters if (d := f.device(msg.topic)) is not None), msg.topic)
+        try:
+            evicted = self.queue.put(Message(topic=msg.topic, payload=bytes(msg.payload), device=device))
+        except QueueClosed:
+            return  # shutting down: the broker redelivers unacknowledged QoS 1 messages to the next run
+        if evicted is not None:
+            self.metrics.count("dropped")
+            capacity = self.config.queue.capacity
+            for answer in self.processor.refuse(evicted, "dropped", f"queue full ({capacity}): dropped unprocessed"):
+                client.publish(answer.topic, answer.payload, qos=self.config.output.qos)
+
+    # -- worker thread ---------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        max_batch = self.config.queue.max_batch
+        while True:
+            try:
+                batch = self.queue.get_batch(max_batch, timeout=0.5)
+            except QueueEmpty:
+                continue
+            except QueueClosed:
+                return
+            for message in batch:
+                for answer in self._answers(message):
+                    self.client.publish(answer.topic, answer.payload, qos=self.config.output.qos)
+                    if self.echo is not None:
+                        self.echo(answer)
+                if message.ack is not None:
+                    message.ack()
+
+    def _answers(self, message: Message) -> list[Answer]:
+        try:
+            return self.processor.process(message)
+        except Exception as exc:  # a runtime failure on valid input: answer it, log it, keep going
+            log.exception("inference failed on a message from %s", message.device)
+            return self.processor.refuse(message, "inference-failed", f"{type(exc).__name__}: {exc}")
+
+    # -- status thread -----------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        stats = self.queue.stats()
+        extra = {
+            "queue_depth": stats.depth,
+            "queue_capacity": stats.capacity,
+            "queue_policy": stats.policy.value,
+            "connected": self.connected.is_set(),
+        }
+        return self.metrics.snapshot(extra)
+
+    def _report(self) -> None:
+        interval = self.config.health.status_interval_s
+        watchdog = self.notifier.watchdog_interval_s
+        tick = min(interval, watchdog) if watchdog else interval
+        next_status = time.monotonic() + interval
+        while not self.stopping.wait(tick):
+            if watchdog:
+                self.notifier.notify("WATCHDOG=1")
+            if time.monotonic() >= next_status:
+                next_status += interval
+                self.client.publish(self.status_topic, json.dumps(self.status()), qos=0, retain=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        broker = self.config.broker
+        try:
+            self.client.connect_async(broker.host, broker.port, keepalive=broker.keepalive_s)
+        except (OSError, ValueError) as exc:
+            raise EdgelineError(f"broker {broker.host}:{broker.port}: {exc}") from exc
+        self.client.loop_start()
+        if not self.connected.wait(CONNECT_TIMEOUT_S):
+            self.client.loop_stop()
+            raise EdgelineError(
+                f"broker {broker.host}:{broker.port}: no connection within {CONNECT_TIMEOUT_S:g} s "
+                "(is it running and reachable?)"
+            )
+        if self.config.health.prometheus_port:
+            self._metrics_server = MetricsServer(self.metrics, self.config.health.prometheus_port, self.status).start()
+        self._worker.start()
+        self._status.start()
+        self.notifier.notify("READY=1")
+
+    def stop(self) -> None:
+        """Drain: no new input, answer what is queued, then say offline and leave."""
+        self.notifier.notify("STOPPING=1")
+        self.stopping.set()
+        for topic_filter in self.filters:
+            self.client.unsubscribe(topic_filter.pattern)
+        self.queue.close()
+        self._worker.join(timeout=60)
+        info = self.client.publish(self.availability_topic, "offline", qos=1, retain=True)
+        info.wait_for_publish(timeout=5)
+        self.client.disconnect()
+        self.client.loop_stop()
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+
+    def run_until_signalled(self) -> int:
+        def handle(signum: int, frame: Any) -> None:
+            self.stopping.set()
+
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.start()
+            print(
+                f"edgeline run: {self.model.name} v{self.model.version} ({self.model.backend}) on "
+                f"{self.config.broker.host}:{self.config.broker.port}, subscribed to "
+                f"{', '.join(f.pattern for f in self.filters)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            while not self.stopping.wait(0.5):
+                pass
+            self.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 0

@@ -1,0 +1,158 @@
+"""One sensor message in, its answers out: size check, decode, window, predict, interpret, encode.
+
+Every input gets exactly one answer. For models without a window the input is the message: one result or one
+coded error. For windowed models the inputs are the windows a message completes: one result per window, and a
+message that cannot be used (malformed, wrong shape, NaN...) gets one coded error. Pure apart from the model
+call; the daemon runs it on its worker thread, never on the MQTT network thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edge_runtime.codecs import Codec
+from edge_runtime.errors import PayloadError
+from edge_runtime.health import Metrics
+from edge_runtime.manifest import Window
+from edge_runtime.model import Model
+from edge_runtime.topics import render_topic
+from edge_runtime.windowing import StreamWindows
+
+__all__ = ["Answer", "Message", "Processor"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message as it arrived: the network thread builds it and queues it, nothing more."""
+
+    topic: str
+    payload: bytes
+    device: str
+    received: float = field(default_factory=time.time)
+    # Seam for a durable outbox: called once the message's answers are handed over (paho manual_ack).
+    ack: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    topic: str
+    payload: bytes
+    record: dict[str, Any]
+    is_error: bool
+
+
+class Processor:
+    def __init__(
+        self,
+        model: Model,
+        codec: Codec,
+        metrics: Metrics,
+        *,
+        publish: str,
+        error_topic: str | None = None,
+        max_payload_bytes: int = 1 << 20,
+        window: Window | None = None,
+        max_streams: int = 1024,
+        result_codec: Codec | None = None,
+    ):
+        self.model = model
+        self.codec = codec
+        # Results cannot be published raw; a raw input stream is answered in another codec (json by default).
+        self.result_codec = result_codec or codec
+        self.metrics = metrics
+        self.publish = publish
+        self.error_topic = error_topic
+        self.max_payload_bytes = max_payload_bytes
+        self.window = window if window is not None else model.manifest.window
+        self.streams = StreamWindows(self.window, max_streams=max_streams) if self.window else None
+        self._sequence: Counter[str] = Counter()
+        self._sequence_lock = threading.Lock()  # drops are answered on the network thread
+        self._base = {"model": model.name, "version": model.version}
+
+    def process(self, message: Message) -> list[Answer]:
+        sequence = self._next_sequence(message.device)
+        self.metrics.count("received")
+        identity: str | None = None
+        try:
+            size = len(message.payload)
+            if size > self.max_payload_bytes:
+                raise PayloadError(
+                    f"payload of {size} bytes exceeds the limit of {self.max_payload_bytes}", code="oversized"
+                )
+            decoded = self.codec.decode(message.payload, self.model.inputs, window=self.window)
+            identity = decoded.id
+            if self.streams is None:
+                return [self._infer(message, sequence, identity, list(decoded.arrays))]
+            windows = self.streams.push(message.device, decoded.arrays[0])
+            return [
+                self._infer(message, sequence, identity, [w.reshape(self.model.inputs[0].shape)], window=i)
+                for i, w in enumerate(windows)
+            ]
+        except PayloadError as exc:
+            return self._error(message, sequence, identity, exc.code, str(exc))
+
+    def refuse(self, message: Message, code: str, text: str) -> list[Answer]:
+        """The one answer of an input that never reaches the model (dropped, or the runtime failed on it)."""
+        identity = None
+        if code == "inference-failed":  # it was decoded once; its sequence number is already taken
+            with self._sequence_lock:
+                sequence = self._sequence[message.device]
+        else:
+            sequence = self._next_sequence(message.device)
+            self.metrics.count("received")
+        return self._error(message, sequence, identity, code, text)
+
+    def _next_sequence(self, device: str) -> int:
+        with self._sequence_lock:
+            self._sequence[device] += 1
+            if len(self._sequence) > 100_000:  # a flood of device ids must not grow memory without bound
+                self._sequence.clear()
+                self._sequence[device] = 1
+            return self._sequence[device]
+
+    def _record(self, message: Message, sequence: int, identity: str | None) -> dict[str, Any]:
+        return {
+            "id": identity if identity is not None else f"{message.device}-{sequence}",
+            "device": message.device,
+            "seq": sequence,
+            **self._base,
+        }
+
+    def _infer(
+        self, message: Message, sequence: int, identity: str | None, inputs: list[np.ndarray], window: int | None = None
+    ) -> Answer:
+        start = time.perf_counter()
+        outputs = self.model.predict(*inputs)
+        latency_ms = (time.perf_counter() - start) * 1000.0
+        self.metrics.latency(latency_ms)
+        self.metrics.count("results")
+        record = self._record(message, sequence, identity)
+        if window is not None:
+            record["window"] = window
+        record["outputs"] = [output.tolist() for output in outputs]
+        record.update(self.model.interpret(inputs, outputs).as_dict())
+        record["latency_ms"] = round(latency_ms, 4)
+        record["timestamp"] = time.time()
+        topic = render_topic(self.publish, device=message.device, name=self.model.name)
+        return Answer(topic, self.result_codec.encode(record), record, is_error=False)
+
+    def _error(self, message: Message, sequence: int, identity: str | None, code: str, text: str) -> list[Answer]:
+        self.metrics.error(code)
+        record = self._record(message, sequence, identity)
+        record["error"] = {"code": code, "message": text}
+        record["timestamp"] = time.time()
+        payload = self.result_codec.encode(record)
+        answers = [
+            Answer(render_topic(self.publish, device=message.device, name=self.model.name), payload, record, True)
+        ]
+        if self.error_topic:
+            topic = render_topic(self.error_topic, device=message.device, name=self.model.name)
+            answers.append(Answer(topic, payload, record, True))
+        return answers

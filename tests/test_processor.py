@@ -1,0 +1,110 @@
+"""The daemon's message processor on a real LiteRT bundle: one answer per input, coded errors, windows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edge_runtime
+from edge_runtime.codecs import get_codec
+from edge_runtime.health import Metrics
+from edge_runtime.manifest import Window
+from edge_runtime.processor import Message, Processor
+
+
+@pytest.fixture(scope="module")
+def model(built_litert_bundle: Path) -> edge_runtime.Model:
+    return edge_runtime.load(built_litert_bundle)
+
+
+def processor(model: edge_runtime.Model, **options: object) -> Processor:
+    metrics = Metrics(model=model.name, version=model.version)
+    return Processor(model, get_codec("json"), metrics, publish="out/{name}/{device}", **options)  # type: ignore[arg-type]
+
+
+def message(payload: object, device: str = "cam-1") -> Message:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return Message(topic=f"sensors/{device}/image", payload=data, device=device)
+
+
+def image(seed: int = 0) -> list[float]:
+    return np.random.default_rng(seed).random(64, dtype=np.float32).tolist()
+
+
+def test_a_good_message_gets_one_result_equal_to_predict(model: edge_runtime.Model) -> None:
+    proc = processor(model)
+    (answer,) = proc.process(message({"id": "m1", "data": image(1)}))
+    assert not answer.is_error
+    assert answer.topic == f"out/{model.name}/cam-1"
+    record = json.loads(answer.payload)
+    expected = model.predict(np.array(image(1), dtype=np.float32).reshape(1, 1, 8, 8))[0]
+    np.testing.assert_allclose(np.array(record["outputs"][0]), expected, rtol=1e-6)
+    assert (record["id"], record["device"], record["seq"], record["model"], record["version"]) == (
+        "m1", "cam-1", 1, model.name, model.version,
+    )  # fmt: skip
+    assert record["class_index"] == int(np.argmax(expected))
+    assert 0 < record["score"] <= 1
+    assert record["latency_ms"] > 0 and record["timestamp"] > 0
+
+
+BAD = [
+    (b"{not json", "malformed"),
+    ({"id": "x"}, "missing-input"),
+    ({"id": "x", "data": [1.0, 2.0]}, "wrong-shape"),
+    ({"id": "x", "data": ["a"] * 64}, "wrong-dtype"),
+    (b'{"id": "x", "data": [NaN' + b", 0.5" * 63 + b"]}", "non-finite"),
+    (b'{"id": "x", "data": [' + b"1e999," * 63 + b"1]}", "non-finite"),
+]
+
+
+@pytest.mark.parametrize(("payload", "code"), BAD)
+def test_bad_input_gets_one_coded_error_and_nothing_else_is_lost(
+    model: edge_runtime.Model, payload: object, code: str
+) -> None:
+    proc = processor(model)
+    (first,) = proc.process(message({"id": "before", "data": image(2)}))
+    (error,) = proc.process(message(payload))
+    (after,) = proc.process(message({"id": "after", "data": image(3)}))
+    assert error.is_error
+    record = json.loads(error.payload)
+    assert record["error"]["code"] == code
+    assert record["error"]["message"]
+    assert record["seq"] == 2 and record["device"] == "cam-1"
+    assert not first.is_error and not after.is_error
+    assert json.loads(after.payload)["seq"] == 3
+    status = proc.metrics.snapshot()
+    assert status["errors"] == {code: 1}
+    assert status["counts"]["results"] == 2
+
+
+def test_oversized_is_refused_before_decoding(model: edge_runtime.Model) -> None:
+    proc = processor(model, max_payload_bytes=100)
+    (error,) = proc.process(message(b"\xff" * 101))  # not even JSON: the size check comes first
+    assert json.loads(error.payload)["error"]["code"] == "oversized"
+
+
+def test_errors_are_mirrored_to_the_error_topic(model: edge_runtime.Model) -> None:
+    proc = processor(model, error_topic="errors/{device}")
+    answers = proc.process(message(b"[]"))
+    assert [a.topic for a in answers] == [f"out/{model.name}/cam-1", "errors/cam-1"]
+    assert all(a.is_error for a in answers)
+
+
+def test_windows_per_device(model: edge_runtime.Model) -> None:
+    """An (8 rows x 8 channels) window over streamed rows, hop 4: rows from two devices never mix."""
+    proc = processor(model, window=Window(size=8, hop=4, channels=8))
+    rows = np.arange(16 * 8, dtype=np.float32).reshape(16, 8) / 128.0
+    results: dict[str, list[dict]] = {"a": [], "b": []}
+    for start in range(0, 16, 4):
+        for device in ("a", "b"):
+            chunk = rows[start : start + 4] if device == "a" else rows[start : start + 4][::-1]
+            answers = proc.process(message({"data": chunk.tolist()}, device=device))
+            results[device] += [json.loads(a.payload) for a in answers]
+    assert len(results["a"]) == len(results["b"]) == 3  # windows at rows 0, 4, 8 of 16
+    for index, record in enumerate(results["a"]):
+        expected = model.predict(rows[index * 4 : index * 4 + 8].reshape(1, 1, 8, 8))[0]
+        np.testing.assert_allclose(np.array(record["outputs"][0]), expected, rtol=1e-6)
+        assert record["window"] == 0  # the first (and only) window this message completed
