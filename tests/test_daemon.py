@@ -181,3 +181,32 @@ def test_systemd_ready_watchdog_and_stopping(broker: Broker, built_litert_bundle
             if process.poll() is None:
                 process.kill()
             process.communicate(timeout=10)
+
+
+TORCH_FREE_DAEMON = """
+import json, sys, time
+from pathlib import Path
+from edge_runtime.config import DaemonConfig
+from edge_runtime.daemon import Daemon
+
+bundle, address, topic = sys.argv[1:4]
+config = DaemonConfig().with_overrides(broker=address, subscribe=[topic + "/+/x"], publish=topic + "/r/{device}")
+daemon = Daemon(Path(bundle), config)
+daemon.start()
+daemon.client.publish(topic + "/dev/x", json.dumps({"data": [0.5] * 64}), qos=1)
+deadline = time.monotonic() + 20
+while daemon.metrics.snapshot()["counts"].get("results", 0) < 1 and time.monotonic() < deadline:
+    time.sleep(0.05)
+daemon.stop()
+heavy = sorted(m for m in ("torch", "executorch", "litert_torch", "export") if m in sys.modules)
+print(json.dumps({"results": daemon.metrics.snapshot()["counts"].get("results", 0), "heavy": heavy}))
+"""
+
+
+def test_the_daemon_never_imports_torch_for_a_litert_bundle(
+    broker: Broker, built_litert_bundle: Path, unique_topic: str
+) -> None:
+    args = [sys.executable, "-c", TORCH_FREE_DAEMON, str(built_litert_bundle), broker.address, unique_topic]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"results": 1, "heavy": []}
