@@ -210,3 +210,52 @@ def test_the_daemon_never_imports_torch_for_a_litert_bundle(
     done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == {"results": 1, "heavy": []}
+
+
+def test_a_simulated_fleet_through_the_daemon_matches_edgeline_infer(
+    broker: Broker,
+    daemon: subprocess.Popen[str],
+    built_litert_bundle: Path,
+    unique_topic: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """sim (its own process) -> Mosquitto -> daemon -> Mosquitto -> checker: every message answered exactly once,
+    and each answer's outputs equal what `edgeline infer` gives for the same input."""
+    from edge_runtime.cli import main
+
+    data = tmp_path / "prepared"
+    (data / "digits").mkdir(parents=True)
+    rng = np.random.default_rng(11)
+    np.savez(
+        data / "digits" / "validation.npz", x=rng.random((20, 1, 8, 8), dtype=np.float32), labels=np.arange(20) % 10
+    )
+    sent = Collector(broker, f"{unique_topic}/sensors/#")
+    results = Collector(broker, f"{unique_topic}/results/#")
+    sim = [
+        sys.executable, "-m", "edge_runtime.cli", "sim", "digits", "--broker", broker.address, "--data", str(data),
+        "--devices", "3", "--device", "cam", "--count", "5", "--rate", "0", "--qos", "1",
+        "--topic", f"{unique_topic}/sensors/{{device}}/image",
+    ]  # fmt: skip
+    done = subprocess.run(sim, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    messages = [json.loads(payload) for _, payload, _ in sent.wait_for(15)]
+    answers = [json.loads(payload) for _, payload, _ in results.wait_for(15)]
+    time.sleep(0.5)  # an extra answer would arrive now
+    assert len(messages) == len(sent.messages) == 15
+    assert len(answers) == len(results.messages) == 15
+    assert sorted(a["id"] for a in answers) == sorted(m["id"] for m in messages)
+    assert {a["device"] for a in answers} == {"cam-001", "cam-002", "cam-003"}
+
+    inputs = tmp_path / "inputs.npz"
+    np.savez(inputs, image=np.array([m["data"] for m in messages], dtype=np.float32).reshape(-1, 1, 8, 8))
+    capsys.readouterr()
+    assert main(["infer", str(built_litert_bundle), "--input", str(inputs), "--json"]) == 0
+    infer = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by_id = {a["id"]: a for a in answers}
+    for message, expected in zip(messages, infer, strict=True):
+        answer = by_id[message["id"]]
+        np.testing.assert_allclose(answer["outputs"][0], expected["outputs"][0], rtol=1e-6, atol=1e-7)
+        assert answer["label"] == expected["label"]
+    sent.close()
+    results.close()
