@@ -9,6 +9,7 @@ The first target that passes is moved into place; the report says why each earli
 from __future__ import annotations
 
 import datetime as dt
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from device_profiles import Precision, Profile, Target, load_profile
 from edge_runtime import bundle as bundle_io
 from edge_runtime.backends import open_session
 from edge_runtime.errors import EdgelineError
-from edge_runtime.manifest import Budgets, Fidelity, Postprocess
+from edge_runtime.manifest import NAME_PATTERN, Budgets, Fidelity, Postprocess
 from edge_runtime.model import load
 from edge_runtime.postprocess import interpret
 from edge_runtime.samples import SampleSet
@@ -134,6 +135,12 @@ def _postprocess(
     return Postprocess(kind=task)
 
 
+def _check_name(name: str, what: str) -> str:
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise ExportError(f"{what} {name!r}: a bundle name is letters, digits, '.', '_' and '-' (128 at most)")
+    return name
+
+
 def _out_dir(options: ExportOptions, name: str) -> tuple[Path, int]:
     out = options.out or Path("bundles") / name
     version = 1
@@ -223,22 +230,15 @@ def run_export(options: ExportOptions, progress: Progress = lambda line: None) -
 
     profile = load_profile(options.profile)
     targets = _targets(profile, options.backend, options.precision)
-    name_hint = options.name
-    if name_hint is not None:
-        from pydantic import TypeAdapter, ValidationError
-        from pydantic import constr as _constr
-
-        try:
-            TypeAdapter(_constr(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")).validate_python(name_hint)
-        except ValidationError as exc:
-            raise ExportError(f"--name {name_hint!r}: use letters, digits, '.', '_' and '-'") from exc
+    if options.name is not None:
+        _check_name(options.name, "--name")
     # Cheap checks first: nothing slow runs before the output directory is known to be usable.
     if options.out is not None:
-        _out_dir(options, name_hint or "model")
+        _out_dir(options, options.name or "model")
     progress(f"loading model {options.model}")
     torch.manual_seed(0)
     loaded = load_model(options.model)
-    name = name_hint or loaded.default_name
+    name = options.name or _check_name(loaded.default_name, f"the name taken from {options.model} (give --name)")
     out, version = _out_dir(options, name)
     calibration = load_samples(options.calibration, "calibration", loaded, None)
     validation = (

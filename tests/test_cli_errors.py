@@ -170,7 +170,15 @@ def test_an_output_path_that_is_a_file_is_refused(
 
 def test_an_invalid_bundle_name(user_error: RunError, export_args: list[str | Path]) -> None:
     message = user_error(*export_args, "--name", "../evil")
-    assert message == "--name '../evil': use letters, digits, '.', '_' and '-'"
+    assert message == "--name '../evil': a bundle name is letters, digits, '.', '_' and '-' (128 at most)"
+
+
+def test_a_name_taken_from_the_model_file_is_checked_too(
+    user_error: RunError, export_args: list[str | Path], tiny_model_file: Path, tmp_path: Path
+) -> None:
+    spaced = _write(tmp_path / "my model.py", tiny_model_file.read_text(encoding="utf-8"))
+    message = user_error(*_with_model(export_args, f"{spaced}:model"))
+    assert message.startswith(f"the name taken from {spaced}:model (give --name) 'my model': a bundle name is")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
