@@ -1,9 +1,13 @@
 """The daemon's configuration: a validated TOML file, overridden by command-line flags.
 
+[source]   kind = "mqtt" | "serial" | "replay" | "sim"; url, baudrate (serial); path, speed (replay); sim (the
+           arguments of `edgeline sim`); device (the stream key of messages that carry no topic)
 [broker]   host, port, client_id, keepalive_s
 [input]    subscribe = ["sensors/+/accel"], codec, qos, max_payload_bytes
-[output]   publish = "edgeline/{name}/{device}/result", error_topic, qos
-[queue]    capacity, policy = "drop-oldest" | "block", max_batch
+[output]   publish = "edgeline/{name}/{device}/result", error_topic, qos, mqtt (publish results to the broker;
+           always with the MQTT source, otherwise only when set or --broker is given: else they go to stdout)
+[queue]    capacity, policy = "drop-oldest" | "block" (default: drop-oldest for live sources, MQTT and serial;
+           block for replay and sim, which are lossless), max_batch
 [health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off, loopback only)
 [window]   size, hop, channels (overrides the bundle's)
 """
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edge_runtime.bundle import describe_validation_error
 from edge_runtime.errors import EdgelineError
@@ -30,6 +34,8 @@ else:  # pragma: no cover
 __all__ = ["BrokerAddress", "BrokerConfig", "DaemonConfig", "load_config"]
 
 CODEC_NAMES = ("json", "raw", "cbor", "msgpack")
+SOURCE_KINDS = ("mqtt", "serial", "replay", "sim")
+LOSSLESS_SOURCES = ("replay", "sim")
 DEFAULT_PORT = 1883
 
 
@@ -71,6 +77,26 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SourceConfig(_Section):
+    kind: Literal["mqtt", "serial", "replay", "sim"] = "mqtt"
+    url: str | None = None
+    baudrate: int = Field(default=115200, ge=50, le=4_000_000)
+    path: str | None = None
+    speed: float = Field(default=0.0, ge=0.0, le=1000.0)
+    sim: str | None = None
+    device: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[^/+#\s]+$")
+
+    @model_validator(mode="after")
+    def _complete(self) -> SourceConfig:
+        needs = {"serial": ("url", "a pyserial URL, e.g. /dev/ttyUSB0"), "replay": ("path", "a file, or - for stdin")}
+        needs["sim"] = ("sim", "the arguments of `edgeline sim`, e.g. 'digits --count 10'")
+        if self.kind in needs:
+            key, example = needs[self.kind]
+            if not getattr(self, key):
+                raise ValueError(f"the {self.kind} source needs source.{key}: {example}")
+        return self
+
+
 class BrokerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=1883, ge=1, le=65535)
@@ -101,6 +127,7 @@ class OutputConfig(_Section):
     publish: str = "edgeline/{name}/{device}/result"
     error_topic: str | None = None
     qos: Literal[0, 1] = 1
+    mqtt: bool | None = None
 
     @field_validator("publish", "error_topic")
     @classmethod
@@ -115,7 +142,7 @@ class OutputConfig(_Section):
 
 class QueueConfig(_Section):
     capacity: int = Field(default=1024, ge=1, le=1_000_000)
-    policy: Literal["drop-oldest", "block"] = "drop-oldest"
+    policy: Literal["drop-oldest", "block"] | None = None
     max_batch: int = Field(default=16, ge=1, le=4096)
 
 
@@ -127,12 +154,30 @@ class HealthConfig(_Section):
 
 
 class DaemonConfig(_Section):
+    source: SourceConfig = SourceConfig()
     broker: BrokerConfig = BrokerConfig()
     input: InputConfig = InputConfig()
     output: OutputConfig = OutputConfig()
     queue: QueueConfig = QueueConfig()
     health: HealthConfig = HealthConfig()
     window: Window | None = None
+
+    @model_validator(mode="after")
+    def _mqtt_source_publishes(self) -> DaemonConfig:
+        if self.source.kind == "mqtt" and self.output.mqtt is False:
+            raise ValueError("output.mqtt = false needs a source other than MQTT (the answers would go nowhere)")
+        return self
+
+    @property
+    def uses_broker(self) -> bool:
+        """Whether the daemon connects to the broker: for the MQTT source, or to publish another source's answers."""
+        return self.source.kind == "mqtt" or bool(self.output.mqtt)
+
+    @property
+    def queue_policy(self) -> str:
+        if self.queue.policy is not None:
+            return self.queue.policy
+        return "block" if self.source.kind in LOSSLESS_SOURCES else "drop-oldest"
 
     def with_overrides(
         self,
@@ -142,12 +187,23 @@ class DaemonConfig(_Section):
         publish: str | None = None,
         codec: str | None = None,
         qos: int | None = None,
+        source: dict[str, object] | None = None,
     ) -> DaemonConfig:
-        """The command line wins over the file; the result is validated like the file."""
+        """The command line wins over the file; the result is validated like the file.
+
+        ``source``: the source flags given (``kind`` and its settings); ``--broker`` with a source other than MQTT
+        means "publish the answers there".
+        """
         data = self.model_dump()
+        if source:
+            if "kind" in source and source["kind"] != data["source"]["kind"]:
+                data["source"] = {"device": data["source"]["device"]}  # another kind: its own settings only
+            data["source"].update({key: value for key, value in source.items() if value is not None})
         if broker is not None:
             address = BrokerAddress.parse(broker)
             data["broker"].update(host=address.host, port=address.port)
+            if data["source"].get("kind", "mqtt") != "mqtt" and data["output"]["mqtt"] is None:
+                data["output"]["mqtt"] = True
         if subscribe:
             data["input"]["subscribe"] = tuple(subscribe)
         if publish is not None:

@@ -1,11 +1,14 @@
-"""``edgeline run``: a bundle, a broker, and a stream of sensor messages turned into a stream of answers.
+"""``edgeline run``: a bundle and a stream of sensor messages turned into a stream of answers.
 
-    MQTT network thread ──put──► bounded queue ──get_batch──► worker thread: Processor ──► publish
-         (no inference here)       (drop-oldest: the evicted                 (one answer per input)
-                                     input is answered "dropped")
+    MQTT network thread ─┐                                                                ┌─► MQTT publish
+    or a source thread  ─┴put─► bounded queue ──get_batch──► worker thread: Processor ───┤
+      (serial, replay, sim)     (drop-oldest: the evicted     (one answer per input)      └─► stdout JSON lines
+         (no inference here)     input is answered "dropped")
     status thread: status message + systemd WATCHDOG; availability: retained "online", "offline" as last will
 
-SIGTERM or SIGINT: stop taking input, answer everything already queued, publish "offline", disconnect, exit 0.
+The broker is used for the MQTT source, and for another source's answers when configured; without it, answers go
+to stdout. SIGTERM or SIGINT: stop taking input, answer everything already queued, publish "offline", disconnect,
+exit 0. A finite source (a replay file, a bounded simulation) ends the same way once it is exhausted.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from edge_runtime.errors import EdgelineError
 from edge_runtime.health import Metrics, MetricsServer, SystemdNotifier
 from edge_runtime.model import load
 from edge_runtime.processor import Answer, Message, Processor
-from edge_runtime.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty
+from edge_runtime.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull
+from edge_runtime.sources import Source, make_source
 from edge_runtime.topics import TopicFilter, render_topic
 
 __all__ = ["Daemon"]
@@ -44,9 +48,8 @@ class Daemon:
         backend: str | None = None,
         echo: Callable[[Answer], None] | None = None,
         notifier: SystemdNotifier | None = None,
+        source: Source | None = None,
     ):
-        import paho.mqtt.client as mqtt
-
         self.config = config
         self.model = load(bundle, backend=backend)
         codec = get_codec(config.input.codec)
@@ -67,36 +70,100 @@ class Daemon:
             window=config.window,
             result_codec=get_codec("json") if codec.name == "raw" else None,
         )
-        self.queue: BoundedQueue[Message] = BoundedQueue(config.queue.capacity, DropPolicy(config.queue.policy))
+        self.queue: BoundedQueue[Message] = BoundedQueue(config.queue.capacity, DropPolicy(config.queue_policy))
         self.filters = [TopicFilter(pattern) for pattern in config.input.subscribe]
+        self.source = source if source is not None else self._configured_source()
+        if config.source.kind == "serial" and codec.name != "json":
+            raise EdgelineError(f"the serial source carries JSON lines; --codec {codec.name} needs MQTT or a replay")
+        # Answers go to stdout when asked, and always when there is no broker to publish them to.
         self.echo = echo
+        self._echo_lock = threading.Lock()
         self.notifier = notifier or SystemdNotifier()
         name = self.model.name
         self.availability_topic = render_topic(config.health.availability_topic, device="", name=name)
         self.status_topic = render_topic(config.health.status_topic, device="", name=name)
         self.stopping = threading.Event()
         self.connected = threading.Event()
+        self.source_done = threading.Event()
         self._metrics_server: MetricsServer | None = None
-        self.client = mqtt.Client(
-            mqtt.CallbackAPIVersion.VERSION2,
-            client_id=config.broker.client_id.format(name=name),
-            clean_session=True,
-        )
-        self.client.will_set(self.availability_topic, "offline", qos=1, retain=True)
-        self.client.reconnect_delay_set(1, 30)
-        self.client.on_connect = self._on_connect
-        self.client.on_disconnect = self._on_disconnect
-        self.client.on_message = self._on_message
+        self.client = self._client(name) if config.uses_broker else None
         self._worker = threading.Thread(target=self._work, name="edgeline-worker", daemon=True)
         self._status = threading.Thread(target=self._report, name="edgeline-status", daemon=True)
+        self._source_thread = threading.Thread(target=self._read_source, name="edgeline-source", daemon=True)
+
+    def _configured_source(self) -> Source | None:
+        settings = self.config.source
+        if settings.kind == "mqtt":
+            return None
+        return make_source(
+            settings.kind,
+            url=settings.url,
+            baudrate=settings.baudrate,
+            path=settings.path,
+            speed=settings.speed,
+            sim=settings.sim,
+            device=settings.device,
+            filters=self.filters,
+            max_payload_bytes=self.config.input.max_payload_bytes,
+        )
+
+    def _client(self, name: str) -> Any:
+        import paho.mqtt.client as mqtt
+
+        client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2,
+            client_id=self.config.broker.client_id.format(name=name),
+            clean_session=True,
+        )
+        client.will_set(self.availability_topic, "offline", qos=1, retain=True)
+        client.reconnect_delay_set(1, 30)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        return client
+
+    @property
+    def description(self) -> str:
+        broker = self.config.broker
+        where = f"{broker.host}:{broker.port}"
+        if self.source is None:
+            return f"on {where}, subscribed to {', '.join(f.pattern for f in self.filters)}"
+        sinks = [f"results to {where}"] if self.client is not None else []
+        if self.echo is not None:
+            sinks.append("results to stdout")
+        return f"reading {self.source.description}; {', '.join(sinks)}"
+
+    # -- sinks: any thread --------------------------------------------------------------------------------------
+    def _emit(self, answer: Answer) -> None:
+        if self.client is not None:
+            self.client.publish(answer.topic, answer.payload, qos=self.config.output.qos)
+        if self.echo is not None:
+            with self._echo_lock:
+                try:
+                    self.echo(answer)
+                except BrokenPipeError:  # the reader of stdout went away (| head): nobody to answer, so stop
+                    self.echo = None
+                    if self.client is None:
+                        log.warning("stdout was closed; stopping")
+                        self.stopping.set()
+
+    def _submit(self, message: Message, timeout: float | None = None) -> None:
+        """Queue one message; with drop-oldest, answer the message it evicts. Raises QueueClosed when stopping."""
+        evicted = self.queue.put(message, timeout=timeout)
+        if evicted is not None:
+            self.metrics.count("dropped")
+            capacity = self.config.queue.capacity
+            for answer in self.processor.refuse(evicted, "dropped", f"queue full ({capacity}): dropped unprocessed"):
+                self._emit(answer)
 
     # -- network thread: never runs the model ---------------------------------------------------------------
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         if reason.is_failure:
             log.warning("broker refused the connection: %s", reason)
             return
-        for topic_filter in self.filters:
-            client.subscribe(topic_filter.pattern, qos=self.config.input.qos)
+        if self.source is None:
+            for topic_filter in self.filters:
+                client.subscribe(topic_filter.pattern, qos=self.config.input.qos)
         client.publish(self.availability_topic, "online", qos=1, retain=True)
         self.connected.set()
 
@@ -109,14 +176,33 @@ class Daemon:
     def _on_message(self, client: Any, userdata: Any, msg: Any) -> None:
         device = next((d for f in self.filters if (d := f.device(msg.topic)) is not None), msg.topic)
         try:
-            evicted = self.queue.put(Message(topic=msg.topic, payload=bytes(msg.payload), device=device))
+            self._submit(Message(topic=msg.topic, payload=bytes(msg.payload), device=device))
         except QueueClosed:
             return  # shutting down: the broker redelivers unacknowledged QoS 1 messages to the next run
-        if evicted is not None:
-            self.metrics.count("dropped")
-            capacity = self.config.queue.capacity
-            for answer in self.processor.refuse(evicted, "dropped", f"queue full ({capacity}): dropped unprocessed"):
-                client.publish(answer.topic, answer.payload, qos=self.config.output.qos)
+
+    # -- source thread (serial, replay, sim) ----------------------------------------------------------------
+    def _read_source(self) -> None:
+        assert self.source is not None
+
+        def submit(message: Message) -> None:
+            while not self.stopping.is_set():  # block policy: wait for room, but not past a stop
+                try:
+                    self._submit(message, timeout=0.5)
+                    return
+                except QueueFull:
+                    continue
+            raise QueueClosed
+
+        try:
+            self.source.run(submit, self.stopping)
+        except QueueClosed:
+            pass
+        except EdgelineError as exc:
+            log.error("%s", exc)
+        except Exception:
+            log.exception("the source failed")
+        finally:
+            self.source_done.set()
 
     # -- worker thread ---------------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -130,9 +216,7 @@ class Daemon:
                 return
             for message in batch:
                 for answer in self._answers(message):
-                    self.client.publish(answer.topic, answer.payload, qos=self.config.output.qos)
-                    if self.echo is not None:
-                        self.echo(answer)
+                    self._emit(answer)
                 if message.ack is not None:
                     message.ack()
 
@@ -162,46 +246,60 @@ class Daemon:
         while not self.stopping.wait(tick):
             if watchdog:
                 self.notifier.notify("WATCHDOG=1")
-            if time.monotonic() >= next_status:
+            if time.monotonic() >= next_status and self.client is not None:
                 next_status += interval
                 self.client.publish(self.status_topic, json.dumps(self.status()), qos=0, retain=True)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
-        broker = self.config.broker
-        try:
-            self.client.connect_async(broker.host, broker.port, keepalive=broker.keepalive_s)
-        except (OSError, ValueError) as exc:
-            raise EdgelineError(f"broker {broker.host}:{broker.port}: {exc}") from exc
-        self.client.loop_start()
-        if not self.connected.wait(CONNECT_TIMEOUT_S):
-            self.client.loop_stop()
-            raise EdgelineError(
-                f"broker {broker.host}:{broker.port}: no connection within {CONNECT_TIMEOUT_S:g} s "
-                "(is it running and reachable?)"
-            )
+        if self.source is not None:
+            self.source.open()
+        if self.client is not None:
+            self._connect(self.client)
         if self.config.health.prometheus_port:
             self._metrics_server = MetricsServer(self.metrics, self.config.health.prometheus_port, self.status).start()
         self._worker.start()
         self._status.start()
+        if self.source is not None:
+            self._source_thread.start()
         self.notifier.notify("READY=1")
+
+    def _connect(self, client: Any) -> None:
+        broker = self.config.broker
+        try:
+            client.connect_async(broker.host, broker.port, keepalive=broker.keepalive_s)
+        except (OSError, ValueError) as exc:
+            raise EdgelineError(f"broker {broker.host}:{broker.port}: {exc}") from exc
+        client.loop_start()
+        if not self.connected.wait(CONNECT_TIMEOUT_S):
+            client.loop_stop()
+            raise EdgelineError(
+                f"broker {broker.host}:{broker.port}: no connection within {CONNECT_TIMEOUT_S:g} s "
+                "(is it running and reachable?)"
+            )
 
     def stop(self) -> None:
         """Drain: no new input, answer what is queued, then say offline and leave."""
         self.notifier.notify("STOPPING=1")
         self.stopping.set()
-        for topic_filter in self.filters:
-            self.client.unsubscribe(topic_filter.pattern)
+        if self.client is not None and self.source is None:
+            for topic_filter in self.filters:
+                self.client.unsubscribe(topic_filter.pattern)
         self.queue.close()
         self._worker.join(timeout=60)
-        info = self.client.publish(self.availability_topic, "offline", qos=1, retain=True)
-        info.wait_for_publish(timeout=5)
-        self.client.disconnect()
-        self.client.loop_stop()
+        if self._source_thread.is_alive():
+            self._source_thread.join(timeout=5)
+        if self.client is not None:
+            info = self.client.publish(self.availability_topic, "offline", qos=1, retain=True)
+            info.wait_for_publish(timeout=5)
+            self.client.disconnect()
+            self.client.loop_stop()
         if self._metrics_server is not None:
             self._metrics_server.stop()
 
     def run_until_signalled(self) -> int:
+        """Run until SIGTERM or SIGINT, or until a finite source is exhausted; then drain and stop."""
+
         def handle(signum: int, frame: Any) -> None:
             self.stopping.set()
 
@@ -209,13 +307,11 @@ class Daemon:
         try:
             self.start()
             print(
-                f"edgeline run: {self.model.name} v{self.model.version} ({self.model.backend}) on "
-                f"{self.config.broker.host}:{self.config.broker.port}, subscribed to "
-                f"{', '.join(f.pattern for f in self.filters)}",
+                f"edgeline run: {self.model.name} v{self.model.version} ({self.model.backend}) {self.description}",
                 file=sys.stderr,
                 flush=True,
             )
-            while not self.stopping.wait(0.5):
+            while not self.stopping.wait(0.2) and not self.source_done.is_set():
                 pass
             self.stop()
         finally:

@@ -36,6 +36,8 @@ class Message:
     payload: bytes
     device: str
     received: float = field(default_factory=time.time)
+    size: int | None = None
+    """The payload's real size when a source had to cut it short (over the limit); None: ``len(payload)``."""
     # Seam for a durable outbox: called once the message's answers are handed over (paho manual_ack).
     ack: Callable[[], None] | None = None
 
@@ -81,7 +83,7 @@ class Processor:
         self.metrics.count("received")
         identity: str | None = None
         try:
-            size = len(message.payload)
+            size = len(message.payload) if message.size is None else message.size
             if size > self.max_payload_bytes:
                 raise PayloadError(
                     f"payload of {size} bytes exceeds the limit of {self.max_payload_bytes}", code="oversized"

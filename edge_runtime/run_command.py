@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,11 @@ __all__ = ["register"]
 def register(subparsers: Any) -> None:
     run = subparsers.add_parser(
         "run",
-        help="run a bundle on a stream of MQTT sensor messages",
-        description="Subscribe to sensor topics, answer every message with a result or a coded error, publish "
-        "status and availability. Flags override the config file.",
+        help="run a bundle on a stream of sensor messages (MQTT, serial, a recording, simulated sensors)",
+        description="Answer every sensor message with a result or a coded error. By default, subscribe to MQTT "
+        "topics and publish answers, status and availability there. --serial, --replay or --sim read another "
+        "source instead; their answers go to stdout, or to the broker when --broker is given. Flags override "
+        "the config file.",
     )
     run.add_argument("bundle", metavar="BUNDLE", type=Path)
     run.add_argument("--config", type=Path, metavar="daemon.toml", help="daemon configuration (TOML)")
@@ -30,6 +33,24 @@ def register(subparsers: Any) -> None:
     run.add_argument("--qos", type=int, choices=[0, 1], help="QoS for subscriptions and results")
     run.add_argument("--backend", help="runtime backend instead of the manifest's (e.g. tflite-runtime)")
     run.add_argument("--stdout", action="store_true", help="also print every answer as a JSON line on stdout")
+    sources = run.add_argument_group("sources other than MQTT (one at a time)")
+    exclusive = sources.add_mutually_exclusive_group()
+    exclusive.add_argument(
+        "--serial", metavar="URL", help="JSON lines from a serial port: /dev/ttyUSB0, socket://HOST:PORT, ..."
+    )
+    exclusive.add_argument(
+        "--replay", metavar="FILE", help="recorded messages, one per line (- for stdin); ends at the end of the file"
+    )
+    exclusive.add_argument(
+        "--sim",
+        metavar="'SENSOR [ARGS]'",
+        help="simulated sensors in-process, with the arguments of `edgeline sim`, e.g. 'digits --count 10'",
+    )
+    sources.add_argument("--baudrate", type=int, metavar="N", help="serial speed (default 115200)")
+    sources.add_argument(
+        "--speed", type=float, metavar="X", help="replay at X times the recorded pace (default 0: as fast as possible)"
+    )
+    sources.add_argument("--device", metavar="ID", help="stream key of messages without a topic (serial, bare lines)")
     run.set_defaults(func=run_daemon)
 
 
@@ -37,8 +58,20 @@ def run_daemon(args: argparse.Namespace) -> int:
     from edge_runtime.daemon import Daemon
     from edge_runtime.processor import Answer
 
+    source: dict[str, object] = {"baudrate": args.baudrate, "speed": args.speed, "device": args.device}
+    if args.serial is not None:
+        source.update(kind="serial", url=args.serial)
+    elif args.replay is not None:
+        source.update(kind="replay", path=args.replay)
+    elif args.sim is not None:
+        source.update(kind="sim", sim=args.sim)
     config = load_config(args.config).with_overrides(
-        broker=args.broker, subscribe=args.subscribe, publish=args.publish, codec=args.codec, qos=args.qos
+        broker=args.broker,
+        subscribe=args.subscribe,
+        publish=args.publish,
+        codec=args.codec,
+        qos=args.qos,
+        source={key: value for key, value in source.items() if value is not None},
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -46,5 +79,9 @@ def run_daemon(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(answer.record, separators=(",", ":")) + "\n")
         sys.stdout.flush()
 
-    daemon = Daemon(args.bundle, config, backend=args.backend, echo=echo if args.stdout else None)
-    return daemon.run_until_signalled()
+    to_stdout = args.stdout or not config.uses_broker
+    daemon = Daemon(args.bundle, config, backend=args.backend, echo=echo if to_stdout else None)
+    status = daemon.run_until_signalled()
+    if daemon.echo is None and to_stdout:  # stdout was closed under us: keep the interpreter's exit quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return status

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sim.data import SENSOR_MODELS, SENSORS
 
-__all__ = ["register"]
+if TYPE_CHECKING:
+    from sim.sensors import Sensor
+
+__all__ = ["add_sensor_arguments", "make_sensors", "register"]
 
 DEFAULT_BROKER = "127.0.0.1:1883"
 DEFAULT_DEVICE = "sim"
@@ -31,10 +35,23 @@ def register(subparsers: Any) -> None:
         "messages {id, data, label} of one device or a fleet, seeded, at a fixed rate, for a bounded count "
         f"and time. Sensors and the reference models they feed: {models}.",
     )
-    parser.add_argument("sensor", metavar="SENSOR", help=f"one of: {', '.join(SENSORS)}")
+    add_sensor_arguments(parser)
     parser.add_argument(
         "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT", help=f"MQTT broker (default {DEFAULT_BROKER})"
     )
+    parser.add_argument("--qos", type=int, default=0, metavar="0|1", help="MQTT quality of service (default 0)")
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the messages to FILE (- for stdout) as a recording for `edgeline run --replay`, not to a broker",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=run_sim)
+
+
+def add_sensor_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to simulate, how fast and for how long: shared by ``edgeline sim`` and ``edgeline run --sim``."""
+    parser.add_argument("sensor", metavar="SENSOR", help=f"one of: {', '.join(SENSORS)}")
     parser.add_argument(
         "--rate", type=float, default=10.0, metavar="HZ", help="messages per second per device; 0: unpaced"
     )
@@ -56,7 +73,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--topic", default="sensors/{device}/{sensor}", metavar="TEMPLATE", help="fields {device} and {sensor}"
     )
-    parser.add_argument("--qos", type=int, default=0, metavar="0|1", help="MQTT quality of service (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="order and anomaly seed (default 0)")
     parser.add_argument(
         "--anomaly-rate", type=float, metavar="P", help="vibration: share of messages replaying an anomaly (default 0)"
@@ -65,24 +81,16 @@ def register(subparsers: Any) -> None:
         "--time-limit", type=float, default=600.0, metavar="S", help="stop after S seconds at most (default 600)"
     )
     parser.add_argument("--no-label", action="store_true", help="leave the ground-truth label out of messages")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(func=run_sim)
 
 
-def run_sim(args: argparse.Namespace) -> int:
-    from edge_runtime.config import BrokerAddress
+def make_sensors(args: argparse.Namespace) -> list[Sensor]:
+    """The sensors of every device the arguments name, with their samples loaded."""
     from sim.data import load_samples, resolve_model
-    from sim.publisher import PublishOptions, publish
     from sim.sensors import fleet_devices, make_sensor
 
     model = resolve_model(args.sensor, args.model)
-    broker = BrokerAddress.parse(args.broker)
-    options = PublishOptions(
-        count=args.count, rate_hz=args.rate, topic=args.topic, qos=args.qos, time_limit_s=args.time_limit
-    )
-    devices = fleet_devices(args.device, args.devices)
     samples = load_samples(args.data, model)
-    sensors = [
+    return [
         make_sensor(
             args.sensor,
             samples,
@@ -91,8 +99,22 @@ def run_sim(args: argparse.Namespace) -> int:
             anomaly_rate=args.anomaly_rate,
             with_label=not args.no_label,
         )
-        for device in devices
+        for device in fleet_devices(args.device, args.devices)
     ]
-    report = publish(sensors, broker, options)
-    print(json.dumps(asdict(report)) if args.json else report.summary(), flush=True)
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    from edge_runtime.config import BrokerAddress
+    from sim.publisher import PublishOptions, publish, record
+
+    options = PublishOptions(
+        count=args.count, rate_hz=args.rate, topic=args.topic, qos=args.qos, time_limit_s=args.time_limit
+    )
+    if args.out is not None:
+        report = record(make_sensors(args), args.out, options)
+    else:
+        broker = BrokerAddress.parse(args.broker)
+        report = publish(make_sensors(args), broker, options)
+    summary = json.dumps(asdict(report)) if args.json else report.summary()
+    print(summary, file=sys.stderr if args.out == "-" else sys.stdout, flush=True)
     return 0

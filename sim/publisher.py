@@ -14,11 +14,12 @@ meanwhile are dropped and counted, QoS 1 messages are queued and sent on reconne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +30,15 @@ from sim.sensors import Sensor
 
 __all__ = [
     "DEFAULT_TOPIC",
+    "Pacing",
     "PublishOptions",
     "PublishReport",
     "SimMessage",
     "encode_json",
     "fleet_messages",
     "publish",
+    "record",
+    "record_line",
     "validate_topic_template",
 ]
 
@@ -127,6 +131,82 @@ def fleet_messages(sensors: Sequence[Sensor], count: int, topic: str = DEFAULT_T
             yield SimMessage(sensor_topic, encode_json(sensor.next_message(seq)), sensor.device, seq)
 
 
+class Pacing:
+    """Message ``j`` of a run is due ``j / (rate_hz * devices)`` seconds after the start (rate 0: at once).
+
+    ``paced`` yields each message when it is due and stops at the time limit; ``stopped_by`` then says
+    ``count`` (every message went out) or ``time-limit``.
+    """
+
+    def __init__(self, rate_hz: float, devices: int, time_limit_s: float, wait: Callable[[float], Any] = time.sleep):
+        self.interval = 0.0 if rate_hz == 0 else 1.0 / (rate_hz * devices)
+        self.time_limit_s = time_limit_s
+        self.wait = wait
+        self.stopped_by = "count"
+
+    def paced(self, messages: Iterable[SimMessage]) -> Iterator[SimMessage]:
+        start = time.monotonic()
+        deadline = start + self.time_limit_s
+        for index, message in enumerate(messages):
+            due = start + index * self.interval
+            if due > deadline or time.monotonic() > deadline:
+                self.stopped_by = "time-limit"
+                return
+            delay = due - time.monotonic()
+            if delay > 0:
+                self.wait(delay)
+            yield message
+
+
+def record_line(message: SimMessage, t: float) -> bytes:
+    """One line of a recording for ``edgeline run --replay``: topic, device, time and the JSON payload."""
+    payload = json.loads(message.payload)
+    line = {"topic": message.topic, "device": message.device, "t": round(t, 6), "payload": payload}
+    return json.dumps(line, separators=(",", ":"), allow_nan=False).encode("utf-8") + b"\n"
+
+
+def record(sensors: Sequence[Sensor], out: str, options: PublishOptions) -> PublishReport:
+    """Write the run's messages to ``out`` (``-``: stdout) as a recording, paced like a broker run."""
+    import sys
+
+    if not sensors:
+        raise EdgelineError("no sensors to record")
+    per_device = {sensor.device: 0 for sensor in sensors}
+    pacing = Pacing(options.rate_hz, len(sensors), options.time_limit_s)
+    start = time.monotonic()
+    try:
+        stream = sys.stdout.buffer if out == "-" else open(out, "wb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise EdgelineError(f"--out {out}: {exc.strerror or exc}") from exc
+    try:
+        for message in pacing.paced(fleet_messages(sensors, options.count, options.topic)):
+            stream.write(record_line(message, time.monotonic() - start))
+            if options.rate_hz:
+                stream.flush()  # a paced run is a live stream: a reader sees each message when it is due
+            per_device[message.device] += 1
+    except BrokenPipeError:
+        pacing.stopped_by = "reader closed the pipe"
+    finally:
+        if stream is sys.stdout.buffer:
+            with contextlib.suppress(BrokenPipeError):
+                stream.flush()
+        else:
+            stream.close()
+    written = sum(per_device.values())
+    return PublishReport(
+        broker="stdout" if out == "-" else out,
+        sensor=sensors[0].name,
+        devices=tuple(per_device),
+        qos=0,
+        published=written,
+        dropped=0,
+        acknowledged=written,
+        per_device=per_device,
+        elapsed_s=time.monotonic() - start,
+        stopped_by=pacing.stopped_by,
+    )
+
+
 @dataclass
 class _Tracker:
     """Connection state and acknowledgements, updated by paho's network thread."""
@@ -199,19 +279,10 @@ def _run(
     import paho.mqtt.client as mqtt
 
     per_device = {sensor.device: 0 for sensor in sensors}
-    interval = 0.0 if options.rate_hz == 0 else 1.0 / (options.rate_hz * len(sensors))
     start = time.monotonic()
-    deadline = start + options.time_limit_s
     published = dropped = 0
-    stopped_by = "count"
-    for index, message in enumerate(fleet_messages(sensors, options.count, options.topic)):
-        due = start + index * interval
-        if due > deadline or time.monotonic() > deadline:
-            stopped_by = "time-limit"
-            break
-        delay = due - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+    pacing = Pacing(options.rate_hz, len(sensors), options.time_limit_s)
+    for message in pacing.paced(fleet_messages(sensors, options.count, options.topic)):
         info = client.publish(message.topic, message.payload, qos=options.qos)
         # QoS 1 while disconnected: paho keeps the message and sends it on reconnection.
         kept = info.rc == mqtt.MQTT_ERR_SUCCESS or (options.qos == 1 and info.rc == mqtt.MQTT_ERR_NO_CONN)
@@ -237,5 +308,5 @@ def _run(
         acknowledged=acknowledged,
         per_device=per_device,
         elapsed_s=elapsed,
-        stopped_by=stopped_by,
+        stopped_by=pacing.stopped_by,
     )

@@ -39,7 +39,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults_without_a_file() -> None:
     config = load_config(None)
     assert config == DaemonConfig()
-    assert config.queue.policy == "drop-oldest"
+    assert config.queue.policy is None and config.queue_policy == "drop-oldest"
 
 
 def test_file_is_read(tmp_path: Path) -> None:
@@ -79,6 +79,13 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ("[input]\nsubscribe = ['a/#/b']\n", "input.subscribe"),
         ("[output]\npublish = 'r/{sensor}'\n", "output.publish"),
         ("[window]\nsize = 4\n", "window.hop"),
+        ("[source]\nkind = 'serial'\n", "source.url"),
+        ("[source]\nkind = 'replay'\n", "source.path"),
+        ("[source]\nkind = 'sim'\n", "source.sim"),
+        ("[source]\nkind = 'usb'\n", "source.kind"),
+        ("[source]\nkind = 'serial'\nurl = '/dev/ttyUSB0'\nbaudrate = 7\n", "source.baudrate"),
+        ("[source]\ndevice = 'a/b'\n", "source.device"),
+        ("[output]\nmqtt = false\n", "output.mqtt"),
     ],
 )
 def test_errors_name_the_key(tmp_path: Path, text: str, named: str) -> None:
@@ -105,3 +112,28 @@ def test_broken_toml_and_missing_file(tmp_path: Path) -> None:
 def test_bad_broker_flag(broker: str) -> None:
     with pytest.raises(EdgelineError, match="--broker"):
         DaemonConfig().with_overrides(broker=broker)
+
+
+def test_each_source_has_its_stated_queue_policy_and_sink() -> None:
+    mqtt = DaemonConfig()
+    assert (mqtt.queue_policy, mqtt.uses_broker) == ("drop-oldest", True)
+    serial = mqtt.with_overrides(source={"kind": "serial", "url": "/dev/ttyUSB0"})
+    assert (serial.queue_policy, serial.uses_broker) == ("drop-oldest", False)
+    replay = mqtt.with_overrides(source={"kind": "replay", "path": "-"})
+    assert (replay.queue_policy, replay.uses_broker) == ("block", False)
+    # --broker with another source: publish its answers there
+    assert mqtt.with_overrides(broker="127.0.0.1:1884", source={"kind": "sim", "sim": "digits"}).uses_broker
+    explicit = DaemonConfig.model_validate({"source": {"kind": "replay", "path": "-"}, "queue": {"policy": "drop-oldest"}})
+    assert explicit.queue_policy == "drop-oldest"
+
+
+def test_a_source_flag_replaces_the_files_source(tmp_path: Path) -> None:
+    path = write(tmp_path, "[source]\nkind = 'serial'\nurl = '/dev/ttyACM0'\ndevice = 'bench'\n")
+    config = load_config(path).with_overrides(source={"kind": "replay", "path": "rec.jsonl"})
+    assert (config.source.kind, config.source.path, config.source.url, config.source.device) == (
+        "replay",
+        "rec.jsonl",
+        None,
+        "bench",
+    )
+    assert load_config(path).with_overrides(source={"baudrate": 9600}).source.url == "/dev/ttyACM0"

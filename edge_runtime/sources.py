@@ -1,0 +1,293 @@
+"""Where sensor messages come from, besides MQTT: a serial port, a recorded file or stdin, simulated sensors.
+
+A source runs on its own thread and hands every message to ``submit``; the daemon queues it like an MQTT message,
+so windowing, the queue policy, error answers and sinks are the same whatever the source.
+
+    serial   JSON lines from a pyserial URL (/dev/ttyUSB0, /dev/pts/3, socket://host:port, rfc2217://...).
+             Reopened with back-off when the port goes away (a USB sensor unplugged and plugged back).
+    replay   recorded messages from a file, or ``-`` for stdin, one per line, in any of these forms:
+               {"topic": "sensors/pump/accel", "device": "pump", "t": 0.25, "payload": {...}}   (edgeline sim --out)
+               {"topic": ..., "payload_base64": "..."}                                          (binary codecs)
+               sensors/pump/accel {"id": 1, "data": [...]}                                      (mosquitto_sub -v)
+               {"id": 1, "data": [...]}                                                         (a bare payload)
+             Ends at the end of the file; ``speed`` > 0 replays at the recorded times (``t``) divided by it.
+    sim      simulated sensors in-process (``sim.source``, registered here by name and imported only when asked for).
+
+Lines are bounded: a line longer than the payload limit is skipped to its end and answered ``oversized``, never
+buffered whole.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+import orjson
+
+from edge_runtime.errors import EdgelineError
+from edge_runtime.processor import Message
+from edge_runtime.topics import TopicFilter
+
+__all__ = ["LineFramer", "ReplaySource", "SerialSource", "Source", "make_source", "parse_record"]
+
+log = logging.getLogger("edgeline.source")
+
+Submit = Callable[[Message], None]
+SOURCES = {"sim": "sim.source:SimSource"}
+"""Sources that live outside edge_runtime, by name: imported only when a configuration asks for them."""
+READ_CHUNK = 65536
+
+
+class Source(Protocol):
+    description: str
+    """For the start-up line and logs, e.g. ``serial /dev/ttyUSB0 at 115200 baud``."""
+    finite: bool
+    """True when the source ends by itself (a file, a bounded simulation): the daemon then drains and exits."""
+
+    def open(self) -> None:
+        """Fail fast, with an ``EdgelineError`` naming what is wrong, before the daemon says it is ready."""
+
+    def run(self, submit: Submit, stopping: threading.Event) -> None:
+        """Submit messages until the source ends or ``stopping`` is set."""
+
+
+class LineFramer:
+    """Splits a byte stream into lines of at most ``limit`` bytes without ever holding more than that.
+
+    ``feed`` yields ``(line, size)``: ``size`` is the line's real length; when it exceeds ``limit`` the line was
+    skipped and ``line`` is empty. A trailing ``\\r`` is removed; blank lines are skipped.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._buffer = bytearray()
+        self._skipped = 0  # bytes of an over-long line dropped so far; 0 when not skipping
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[bytes, int]]:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            if self._skipped:
+                self._skipped += len(piece)
+            elif len(self._buffer) + len(piece) > self.limit:
+                self._skipped = len(self._buffer) + len(piece)
+                self._buffer.clear()
+            else:
+                self._buffer += piece
+            if end < 0:
+                return
+            yield from self._line()
+            start = end + 1
+
+    def flush(self) -> Iterator[tuple[bytes, int]]:
+        """The last line of a stream that does not end with a newline."""
+        yield from self._line()
+
+    def _line(self) -> Iterator[tuple[bytes, int]]:
+        if self._skipped:
+            size, self._skipped = self._skipped, 0
+            yield b"", size
+            return
+        line = bytes(self._buffer).rstrip(b"\r")
+        self._buffer.clear()
+        if line.strip():
+            yield line, len(line)
+
+
+def _device_of(topic: str, filters: Sequence[TopicFilter]) -> str | None:
+    return next((device for f in filters if (device := f.device(topic)) is not None), None)
+
+
+class SerialSource:
+    """JSON lines from a serial port; the stream key is ``device`` (default: the port's name)."""
+
+    finite = False
+
+    def __init__(self, url: str, *, baudrate: int, device: str | None, max_payload_bytes: int):
+        self.url = url
+        self.baudrate = baudrate
+        self.device = device or Path(url.split("?")[0].rstrip("/")).name or "serial"
+        self.max_payload_bytes = max_payload_bytes
+        self.description = f"serial {url} at {baudrate} baud (device {self.device})"
+        self._port: object | None = None
+
+    def _open_port(self) -> object:
+        try:
+            import serial
+        except ImportError as exc:  # pragma: no cover - pyserial is part of the base install
+            raise EdgelineError("the serial source needs pyserial: pip install pyserial") from exc
+        try:
+            return serial.serial_for_url(self.url, baudrate=self.baudrate, timeout=0.2)
+        except (serial.SerialException, ValueError, OSError) as exc:
+            raise EdgelineError(f"--serial {self.url}: {exc}") from exc
+
+    def open(self) -> None:
+        self._port = self._open_port()
+
+    def run(self, submit: Submit, stopping: threading.Event) -> None:
+        import serial
+
+        backoff = 1.0
+        while not stopping.is_set():
+            port = self._port
+            self._port = None
+            if port is None:
+                try:
+                    port = self._open_port()
+                except EdgelineError as exc:
+                    log.warning("%s; retrying in %g s", exc, backoff)
+                    stopping.wait(backoff)
+                    backoff = min(backoff * 2, 30.0)
+                    continue
+                log.info("serial %s reopened", self.url)
+            backoff = 1.0
+            framer = LineFramer(self.max_payload_bytes)
+            try:
+                while not stopping.is_set():
+                    chunk = port.read(max(1, port.in_waiting))  # type: ignore[attr-defined]
+                    if not chunk:
+                        continue
+                    for line, size in framer.feed(chunk):
+                        submit(Message(topic=self.url, payload=line, device=self.device, size=size))
+            except (serial.SerialException, OSError) as exc:
+                log.warning("serial %s lost: %s; reopening", self.url, exc)
+            finally:
+                port.close()  # type: ignore[attr-defined]
+
+
+def parse_record(line: bytes, filters: Sequence[TopicFilter], default_device: str) -> tuple[Message, float | None]:
+    """One recorded line as a message, and its recorded time ``t`` if it has one (see the module docstring)."""
+    head = line.lstrip()[:1]
+    if head in (b"{", b"["):
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            record = None  # a broken payload: answered "malformed" by the codec, like on any other source
+        if isinstance(record, dict) and "topic" in record and ("payload" in record or "payload_base64" in record):
+            topic = str(record["topic"])
+            device = record.get("device")
+            device = str(device) if device is not None else _device_of(topic, filters) or topic
+            if "payload_base64" in record:
+                try:
+                    payload = base64.b64decode(str(record["payload_base64"]), validate=True)
+                except ValueError:
+                    payload = line  # undecodable: answered "malformed"
+            else:
+                payload = orjson.dumps(record["payload"])
+            t = record.get("t")
+            when = float(t) if isinstance(t, int | float) and not isinstance(t, bool) else None
+            return Message(topic=topic, payload=payload, device=device), when
+        return Message(topic="replay", payload=line, device=default_device), None
+    name, space, rest = line.partition(b" ")
+    if space and name:  # mosquitto_sub -v: "TOPIC PAYLOAD"
+        text = name.decode("utf-8", errors="replace")
+        return Message(topic=text, payload=rest, device=_device_of(text, filters) or text), None
+    return Message(topic="replay", payload=line, device=default_device), None
+
+
+class ReplaySource:
+    """Recorded messages from a file or stdin (``-``); see the module docstring for the line forms."""
+
+    finite = True
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        filters: Sequence[TopicFilter],
+        device: str | None,
+        max_payload_bytes: int,
+        speed: float = 0.0,
+    ):
+        self.path = path
+        self.filters = filters
+        self.device = device or "replay"
+        self.max_payload_bytes = max_payload_bytes
+        self.speed = speed
+        where = "stdin" if path == "-" else path
+        pace = f", {speed:g}x recorded time" if speed > 0 else ", as fast as the model takes them"
+        self.description = f"replay of {where}{pace}"
+        self._file: BinaryIO | None = None
+
+    def open(self) -> None:
+        if self.path == "-":
+            self._file = sys.stdin.buffer
+            return
+        try:
+            self._file = open(self.path, "rb")  # noqa: SIM115 - closed by run()
+        except OSError as exc:
+            raise EdgelineError(f"--replay {self.path}: {exc.strerror or exc}") from exc
+
+    def _chunks(self, stream: BinaryIO, stopping: threading.Event) -> Iterable[bytes]:
+        while not stopping.is_set():
+            chunk = stream.read1(READ_CHUNK) if hasattr(stream, "read1") else stream.read(READ_CHUNK)
+            if not chunk:
+                return
+            yield chunk
+
+    def run(self, submit: Submit, stopping: threading.Event) -> None:
+        stream = self._file
+        if stream is None:
+            raise EdgelineError("replay source used before open()")
+        framer = LineFramer(self.max_payload_bytes)
+        start = time.monotonic()
+        try:
+            for chunk in self._chunks(stream, stopping):
+                for line, size in framer.feed(chunk):
+                    self._submit(line, size, submit, start, stopping)
+            for line, size in framer.flush():
+                self._submit(line, size, submit, start, stopping)
+        finally:
+            if stream is not sys.stdin.buffer:
+                stream.close()
+
+    def _submit(self, line: bytes, size: int, submit: Submit, start: float, stopping: threading.Event) -> None:
+        if not line:  # over the limit: answered "oversized" without being read
+            submit(Message(topic="replay", payload=b"", device=self.device, size=size))
+            return
+        message, when = parse_record(line, self.filters, self.device)
+        if self.speed > 0 and when is not None:
+            stopping.wait(max(0.0, start + when / self.speed - time.monotonic()))
+        submit(message)
+
+
+def load_external_source(kind: str) -> type:
+    """A source class registered by name in ``SOURCES``, imported now."""
+    module_name, _, class_name = SOURCES[kind].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EdgelineError(f"the {kind} source needs the {module_name.split('.')[0]} package: {exc}") from exc
+    source_class: type = getattr(module, class_name)
+    return source_class
+
+
+def make_source(
+    kind: str,
+    *,
+    url: str | None = None,
+    baudrate: int = 115200,
+    path: str | None = None,
+    speed: float = 0.0,
+    sim: str | None = None,
+    device: str | None = None,
+    filters: Sequence[TopicFilter] = (),
+    max_payload_bytes: int = 1 << 20,
+) -> Source:
+    """The configured non-MQTT source (the configuration has checked that what each kind needs is there)."""
+    if kind == "serial" and url is not None:
+        return SerialSource(url, baudrate=baudrate, device=device, max_payload_bytes=max_payload_bytes)
+    if kind == "replay" and path is not None:
+        return ReplaySource(path, filters=filters, device=device, max_payload_bytes=max_payload_bytes, speed=speed)
+    if kind in SOURCES and sim is not None:
+        source: Source = load_external_source(kind)(sim, device=device)
+        return source
+    raise EdgelineError(f"source {kind!r}: not configured (see [source] in the daemon configuration)")

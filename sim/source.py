@@ -1,0 +1,60 @@
+"""Simulated sensors as a daemon source: ``edgeline run BUNDLE --sim 'digits --count 10 --devices 3'``.
+
+The same sensors, messages and pacing as ``edgeline sim``, handed to the daemon in-process instead of through a
+broker. ``edge_runtime.sources`` registers this class by name and imports it only when a configuration asks for it,
+so the device side never loads it otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import threading
+from collections.abc import Callable
+from typing import NoReturn
+
+from edge_runtime.errors import EdgelineError
+from edge_runtime.processor import Message
+from sim.cli import add_sensor_arguments, make_sensors
+from sim.publisher import Pacing, fleet_messages, validate_topic_template
+from sim.sensors import Sensor
+
+__all__ = ["SimSource"]
+
+
+class _Arguments(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise EdgelineError(f"--sim: {message}")
+
+
+class SimSource:
+    finite = True
+
+    def __init__(self, arguments: str, *, device: str | None = None):
+        parser = _Arguments(prog="--sim", add_help=False)
+        add_sensor_arguments(parser)
+        try:
+            words = shlex.split(arguments)
+        except ValueError as exc:
+            raise EdgelineError(f"--sim {arguments!r}: {exc}") from exc
+        self.args = parser.parse_args(words)
+        if device is not None and "--device" not in words:
+            self.args.device = device
+        if self.args.count < 1 or self.args.rate < 0 or self.args.time_limit <= 0:
+            raise EdgelineError(f"--sim {arguments!r}: --count must be positive, --rate and --time-limit not negative")
+        validate_topic_template(self.args.topic)
+        rate = "unpaced" if self.args.rate == 0 else f"{self.args.rate:g} Hz"
+        self.description = (
+            f"simulated {self.args.sensor} sensors ({self.args.devices} x {self.args.count} messages, {rate})"
+        )
+        self._sensors: list[Sensor] = []
+
+    def open(self) -> None:
+        self._sensors = make_sensors(self.args)
+
+    def run(self, submit: Callable[[Message], None], stopping: threading.Event) -> None:
+        pacing = Pacing(self.args.rate, len(self._sensors), self.args.time_limit, wait=stopping.wait)
+        for message in pacing.paced(fleet_messages(self._sensors, self.args.count, self.args.topic)):
+            if stopping.is_set():
+                return
+            submit(Message(topic=message.topic, payload=message.payload, device=message.device))
