@@ -123,7 +123,9 @@ def test_each_source_has_its_stated_queue_policy_and_sink() -> None:
     assert (replay.queue_policy, replay.uses_broker) == ("block", False)
     # --broker with another source: publish its answers there
     assert mqtt.with_overrides(broker="127.0.0.1:1884", source={"kind": "sim", "sim": "digits"}).uses_broker
-    explicit = DaemonConfig.model_validate({"source": {"kind": "replay", "path": "-"}, "queue": {"policy": "drop-oldest"}})
+    explicit = DaemonConfig.model_validate(
+        {"source": {"kind": "replay", "path": "-"}, "queue": {"policy": "drop-oldest"}}
+    )
     assert explicit.queue_policy == "drop-oldest"
 
 
