@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -259,3 +260,174 @@ def test_a_simulated_fleet_through_the_daemon_matches_edgeline_infer(
         assert answer["label"] == expected["label"]
     sent.close()
     results.close()
+
+
+def decode_answer(codec: str, payload: bytes) -> dict[str, object]:
+    import cbor2
+    import msgpack
+
+    decoded = cbor2.loads(payload) if codec == "cbor" else msgpack.unpackb(payload)
+    assert isinstance(decoded, dict)
+    return decoded
+
+
+@pytest.mark.parametrize("codec", ["cbor", "msgpack"])
+def test_binary_codecs_and_the_error_topic_through_the_broker(
+    broker: Broker, built_litert_bundle: Path, unique_topic: str, tmp_path: Path, codec: str
+) -> None:
+    """Payloads made by cbor2/msgpack, sent by mosquitto_pub; answers in the same codec; errors mirrored."""
+    import cbor2
+    import msgpack
+
+    encode = cbor2.dumps if codec == "cbor" else msgpack.packb
+    config = tmp_path / "daemon.toml"
+    config.write_text(
+        f'[input]\nsubscribe = ["{unique_topic}/in/+"]\ncodec = "{codec}"\nmax_payload_bytes = 2048\n'
+        f'[output]\npublish = "{unique_topic}/out/{{device}}"\nerror_topic = "{unique_topic}/errors/{{device}}"\n'
+    )
+    since = broker.log_size()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "edge_runtime.cli", "run", str(built_litert_bundle), "--config", str(config),
+         "--broker", broker.address],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        client_id = f"edgeline-{edge_runtime.read_bundle(built_litert_bundle).manifest.name}"
+        assert broker.wait_for_subscription(client_id, f"{unique_topic}/in/+", timeout=TIMEOUT_S, since=since)
+        results = Collector(broker, f"{unique_topic}/out/#")
+        errors = Collector(broker, f"{unique_topic}/errors/#")
+        rng = np.random.default_rng(8)
+        images = {f"b{i}": rng.random(64, dtype=np.float32) for i in range(4)}
+        for identity, x in images.items():  # float32 values as a nested list, the model's own shape
+            mosquitto_pub(broker, f"{unique_topic}/in/cam", encode({"id": identity, "data": x.reshape(8, 8).tolist()}))
+        bad = {
+            "malformed": b"\xff\x00 not " + codec.encode(),
+            "oversized": encode({"id": "big", "data": [0.5] * 600}),
+            "wrong-shape": encode({"id": "short", "data": [0.5] * 63}),
+        }
+        for payload in bad.values():
+            mosquitto_pub(broker, f"{unique_topic}/in/bad", payload)
+        answers = [decode_answer(codec, payload) for _, payload, _ in results.wait_for(len(images) + len(bad))]
+        mirrored = [decode_answer(codec, payload) for _, payload, _ in errors.wait_for(len(bad))]
+        time.sleep(0.5)  # anything extra would arrive now
+        assert (len(results.messages), len(errors.messages)) == (len(images) + len(bad), len(bad))
+        model = edge_runtime.load(built_litert_bundle)
+        by_id = {a["id"]: a for a in answers if "error" not in a}
+        for identity, x in images.items():
+            outputs = by_id[identity]["outputs"]
+            assert isinstance(outputs, list)
+            np.testing.assert_allclose(outputs[0], model.predict(x.reshape(1, 1, 8, 8))[0], rtol=1e-6)
+        refused = [a for a in answers if "error" in a]
+        assert [a["error"]["code"] for a in refused] == list(bad)  # type: ignore[index]
+        assert mirrored == refused
+        code, stderr = stop(process)
+        assert code == 0 and "Traceback" not in stderr, stderr[-2000:]
+        results.close()
+        errors.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=10)
+
+
+def gated_daemon(broker: Broker, bundle: Path, topic: str, policy: str, capacity: int) -> tuple[Any, Any, Any]:
+    """A daemon in this process whose worker waits at a gate before its first inference: a consumer slower than
+    the stream, made deterministic. Broker, client, queue and model are the real ones."""
+    from edge_runtime.config import DaemonConfig
+    from edge_runtime.daemon import Daemon
+    from tests.mqtt_broker import free_port
+
+    config = DaemonConfig.model_validate(
+        {
+            "broker": {"host": broker.host, "port": broker.port, "client_id": f"gated-{policy}"},
+            "input": {"subscribe": [f"{topic}/in/+"]},
+            "output": {"publish": f"{topic}/out/{{device}}"},
+            "queue": {"capacity": capacity, "policy": policy},
+            "health": {"status_topic": f"{topic}/status", "status_interval_s": 0.2, "prometheus_port": free_port()},
+        }
+    )
+    daemon = Daemon(bundle, config)
+    gate, entered = threading.Event(), threading.Event()
+    process = daemon.processor.process
+
+    def slow_consumer(message: Any) -> Any:
+        entered.set()
+        gate.wait(TIMEOUT_S)
+        return process(message)
+
+    daemon.processor.process = slow_consumer  # type: ignore[method-assign]
+    daemon.start()
+    return daemon, gate, entered
+
+
+def wait_until(condition: Any, timeout: float = TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_full_drop_oldest_queue_answers_dropped_and_loses_nothing_else(
+    broker: Broker, built_litert_bundle: Path, unique_topic: str
+) -> None:
+    import urllib.request
+
+    daemon, gate, entered = gated_daemon(broker, built_litert_bundle, unique_topic, "drop-oldest", capacity=4)
+    try:
+        results = Collector(broker, f"{unique_topic}/out/#")
+        rng = np.random.default_rng(9)
+        images = [rng.random(64, dtype=np.float32) for _ in range(11)]
+        payloads = [json.dumps({"id": f"m{i}", "data": x.tolist()}).encode() for i, x in enumerate(images)]
+        mosquitto_pub(broker, f"{unique_topic}/in/cam", payloads[0])
+        assert entered.wait(TIMEOUT_S)  # m0 is in the worker's hands; the rest meet a full queue
+        for payload in payloads[1:]:
+            mosquitto_pub(broker, f"{unique_topic}/in/cam", payload)
+        assert wait_until(lambda: daemon.queue.stats().enqueued == 11)
+        port = daemon._metrics_server.port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        assert "edgeline_dropped_total{" in metrics and metrics.split("edgeline_dropped_total{")[1].split()[1] == "6"
+        assert 'code="dropped"} 6' in metrics and "edgeline_queue_depth{" in metrics
+        gate.set()
+        answers = [json.loads(payload) for _, payload, _ in results.wait_for(11)]
+        time.sleep(0.5)  # anything extra would arrive now
+        assert len(results.messages) == 11
+        kept = [a["id"] for a in answers if "error" not in a]
+        dropped = [a for a in answers if "error" in a]
+        assert sorted(kept) == ["m0", "m10", "m7", "m8", "m9"]  # the oldest queued (m1..m6) made room
+        assert [a["error"]["code"] for a in dropped] == ["dropped"] * 6
+        assert sorted(a["seq"] for a in answers) == list(range(1, 12))
+        status = Collector(broker, f"{unique_topic}/status")
+        latest = json.loads(status.wait_for(1)[-1][1])
+        assert latest["counts"]["dropped"] == 6 and latest["errors"] == {"dropped": 6}
+        status.close()
+        results.close()
+    finally:
+        gate.set()
+        daemon.stop()
+
+
+def test_a_full_block_queue_holds_the_stream_back_and_loses_nothing(
+    broker: Broker, built_litert_bundle: Path, unique_topic: str
+) -> None:
+    daemon, gate, entered = gated_daemon(broker, built_litert_bundle, unique_topic, "block", capacity=2)
+    try:
+        results = Collector(broker, f"{unique_topic}/out/#")
+        payloads = [json.dumps({"id": f"m{i}", "data": [i / 10] * 64}).encode() for i in range(8)]
+        mosquitto_pub(broker, f"{unique_topic}/in/cam", payloads[0])
+        assert entered.wait(TIMEOUT_S)
+        for payload in payloads[1:]:
+            mosquitto_pub(broker, f"{unique_topic}/in/cam", payload)
+        assert wait_until(lambda: daemon.queue.stats().depth == 2)
+        assert daemon.queue.stats().enqueued == 3  # the network thread waits for room; the broker keeps the rest
+        gate.set()
+        answers = [json.loads(payload) for _, payload, _ in results.wait_for(8)]
+        assert sorted(a["id"] for a in answers) == sorted(f"m{i}" for i in range(8))
+        assert all("error" not in a for a in answers)
+        assert daemon.queue.stats().dropped == 0
+        results.close()
+    finally:
+        gate.set()
+        daemon.stop()
