@@ -1,8 +1,11 @@
 """End-to-end throughput and latency through a local Mosquitto, side by side in one run: `edgeline run`
 against a hand-written baseline (paho-mqtt subscribe -> json -> LiteRT invoke -> publish), same bundle,
 same messages, at QoS 0 and QoS 1. Messages are sent as fast as the publisher can (a backlog forms).
+The daemon runs twice: as configured by default (queued inputs batched into one call when the model allows it)
+and with batching off (``[queue] max_batch = 1``).
 
-    python benchmarks/daemon_throughput.py --write benchmarks/results/daemon_throughput.md
+    python benchmarks/daemon_throughput.py --write benchmarks/results/daemon_throughput.md \
+        --bundle artifacts/bench/bundles/ds_cnn-litert-int8-static artifacts/bench/bundles/resnet8-litert-int8-static
 """
 
 from __future__ import annotations
@@ -102,74 +105,99 @@ def drive(host: str, port: int, topic: str, payloads: list[bytes], qos: int, tim
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bundle", type=Path, default=Path("artifacts/bench/bundles/ds_cnn-litert-int8-static"))
-    parser.add_argument("--messages", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--write", type=Path)
-    args = parser.parse_args()
+CONSUMERS = ("baseline", "edgeline run", "edgeline run, max_batch 1")
+
+
+def batching_of(bundle: Path) -> str:
     import edge_runtime
 
-    spec = edge_runtime.read_bundle(args.bundle).manifest.inputs[0]
+    model = edge_runtime.load(bundle)
+    model.enable_batching(16)
+    return f"the daemon batches up to {model.batch_size}" if model.batch_size > 1 else model.batching
+
+
+def measure(
+    broker: object, bundle: Path, baseline_file: Path, unbatched: Path, messages: int, rounds: int
+) -> list[tuple[str, int, float, float, float, float]]:
+    import edge_runtime
+
+    spec = edge_runtime.read_bundle(bundle).manifest.inputs[0]
     rng = np.random.default_rng(0)
     count = int(np.prod(spec.shape))
     payloads = [
         json.dumps({"id": f"m{i}", "data": rng.random(count, dtype=np.float32).round(4).tolist()}).encode()
-        for i in range(args.messages)
+        for i in range(messages)
     ]
-    rows = []
+    host, port, address = broker.host, broker.port, broker.address  # type: ignore[attr-defined]
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for round_index in range(rounds):  # interleaved
+        for qos in (0, 1):
+            for number, name in enumerate(CONSUMERS):
+                topic = f"bench/{bundle.name}/{round_index}/{qos}/{number}"
+                if name == "baseline":
+                    command = [sys.executable, str(baseline_file), str(bundle / "model.tflite"), host, str(port),
+                               f"{topic}/in/+", f"{topic}/out/dev", str(qos)]  # fmt: skip
+                else:
+                    command = [sys.executable, "-m", "edge_runtime.cli", "run", str(bundle), "--broker", address,
+                               "--subscribe", f"{topic}/in/+", "--publish", f"{topic}/out/{{device}}",
+                               "--qos", str(qos)]  # fmt: skip
+                    if "max_batch 1" in name:
+                        command += ["--config", str(unbatched)]
+                process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                try:
+                    assert process.stdout is not None
+                    while "subscribed" not in (line := process.stdout.readline()):
+                        if not line:
+                            raise RuntimeError(f"{name} did not start")
+                    time.sleep(0.2)
+                    results.setdefault((name, qos), []).append(drive(host, port, topic, payloads, qos, timeout=120))
+                finally:
+                    process.terminate()
+                    process.wait(timeout=30)
+    rows = [
+        (name, qos, *(statistics.median(r[k] for r in runs) for k in ("answered", "throughput", "p50_ms", "p99_ms")))
+        for (name, qos), runs in results.items()
+    ]
+    rows.sort(key=lambda r: (r[1], CONSUMERS.index(r[0])))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--bundle", type=Path, nargs="+", default=[Path("artifacts/bench/bundles/ds_cnn-litert-int8-static")]
+    )
+    parser.add_argument("--messages", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--write", type=Path)
+    args = parser.parse_args()
+    tables = []
     with running_broker() as broker, tempfile.TemporaryDirectory() as scratch:
         baseline_file = Path(scratch) / "baseline.py"
         baseline_file.write_text(BASELINE)
-        results: dict[tuple[str, int], list[dict[str, float]]] = {}
-        for round_index in range(args.rounds):  # interleaved
-            for qos in (0, 1):
-                for name in ("baseline", "edgeline run"):
-                    topic = f"bench/{round_index}/{qos}/{name.replace(' ', '-')}"
-                    if name == "baseline":
-                        command = [sys.executable, str(baseline_file), str(args.bundle / "model.tflite"), broker.host,
-                                   str(broker.port), f"{topic}/in/+", f"{topic}/out/dev", str(qos)]  # fmt: skip
-                    else:
-                        command = [sys.executable, "-m", "edge_runtime.cli", "run", str(args.bundle), "--broker",
-                                   broker.address, "--subscribe", f"{topic}/in/+", "--publish",
-                                   f"{topic}/out/{{device}}", "--qos", str(qos)]  # fmt: skip
-                    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                    try:
-                        assert process.stdout is not None
-                        while "subscribed" not in (line := process.stdout.readline()):
-                            if not line:
-                                raise RuntimeError(f"{name} did not start")
-                        time.sleep(0.2)
-                        results.setdefault((name, qos), []).append(
-                            drive(broker.host, broker.port, topic, payloads, qos, timeout=120)
-                        )
-                    finally:
-                        process.terminate()
-                        process.wait(timeout=30)
-        for (name, qos), runs in results.items():
-            rows.append(
-                (
-                    name,
-                    qos,
-                    *(statistics.median(r[k] for r in runs) for k in ("answered", "throughput", "p50_ms", "p99_ms")),
-                )
-            )
-    rows.sort(key=lambda r: (r[1], r[0]))
-    lines = [
-        "| QoS | consumer | answered / sent | throughput msg/s | latency p50 ms | latency p99 ms |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {q} | {n} | {a:.0f} / {args.messages} | {t:.0f} | {p50:.1f} | {p99:.1f} |" for n, q, a, t, p50, p99 in rows
-    ]
-    text = "\n".join(lines)
+        unbatched = Path(scratch) / "unbatched.toml"
+        unbatched.write_text("[queue]\nmax_batch = 1\n")
+        for bundle in args.bundle:
+            rows = measure(broker, bundle, baseline_file, unbatched, args.messages, args.rounds)
+            lines = [
+                f"### `{bundle.name}` ({batching_of(bundle)})",
+                "",
+                "| QoS | consumer | answered / sent | throughput msg/s | latency p50 ms | latency p99 ms |",
+                "|---|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| {q} | {n} | {a:.0f} / {args.messages} | {t:.0f} | {p50:.1f} | {p99:.1f} |"
+                for n, q, a, t, p50, p99 in rows
+            ]
+            tables.append("\n".join(lines))
+    text = "\n\n".join(tables)
+
     print(text)
     if args.write:
         command = "python benchmarks/" + Path(__file__).name + " " + " ".join(sys.argv[1:])
         args.write.write_text(
             "# Daemon throughput vs a hand-written baseline\n\n"
-            f"Command: `{command.strip()}`\n\nBundle: `{args.bundle}`. {args.messages} JSON messages sent as fast as "
+            f"Command: `{command.strip()}`\n\n{args.messages} JSON messages per run, sent as fast as "
             f"one publisher can through a local Mosquitto; median of {args.rounds} interleaved rounds. Latency is "
             "from publish to the answer's arrival at a subscriber, so under this backlog it is mostly queueing. "
             "The daemon runs with every feature on (validation, coded errors, status, availability).\n\n" + text + "\n"

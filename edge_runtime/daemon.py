@@ -59,6 +59,7 @@ class Daemon:
                 f"{bundle}: the raw codec sends the model's own tensors, but this bundle preprocesses its inputs; "
                 "use json, cbor or msgpack"
             )
+        self.model.enable_batching(config.queue.max_batch)
         self.metrics = Metrics(model=self.model.name, version=self.model.version)
         self.processor = Processor(
             self.model,
@@ -214,18 +215,11 @@ class Daemon:
                 continue
             except QueueClosed:
                 return
-            for message in batch:
-                for answer in self._answers(message):
+            for message, answers in zip(batch, self.processor.process_batch(batch), strict=True):
+                for answer in answers:
                     self._emit(answer)
                 if message.ack is not None:
                     message.ack()
-
-    def _answers(self, message: Message) -> list[Answer]:
-        try:
-            return self.processor.process(message)
-        except Exception as exc:  # a runtime failure on valid input: answer it, log it, keep going
-            log.exception("inference failed on a message from %s", message.device)
-            return self.processor.refuse(message, "inference-failed", f"{type(exc).__name__}: {exc}")
 
     # -- status thread -----------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -234,6 +228,7 @@ class Daemon:
             "queue_depth": stats.depth,
             "queue_capacity": stats.capacity,
             "queue_policy": stats.policy.value,
+            "batch_size": self.model.batch_size,
             "connected": self.connected.is_set(),
         }
         return self.metrics.snapshot(extra)
@@ -307,7 +302,8 @@ class Daemon:
         try:
             self.start()
             print(
-                f"edgeline run: {self.model.name} v{self.model.version} ({self.model.backend}) {self.description}",
+                f"edgeline run: {self.model.name} v{self.model.version} ({self.model.backend}) {self.description}; "
+                f"{self.model.batching}",
                 file=sys.stderr,
                 flush=True,
             )

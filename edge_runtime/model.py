@@ -136,6 +136,12 @@ class Model:
         self._single = len(self.inputs) == 1 and len(self.outputs) == 1
         self._run = session.run
         self.threads = threads
+        self.batch_size = 1
+        """Samples per call of ``predict_batch``: 1 until ``enable_batching`` has checked a larger size."""
+        self.batching = "off"
+        """Why ``batch_size`` is what it is, for logs and the daemon's start-up line."""
+        self._batched: Session | None = None
+        self._batch_inputs: list[np.ndarray] = []
 
     @property
     def name(self) -> str:
@@ -158,6 +164,81 @@ class Model:
             return [y if convert is None else convert(y)]
         raw = self._run([convert(array) for convert, array in zip(self._to_model, arrays, strict=True)])
         return [y if convert is None else convert(y) for convert, y in zip(self._from_model, raw, strict=True)]
+
+    def enable_batching(self, size: int) -> int:
+        """Run ``size`` samples per call from now on, if the model allows it; returns the batch size in force.
+
+        Allowed only when the runtime can resize the model's inputs, and the resized model gives the single-sample
+        outputs on every golden sample (tiled to ``size``): a check on this device, with this runtime, at start-up.
+        """
+        if size <= 1:
+            self.batching = "off"
+            return self.batch_size
+        reason = self._batching_refused(size)
+        if reason is not None:
+            self.batching = f"one sample per call: {reason}"
+            return self.batch_size
+        self.batching = f"up to {size} queued samples per call (checked against single calls on golden.npz)"
+        return size
+
+    def _batching_refused(self, size: int) -> str | None:
+        if any(spec.shape[0] != 1 for spec in self.inputs) or any(spec.shape[0] != 1 for spec in self.outputs):
+            return "the model's first dimension is not a batch of 1"
+        opener = getattr(self._session, "batched", None)
+        if opener is None:
+            return f"the {self.backend} runtime runs the model at its exported shape"
+        golden = self.manifest.golden
+        if golden is None:
+            return "no golden.npz to check batched outputs against"
+        batched: Session | None = opener(size)
+        if batched is None:
+            return "the model's graph is fixed to a batch of 1"
+        from edge_runtime.samples import read_npz
+
+        arrays = read_npz(self.bundle.file(golden.path), "golden")
+        inputs = [arrays[f"input_{i}"] for i in range(len(self.inputs))]
+        picks = [i % golden.samples for i in range(size)]
+        samples = [[np.asarray(a[i : i + 1], np.float32) for a in inputs] for i in picks]
+        single = [self.predict(*sample) for sample in samples]
+        self._batched, self.batch_size = batched, size
+        self._batch_inputs = [np.zeros((size, *spec.shape[1:]), spec.dtype) for spec in self.inputs]
+        together = self.predict_batch(samples)
+        for one, other in zip(single, together, strict=True):
+            if isinstance(other, PayloadError) or not all(
+                np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(one, other, strict=True)
+            ):
+                self._batched, self._batch_inputs, self.batch_size = None, [], 1
+                return "batched outputs differ from single ones on golden.npz"
+        return None
+
+    def predict_batch(self, samples: Sequence[Sequence[np.ndarray]]) -> list[list[np.ndarray] | PayloadError]:
+        """Up to ``batch_size`` samples in one call. Each sample is what ``predict`` takes; each answer is what
+        ``predict`` returns, or the ``PayloadError`` that sample alone earned (the others still run)."""
+        if self._batched is None:
+            raise RuntimeError("predict_batch before enable_batching allowed it")
+        if len(samples) > self.batch_size:
+            raise ValueError(f"{len(samples)} samples for a batch of {self.batch_size}")
+        answers: list[list[np.ndarray] | PayloadError] = []
+        good: list[int] = []
+        for row, arrays in enumerate(samples):
+            try:
+                if len(arrays) != self._arity:
+                    raise PayloadError(
+                        f"{self.name} takes {self._arity} input(s), got {len(arrays)}", code="missing-input"
+                    )
+                for buffer, convert, array in zip(self._batch_inputs, self._to_model, arrays, strict=True):
+                    buffer[row] = convert(array)[0]
+            except PayloadError as exc:
+                answers.append(exc)
+                continue
+            answers.append([])
+            good.append(row)
+        if good:  # rows past len(samples), or refused, hold stale inputs: their outputs are never read
+            raw = self._batched.run(self._batch_inputs)
+            outputs = [y if convert is None else convert(y) for convert, y in zip(self._from_model, raw, strict=True)]
+            for row in good:
+                answers[row] = [output[row : row + 1].copy() for output in outputs]
+        return answers
 
     def interpret(
         self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray], *, top_k: int = 1

@@ -8,16 +8,17 @@ call; the daemon runs it on its worker thread, never on the MQTT network thread.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from edge_runtime.codecs import Codec
+from edge_runtime.codecs import Codec, Decoded
 from edge_runtime.errors import PayloadError
 from edge_runtime.health import Metrics
 from edge_runtime.manifest import Window
@@ -26,6 +27,8 @@ from edge_runtime.topics import render_topic
 from edge_runtime.windowing import StreamWindows
 
 __all__ = ["Answer", "Message", "Processor"]
+
+log = logging.getLogger("edgeline.processor")
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,7 @@ class Processor:
         self.metrics.count("received")
         identity: str | None = None
         try:
-            size = len(message.payload) if message.size is None else message.size
-            if size > self.max_payload_bytes:
-                raise PayloadError(
-                    f"payload of {size} bytes exceeds the limit of {self.max_payload_bytes}", code="oversized"
-                )
-            decoded = self.codec.decode(message.payload, self.model.inputs, window=self.window)
+            decoded = self._decode(message)
             identity = decoded.id
             if self.streams is None:
                 return [self._infer(message, sequence, identity, list(decoded.arrays))]
@@ -99,6 +97,78 @@ class Processor:
             ]
         except PayloadError as exc:
             return self._error(message, sequence, identity, exc.code, str(exc))
+
+    def process_batch(self, messages: Sequence[Message]) -> list[list[Answer]]:
+        """The answers of each message, in order. When the model takes batches (``Model.enable_batching``), every
+        full batch of valid inputs runs in one call; the rest, and windowed models, run one by one."""
+        size = self.model.batch_size
+        if size <= 1 or self.streams is not None or len(messages) < size:
+            return [self._process_guarded(message) for message in messages]
+        answers: list[list[Answer]] = [[] for _ in messages]
+        pending: list[tuple[int, Message, int, str | None, list[np.ndarray]]] = []
+        for index, message in enumerate(messages):
+            sequence = self._next_sequence(message.device)
+            self.metrics.count("received")
+            try:
+                decoded = self._decode(message)
+            except PayloadError as exc:
+                answers[index] = self._error(message, sequence, None, exc.code, str(exc))
+                continue
+            pending.append((index, message, sequence, decoded.id, list(decoded.arrays)))
+        whole = len(pending) - len(pending) % size
+        for start in range(0, whole, size):
+            self._infer_batch(pending[start : start + size], answers)
+        for index, message, sequence, identity, arrays in pending[whole:]:
+            answers[index] = self._infer_guarded(message, sequence, identity, arrays)
+        return answers
+
+    def _process_guarded(self, message: Message) -> list[Answer]:
+        try:
+            return self.process(message)
+        except Exception as exc:  # a runtime failure on valid input: answer it, log it, keep going
+            log.exception("inference failed on a message from %s", message.device)
+            return self.refuse(message, "inference-failed", f"{type(exc).__name__}: {exc}")
+
+    def _infer_guarded(
+        self, message: Message, sequence: int, identity: str | None, arrays: list[np.ndarray]
+    ) -> list[Answer]:
+        try:
+            return [self._infer(message, sequence, identity, arrays)]
+        except PayloadError as exc:
+            return self._error(message, sequence, identity, exc.code, str(exc))
+        except Exception as exc:
+            log.exception("inference failed on a message from %s", message.device)
+            return self._error(message, sequence, identity, "inference-failed", f"{type(exc).__name__}: {exc}")
+
+    def _decode(self, message: Message) -> Decoded:
+        size = len(message.payload) if message.size is None else message.size
+        if size > self.max_payload_bytes:
+            raise PayloadError(
+                f"payload of {size} bytes exceeds the limit of {self.max_payload_bytes}", code="oversized"
+            )
+        return self.codec.decode(message.payload, self.model.inputs, window=self.window)
+
+    def _infer_batch(
+        self,
+        batch: Sequence[tuple[int, Message, int, str | None, list[np.ndarray]]],
+        answers: list[list[Answer]],
+    ) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self.model.predict_batch([arrays for *_, arrays in batch])
+        except Exception as exc:
+            log.exception("inference failed on a batch of %d", len(batch))
+            for index, message, sequence, identity, _ in batch:
+                text = f"{type(exc).__name__}: {exc}"
+                answers[index] = self._error(message, sequence, identity, "inference-failed", text)
+            return
+        latency_ms = (time.perf_counter() - start) * 1000.0
+        self.metrics.count("batches")
+        for (index, message, sequence, identity, arrays), result in zip(batch, outputs, strict=True):
+            if isinstance(result, PayloadError):
+                answers[index] = self._error(message, sequence, identity, result.code, str(result))
+            else:
+                answers[index] = [self._result(message, sequence, identity, arrays, result, latency_ms, len(batch))]
 
     def refuse(self, message: Message, code: str, text: str) -> list[Answer]:
         """The one answer of an input that never reaches the model (dropped, or the runtime failed on it)."""
@@ -133,6 +203,21 @@ class Processor:
         start = time.perf_counter()
         outputs = self.model.predict(*inputs)
         latency_ms = (time.perf_counter() - start) * 1000.0
+        return self._result(message, sequence, identity, inputs, outputs, latency_ms, window=window)
+
+    def _result(
+        self,
+        message: Message,
+        sequence: int,
+        identity: str | None,
+        inputs: Sequence[np.ndarray],
+        outputs: Sequence[np.ndarray],
+        latency_ms: float,
+        batch: int = 1,
+        window: int | None = None,
+    ) -> Answer:
+        """``latency_ms`` is the model call's time; for a batch, the whole call's, and ``batch`` says how many
+        samples it carried."""
         self.metrics.latency(latency_ms)
         self.metrics.count("results")
         record = self._record(message, sequence, identity)
@@ -141,6 +226,8 @@ class Processor:
         record["outputs"] = [output.tolist() for output in outputs]
         record.update(self.model.interpret(inputs, outputs).as_dict())
         record["latency_ms"] = round(latency_ms, 4)
+        if batch > 1:
+            record["batch"] = batch
         record["timestamp"] = time.time()
         topic = render_topic(self.publish, device=message.device, name=self.model.name)
         return Answer(topic, self.result_codec.encode(record), record, is_error=False)

@@ -101,3 +101,44 @@ def built_litert_bundle(
 def litert_bundle(built_litert_bundle: Path, tmp_path: Path) -> Path:
     """A fresh copy of the exported bundle, for this test only."""
     return Path(shutil.copytree(built_litert_bundle, tmp_path / "bundle"))
+
+
+POOLED_MODEL_SOURCE = '''\
+import torch
+from torch import nn
+
+
+class Pooled(nn.Module):
+    """conv + global average pool + linear on 3-channel images: no reshape to a fixed batch, so it can run
+    batches (with one channel, the converter's NCHW to NHWC step is a RESHAPE fixed to batch 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, kernel_size=3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, image):
+        return self.fc(torch.flatten(self.pool(torch.relu(self.conv(image))), 1))
+
+
+def model():
+    return Pooled()
+'''
+
+
+@pytest.fixture(scope="session")
+def batchable_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An int8-static LiteRT bundle of a (1, 3, 8, 8) model whose graph takes any batch size (never modify it)."""
+    root = tmp_path_factory.mktemp("pooled_model")
+    source = root / "pooled.py"
+    source.write_text(POOLED_MODEL_SOURCE, encoding="utf-8")
+    rng = np.random.default_rng(20261121)
+    np.savez(root / "calibration.npz", image=rng.random((32, 3, 8, 8), dtype=np.float32))
+    np.savez(root / "validation.npz", image=rng.random((16, 3, 8, 8), dtype=np.float32), labels=np.arange(16) % 10)
+    out = tmp_path_factory.mktemp("exported") / "pooled"
+    args = ["export", f"{source}:model", "--profile", "rpi5", "--calibration", str(root / "calibration.npz"),
+            "--validation", str(root / "validation.npz"), "--backend", "litert", "--precision", "int8-static",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0, "exporting the pooled model for rpi5 (litert int8-static) failed"
+    return out

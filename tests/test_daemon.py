@@ -431,3 +431,34 @@ def test_a_full_block_queue_holds_the_stream_back_and_loses_nothing(
     finally:
         gate.set()
         daemon.stop()
+
+
+def test_under_backlog_the_daemon_batches_what_is_queued(
+    broker: Broker, batchable_bundle: Path, unique_topic: str
+) -> None:
+    """19 messages queued behind a busy worker: one full batch of 16 in one call, then the other 3 one by one;
+    every message still gets its own answer, equal to a single-sample predict."""
+    daemon, gate, entered = gated_daemon(broker, batchable_bundle, unique_topic, "block", capacity=64)
+    try:
+        assert daemon.model.batch_size == 16, daemon.model.batching
+        results = Collector(broker, f"{unique_topic}/out/#")
+        rng = np.random.default_rng(12)
+        images = [rng.random((1, 3, 8, 8), dtype=np.float32) for _ in range(20)]
+        payloads = [json.dumps({"id": f"m{i}", "data": x.ravel().tolist()}).encode() for i, x in enumerate(images)]
+        mosquitto_pub(broker, f"{unique_topic}/in/cam", payloads[0])
+        assert entered.wait(TIMEOUT_S)
+        for payload in payloads[1:]:
+            mosquitto_pub(broker, f"{unique_topic}/in/cam", payload)
+        assert wait_until(lambda: daemon.queue.stats().enqueued == 20)
+        gate.set()
+        answers = {a["id"]: a for a in (json.loads(p) for _, p, _ in results.wait_for(20))}
+        assert sorted(answers) == sorted(f"m{i}" for i in range(20))
+        assert sorted(a.get("batch", 1) for a in answers.values()) == [1] * 4 + [16] * 16
+        model = edge_runtime.load(batchable_bundle)
+        for index, image in enumerate(images):
+            np.testing.assert_array_equal(answers[f"m{index}"]["outputs"][0], model.predict(image)[0].tolist())
+        assert daemon.status()["batch_size"] == 16
+        results.close()
+    finally:
+        gate.set()
+        daemon.stop()

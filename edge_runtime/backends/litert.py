@@ -32,7 +32,9 @@ class _InterpreterSession:
     extra: ClassVar[str]
     file_suffixes: ClassVar[tuple[str, ...]] = (".tflite",)
 
-    def __init__(self, model_path: Path, *, threads: int = 1, input_names: Sequence[str] | None = None):
+    def __init__(
+        self, model_path: Path, *, threads: int = 1, input_names: Sequence[str] | None = None, batch_size: int = 1
+    ):
         try:
             interpreter_module = importlib.import_module(self.module)
         except ImportError as exc:
@@ -41,6 +43,9 @@ class _InterpreterSession:
             ) from exc
         try:
             self._interpreter = interpreter_module.Interpreter(model_path=str(model_path), num_threads=threads)
+            if batch_size != 1:  # before the calls are bound: resizing needs the interpreter unreferenced
+                for detail in self._interpreter.get_input_details():
+                    self._interpreter.resize_tensor_input(detail["index"], [batch_size, *detail["shape"][1:]])
             self._interpreter.allocate_tensors()
         except (ValueError, RuntimeError) as exc:
             raise BundleError(f"{model_path}: {self.package} could not load the model: {exc}") from exc
@@ -55,6 +60,9 @@ class _InterpreterSession:
                     f"{model_path}: model inputs {sorted(by_name)} differ from the manifest's {list(input_names)}"
                 )
             inputs = [by_name[name] for name in input_names]
+        self._model_path = model_path
+        self._threads = threads
+        self._input_names = input_names
         self._input_details = inputs
         self._output_details = outputs
         self._input_indices = [detail["index"] for detail in inputs]
@@ -89,6 +97,14 @@ class _InterpreterSession:
         self._set(self._input_indices[0], inputs[0])
         self._invoke()
         return [self._get(self._output_indices[0])]
+
+    def batched(self, size: int) -> _InterpreterSession | None:
+        """The same model taking ``size`` samples per call (every input's first dimension resized), or None when
+        the model cannot: a graph that reshapes to a fixed batch of 1 fails to prepare at the new size."""
+        try:
+            return type(self)(self._model_path, threads=self._threads, input_names=self._input_names, batch_size=size)
+        except BundleError:
+            return None
 
     def input_specs(self) -> list[TensorSpec]:
         return [_spec(detail, detail["name"]) for detail in self._input_details]
