@@ -7,7 +7,8 @@
 [output]   publish = "edgeline/{name}/{device}/result", error_topic, qos, mqtt (publish results to the broker;
            always with the MQTT source, otherwise only when set or --broker is given: else they go to stdout)
 [queue]    capacity, policy = "drop-oldest" | "block" (default: drop-oldest for live sources, MQTT and serial;
-           block for replay and sim, which are lossless), max_batch
+           block for replay and sim, which are lossless), max_batch (queued inputs taken at once, and
+           run as one batch when the model allows it; 1 = one sample per call)
 [health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off, loopback only)
 [window]   size, hop, channels (overrides the bundle's)
 """
