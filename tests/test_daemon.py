@@ -360,6 +360,14 @@ def gated_daemon(broker: Broker, bundle: Path, topic: str, policy: str, capacity
     return daemon, gate, entered
 
 
+def publish_behind_a_busy_worker(broker: Broker, topic: str, payloads: list[bytes], entered: threading.Event) -> None:
+    """The first payload goes to the worker, which holds it at the gate; the rest meet the queue."""
+    mosquitto_pub(broker, topic, payloads[0])
+    assert entered.wait(TIMEOUT_S)
+    for payload in payloads[1:]:
+        mosquitto_pub(broker, topic, payload)
+
+
 def wait_until(condition: Any, timeout: float = TIMEOUT_S) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -380,10 +388,7 @@ def test_a_full_drop_oldest_queue_answers_dropped_and_loses_nothing_else(
         rng = np.random.default_rng(9)
         images = [rng.random(64, dtype=np.float32) for _ in range(11)]
         payloads = [json.dumps({"id": f"m{i}", "data": x.tolist()}).encode() for i, x in enumerate(images)]
-        mosquitto_pub(broker, f"{unique_topic}/in/cam", payloads[0])
-        assert entered.wait(TIMEOUT_S)  # m0 is in the worker's hands; the rest meet a full queue
-        for payload in payloads[1:]:
-            mosquitto_pub(broker, f"{unique_topic}/in/cam", payload)
+        publish_behind_a_busy_worker(broker, f"{unique_topic}/in/cam", payloads, entered)
         assert wait_until(lambda: daemon.queue.stats().enqueued == 11)
         port = daemon._metrics_server.port
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
@@ -416,10 +421,7 @@ def test_a_full_block_queue_holds_the_stream_back_and_loses_nothing(
     try:
         results = Collector(broker, f"{unique_topic}/out/#")
         payloads = [json.dumps({"id": f"m{i}", "data": [i / 10] * 64}).encode() for i in range(8)]
-        mosquitto_pub(broker, f"{unique_topic}/in/cam", payloads[0])
-        assert entered.wait(TIMEOUT_S)
-        for payload in payloads[1:]:
-            mosquitto_pub(broker, f"{unique_topic}/in/cam", payload)
+        publish_behind_a_busy_worker(broker, f"{unique_topic}/in/cam", payloads, entered)
         assert wait_until(lambda: daemon.queue.stats().depth == 2)
         assert daemon.queue.stats().enqueued == 3  # the network thread waits for room; the broker keeps the rest
         gate.set()
@@ -445,10 +447,7 @@ def test_under_backlog_the_daemon_batches_what_is_queued(
         rng = np.random.default_rng(12)
         images = [rng.random((1, 3, 8, 8), dtype=np.float32) for _ in range(20)]
         payloads = [json.dumps({"id": f"m{i}", "data": x.ravel().tolist()}).encode() for i, x in enumerate(images)]
-        mosquitto_pub(broker, f"{unique_topic}/in/cam", payloads[0])
-        assert entered.wait(TIMEOUT_S)
-        for payload in payloads[1:]:
-            mosquitto_pub(broker, f"{unique_topic}/in/cam", payload)
+        publish_behind_a_busy_worker(broker, f"{unique_topic}/in/cam", payloads, entered)
         assert wait_until(lambda: daemon.queue.stats().enqueued == 20)
         gate.set()
         answers = {a["id"]: a for a in (json.loads(p) for _, p, _ in results.wait_for(20))}
