@@ -20,6 +20,8 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report import publish
+
 from tests.mqtt_broker import running_broker
 
 TIMEOUT_S = 60.0
@@ -93,16 +95,15 @@ def main() -> int:
                 )
     lines = ["| model | bundle | start to first result (s) | peak RSS (MB) |", "|---|---|---|---|"]
     lines += [f"| {n} | {b} int8-static | {t:.2f} | {m:.0f} |" for n, b, t, m in rows]
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        command = "python benchmarks/" + Path(__file__).name + " " + " ".join(sys.argv[1:])
-        args.write.write_text(
-            "# Daemon start-up: LiteRT vs ExecuTorch bundle\n\n"
-            f"Command: `{command.strip()}`\n\nMedian of {args.rounds} interleaved runs on this machine (2 cores, "
-            "shared: compare within the run). Time from spawning `edgeline run` to the first result received by "
-            "a subscriber through a local Mosquitto; peak RSS (VmHWM) of the daemon process.\n\n" + text + "\n"
-        )
+    publish(
+        "\n".join(lines),
+        script=__file__,
+        title="Daemon start-up: LiteRT vs ExecuTorch bundle",
+        intro=f"Median of {args.rounds} interleaved runs on this machine (2 cores, shared: compare within the run). "
+        "Time from spawning `edgeline run` to the first result received by a subscriber through a local Mosquitto; "
+        "peak RSS (VmHWM) of the daemon process.",
+        write=args.write,
+    )
     return 0
 
 

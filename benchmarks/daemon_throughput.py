@@ -24,6 +24,8 @@ import numpy as np
 import paho.mqtt.client as mqtt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report import publish
+
 from tests.mqtt_broker import running_broker
 
 # The baseline a user would write in ~30 lines: inference on paho's network thread, no checks, no queue.
@@ -190,18 +192,16 @@ def main() -> int:
                 for n, q, a, t, p50, p99 in rows
             ]
             tables.append("\n".join(lines))
-    text = "\n\n".join(tables)
-
-    print(text)
-    if args.write:
-        command = "python benchmarks/" + Path(__file__).name + " " + " ".join(sys.argv[1:])
-        args.write.write_text(
-            "# Daemon throughput vs a hand-written baseline\n\n"
-            f"Command: `{command.strip()}`\n\n{args.messages} JSON messages per run, sent as fast as "
-            f"one publisher can through a local Mosquitto; median of {args.rounds} interleaved rounds. Latency is "
-            "from publish to the answer's arrival at a subscriber, so under this backlog it is mostly queueing. "
-            "The daemon runs with every feature on (validation, coded errors, status, availability).\n\n" + text + "\n"
-        )
+    publish(
+        "\n\n".join(tables),
+        script=__file__,
+        title="Daemon throughput vs a hand-written baseline",
+        intro=f"{args.messages} JSON messages per run, sent as fast as one publisher can through a local Mosquitto; "
+        f"median of {args.rounds} interleaved rounds. Latency is from publish to the answer's arrival at a "
+        "subscriber, so under this backlog it is mostly queueing. The daemon runs with every feature on "
+        "(validation, coded errors, status, availability).",
+        write=args.write,
+    )
     return 0
 
 

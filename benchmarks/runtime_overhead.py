@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from report import publish  # benchmarks/report.py, next to this script
 
 TARGETS = (("litert", "fp32"), ("litert", "int8-static"), ("executorch-xnnpack", "fp32"),
            ("executorch-xnnpack", "int8-static"))  # fmt: skip
@@ -153,18 +154,16 @@ def main() -> int:
             f"{raw_us:.1f} | {predict_us:.1f} | {predict_us / raw_us:.3f} |"
         )
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        command = "python benchmarks/" + Path(__file__).name + " " + " ".join(sys.argv[1:])
-        args.write.parent.mkdir(parents=True, exist_ok=True)
-        args.write.write_text(
-            f"# Runtime overhead: torch eager vs raw runtime call vs edge_runtime predict\n\n"
-            f"Command: `{command.strip()}`\n\nMachine: {machine}; shared and noisy, so compare ratios within "
-            f"this run. Median of {args.rounds} interleaved rounds, batch 1, one thread everywhere. "
-            f"'raw call' is the minimal hand-written code for the same job (for int8 LiteRT models it "
-            f"quantizes the input and dequantizes the output as the LiteRT docs show).\n\n{text}\n"
-        )
+    publish(
+        "\n".join(lines),
+        script=__file__,
+        title="Runtime overhead: torch eager vs raw runtime call vs edge_runtime predict",
+        intro=f"Machine: {machine}; shared and noisy, so compare ratios within this run. Median of {args.rounds} "
+        "interleaved rounds, batch 1, one thread everywhere. 'raw call' is the minimal hand-written code for the "
+        "same job (for int8 LiteRT models it quantizes the input and dequantizes the output as the LiteRT docs "
+        "show).",
+        write=args.write,
+    )
     return 0
 
 

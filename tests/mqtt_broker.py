@@ -3,6 +3,7 @@
     broker          a fresh broker for one test (function scope): safe to stop and restart
     session_broker  one broker shared by the whole session: never stop it
     unique_topic    a topic prefix no other test uses, so tests sharing a broker cannot see each other
+    Collector       a paho-mqtt subscriber that keeps what arrives and waits for a count
 
 Each broker is Debian's ``mosquitto`` on a free loopback port, with a config generated in its own temporary
 directory (anonymous, no persistence, logging to ``mosquitto.log`` there). It is stopped at teardown: terminate,
@@ -18,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +31,7 @@ import pytest
 __all__ = [
     "Broker",
     "BrokerStartError",
+    "Collector",
     "broker",
     "find_mosquitto",
     "free_port",
@@ -293,3 +296,42 @@ def session_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]
 def unique_topic() -> str:
     """A topic prefix of this test alone, e.g. ``edgeline-test/3f2a…``; build topics under it."""
     return f"edgeline-test/{uuid.uuid4().hex}"
+
+
+class Collector:
+    """A paho-mqtt 2.x subscriber that keeps every (topic, payload, retained) and can wait for a count."""
+
+    def __init__(self, broker: Broker, topic_filter: str, timeout: float = 20.0) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.messages: list[tuple[str, bytes, bool]] = []
+        self.lock = threading.Condition()
+        self.timeout = timeout
+        subscribed = threading.Event()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+        self.client.on_connect = lambda client, *_: client.subscribe(topic_filter, qos=1)
+        self.client.on_subscribe = lambda *_: subscribed.set()
+        self.client.on_message = self._on_message
+        self.client.connect(broker.host, broker.port)
+        self.client.loop_start()
+        assert subscribed.wait(timeout), "no SUBACK from the broker"
+
+    def _on_message(self, client: object, userdata: object, message: object) -> None:
+        with self.lock:
+            self.messages.append((message.topic, bytes(message.payload), bool(message.retain)))  # type: ignore[attr-defined]
+            self.lock.notify_all()
+
+    @property
+    def payloads(self) -> list[bytes]:
+        with self.lock:
+            return [payload for _, payload, _ in self.messages]
+
+    def wait_for(self, count: int, timeout: float | None = None) -> list[tuple[str, bytes, bool]]:
+        """What has arrived once ``count`` messages have (or the timeout has passed: the caller checks)."""
+        with self.lock:
+            self.lock.wait_for(lambda: len(self.messages) >= count, timeout=timeout or self.timeout)
+            return list(self.messages)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()

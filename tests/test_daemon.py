@@ -15,43 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import paho.mqtt.client as mqtt
 import pytest
 
 import edge_runtime
-from tests.mqtt_broker import Broker
+from tests.mqtt_broker import Broker, Collector
 
 TIMEOUT_S = 20.0
-
-
-class Collector:
-    """A paho 2.x subscriber that keeps every (topic, payload) and can wait for a count."""
-
-    def __init__(self, broker: Broker, topic_filter: str) -> None:
-        self.messages: list[tuple[str, bytes, bool]] = []
-        self.lock = threading.Condition()
-        self.subscribed = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
-        self.client.on_connect = lambda client, *_: client.subscribe(topic_filter, qos=1)
-        self.client.on_subscribe = lambda *_: self.subscribed.set()
-        self.client.on_message = self._on_message
-        self.client.connect(broker.host, broker.port)
-        self.client.loop_start()
-        assert self.subscribed.wait(TIMEOUT_S)
-
-    def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
-        with self.lock:
-            self.messages.append((message.topic, bytes(message.payload), bool(message.retain)))
-            self.lock.notify_all()
-
-    def wait_for(self, count: int, timeout: float = TIMEOUT_S) -> list[tuple[str, bytes, bool]]:
-        with self.lock:
-            self.lock.wait_for(lambda: len(self.messages) >= count, timeout=timeout)
-            return list(self.messages)
-
-    def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
 
 
 @pytest.fixture

@@ -3,47 +3,22 @@
 from __future__ import annotations
 
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
 
-from tests.mqtt_broker import Broker, BrokerStartError, find_mosquitto
+from tests.mqtt_broker import Broker, BrokerStartError, Collector, find_mosquitto
 
 TIMEOUT_S = 5.0
 
 
-class Subscriber:
-    """A paho-mqtt 2.x client that collects what arrives on one topic filter."""
-
-    def __init__(self, broker: Broker, topic: str) -> None:
-        self.payloads: list[bytes] = []
-        self.subscribed = threading.Event()
-        self.received = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
-        self.client.on_connect = lambda client, *_: client.subscribe(topic, qos=1)
-        self.client.on_subscribe = lambda *_: self.subscribed.set()
-        self.client.on_message = self._on_message
-        self.client.connect(broker.host, broker.port)
-        self.client.loop_start()
-        assert self.subscribed.wait(TIMEOUT_S), "no SUBACK from the broker"
-
-    def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
-        self.payloads.append(bytes(message.payload))
-        self.received.set()
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
-
-
 @pytest.fixture
-def subscriber_factory() -> Iterator[type[Subscriber]]:
-    made: list[Subscriber] = []
+def subscriber_factory() -> Iterator[type[Collector]]:
+    made: list[Collector] = []
 
-    class Closing(Subscriber):
+    class Closing(Collector):
         def __init__(self, broker: Broker, topic: str) -> None:
             super().__init__(broker, topic)
             made.append(self)
@@ -65,11 +40,11 @@ def publish_once(broker: Broker, topic: str, payload: bytes, qos: int = 1) -> No
 
 
 def test_paho_publisher_reaches_paho_subscriber(
-    session_broker: Broker, unique_topic: str, subscriber_factory: type[Subscriber]
+    session_broker: Broker, unique_topic: str, subscriber_factory: type[Collector]
 ) -> None:
     subscriber = subscriber_factory(session_broker, f"{unique_topic}/#")
     publish_once(session_broker, f"{unique_topic}/hello", b'{"id":"a","data":[1.0]}')
-    assert subscriber.received.wait(TIMEOUT_S), session_broker.log_text()
+    assert subscriber.wait_for(1, TIMEOUT_S), session_broker.log_text()
     assert subscriber.payloads == [b'{"id":"a","data":[1.0]}']
 
 
@@ -122,7 +97,7 @@ def test_paho_message_reaches_mosquitto_sub(session_broker: Broker, unique_topic
 
 
 def test_restart_keeps_the_port_and_serves_again(
-    broker: Broker, unique_topic: str, subscriber_factory: type[Subscriber]
+    broker: Broker, unique_topic: str, subscriber_factory: type[Collector]
 ) -> None:
     port = broker.port
     broker.stop()
@@ -133,7 +108,7 @@ def test_restart_keeps_the_port_and_serves_again(
     assert broker.url == f"mqtt://127.0.0.1:{port}"
     subscriber = subscriber_factory(broker, f"{unique_topic}/#")
     publish_once(broker, f"{unique_topic}/after-restart", b"again")
-    assert subscriber.received.wait(TIMEOUT_S), broker.log_text()
+    assert subscriber.wait_for(1, TIMEOUT_S), broker.log_text()
     assert subscriber.payloads == [b"again"]
 
 
