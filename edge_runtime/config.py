@@ -167,6 +167,8 @@ class DaemonConfig(_Section):
     def _mqtt_source_publishes(self) -> DaemonConfig:
         if self.source.kind == "mqtt" and self.output.mqtt is False:
             raise ValueError("output.mqtt = false needs a source other than MQTT (the answers would go nowhere)")
+        if self.source.kind == "serial" and self.input.codec != "json":
+            raise ValueError(f"input.codec = {self.input.codec!r}: the serial source carries JSON lines")
         return self
 
     @property

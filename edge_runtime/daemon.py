@@ -73,9 +73,9 @@ class Daemon:
         )
         self.queue: BoundedQueue[Message] = BoundedQueue(config.queue.capacity, DropPolicy(config.queue_policy))
         self.filters = [TopicFilter(pattern) for pattern in config.input.subscribe]
-        self.source = source if source is not None else self._configured_source()
-        if config.source.kind == "serial" and codec.name != "json":
-            raise EdgelineError(f"the serial source carries JSON lines; --codec {codec.name} needs MQTT or a replay")
+        self.source = source or make_source(
+            config.source, filters=self.filters, max_payload_bytes=config.input.max_payload_bytes
+        )
         # Answers go to stdout when asked, and always when there is no broker to publish them to.
         self.echo = echo
         self._echo_lock = threading.Lock()
@@ -91,22 +91,6 @@ class Daemon:
         self._worker = threading.Thread(target=self._work, name="edgeline-worker", daemon=True)
         self._status = threading.Thread(target=self._report, name="edgeline-status", daemon=True)
         self._source_thread = threading.Thread(target=self._read_source, name="edgeline-source", daemon=True)
-
-    def _configured_source(self) -> Source | None:
-        settings = self.config.source
-        if settings.kind == "mqtt":
-            return None
-        return make_source(
-            settings.kind,
-            url=settings.url,
-            baudrate=settings.baudrate,
-            path=settings.path,
-            speed=settings.speed,
-            sim=settings.sim,
-            device=settings.device,
-            filters=self.filters,
-            max_payload_bytes=self.config.input.max_payload_bytes,
-        )
 
     def _client(self, name: str) -> Any:
         import paho.mqtt.client as mqtt

@@ -46,6 +46,17 @@ class Message:
 
 
 @dataclass(frozen=True)
+class _Decoded:
+    """A message of a batch that decoded: waiting for its model call."""
+
+    index: int
+    message: Message
+    sequence: int
+    identity: str | None
+    arrays: list[np.ndarray]
+
+
+@dataclass(frozen=True)
 class Answer:
     topic: str
     payload: bytes
@@ -95,50 +106,47 @@ class Processor:
                 self._infer(message, sequence, identity, [w.reshape(self.model.inputs[0].shape)], window=i)
                 for i, w in enumerate(windows)
             ]
-        except PayloadError as exc:
-            return self._error(message, sequence, identity, exc.code, str(exc))
+        except Exception as exc:
+            return self._failure(message, sequence, identity, exc)
 
     def process_batch(self, messages: Sequence[Message]) -> list[list[Answer]]:
         """The answers of each message, in order. When the model takes batches (``Model.enable_batching``), every
         full batch of valid inputs runs in one call; the rest, and windowed models, run one by one."""
         size = self.model.batch_size
         if size <= 1 or self.streams is not None or len(messages) < size:
-            return [self._process_guarded(message) for message in messages]
+            return [self.process(message) for message in messages]
         answers: list[list[Answer]] = [[] for _ in messages]
-        pending: list[tuple[int, Message, int, str | None, list[np.ndarray]]] = []
+        pending: list[_Decoded] = []
         for index, message in enumerate(messages):
             sequence = self._next_sequence(message.device)
             self.metrics.count("received")
             try:
                 decoded = self._decode(message)
             except PayloadError as exc:
-                answers[index] = self._error(message, sequence, None, exc.code, str(exc))
+                answers[index] = self._failure(message, sequence, None, exc)
                 continue
-            pending.append((index, message, sequence, decoded.id, list(decoded.arrays)))
+            pending.append(_Decoded(index, message, sequence, decoded.id, list(decoded.arrays)))
         whole = len(pending) - len(pending) % size
         for start in range(0, whole, size):
             self._infer_batch(pending[start : start + size], answers)
-        for index, message, sequence, identity, arrays in pending[whole:]:
-            answers[index] = self._infer_guarded(message, sequence, identity, arrays)
+        for item in pending[whole:]:
+            answers[item.index] = self._infer_one(item)
         return answers
 
-    def _process_guarded(self, message: Message) -> list[Answer]:
-        try:
-            return self.process(message)
-        except Exception as exc:  # a runtime failure on valid input: answer it, log it, keep going
-            log.exception("inference failed on a message from %s", message.device)
-            return self.refuse(message, "inference-failed", f"{type(exc).__name__}: {exc}")
-
-    def _infer_guarded(
-        self, message: Message, sequence: int, identity: str | None, arrays: list[np.ndarray]
-    ) -> list[Answer]:
-        try:
-            return [self._infer(message, sequence, identity, arrays)]
-        except PayloadError as exc:
+    def _failure(self, message: Message, sequence: int, identity: str | None, exc: Exception) -> list[Answer]:
+        """The coded error of an input: its own ``PayloadError``, or ``inference-failed`` when the runtime failed
+        on an input that passed every check (logged, and the daemon keeps going)."""
+        if isinstance(exc, PayloadError):
             return self._error(message, sequence, identity, exc.code, str(exc))
+        text = f"{type(exc).__name__}: {exc}"
+        log.warning("inference failed on a message from %s: %s", message.device, text)
+        return self._error(message, sequence, identity, "inference-failed", text)
+
+    def _infer_one(self, item: _Decoded) -> list[Answer]:
+        try:
+            return [self._infer(item.message, item.sequence, item.identity, item.arrays)]
         except Exception as exc:
-            log.exception("inference failed on a message from %s", message.device)
-            return self._error(message, sequence, identity, "inference-failed", f"{type(exc).__name__}: {exc}")
+            return self._failure(item.message, item.sequence, item.identity, exc)
 
     def _decode(self, message: Message) -> Decoded:
         size = len(message.payload) if message.size is None else message.size
@@ -148,38 +156,30 @@ class Processor:
             )
         return self.codec.decode(message.payload, self.model.inputs, window=self.window)
 
-    def _infer_batch(
-        self,
-        batch: Sequence[tuple[int, Message, int, str | None, list[np.ndarray]]],
-        answers: list[list[Answer]],
-    ) -> None:
+    def _infer_batch(self, batch: Sequence[_Decoded], answers: list[list[Answer]]) -> None:
         start = time.perf_counter()
         try:
-            outputs = self.model.predict_batch([arrays for *_, arrays in batch])
-        except Exception as exc:
-            log.exception("inference failed on a batch of %d", len(batch))
-            for index, message, sequence, identity, _ in batch:
-                text = f"{type(exc).__name__}: {exc}"
-                answers[index] = self._error(message, sequence, identity, "inference-failed", text)
+            outputs = self.model.predict_batch([item.arrays for item in batch])
+        except Exception:  # the runtime failed on one of them: run them one by one, so only that one fails
+            for item in batch:
+                answers[item.index] = self._infer_one(item)
             return
         latency_ms = (time.perf_counter() - start) * 1000.0
         self.metrics.count("batches")
-        for (index, message, sequence, identity, arrays), result in zip(batch, outputs, strict=True):
+        for item, result in zip(batch, outputs, strict=True):
             if isinstance(result, PayloadError):
-                answers[index] = self._error(message, sequence, identity, result.code, str(result))
+                answers[item.index] = self._failure(item.message, item.sequence, item.identity, result)
             else:
-                answers[index] = [self._result(message, sequence, identity, arrays, result, latency_ms, len(batch))]
+                answer = self._result(
+                    item.message, item.sequence, item.identity, item.arrays, result, latency_ms, len(batch)
+                )
+                answers[item.index] = [answer]
 
     def refuse(self, message: Message, code: str, text: str) -> list[Answer]:
-        """The one answer of an input that never reaches the model (dropped, or the runtime failed on it)."""
-        identity = None
-        if code == "inference-failed":  # it was decoded once; its sequence number is already taken
-            with self._sequence_lock:
-                sequence = self._sequence[message.device]
-        else:
-            sequence = self._next_sequence(message.device)
-            self.metrics.count("received")
-        return self._error(message, sequence, identity, code, text)
+        """The one answer of an input that never reaches the processor (``dropped`` from a full queue)."""
+        sequence = self._next_sequence(message.device)
+        self.metrics.count("received")
+        return self._error(message, sequence, None, code, text)
 
     def _next_sequence(self, device: str) -> int:
         with self._sequence_lock:

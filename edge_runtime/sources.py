@@ -31,6 +31,7 @@ from typing import BinaryIO, Protocol
 
 import orjson
 
+from edge_runtime.config import SourceConfig
 from edge_runtime.errors import EdgelineError
 from edge_runtime.processor import Message
 from edge_runtime.topics import TopicFilter
@@ -270,24 +271,18 @@ def load_external_source(kind: str) -> type:
     return source_class
 
 
-def make_source(
-    kind: str,
-    *,
-    url: str | None = None,
-    baudrate: int = 115200,
-    path: str | None = None,
-    speed: float = 0.0,
-    sim: str | None = None,
-    device: str | None = None,
-    filters: Sequence[TopicFilter] = (),
-    max_payload_bytes: int = 1 << 20,
-) -> Source:
-    """The configured non-MQTT source (the configuration has checked that what each kind needs is there)."""
-    if kind == "serial" and url is not None:
-        return SerialSource(url, baudrate=baudrate, device=device, max_payload_bytes=max_payload_bytes)
-    if kind == "replay" and path is not None:
-        return ReplaySource(path, filters=filters, device=device, max_payload_bytes=max_payload_bytes, speed=speed)
-    if kind in SOURCES and sim is not None:
-        source: Source = load_external_source(kind)(sim, device=device)
+def make_source(settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int) -> Source | None:
+    """The configured source, or None for MQTT (the daemon's broker connection is that source)."""
+    device = settings.device
+    if settings.kind == "serial" and settings.url is not None:
+        return SerialSource(
+            settings.url, baudrate=settings.baudrate, device=device, max_payload_bytes=max_payload_bytes
+        )
+    if settings.kind == "replay" and settings.path is not None:
+        return ReplaySource(
+            settings.path, filters=filters, device=device, max_payload_bytes=max_payload_bytes, speed=settings.speed
+        )
+    if settings.kind in SOURCES and settings.sim is not None:
+        source: Source = load_external_source(settings.kind)(settings.sim, device=device)
         return source
-    raise EdgelineError(f"source {kind!r}: not configured (see [source] in the daemon configuration)")
+    return None  # mqtt: the configuration has checked that every other kind has what it needs

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 from sim.data import SENSOR_MODELS, SENSORS
 
 if TYPE_CHECKING:
+    from sim.publisher import PublishOptions
     from sim.sensors import Sensor
 
-__all__ = ["add_sensor_arguments", "make_sensors", "register"]
+__all__ = ["add_sensor_arguments", "make_sensors", "publish_options", "register"]
 
 DEFAULT_BROKER = "127.0.0.1:1883"
 DEFAULT_DEVICE = "sim"
@@ -103,13 +104,18 @@ def make_sensors(args: argparse.Namespace) -> list[Sensor]:
     ]
 
 
+def publish_options(args: argparse.Namespace, qos: int = 0) -> PublishOptions:
+    """How many messages, how fast, where and for how long: checked, with errors naming the flag."""
+    from sim.publisher import PublishOptions
+
+    return PublishOptions(count=args.count, rate_hz=args.rate, topic=args.topic, qos=qos, time_limit_s=args.time_limit)
+
+
 def run_sim(args: argparse.Namespace) -> int:
     from edge_runtime.config import BrokerAddress
-    from sim.publisher import PublishOptions, publish, record
+    from sim.publisher import publish, record
 
-    options = PublishOptions(
-        count=args.count, rate_hz=args.rate, topic=args.topic, qos=args.qos, time_limit_s=args.time_limit
-    )
+    options = publish_options(args, qos=args.qos)
     if args.out is not None:
         report = record(make_sensors(args), args.out, options)
     else:

@@ -15,8 +15,8 @@ from typing import NoReturn
 
 from edge_runtime.errors import EdgelineError
 from edge_runtime.processor import Message
-from sim.cli import add_sensor_arguments, make_sensors
-from sim.publisher import Pacing, fleet_messages, validate_topic_template
+from sim.cli import add_sensor_arguments, make_sensors, publish_options
+from sim.publisher import Pacing, fleet_messages
 from sim.sensors import Sensor
 
 __all__ = ["SimSource"]
@@ -40,12 +40,10 @@ class SimSource:
         self.args = parser.parse_args(words)
         if device is not None and "--device" not in words:
             self.args.device = device
-        if self.args.count < 1 or self.args.rate < 0 or self.args.time_limit <= 0:
-            raise EdgelineError(f"--sim {arguments!r}: --count must be positive, --rate and --time-limit not negative")
-        validate_topic_template(self.args.topic)
-        rate = "unpaced" if self.args.rate == 0 else f"{self.args.rate:g} Hz"
+        self.options = publish_options(self.args)
+        rate = "unpaced" if self.options.rate_hz == 0 else f"{self.options.rate_hz:g} Hz"
         self.description = (
-            f"simulated {self.args.sensor} sensors ({self.args.devices} x {self.args.count} messages, {rate})"
+            f"simulated {self.args.sensor} sensors ({self.args.devices} x {self.options.count} messages, {rate})"
         )
         self._sensors: list[Sensor] = []
 
@@ -53,8 +51,9 @@ class SimSource:
         self._sensors = make_sensors(self.args)
 
     def run(self, submit: Callable[[Message], None], stopping: threading.Event) -> None:
-        pacing = Pacing(self.args.rate, len(self._sensors), self.args.time_limit, wait=stopping.wait)
-        for message in pacing.paced(fleet_messages(self._sensors, self.args.count, self.args.topic)):
+        options = self.options
+        pacing = Pacing(options.rate_hz, len(self._sensors), options.time_limit_s, wait=stopping.wait)
+        for message in pacing.paced(fleet_messages(self._sensors, options.count, options.topic)):
             if stopping.is_set():
                 return
             submit(Message(topic=message.topic, payload=message.payload, device=message.device))

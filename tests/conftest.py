@@ -142,3 +142,43 @@ def batchable_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--out", str(out)]  # fmt: skip
     assert main(args) == 0, "exporting the pooled model for rpi5 (litert int8-static) failed"
     return out
+
+
+LOOKUP_MODEL_SOURCE = '''\
+import torch
+from torch import nn
+
+
+class Lookup(nn.Module):
+    """A table lookup by the input's values: an index past the table makes the runtime itself fail."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(8, 4)
+
+    def forward(self, x):
+        return self.table(x.to(torch.int64))
+
+
+def model():
+    return Lookup()
+'''
+
+
+@pytest.fixture(scope="session")
+def lookup_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An fp32 LiteRT bundle taking (1, 1, 3) indices in [0, 8); 300 passes every input check but the runtime's
+    EMBEDDING_LOOKUP refuses it: a real ``inference-failed`` (never modify it)."""
+    root = tmp_path_factory.mktemp("lookup_model")
+    source = root / "lookup.py"
+    source.write_text(LOOKUP_MODEL_SOURCE, encoding="utf-8")
+    rng = np.random.default_rng(8)
+    np.savez(root / "calibration.npz", x=rng.integers(0, 8, (16, 1, 3)).astype(np.float32))
+    np.savez(root / "validation.npz", x=rng.integers(0, 8, (8, 1, 3)).astype(np.float32))
+    out = tmp_path_factory.mktemp("exported") / "lookup"
+    args = ["export", f"{source}:model", "--profile", "rpi5", "--calibration", str(root / "calibration.npz"),
+            "--validation", str(root / "validation.npz"), "--backend", "litert", "--precision", "fp32",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0, "exporting the lookup model for rpi5 (litert fp32) failed"
+    return out

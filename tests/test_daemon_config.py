@@ -86,6 +86,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ("[source]\nkind = 'serial'\nurl = '/dev/ttyUSB0'\nbaudrate = 7\n", "source.baudrate"),
         ("[source]\ndevice = 'a/b'\n", "source.device"),
         ("[output]\nmqtt = false\n", "output.mqtt"),
+        ("[source]\nkind = 'serial'\nurl = '/dev/ttyUSB0'\n[input]\ncodec = 'cbor'\n", "input.codec"),
     ],
 )
 def test_errors_name_the_key(tmp_path: Path, text: str, named: str) -> None:

@@ -108,3 +108,18 @@ def test_windows_per_device(model: edge_runtime.Model) -> None:
         expected = model.predict(rows[index * 4 : index * 4 + 8].reshape(1, 1, 8, 8))[0]
         np.testing.assert_allclose(np.array(record["outputs"][0]), expected, rtol=1e-6)
         assert record["window"] == 0  # the first (and only) window this message completed
+
+
+def test_a_runtime_failure_is_answered_inference_failed_and_the_stream_goes_on(lookup_bundle: Path) -> None:
+    lookup = edge_runtime.load(lookup_bundle)
+    worker = processor(lookup)
+    indices = [[1.0, 2.0, 3.0], [1.0, 2.0, 300.0], [7.0, 0.0, 5.0]]  # 300: past the table, only the runtime knows
+    answers = [worker.process(message({"id": f"m{i}", "data": x})) for i, x in enumerate(indices)]
+    assert [len(a) for a in answers] == [1, 1, 1]
+    failed = answers[1][0].record
+    assert (failed["id"], failed["seq"], failed["error"]["code"]) == ("m1", 2, "inference-failed")
+    assert "index out of bounds" in failed["error"]["message"]
+    for answer, x in zip((answers[0][0], answers[2][0]), (indices[0], indices[2]), strict=True):
+        expected = lookup.predict(np.array(x, np.float32).reshape(1, 1, 3))[0]
+        np.testing.assert_array_equal(answer.record["outputs"][0], expected.tolist())
+    assert worker.metrics.snapshot()["errors"] == {"inference-failed": 1}

@@ -420,3 +420,13 @@ def test_a_closed_stdout_stops_the_daemon_quietly(built_litert_bundle: Path, dig
     assert run.wait(timeout=TIMEOUT_S) == 0
     stderr = err.buffer + (run.stderr.read() if run.stderr else b"")
     assert b"stdout was closed" in stderr and b"Traceback" not in stderr
+
+
+def test_a_runtime_failure_in_a_replay_is_one_coded_answer_without_a_traceback(lookup_bundle: Path) -> None:
+    lines = [b'{"id": "a", "data": [1, 2, 3]}', b'{"id": "b", "data": [1, 2, 300]}', b'{"id": "c", "data": [4, 5, 6]}']
+    done = run_edgeline("run", str(lookup_bundle), "--replay", "-", stdin=b"\n".join(lines))
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    answers = answers_of(done.stdout)
+    assert [(a["id"], "error" in a) for a in answers] == [("a", False), ("b", True), ("c", False)]
+    assert answers[1]["error"]["code"] == "inference-failed"  # type: ignore[index]
+    assert b"inference failed on a message from replay" in done.stderr and b"Traceback" not in done.stderr
