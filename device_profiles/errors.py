@@ -61,7 +61,8 @@ class PayloadError(EdgelineError):
 
 
 PAYLOAD_CODES = (
-    "invalid-input",  # anything below that has no more precise code
+    # a field that no code below covers: an id that is neither text nor an integer, an input given twice
+    "invalid-input",
     "malformed",  # the payload cannot be parsed by its codec
     "oversized",  # larger than the configured limit (checked before decoding)
     "missing-input",  # a model input is absent from the message
@@ -71,4 +72,5 @@ PAYLOAD_CODES = (
     # Not about the payload itself, but answered the same way by the daemon:
     "dropped",  # the queue was full (policy drop-oldest): the input was never run
     "inference-failed",  # the runtime failed on a valid input (a bug or a broken model; logged)
+    "invalid-topic",  # the answer's topic cannot be formed from the message's device (wildcards, over 64 KiB)
 )

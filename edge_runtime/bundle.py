@@ -83,7 +83,7 @@ def read_manifest(bundle_dir: Path) -> Manifest:
         raise BundleError(f"{path}: manifest larger than {MAX_MANIFEST_BYTES} bytes")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, an integer of 4300+ digits, deep nesting
         raise BundleError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise BundleError(f"{path}: the manifest must be a JSON object")
@@ -99,16 +99,24 @@ def read_manifest(bundle_dir: Path) -> Manifest:
 def verify_files(bundle_dir: Path, manifest: Manifest) -> None:
     root = bundle_dir.resolve()
     for entry in manifest.files:
-        path = (bundle_dir / entry.path).resolve()
-        if not path.is_relative_to(root):
-            raise IntegrityError(f"{bundle_dir}: file {entry.path!r} points outside the bundle")
-        if not path.is_file():
-            raise IntegrityError(f"{bundle_dir}: file {entry.path!r} listed in the manifest is missing")
-        size = path.stat().st_size
-        if size != entry.size:
-            raise IntegrityError(f"{bundle_dir}: file {entry.path!r} has {size} bytes, the manifest says {entry.size}")
-        if sha256_of(path) != entry.sha256:
-            raise IntegrityError(f"{bundle_dir}: file {entry.path!r} does not match its sha256 in the manifest")
+        try:
+            _verify_file(bundle_dir, root, entry)
+        except (OSError, ValueError, RuntimeError) as exc:  # a NUL or lone surrogate, a name too long, a symlink loop
+            raise IntegrityError(f"{bundle_dir}: file {entry.path!r} cannot be checked: {exc}") from exc
+
+
+def _verify_file(bundle_dir: Path, root: Path, entry: FileEntry) -> None:
+    """Size and sha256 of one listed file, which must be inside the bundle (``root``, resolved)."""
+    path = (bundle_dir / entry.path).resolve()
+    if not path.is_relative_to(root):
+        raise IntegrityError(f"{bundle_dir}: file {entry.path!r} points outside the bundle")
+    if not path.is_file():
+        raise IntegrityError(f"{bundle_dir}: file {entry.path!r} listed in the manifest is missing")
+    size = path.stat().st_size
+    if size != entry.size:
+        raise IntegrityError(f"{bundle_dir}: file {entry.path!r} has {size} bytes, the manifest says {entry.size}")
+    if sha256_of(path) != entry.sha256:
+        raise IntegrityError(f"{bundle_dir}: file {entry.path!r} does not match its sha256 in the manifest")
 
 
 def read_bundle(path: str | os.PathLike[str]) -> Bundle:

@@ -20,7 +20,7 @@ __all__ = ["main"]
 COMMAND_MODULES: tuple[str, ...] = (
     "export.cli",  # export
     "edge_runtime.commands",  # infer, verify
-    "edge_runtime.run_command",  # run
+    "edge_runtime.daemon.run_command",  # run
     "device_profiles.cli",  # profiles
     "export.reference.cli",  # reference
     "sim.cli",  # sim

@@ -41,7 +41,7 @@ class Quantization(_Frozen):
     """Affine quantization of a tensor at the model's edge: ``real = (q - zero_point) * scale``."""
 
     scale: float = Field(gt=0)
-    zero_point: int
+    zero_point: int = Field(ge=-(2**63), lt=2**63)  # int64, as in the model file; larger ones overflow float32
 
 
 class TensorSpec(_Frozen):
@@ -206,7 +206,7 @@ class Manifest(_Frozen):
         if missing:
             raise ValueError(f"files does not cover {', '.join(missing)}")
         if self.postprocess.labels is not None and self.postprocess.kind == "classify":
-            classes = self.outputs[0].shape[-1]
+            classes = self.outputs[0].shape[-1] if self.outputs[0].shape else 1  # a scalar output: one score
             if len(self.postprocess.labels) != classes:
                 raise ValueError(
                     f"postprocess.labels has {len(self.postprocess.labels)} labels but output 0 has {classes} classes"

@@ -112,7 +112,7 @@ def publish_options(args: argparse.Namespace, qos: int = 0) -> PublishOptions:
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from edge_runtime.config import BrokerAddress
+    from edge_runtime.daemon.config import BrokerAddress
     from sim.publisher import publish, record
 
     options = publish_options(args, qos=args.qos)

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_runtime.config import BrokerAddress
+from edge_runtime.daemon.config import BrokerAddress
+from edge_runtime.daemon.topics import validate_template
 from edge_runtime.errors import EdgelineError
-from edge_runtime.topics import validate_template
 from sim.sensors import Sensor
 
 __all__ = [

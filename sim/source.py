@@ -1,8 +1,8 @@
 """Simulated sensors as a daemon source: ``edgeline run BUNDLE --sim 'digits --count 10 --devices 3'``.
 
 The same sensors, messages and pacing as ``edgeline sim``, handed to the daemon in-process instead of through a
-broker. ``edge_runtime.sources`` registers this class by name and imports it only when a configuration asks for it,
-so the device side never loads it otherwise.
+broker. ``edge_runtime.daemon.sources`` registers this class by name and imports it only when a configuration asks
+for it, so the device side never loads it otherwise.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
+from edge_runtime.daemon.messages import Message
 from edge_runtime.errors import EdgelineError
-from edge_runtime.processor import Message
 from sim.cli import add_sensor_arguments, make_sensors, publish_options
 from sim.publisher import Pacing, fleet_messages
 from sim.sensors import Sensor

@@ -21,6 +21,17 @@ from edge_runtime.cli import main
 
 pytest_plugins = ["tests.mqtt_broker"]  # real-Mosquitto fixtures: broker, session_broker, unique_topic
 
+
+@pytest.fixture(autouse=True)
+def private_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's daemons (in this process or started from it) keep their outbox in a state folder of the test's
+    own: an answer left over by one test must never be published into the next."""
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    return state
+
+
 TINY_MODEL_SOURCE = '''\
 import torch
 from torch import nn

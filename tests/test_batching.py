@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 
 import edge_runtime
-from edge_runtime.codecs import get_codec
+from edge_runtime.daemon.codecs import get_codec
+from edge_runtime.daemon.health import Metrics
+from edge_runtime.daemon.messages import Message
+from edge_runtime.daemon.processor import Processor
 from edge_runtime.errors import PayloadError
-from edge_runtime.health import Metrics
-from edge_runtime.processor import Message, Processor
 
 
 def images(count: int, seed: int) -> list[np.ndarray]:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from edge_runtime.codecs import CODECS, Decoded, get_codec
+from edge_runtime.daemon.codecs import CODECS, Decoded, get_codec
 from edge_runtime.errors import PAYLOAD_CODES, EdgelineError, PayloadError
 from edge_runtime.manifest import Quantization, TensorSpec, Window
 from edge_runtime.quantization import quantize
@@ -82,7 +82,8 @@ def test_an_unknown_codec_is_a_user_error_listing_the_valid_names() -> None:
 def test_importing_the_daemon_pieces_loads_no_codec_library_nor_torch() -> None:
     # A fresh interpreter: this test process has torch loaded already (conftest).
     script = (
-        "import sys, edge_runtime.codecs as c, edge_runtime.windowing, edge_runtime.queueing; c.get_codec('raw'); "
+        "import sys, edge_runtime.daemon.codecs as c, edge_runtime.daemon.windowing, edge_runtime.daemon.queueing; "
+        "c.get_codec('raw'); "
         "print(sorted(m for m in ('torch', 'orjson', 'cbor2', 'msgpack') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)

@@ -28,11 +28,11 @@ def daemon(broker: Broker, built_litert_bundle: Path, unique_topic: str) -> Iter
     args = [
         sys.executable, "-m", "edge_runtime.cli", "run", str(built_litert_bundle),
         "--broker", broker.address, "--subscribe", f"{unique_topic}/sensors/+/image",
-        "--publish", f"{unique_topic}/results/{{device}}", "--qos", "1",
+        "--publish", f"{unique_topic}/results/{{device}}", "--qos", "1", "--instance", "t",
     ]  # fmt: skip
     since = broker.log_size()
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    client_id = f"edgeline-{edge_runtime.read_bundle(built_litert_bundle).manifest.name}"
+    client_id = f"edgeline-{edge_runtime.read_bundle(built_litert_bundle).manifest.name}-t"
     subscribed = broker.wait_for_subscription(
         client_id, f"{unique_topic}/sensors/+/image", timeout=TIMEOUT_S, since=since
     )
@@ -98,14 +98,14 @@ def test_availability_online_then_offline_on_sigterm(
     broker: Broker, daemon: subprocess.Popen[str], built_litert_bundle: Path
 ) -> None:
     name = edge_runtime.read_bundle(built_litert_bundle).manifest.name
-    watcher = Collector(broker, f"edgeline/{name}/availability")
+    watcher = Collector(broker, f"edgeline/{name}/t/availability")
     first = watcher.wait_for(1)
     assert first[0][1] == b"online" and first[0][2]  # retained
     code, stderr = stop(daemon)
     assert code == 0, stderr
     assert [payload for _, payload, _ in watcher.wait_for(2)] == [b"online", b"offline"]
     watcher.close()
-    late = Collector(broker, f"edgeline/{name}/availability")  # a newcomer sees the retained state
+    late = Collector(broker, f"edgeline/{name}/t/availability")  # a newcomer sees the retained state
     assert late.wait_for(1)[0][1] == b"offline"
     late.close()
 
@@ -156,14 +156,14 @@ def test_systemd_ready_watchdog_and_stopping(broker: Broker, built_litert_bundle
 TORCH_FREE_DAEMON = """
 import json, sys, time
 from pathlib import Path
-from edge_runtime.config import DaemonConfig
-from edge_runtime.daemon import Daemon
+from edge_runtime.daemon.config import DaemonConfig
+from edge_runtime.daemon.service import Daemon
 
 bundle, address, topic = sys.argv[1:4]
-config = DaemonConfig().with_overrides(broker=address, subscribe=[topic + "/+/x"], publish=topic + "/r/{device}")
+config = DaemonConfig().with_overrides(broker=address, subscribe=[topic + "/in/+"], publish=topic + "/out/{device}")
 daemon = Daemon(Path(bundle), config)
 daemon.start()
-daemon.client.publish(topic + "/dev/x", json.dumps({"data": [0.5] * 64}), qos=1)
+daemon.connection.publish(topic + "/in/dev", json.dumps({"data": [0.5] * 64}).encode(), qos=1)
 deadline = time.monotonic() + 20
 while daemon.metrics.snapshot()["counts"].get("results", 0) < 1 and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -257,11 +257,11 @@ def test_binary_codecs_and_the_error_topic_through_the_broker(
     since = broker.log_size()
     process = subprocess.Popen(
         [sys.executable, "-m", "edge_runtime.cli", "run", str(built_litert_bundle), "--config", str(config),
-         "--broker", broker.address],
+         "--broker", broker.address, "--instance", "t"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        client_id = f"edgeline-{edge_runtime.read_bundle(built_litert_bundle).manifest.name}"
+        client_id = f"edgeline-{edge_runtime.read_bundle(built_litert_bundle).manifest.name}-t"
         assert broker.wait_for_subscription(client_id, f"{unique_topic}/in/+", timeout=TIMEOUT_S, since=since)
         results = Collector(broker, f"{unique_topic}/out/#")
         errors = Collector(broker, f"{unique_topic}/errors/#")
@@ -302,8 +302,8 @@ def test_binary_codecs_and_the_error_topic_through_the_broker(
 def gated_daemon(broker: Broker, bundle: Path, topic: str, policy: str, capacity: int) -> tuple[Any, Any, Any]:
     """A daemon in this process whose worker waits at a gate before its first inference: a consumer slower than
     the stream, made deterministic. Broker, client, queue and model are the real ones."""
-    from edge_runtime.config import DaemonConfig
-    from edge_runtime.daemon import Daemon
+    from edge_runtime.daemon.config import DaemonConfig
+    from edge_runtime.daemon.service import Daemon
     from tests.mqtt_broker import free_port
 
     config = DaemonConfig.model_validate(
@@ -351,6 +351,8 @@ def test_a_full_drop_oldest_queue_answers_dropped_and_loses_nothing_else(
 ) -> None:
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     daemon, gate, entered = gated_daemon(broker, built_litert_bundle, unique_topic, "drop-oldest", capacity=4)
     try:
         results = Collector(broker, f"{unique_topic}/out/#")
@@ -362,8 +364,14 @@ def test_a_full_drop_oldest_queue_answers_dropped_and_loses_nothing_else(
         port = daemon._metrics_server.port
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             metrics = response.read().decode()
-        assert "edgeline_dropped_total{" in metrics and metrics.split("edgeline_dropped_total{")[1].split()[1] == "6"
-        assert 'code="dropped"} 6' in metrics and "edgeline_queue_depth{" in metrics
+        samples = {
+            (sample.name, sample.labels.get("code")): sample.value
+            for family in text_string_to_metric_families(metrics)
+            for sample in family.samples
+        }
+        assert samples[("edgeline_dropped_total", None)] == 6
+        assert samples[("edgeline_errors_total", "dropped")] == 6
+        assert ("edgeline_queue_depth", None) in samples
         gate.set()
         answers = [json.loads(payload) for _, payload, _ in results.wait_for(11)]
         time.sleep(0.5)  # anything extra would arrive now

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_runtime.config import DaemonConfig, load_config
+from edge_runtime.daemon.config import DaemonConfig, load_config
 from edge_runtime.errors import EdgelineError
 
 GOOD = """

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import edge_runtime
-from edge_runtime.codecs import get_codec
-from edge_runtime.health import Metrics
+from edge_runtime.daemon.codecs import get_codec
+from edge_runtime.daemon.health import Metrics
+from edge_runtime.daemon.messages import Message
+from edge_runtime.daemon.processor import Processor
 from edge_runtime.manifest import Window
-from edge_runtime.processor import Message, Processor
 
 
 @pytest.fixture(scope="module")

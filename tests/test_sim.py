@@ -20,7 +20,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from edge_runtime.cli import main
-from edge_runtime.config import BrokerAddress
+from edge_runtime.daemon.config import BrokerAddress
 from sim.data import MODEL_SHAPES, SENSOR_MODELS, Samples, load_samples, resolve_model
 from sim.publisher import PublishOptions, fleet_messages, publish
 from sim.sensors import ReplaySensor, VibrationSensor, fleet_devices, float32_values, make_sensor

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import edge_runtime
-from edge_runtime.sources import LineFramer, parse_record
-from edge_runtime.topics import TopicFilter
+from edge_runtime.daemon.sources import LineFramer, parse_record
+from edge_runtime.daemon.topics import TopicFilter
 from tests.mqtt_broker import Broker
 
 TIMEOUT_S = 30.0
@@ -124,7 +124,7 @@ def start_daemon(*args: str) -> tuple[subprocess.Popen[bytes], Lines, Lines]:
     process = subprocess.Popen([*EDGELINE, "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = Lines(process.stdout), Lines(process.stderr)
     try:
-        while not err.next().startswith(b"edgeline run: "):
+        while b" edgeline run: " not in err.next():
             pass
     except AssertionError:
         process.kill()

@@ -4,6 +4,12 @@ Every input gets exactly one answer. For models without a window the input is th
 coded error. For windowed models the inputs are the windows a message completes: one result per window, and a
 message that cannot be used (malformed, wrong shape, NaN...) gets one coded error. Pure apart from the model
 call; the daemon runs it on its worker thread, never on the MQTT network thread.
+
+Nothing a message carries may escape as an exception: whatever goes wrong while handling one message becomes that
+message's coded answer. Every answer carries the input's ``id`` when the payload has one that can be read (even
+when the rest of it cannot), else ``<device>-<seq>``. An answer whose topic cannot be formed from its device
+(wildcards, over 65,535 bytes) becomes an ``invalid-topic`` error on the error topic, or, when that cannot be
+formed either, an answer without a topic: written to stdout when that sink is on, logged otherwise.
 """
 
 from __future__ import annotations
@@ -12,37 +18,59 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
-from edge_runtime.codecs import Codec, Decoded
+from edge_runtime.daemon.codecs import Codec, Decoded
+from edge_runtime.daemon.health import Metrics
+from edge_runtime.daemon.messages import Answer, Message
+from edge_runtime.daemon.topics import render_topic, topic_problem
+from edge_runtime.daemon.windowing import StreamWindows
 from edge_runtime.errors import PayloadError
-from edge_runtime.health import Metrics
 from edge_runtime.manifest import Window
 from edge_runtime.model import Model
-from edge_runtime.topics import render_topic
-from edge_runtime.windowing import StreamWindows
 
-__all__ = ["Answer", "Message", "Processor"]
+__all__ = ["Processor", "readable_id"]
+
+MAX_DEVICE_IN_RECORD = 256
+"""A device name longer than this is cut in answers (a 70,000-character device must not make 70 KB answers)."""
+EVICTION_WARNING_INTERVAL_S = 60.0
+
+
+def readable_id(payload: bytes, codec: str) -> str | None:
+    """The ``id`` of a payload that did not decode as a whole, when it can still be read; never raises."""
+    if codec == "raw" or not payload:
+        return None
+    try:
+        if codec == "json":
+            data: Any = orjson.loads(payload)
+        elif codec == "cbor":
+            import cbor2
+
+            data = cbor2.loads(payload)
+        elif codec == "msgpack":
+            import msgpack
+
+            data = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        else:
+            return None
+    except Exception:  # whatever a broken payload makes a third-party parser raise: no id to read
+        return None
+    if not isinstance(data, dict):
+        return None
+    identity = data.get("id")
+    if isinstance(identity, str) and len(identity) <= 1024:
+        return identity
+    if isinstance(identity, int) and not isinstance(identity, bool) and -(2**63) <= identity < 2**63:
+        return str(identity)
+    return None
+
 
 log = logging.getLogger("edgeline.processor")
-
-
-@dataclass(frozen=True)
-class Message:
-    """A message as it arrived: the network thread builds it and queues it, nothing more."""
-
-    topic: str
-    payload: bytes
-    device: str
-    received: float = field(default_factory=time.time)
-    size: int | None = None
-    """The payload's real size when a source had to cut it short (over the limit); None: ``len(payload)``."""
-    # Seam for a durable outbox: called once the message's answers are handed over (paho manual_ack).
-    ack: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,14 +82,6 @@ class _Decoded:
     sequence: int
     identity: str | None
     arrays: list[np.ndarray]
-
-
-@dataclass(frozen=True)
-class Answer:
-    topic: str
-    payload: bytes
-    record: dict[str, Any]
-    is_error: bool
 
 
 class Processor:
@@ -77,6 +97,7 @@ class Processor:
         window: Window | None = None,
         max_streams: int = 1024,
         result_codec: Codec | None = None,
+        instance: str = "",
     ):
         self.model = model
         self.codec = codec
@@ -90,7 +111,12 @@ class Processor:
         self.streams = StreamWindows(self.window, max_streams=max_streams) if self.window else None
         self._sequence: Counter[str] = Counter()
         self._sequence_lock = threading.Lock()  # drops are answered on the network thread
-        self._base = {"model": model.name, "version": model.version}
+        self.instance = instance
+        self._base: dict[str, Any] = {"model": model.name, "version": model.version}
+        if instance:
+            self._base["instance"] = instance
+        self._evicted_seen = 0
+        self._next_eviction_warning = 0.0
 
     def process(self, message: Message) -> list[Answer]:
         sequence = self._next_sequence(message.device)
@@ -102,6 +128,7 @@ class Processor:
             if self.streams is None:
                 return [self._infer(message, sequence, identity, list(decoded.arrays))]
             windows = self.streams.push(message.device, decoded.arrays[0])
+            self._note_evictions()
             return [
                 self._infer(message, sequence, identity, [w.reshape(self.model.inputs[0].shape)], window=i)
                 for i, w in enumerate(windows)
@@ -122,7 +149,7 @@ class Processor:
             self.metrics.count("received")
             try:
                 decoded = self._decode(message)
-            except PayloadError as exc:
+            except Exception as exc:
                 answers[index] = self._failure(message, sequence, None, exc)
                 continue
             pending.append(_Decoded(index, message, sequence, decoded.id, list(decoded.arrays)))
@@ -136,6 +163,8 @@ class Processor:
     def _failure(self, message: Message, sequence: int, identity: str | None, exc: Exception) -> list[Answer]:
         """The coded error of an input: its own ``PayloadError``, or ``inference-failed`` when the runtime failed
         on an input that passed every check (logged, and the daemon keeps going)."""
+        if identity is None:
+            identity = self._readable_id(message)
         if isinstance(exc, PayloadError):
             return self._error(message, sequence, identity, exc.code, str(exc))
         text = f"{type(exc).__name__}: {exc}"
@@ -164,22 +193,44 @@ class Processor:
             for item in batch:
                 answers[item.index] = self._infer_one(item)
             return
-        latency_ms = (time.perf_counter() - start) * 1000.0
+        seconds = time.perf_counter() - start
         self.metrics.count("batches")
         for item, result in zip(batch, outputs, strict=True):
-            if isinstance(result, PayloadError):
-                answers[item.index] = self._failure(item.message, item.sequence, item.identity, result)
-            else:
-                answer = self._result(
-                    item.message, item.sequence, item.identity, item.arrays, result, latency_ms, len(batch)
-                )
-                answers[item.index] = [answer]
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                answers[item.index] = [
+                    self._result(item.message, item.sequence, item.identity, item.arrays, result, seconds, len(batch))
+                ]
+            except Exception as exc:  # one bad output (NaN...) costs that input its answer, not the batch
+                answers[item.index] = self._failure(item.message, item.sequence, item.identity, exc)
 
     def refuse(self, message: Message, code: str, text: str) -> list[Answer]:
         """The one answer of an input that never reaches the processor (``dropped`` from a full queue)."""
         sequence = self._next_sequence(message.device)
         self.metrics.count("received")
-        return self._error(message, sequence, None, code, text)
+        return self._error(message, sequence, self._readable_id(message), code, text)
+
+    def _readable_id(self, message: Message) -> str | None:
+        if message.size is not None and message.size > self.max_payload_bytes:
+            return None
+        return readable_id(message.payload, self.codec.name)
+
+    def _note_evictions(self) -> None:
+        """Streams forgotten to make room: counted, and a warning at most once a minute (never silent)."""
+        assert self.streams is not None
+        evicted = self.streams.evicted
+        if evicted == self._evicted_seen:
+            return
+        self.metrics.count("streams_evicted", evicted - self._evicted_seen)
+        self._evicted_seen = evicted
+        now = time.monotonic()
+        if now >= self._next_eviction_warning:
+            self._next_eviction_warning = now + EVICTION_WARNING_INTERVAL_S
+            log.warning(
+                "more than %d streams: %d evicted so far with their partial windows (raise [input] max_streams)",
+                self.streams.max_streams, evicted,
+            )  # fmt: skip
 
     def _next_sequence(self, device: str) -> int:
         with self._sequence_lock:
@@ -192,7 +243,7 @@ class Processor:
     def _record(self, message: Message, sequence: int, identity: str | None) -> dict[str, Any]:
         return {
             "id": identity if identity is not None else f"{message.device}-{sequence}",
-            "device": message.device,
+            "device": message.device[:MAX_DEVICE_IN_RECORD],
             "seq": sequence,
             **self._base,
         }
@@ -202,8 +253,8 @@ class Processor:
     ) -> Answer:
         start = time.perf_counter()
         outputs = self.model.predict(*inputs)
-        latency_ms = (time.perf_counter() - start) * 1000.0
-        return self._result(message, sequence, identity, inputs, outputs, latency_ms, window=window)
+        seconds = time.perf_counter() - start
+        return self._result(message, sequence, identity, inputs, outputs, seconds, window=window)
 
     def _result(
         self,
@@ -212,25 +263,36 @@ class Processor:
         identity: str | None,
         inputs: Sequence[np.ndarray],
         outputs: Sequence[np.ndarray],
-        latency_ms: float,
+        seconds: float,
         batch: int = 1,
         window: int | None = None,
     ) -> Answer:
-        """``latency_ms`` is the model call's time; for a batch, the whole call's, and ``batch`` says how many
+        """``seconds`` is the model call's time; for a batch, the whole call's, and ``batch`` says how many
         samples it carried."""
-        self.metrics.latency(latency_ms)
-        self.metrics.count("results")
+        topic = self._topic(self.publish, message.device)
+        problem = topic_problem(topic)
+        if problem is not None:
+            raise _TopicError(f"the answer's topic cannot be formed from device {message.device[:64]!r}: {problem}")
+        for output in outputs:
+            if not np.isfinite(output).all():
+                raise _ModelOutputError("the model's output holds NaN or Inf for this input")
+        interpreted = self.model.interpret(inputs, outputs).as_dict()
         record = self._record(message, sequence, identity)
         if window is not None:
             record["window"] = window
         record["outputs"] = [output.tolist() for output in outputs]
-        record.update(self.model.interpret(inputs, outputs).as_dict())
-        record["latency_ms"] = round(latency_ms, 4)
+        record.update(interpreted)
+        record["latency_ms"] = round(seconds * 1000.0, 4)
         if batch > 1:
             record["batch"] = batch
         record["timestamp"] = time.time()
-        topic = render_topic(self.publish, device=message.device, name=self.model.name)
-        return Answer(topic, self.result_codec.encode(record), record, is_error=False)
+        payload = self.result_codec.encode(record)
+        self.metrics.observe("model", seconds)
+        self.metrics.count("results")
+        return Answer(topic, payload, record, is_error=False)
+
+    def _topic(self, template: str, device: str) -> str:
+        return render_topic(template, device=device, name=self.model.name, instance=self.instance)
 
     def _error(self, message: Message, sequence: int, identity: str | None, code: str, text: str) -> list[Answer]:
         self.metrics.error(code)
@@ -238,10 +300,30 @@ class Processor:
         record["error"] = {"code": code, "message": text}
         record["timestamp"] = time.time()
         payload = self.result_codec.encode(record)
-        answers = [
-            Answer(render_topic(self.publish, device=message.device, name=self.model.name), payload, record, True)
-        ]
-        if self.error_topic:
-            topic = render_topic(self.error_topic, device=message.device, name=self.model.name)
-            answers.append(Answer(topic, payload, record, True))
-        return answers
+        topic = self._topic(self.publish, message.device)
+        error_topic = self._topic(self.error_topic, message.device) if self.error_topic else None
+        if topic_problem(topic) is None:
+            answers = [Answer(topic, payload, record, True)]
+            if error_topic is not None and topic_problem(error_topic) is None:
+                answers.append(Answer(error_topic, payload, record, True))
+            return answers
+        # No answer topic for this device: the error topic if it can be formed (with the device, else without),
+        # else no topic at all (stdout, or the log).
+        if error_topic is not None and topic_problem(error_topic) is not None:
+            error_topic = self._topic(self.error_topic or "", INVALID_DEVICE)
+        if error_topic is not None and topic_problem(error_topic) is None:
+            return [Answer(error_topic, payload, record, True)]
+        return [Answer(None, payload, record, True)]
+
+
+class _ModelOutputError(RuntimeError):
+    """A finite input the model answered with NaN or Inf: answered ``inference-failed``."""
+
+
+class _TopicError(PayloadError):
+    def __init__(self, message: str):
+        super().__init__(message, code="invalid-topic")
+
+
+INVALID_DEVICE = "_invalid"
+"""Stands for a device that cannot be part of a topic, in the error topic of its answer."""

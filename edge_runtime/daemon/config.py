@@ -1,15 +1,21 @@
 """The daemon's configuration: a validated TOML file, overridden by command-line flags.
 
+[daemon]   state_dir (default: $STATE_DIRECTORY from systemd, else $XDG_STATE_HOME/edgeline or ~/.local/state/edgeline),
+           instance (default: derived from the host name and the state directory), drain_timeout_s
 [source]   kind = "mqtt" | "serial" | "replay" | "sim"; url, baudrate (serial); path, speed (replay); sim (the
            arguments of `edgeline sim`); device (the stream key of messages that carry no topic)
-[broker]   host, port, client_id, keepalive_s
-[input]    subscribe = ["sensors/+/accel"], codec, qos, max_payload_bytes
+[broker]   host, port, client_id (template with {name}, {instance}), keepalive_s, protocol ("5" or "3.1.1"),
+           session_expiry_s, reconnect_max_s, connect_timeout_s, max_inflight, max_queued; TLS: tls_ca_file,
+           tls_cert_file, tls_key_file, tls_insecure_skip_verify; username, password_file (or $EDGELINE_MQTT_PASSWORD)
+[input]    subscribe = ["sensors/+/accel"] (or "$share/GROUP/sensors/+/accel"), codec, qos, max_payload_bytes,
+           max_streams (windowed models: streams kept at once; the least recently used is evicted, counted)
 [output]   publish = "edgeline/{name}/{device}/result", error_topic, qos, mqtt (publish results to the broker;
            always with the MQTT source, otherwise only when set or --broker is given: else they go to stdout)
 [queue]    capacity, policy = "drop-oldest" | "block" (default: drop-oldest for live sources, MQTT and serial;
            block for replay and sim, which are lossless), max_batch (queued inputs taken at once, and
            run as one batch when the model allows it; 1 = one sample per call)
-[health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off, loopback only)
+[outbox]   enabled, max_answers, max_bytes, ttl_s, synchronous ("full": survives a power cut; "normal": a crash)
+[health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off), prometheus_host (loopback)
 [window]   size, hop, channels (overrides the bundle's)
 """
 
@@ -23,9 +29,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edge_runtime.bundle import describe_validation_error
+from edge_runtime.daemon.topics import TopicFilter, validate_template
 from edge_runtime.errors import EdgelineError
 from edge_runtime.manifest import Window
-from edge_runtime.topics import TopicFilter, validate_template
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -98,11 +104,51 @@ class SourceConfig(_Section):
         return self
 
 
+class DaemonSection(_Section):
+    state_dir: Path | None = None
+    instance: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    drain_timeout_s: float = Field(default=10.0, gt=0, le=600)
+
+
 class BrokerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=1883, ge=1, le=65535)
-    client_id: str = "edgeline-{name}"
-    keepalive_s: int = Field(default=30, ge=5, le=3600)
+    client_id: str = "edgeline-{name}-{instance}"
+    # A dead link is noticed within two keepalives (a PINGREQ after one, no answer after the next): 20 s.
+    keepalive_s: int = Field(default=10, ge=2, le=3600)
+    protocol: Literal["5", "3.1.1"] = "5"
+    session_expiry_s: int = Field(default=7 * 86400, ge=0, le=0xFFFFFFFF)
+    reconnect_max_s: float = Field(default=10.0, ge=0.1, le=3600)
+    connect_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    max_inflight: int = Field(default=64, ge=1, le=65535)
+    max_queued: int = Field(default=1024, ge=1, le=1_000_000)
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_insecure_skip_verify: bool = False
+    username: str | None = Field(default=None, min_length=1)
+    password_file: Path | None = None
+
+    @field_validator("client_id")
+    @classmethod
+    def _client_id(cls, client_id: str) -> str:
+        try:
+            client_id.format(name="n", instance="i")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"client_id {client_id!r}: only {{name}} and {{instance}} may be used ({exc})") from exc
+        return client_id
+
+    @model_validator(mode="after")
+    def _pairs(self) -> BrokerConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("a client certificate needs both tls_cert_file and tls_key_file")
+        if self.password_file is not None and self.username is None:
+            raise ValueError("password_file needs a username")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_ca_file is not None or self.tls_cert_file is not None or self.tls_insecure_skip_verify
 
 
 class InputConfig(_Section):
@@ -110,6 +156,7 @@ class InputConfig(_Section):
     codec: Literal["json", "raw", "cbor", "msgpack"] = "json"
     qos: Literal[0, 1] = 1
     max_payload_bytes: int = Field(default=1 << 20, ge=16)
+    max_streams: int = Field(default=1024, ge=1, le=1_000_000)
 
     @field_validator("subscribe")
     @classmethod
@@ -147,19 +194,40 @@ class QueueConfig(_Section):
     max_batch: int = Field(default=16, ge=1, le=4096)
 
 
+class OutboxConfig(_Section):
+    """The durable outbox between the worker and the broker (see ``edge_runtime.daemon.outbox``)."""
+
+    enabled: bool = True
+    max_answers: int = Field(default=100_000, ge=1)
+    max_bytes: int = Field(default=64 << 20, ge=1024)
+    ttl_s: float = Field(default=86400.0, gt=0)
+    synchronous: Literal["full", "normal"] = "full"
+
+
 class HealthConfig(_Section):
-    availability_topic: str = "edgeline/{name}/availability"
-    status_topic: str = "edgeline/{name}/status"
+    availability_topic: str = "edgeline/{name}/{instance}/availability"
+    status_topic: str = "edgeline/{name}/{instance}/status"
     status_interval_s: float = Field(default=10.0, gt=0)
     prometheus_port: int = Field(default=0, ge=0, le=65535)
+    prometheus_host: str = "127.0.0.1"
+
+    @field_validator("availability_topic", "status_topic")
+    @classmethod
+    def _template(cls, template: str) -> str:
+        try:
+            return validate_template(template, ("name", "instance"), what="health topic")
+        except EdgelineError as exc:
+            raise ValueError(str(exc)) from exc
 
 
 class DaemonConfig(_Section):
+    daemon: DaemonSection = DaemonSection()
     source: SourceConfig = SourceConfig()
     broker: BrokerConfig = BrokerConfig()
     input: InputConfig = InputConfig()
     output: OutputConfig = OutputConfig()
     queue: QueueConfig = QueueConfig()
+    outbox: OutboxConfig = OutboxConfig()
     health: HealthConfig = HealthConfig()
     window: Window | None = None
 
@@ -191,6 +259,8 @@ class DaemonConfig(_Section):
         codec: str | None = None,
         qos: int | None = None,
         source: dict[str, object] | None = None,
+        state_dir: Path | None = None,
+        instance: str | None = None,
     ) -> DaemonConfig:
         """The command line wins over the file; the result is validated like the file.
 
@@ -216,6 +286,10 @@ class DaemonConfig(_Section):
         if qos is not None:
             data["input"]["qos"] = qos
             data["output"]["qos"] = qos
+        if state_dir is not None:
+            data["daemon"]["state_dir"] = state_dir
+        if instance is not None:
+            data["daemon"]["instance"] = instance
         return _validate(data, "command line")
 
 

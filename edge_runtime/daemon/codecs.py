@@ -8,7 +8,7 @@
 
 With a ``window`` (a time-series model) a message carries the new samples of one stream instead of whole inputs:
 ``n >= 1`` time steps of ``window.channels`` values (flat, or nested as ``[[c0, c1, ...], ...]``; raw: float32),
-decoded to one float32 array of shape ``(n, channels)`` for ``edge_runtime.windowing``.
+decoded to one float32 array of shape ``(n, channels)`` for ``edge_runtime.daemon.windowing``.
 
 Decoding runs for every message: parsing and conversion run in C (orjson, cbor2, msgpack, numpy), never as a
 Python loop over the values; byte strings (cbor, msgpack) and raw payloads are not even copied.
@@ -46,10 +46,10 @@ __all__ = [
 ]
 
 CODECS: dict[str, str] = {
-    "json": "edge_runtime.codecs:JsonCodec",
-    "raw": "edge_runtime.codecs:RawCodec",
-    "cbor": "edge_runtime.codecs:CborCodec",
-    "msgpack": "edge_runtime.codecs:MsgpackCodec",
+    "json": "edge_runtime.daemon.codecs:JsonCodec",
+    "raw": "edge_runtime.daemon.codecs:RawCodec",
+    "cbor": "edge_runtime.daemon.codecs:CborCodec",
+    "msgpack": "edge_runtime.daemon.codecs:MsgpackCodec",
 }
 
 _F32 = np.dtype(np.float32)
@@ -104,7 +104,7 @@ class JsonCodec:
             message = self._loads(payload)
         except self._error as exc:
             raise _json_failure(payload, exc) from exc
-        return _decode_map(message, specs, window, "JSON")
+        return _decode_map(message, specs, window, "JSON", len(payload))
 
     def encode(self, record: Mapping[str, Any]) -> bytes:
         encoded: bytes = self._dumps(_plain_record(record))
@@ -130,7 +130,7 @@ class CborCodec:
             raise PayloadError(
                 f"not valid CBOR: {len(payload) - stream.tell()} bytes after the end of the message", code="malformed"
             )
-        return _decode_map(message, specs, window, "CBOR")
+        return _decode_map(message, specs, window, "CBOR", len(payload))
 
     def encode(self, record: Mapping[str, Any]) -> bytes:
         encoded: bytes = self._dumps(_plain_record(record))
@@ -151,7 +151,7 @@ class MsgpackCodec:
             message = self._unpackb(payload, raw=False, strict_map_key=True, use_list=True)
         except self._errors as exc:
             raise PayloadError(f"not valid MessagePack: {exc}", code="malformed") from exc
-        return _decode_map(message, specs, window, "MessagePack")
+        return _decode_map(message, specs, window, "MessagePack", len(payload))
 
     def encode(self, record: Mapping[str, Any]) -> bytes:
         encoded: bytes = self._packb(_plain_record(record), use_bin_type=True)
@@ -165,7 +165,9 @@ def _optional(module: str, codec: str) -> Any:
         raise BackendUnavailableError(f"the {codec} codec needs the {module} package: pip install {module}") from exc
 
 
-def _decode_map(message: Any, specs: Sequence[TensorSpec], window: Window | None, fmt: str) -> Decoded:
+def _decode_map(
+    message: Any, specs: Sequence[TensorSpec], window: Window | None, fmt: str, payload_bytes: int
+) -> Decoded:
     if not isinstance(message, dict):
         raise PayloadError(
             f"a {fmt} message must be a map with the input fields, got {_describe(message)}", code="malformed"
@@ -174,11 +176,11 @@ def _decode_map(message: Any, specs: Sequence[TensorSpec], window: Window | None
     if window is not None:
         _check_windowed(specs)
         field, value = _field(message, specs, 0)
-        return Decoded(ident, (_samples(_numbers(value, field), window, field),))
+        return Decoded(ident, (_samples(_numbers(value, field, payload_bytes), window, field),))
     arrays = []
     for index, spec in enumerate(specs):
         field, value = _field(message, specs, index)
-        array = _numbers(value, field)
+        array = _numbers(value, field, payload_bytes)
         if array.size != spec.size:
             raise PayloadError(
                 f"field {field!r} holds {array.size} values; input {spec.name!r} of shape {list(spec.shape)} "
@@ -220,11 +222,11 @@ def _field(message: dict[Any, Any], specs: Sequence[TensorSpec], index: int) -> 
     raise PayloadError(f"missing field {name!r} (the model's inputs: {names})", code="missing-input")
 
 
-def _numbers(value: Any, field: str) -> np.ndarray:
+def _numbers(value: Any, field: str, payload_bytes: int) -> np.ndarray:
     """A number, a (nested) list of numbers or a float32 byte string, as float32 in the nested shape.
 
     Every value's type is checked (one C-level pass): numpy alone would turn true into 1.0, "1.5" into 1.5
-    and null into NaN without a word.
+    and null into NaN without a word. ``payload_bytes``, the message's length, bounds the number of values.
     """
     if isinstance(value, bytes):
         if len(value) % 4:
@@ -233,7 +235,7 @@ def _numbers(value: Any, field: str) -> np.ndarray:
                 code="wrong-shape",
             )
         return np.frombuffer(value, _F32_LE)
-    leaves, shape = _leaves(value, field)
+    leaves, shape = _leaves(value, field, payload_bytes)
     try:
         with np.errstate(over="ignore"):  # beyond float32's range becomes Inf, refused as non-finite
             return np.fromiter(leaves, _F32, len(leaves)).reshape(shape)
@@ -241,8 +243,12 @@ def _numbers(value: Any, field: str) -> np.ndarray:
         raise PayloadError(f"field {field!r} holds a number beyond float32's range", code="non-finite") from exc
 
 
-def _leaves(value: Any, field: str) -> tuple[list[Any], tuple[int, ...]]:
-    """The flat values and nested shape of a regular list of lists of numbers, or the reason it is not one."""
+def _leaves(value: Any, field: str, payload_bytes: int) -> tuple[list[Any], tuple[int, ...]]:
+    """The flat values and nested shape of a regular list of lists of numbers, or the reason it is not one.
+
+    Every value takes at least one byte of the message, unless the format repeats a list by reference (CBOR's
+    shared values, tags 28/29): 200 bytes then nest one list into 2**30 values. Refused before flattening.
+    """
     if not isinstance(value, list):
         value, shape = [value], []
     else:
@@ -260,6 +266,12 @@ def _leaves(value: Any, field: str) -> tuple[list[Any], tuple[int, ...]]:
                 code="malformed",
             )
         shape.append(lengths.pop())
+        if (count := math.prod(shape)) > payload_bytes:
+            raise PayloadError(
+                f"field {field!r} nests {count} elements, more than its {payload_bytes}-byte message can carry: "
+                "lists repeated by reference are not accepted",
+                code="malformed",
+            )
         level = list(chain.from_iterable(level))
     types = set(map(type, level))
     if not types <= _NUMBER_TYPES:

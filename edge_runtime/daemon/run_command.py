@@ -1,4 +1,4 @@
-"""``edgeline run``: the on-device daemon (see ``edge_runtime.daemon``)."""
+"""``edgeline run``: the on-device daemon (see ``edge_runtime.daemon.service``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge_runtime.config import load_config
+from edge_runtime.daemon.config import load_config
 
 __all__ = ["register"]
 
@@ -30,7 +30,22 @@ def register(subparsers: Any) -> None:
     run.add_argument("--subscribe", nargs="+", metavar="TOPIC", help="topic filters; {device} = the first + level")
     run.add_argument("--publish", metavar="TEMPLATE", help="result topic template with {device} and {name}")
     run.add_argument("--codec", choices=["json", "raw", "cbor", "msgpack"], help="input payload codec")
-    run.add_argument("--qos", type=int, choices=[0, 1], help="QoS for subscriptions and results")
+    run.add_argument(
+        "--qos",
+        type=int,
+        choices=[0, 1],
+        help="QoS for subscriptions and results (default 1: at least once; an input is acknowledged only once its "
+        "answer is safe in the outbox)",
+    )
+    run.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="what must survive a restart (the outbox); default $STATE_DIRECTORY, else ~/.local/state/edgeline",
+    )
+    run.add_argument(
+        "--instance", metavar="ID", help="this daemon's id in topics and results (default: host + state dir)"
+    )
     run.add_argument("--backend", help="runtime backend instead of the manifest's (e.g. tflite-runtime)")
     run.add_argument("--stdout", action="store_true", help="also print every answer as a JSON line on stdout")
     sources = run.add_argument_group("sources other than MQTT (one at a time)")
@@ -55,8 +70,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_daemon(args: argparse.Namespace) -> int:
-    from edge_runtime.daemon import Daemon
-    from edge_runtime.processor import Answer
+    from edge_runtime.daemon.processor import Answer
+    from edge_runtime.daemon.service import Daemon
 
     source: dict[str, object] = {"baudrate": args.baudrate, "speed": args.speed, "device": args.device}
     if args.serial is not None:
@@ -72,6 +87,8 @@ def run_daemon(args: argparse.Namespace) -> int:
         codec=args.codec,
         qos=args.qos,
         source={key: value for key, value in source.items() if value is not None},
+        state_dir=args.state_dir,
+        instance=args.instance,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -31,10 +31,10 @@ from typing import BinaryIO, Protocol
 
 import orjson
 
-from edge_runtime.config import SourceConfig
+from edge_runtime.daemon.config import SourceConfig
+from edge_runtime.daemon.messages import Message
+from edge_runtime.daemon.topics import TopicFilter
 from edge_runtime.errors import EdgelineError
-from edge_runtime.processor import Message
-from edge_runtime.topics import TopicFilter
 
 __all__ = ["LineFramer", "ReplaySource", "SerialSource", "Source", "make_source", "parse_record"]
 
@@ -173,16 +173,19 @@ def parse_record(line: bytes, filters: Sequence[TopicFilter], default_device: st
         except orjson.JSONDecodeError:
             record = None  # a broken payload: answered "malformed" by the codec, like on any other source
         if isinstance(record, dict) and "topic" in record and ("payload" in record or "payload_base64" in record):
-            topic = str(record["topic"])
-            device = record.get("device")
-            device = str(device) if device is not None else _device_of(topic, filters) or topic
-            if "payload_base64" in record:
-                try:
-                    payload = base64.b64decode(str(record["payload_base64"]), validate=True)
-                except ValueError:
-                    payload = line  # undecodable: answered "malformed"
-            else:
-                payload = orjson.dumps(record["payload"])
+            try:
+                topic = str(record["topic"])
+                device = record.get("device")
+                device = str(device) if device is not None else _device_of(topic, filters) or topic
+                if "payload_base64" in record:
+                    try:
+                        payload = base64.b64decode(str(record["payload_base64"]), validate=True)
+                    except ValueError:
+                        payload = line  # undecodable: answered "malformed"
+                else:
+                    payload = orjson.dumps(record["payload"])
+            except (RecursionError, orjson.JSONEncodeError):  # lists nested too deep for str() or orjson.dumps
+                return Message(topic="replay", payload=line, device=default_device), None
             t = record.get("t")
             when = float(t) if isinstance(t, int | float) and not isinstance(t, bool) else None
             return Message(topic=topic, payload=payload, device=device), when

@@ -1,0 +1,43 @@
+"""The daemon's own message types: what every source hands in, and what every sink sends out.
+
+Sources convert their foreign objects (paho's ``MQTTMessage``, a serial line, a recorded record) into a
+``Message`` at their boundary; nothing past the queue sees anything else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Answer", "Message"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message as it arrived: a source builds it and queues it, nothing more."""
+
+    topic: str
+    payload: bytes
+    device: str
+    received: float = field(default_factory=time.time)
+    """Wall-clock time of arrival (seconds since the epoch): survives a restart in the outbox."""
+    queued: float = field(default_factory=time.monotonic)
+    """Monotonic time of arrival: the start of the ``queued`` latency stage."""
+    size: int | None = None
+    """The payload's real size when a source had to cut it short (over the limit); None: ``len(payload)``."""
+    ack: Callable[[], None] | None = None
+    """Called once the message's answers are safe (committed to the outbox, or handed to every sink): the MQTT
+    source sends its PUBACK then, so the broker keeps the message until its answer cannot be lost."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One answer of an input: a result or a coded error, already encoded for the wire."""
+
+    topic: str | None
+    """None: no MQTT topic can be formed for it (its device cannot be part of one): stdout or the log only."""
+    payload: bytes
+    record: dict[str, Any]
+    is_error: bool

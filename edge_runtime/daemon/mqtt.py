@@ -1,0 +1,436 @@
+"""MQTT as one source and one sink among the others: the only module that sees paho-mqtt.
+
+    MqttConnection   one paho client and our own network thread: persistent session (MQTT 5 by default, clean
+                     start off, a session expiry; or MQTT 3.1.1 with clean session off), TLS with verified
+                     certificates and host name, user name and password, capped exponential back-off with jitter,
+                     resubscription on every connect, manual acknowledgement of inputs, PUBACK callbacks
+    MqttSource       subscriptions → ``Message`` values whose ``ack`` sends the input's PUBACK
+    MqttSink         answers → publishes whose ``on_done`` fires on the broker's PUBACK (or its refusal)
+
+paho's objects (``MQTTMessage``, reason codes, properties) are converted here into our own values; nothing past
+this module imports paho. A failure to connect at start (refused, bad credentials, untrusted certificate) raises an
+``EdgelineError`` naming the cause within seconds; once running, the connection retries for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from edge_runtime.daemon.config import BrokerAddress, BrokerConfig
+from edge_runtime.daemon.messages import Message
+from edge_runtime.daemon.topics import TopicFilter
+from edge_runtime.errors import EdgelineError
+
+__all__ = ["BrokerRefused", "MqttConnection", "MqttSink", "MqttSource", "PublishDone"]
+
+log = logging.getLogger("edgeline.mqtt")
+
+PASSWORD_ENV = "EDGELINE_MQTT_PASSWORD"
+SESSION_TAKEN_OVER = 142
+"""MQTT 5 DISCONNECT reason: another client connected with the same client id."""
+LOOP_TICK_S = 0.2
+
+PublishDone = Callable[[bool, str | None], None]
+"""Called once per publish: (accepted by the broker, the reason when not)."""
+OnMessage = Callable[[str, bytes, "Callable[[], None] | None"], None]
+
+
+class BrokerRefused(EdgelineError):
+    """The broker could not be reached or refused us at start: exit 2 with the cause."""
+
+
+def _password(config: BrokerConfig) -> str | None:
+    if config.password_file is not None:
+        try:
+            return config.password_file.read_text(encoding="utf-8").rstrip("\r\n")
+        except OSError as exc:
+            raise EdgelineError(f"broker.password_file {config.password_file}: {exc.strerror or exc}") from exc
+    return os.environ.get(PASSWORD_ENV)
+
+
+def _tls_context(config: BrokerConfig) -> ssl.SSLContext:
+    def readable(path: Path | None, key: str) -> str | None:
+        if path is not None and not path.is_file():
+            raise EdgelineError(f"broker.{key} {path}: no such file")
+        return None if path is None else str(path)
+
+    cafile = readable(config.tls_ca_file, "tls_ca_file")
+    try:
+        context = ssl.create_default_context(cafile=cafile)
+        if config.tls_cert_file is not None:
+            context.load_cert_chain(
+                str(readable(config.tls_cert_file, "tls_cert_file")), readable(config.tls_key_file, "tls_key_file")
+            )
+    except (ssl.SSLError, OSError) as exc:
+        raise EdgelineError(f"broker TLS files: {exc}") from exc
+    if config.tls_insecure_skip_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def describe_socket_error(exc: BaseException) -> str:
+    """One line for what went wrong while connecting: refused, unknown host, TLS verification, time-out."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: the broker's certificate was not accepted: {exc.verify_message or exc.reason}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS: {exc.reason or exc}"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (is the broker running and listening there?)"
+    if isinstance(exc, socket.gaierror):
+        return f"unknown host ({exc.strerror})"
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "no answer (time-out)"
+    return f"{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+
+
+class MqttConnection:
+    """One client to one broker, kept connected by our own network thread.
+
+    ``generation`` counts successful connections: an input's PUBACK is only sent on the connection it came in
+    on. After a reconnect the broker redelivers what was not acknowledged (same session), so an old
+    acknowledgement could only hit a different message that reuses the packet id.
+    """
+
+    def __init__(
+        self,
+        config: BrokerConfig,
+        *,
+        client_id: str,
+        will: tuple[str, bytes] | None = None,
+        waiting: Callable[[], int] = lambda: 0,
+    ):
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        self.config = config
+        self.client_id = client_id
+        self.address = str(BrokerAddress(config.host, config.port))
+        self.v5 = config.protocol == "5"
+        self._waiting = waiting
+        self._mqtt = mqtt
+        self._Properties = Properties
+        self._PacketTypes = PacketTypes
+        if self.v5:
+            client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        else:
+            client = mqtt.Client(
+                mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=False, protocol=mqtt.MQTTv311
+            )
+        client.manual_ack_set(True)
+        client.max_inflight_messages_set(config.max_inflight)
+        client.max_queued_messages_set(config.max_queued)
+        if config.username is not None:
+            client.username_pw_set(config.username, _password(config))
+        if config.tls:
+            client.tls_set_context(_tls_context(config))
+            if config.tls_insecure_skip_verify:
+                client.tls_insecure_set(True)
+        if will is not None:
+            client.will_set(will[0], will[1], qos=1, retain=True)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
+        client.on_subscribe = self._on_subscribe
+        client.on_log = self._on_log
+        self._client = client
+        self.connected = threading.Event()
+        self.generation = 0
+        self.reconnects = 0
+        self.disconnects = 0
+        self.publish_refused = 0
+        self._subscriptions: list[tuple[str, int]] = []
+        self._on_input: OnMessage | None = None
+        self._pending: dict[int, PublishDone | None] = {}
+        self._early: dict[int, tuple[bool, str | None]] = {}
+        self._publish_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._outcome = threading.Event()  # the first connection attempt has succeeded or failed
+        self._failure: str | None = None
+        self._last_error: str | None = None
+        self._lost_at: float | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- configuration, before start -----------------------------------------------------------------------
+    def subscribe(self, filters: Sequence[TopicFilter], qos: int, on_input: OnMessage) -> None:
+        """Subscribe on every connect; ``on_input(topic, payload, ack)`` runs on the network thread."""
+        self._subscriptions = [(f.pattern, qos) for f in filters]
+        self._on_input = on_input
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def start(self, run: Callable[[Callable[[], None]], threading.Thread]) -> None:
+        """Connect, and return once the broker has accepted us; ``run(target)`` starts the network thread (the
+        supervisor's). Raises ``BrokerRefused`` naming the cause when the first attempt fails."""
+        config = self.config
+        if config.tls_insecure_skip_verify:
+            log.warning("broker %s: TLS certificate verification is OFF (tls_insecure_skip_verify)", self.address)
+        kwargs: dict[str, Any] = {"keepalive": config.keepalive_s}
+        if self.v5:
+            properties = self._Properties(self._PacketTypes.CONNECT)
+            properties.SessionExpiryInterval = config.session_expiry_s
+            properties.ReceiveMaximum = min(config.max_inflight * 4, 65535)
+            kwargs.update(clean_start=False, properties=properties)
+        self._client.connect_async(config.host, config.port, **kwargs)
+        self._client._connect_timeout = min(config.connect_timeout_s, 5.0)  # TCP connect and TLS handshake
+        self._thread = run(self._network)
+        if not self._outcome.wait(config.connect_timeout_s):
+            self.close(0)
+            raise BrokerRefused(
+                f"broker {self.address}: no answer within {config.connect_timeout_s:g} s"
+                + (f" ({self._last_error})" if self._last_error else "")
+            )
+        if self._failure is not None:
+            self.close(0)
+            raise BrokerRefused(f"broker {self.address}: {self._failure}")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Disconnect cleanly (MQTT 5: the session stays for its expiry interval) and stop the network thread."""
+        if self.connected.is_set():
+            try:
+                self._client.disconnect()
+            except Exception as exc:  # pragma: no cover - a socket error while leaving
+                log.debug("disconnect: %s", exc)
+        self._closing.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout + LOOP_TICK_S * 2)
+
+    def _network(self) -> None:
+        """Our loop instead of paho's: its back-off has no jitter and its log says nothing per attempt."""
+        attempt = 0
+        while not self._closing.is_set():
+            try:
+                self._client.reconnect()
+            except (OSError, ValueError) as exc:
+                self._last_error = describe_socket_error(exc)
+                if not self._outcome.is_set():
+                    self._fail(self._last_error)
+                    return
+                attempt += 1
+                delay = self._backoff(attempt)
+                log.debug("broker %s: %s; attempt %d, next in %.1f s", self.address, self._last_error, attempt, delay)
+                self._closing.wait(delay)
+                continue
+            while not self._closing.is_set():
+                rc = self._client.loop(LOOP_TICK_S)
+                if rc != self._mqtt.MQTT_ERR_SUCCESS:
+                    break
+            if self._closing.is_set():
+                # let a DISCONNECT written by close() leave before the socket goes
+                for _ in range(5):
+                    if self._client.loop(0.05) != self._mqtt.MQTT_ERR_SUCCESS:
+                        break
+                return
+            if not self._outcome.is_set():  # lost before the CONNACK: TLS alerts, a refused client certificate
+                self._fail(self._last_error or "the broker closed the connection before accepting it")
+                return
+            attempt = 1 if self.connected.is_set() else attempt + 1
+            self.connected.clear()
+            delay = self._backoff(attempt)
+            log.debug("broker %s: reconnecting in %.1f s (attempt %d)", self.address, delay, attempt)
+            self._closing.wait(delay)
+
+    def _backoff(self, attempt: int) -> float:
+        """Full jitter (AWS architecture blog): uniform in [cap/2, cap] of the exponential step, capped."""
+        step = min(self.config.reconnect_max_s, 0.5 * 2 ** max(attempt - 1, 0))
+        return random.uniform(step / 2, step)
+
+    def _fail(self, reason: str) -> None:
+        self._failure = reason
+        self._outcome.set()
+
+    # -- paho callbacks: network thread; never let an exception out ----------------------------------------
+    def _on_log(self, client: Any, userdata: Any, level: int, text: str) -> None:
+        if level == self._mqtt.MQTT_LOG_ERR and "not connected" not in text.lower():
+            self._last_error = text
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+        try:
+            if reason.is_failure:
+                text = f"the broker refused the connection: {reason}"
+                if not self._outcome.is_set():
+                    self._fail(text)
+                else:
+                    log.error("broker %s: %s", self.address, text)
+                return
+            self.generation += 1
+            for pattern, qos in self._subscriptions:
+                client.subscribe(pattern, qos=qos)
+            self.connected.set()
+            if not self._outcome.is_set():
+                self._outcome.set()
+                return
+            self.reconnects += 1
+            down = time.monotonic() - self._lost_at if self._lost_at is not None else 0.0
+            log.info("reconnected to %s after %.1f s, %d answers waiting", self.address, down, self._waiting())
+        except Exception:
+            log.exception("on_connect failed")
+
+    def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+        try:
+            was_connected = self.connected.is_set()
+            self.connected.clear()
+            if self._closing.is_set() or not was_connected:
+                return
+            self.disconnects += 1
+            self._lost_at = time.monotonic()
+            if self.v5 and getattr(reason, "value", None) == SESSION_TAKEN_OVER:
+                log.error(
+                    "broker %s: session taken over: another client connected with our client id %r "
+                    "(two daemons with the same instance? set [daemon] instance or [broker] client_id)",
+                    self.address, self.client_id,
+                )  # fmt: skip
+            else:
+                log.warning("lost the broker %s (%s); reconnecting", self.address, self._last_error or reason)
+        except Exception:
+            log.exception("on_disconnect failed")
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, properties: Any) -> None:
+        for reason, (pattern, _) in zip(reasons, self._subscriptions, strict=False):
+            if getattr(reason, "is_failure", False):
+                log.error("broker %s refused the subscription %r: %s", self.address, pattern, reason)
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        handler = self._on_input
+        if handler is None:
+            return
+        try:
+            ack = None
+            if message.qos > 0:
+                generation, mid, qos = self.generation, message.mid, message.qos
+                ack = lambda: self._ack(generation, mid, qos)  # noqa: E731
+            handler(message.topic, bytes(message.payload), ack)
+        except Exception:
+            log.exception("handling a message from %s failed", getattr(message, "topic", "?"))
+
+    def _ack(self, generation: int, mid: int, qos: int) -> None:
+        if generation == self.generation and self.connected.is_set():
+            self._client.ack(mid, qos)
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, properties: Any) -> None:
+        ok = not getattr(reason, "is_failure", False)
+        text = None if ok else str(reason)
+        with self._publish_lock:
+            if mid in self._pending:
+                done = self._pending.pop(mid)
+            else:
+                self._early[mid] = (ok, text)
+                return
+        self._finish(done, ok, text)
+
+    def _finish(self, done: PublishDone | None, ok: bool, text: str | None) -> None:
+        if not ok:
+            self.publish_refused += 1
+        if done is not None:
+            try:
+                done(ok, text)
+            except Exception:
+                log.exception("a publish callback failed")
+
+    # -- any thread ------------------------------------------------------------------------------------------
+    def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int,
+        retain: bool = False,
+        expiry_s: float | None = None,
+        done: PublishDone | None = None,
+    ) -> bool:
+        """Hand one message to the client; False when it could not take it (its queue is full: try later).
+        ``done`` fires when the broker acknowledges (QoS 1) or the message is written (QoS 0)."""
+        properties = None
+        if self.v5 and expiry_s is not None:
+            properties = self._Properties(self._PacketTypes.PUBLISH)
+            properties.MessageExpiryInterval = max(1, int(expiry_s))
+        try:
+            info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        except ValueError as exc:  # an invalid topic: checked before, so a bug of ours if it happens
+            self._finish(done, False, f"invalid topic: {exc}")
+            return True
+        if info.rc == self._mqtt.MQTT_ERR_QUEUE_SIZE:
+            return False
+        with self._publish_lock:
+            early = self._early.pop(info.mid, None)
+            if early is None:
+                self._pending[info.mid] = done
+        if early is not None:
+            self._finish(done, *early)
+        return True
+
+    @property
+    def closing(self) -> bool:
+        return self._closing.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        with self._publish_lock:
+            return len(self._pending)
+
+
+class MqttSource:
+    """Subscriptions as a source: every message becomes a ``Message`` whose ``ack`` is its PUBACK.
+
+    The handler is installed before the connection starts: with a persistent session the broker sends what it
+    kept for us right after its CONNACK, before any SUBSCRIBE. Until ``run`` hands over ``submit`` (the source
+    thread starts right after the connection), the network thread waits for it.
+    """
+
+    finite = False
+
+    def __init__(self, connection: MqttConnection, filters: Sequence[TopicFilter], qos: int):
+        self.connection = connection
+        self.filters = list(filters)
+        self.description = f"MQTT {connection.address} as {connection.client_id}, subscribed to " + ", ".join(
+            f.pattern for f in self.filters
+        )
+        self._submit: Callable[[Message], None] | None = None
+        self._stopping = threading.Event()
+        self._bound = threading.Event()
+        connection.subscribe(self.filters, qos, self._on_input)
+
+    def open(self) -> None:
+        """Nothing to open: the daemon starts the connection (it is the sink as well)."""
+
+    def run(self, submit: Callable[[Message], None], stopping: threading.Event) -> None:
+        """Messages arrive on the network thread; this thread only waits for the stop."""
+        self._submit, self._stopping = submit, stopping
+        self._bound.set()
+        stopping.wait()
+
+    def _on_input(self, topic: str, payload: bytes, ack: Callable[[], None] | None) -> None:
+        while not self._bound.wait(0.5):
+            if self.connection.closing:
+                return
+        if self._stopping.is_set() or self._submit is None:
+            return  # not acknowledged: the broker redelivers it to the next run
+        device = next((d for f in self.filters if (d := f.device(topic)) is not None), topic)
+        self._submit(Message(topic=topic, payload=payload, device=device, ack=ack))
+
+
+class MqttSink:
+    """Answers to the broker. With an outbox, ``done`` removes the answer from it on PUBACK."""
+
+    def __init__(self, connection: MqttConnection, qos: int):
+        self.connection = connection
+        self.qos = qos
+
+    @property
+    def ready(self) -> bool:
+        return self.connection.connected.is_set()
+
+    def publish(
+        self, topic: str, payload: bytes, *, expiry_s: float | None = None, done: PublishDone | None = None
+    ) -> bool:
+        return self.connection.publish(topic, payload, qos=self.qos, expiry_s=expiry_s, done=done)

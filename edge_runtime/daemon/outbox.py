@@ -1,0 +1,234 @@
+"""The durable outbox: answers wait here, on disk, until the broker has acknowledged them.
+
+    worker ──add(answers) + commit──► outbox.sqlite (WAL) ──take()──► MQTT publish, QoS 1 ──PUBACK──► remove()
+                └─► only then the inputs' PUBACKs go to the broker (the MQTT source's ``Message.ack``)
+
+So at every instant an input is either unacknowledged at the broker (which redelivers it to the next run) or its
+answer is committed here: a SIGKILL, a power cut (``synchronous = "full"``: every commit is fsync'ed) or a broker
+crash loses nothing. An answer can be delivered twice (published, then the process dies before its PUBACK is
+recorded): results carry the input's id so that duplicates can be removed downstream.
+
+Bounded: at most ``max_answers`` rows and ``max_bytes`` of payload. When a commit would go past either, the oldest
+answers are dropped to make room (counted as ``outbox_full``, logged): fresh sensor answers matter more than old
+ones, and the alternative, refusing new answers, would stall the stream behind a broker that may never come back.
+An answer older than ``ttl_s`` is dropped without being sent (counted as ``ttl_expired``), never delivered late;
+at the broker, MQTT 5's message expiry carries the rest of its time to live.
+
+One SQLite connection, used under a lock from the worker (add), the publisher (take, remove) and the status thread
+(stats): every operation is a short transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_runtime.errors import EdgelineError
+
+__all__ = ["Outbox", "OutboxStats", "Pending"]
+
+log = logging.getLogger("edgeline.outbox")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS answers (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    created REAL NOT NULL,
+    received REAL NOT NULL
+)
+"""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One answer waiting for the broker."""
+
+    seq: int
+    topic: str
+    payload: bytes
+    created: float
+    """Wall-clock time it was committed (its time to live counts from here)."""
+    received: float
+    """Wall-clock time its input arrived (for the whole-path latency)."""
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    depth: int
+    bytes: int
+    oldest_age_s: float | None
+    added: int
+    removed: int
+    expired: int
+    overflowed: int
+
+
+class Outbox:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_answers: int = 100_000,
+        max_bytes: int = 64 << 20,
+        ttl_s: float = 86400.0,
+        synchronous: str = "full",
+    ):
+        self.path = path
+        self.max_answers = max_answers
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={'FULL' if synchronous == 'full' else 'NORMAL'}")
+            self._db.execute(SCHEMA)
+            depth, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM answers").fetchone()
+        except (sqlite3.Error, OSError) as exc:
+            raise EdgelineError(f"outbox {path}: {exc}") from exc
+        self._depth, self._bytes = int(depth), int(size)
+        self._added = self._removed = self._expired = self._overflowed = 0
+        self._last_taken = 0
+        self._next_expiry = 0.0
+
+    # -- worker ----------------------------------------------------------------------------------------------
+    def add(self, answers: Sequence[tuple[str, bytes, float]]) -> None:
+        """Commit ``(topic, payload, received)`` answers in one transaction; returns once they are on disk."""
+        if not answers:
+            return
+        now = time.time()
+        rows = [(topic, payload, now, received) for topic, payload, received in answers]
+        size = sum(len(payload) for _, payload, _ in answers)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(
+                    "INSERT INTO answers (topic, payload, created, received) VALUES (?, ?, ?, ?)", rows
+                )
+                self._depth += len(rows)
+                self._bytes += size
+                self._make_room()
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                self._depth, self._bytes = self._count()
+                raise
+            self._added += len(rows)
+
+    def _make_room(self) -> None:
+        """Inside a transaction: drop the oldest answers until both bounds hold again."""
+        while self._depth > self.max_answers or self._bytes > self.max_bytes:
+            excess = max(self._depth - self.max_answers, 1)
+            victims = self._db.execute(
+                "SELECT seq, LENGTH(payload) FROM answers ORDER BY seq LIMIT ?", (excess,)
+            ).fetchall()
+            if not victims:
+                return
+            self._db.execute("DELETE FROM answers WHERE seq <= ?", (victims[-1][0],))
+            self._depth -= len(victims)
+            self._bytes -= sum(length for _, length in victims)
+            self._overflowed += len(victims)
+            log.warning(
+                "outbox full (%d answers, %d bytes at most): dropped the %d oldest", self.max_answers,
+                self.max_bytes, len(victims),
+            )  # fmt: skip
+
+    # -- publisher ---------------------------------------------------------------------------------------------
+    def take(self, limit: int) -> list[Pending]:
+        """Up to ``limit`` answers not taken before (by this process), oldest first. Expired ones are dropped
+        (checked at most once a second: a scan of the table)."""
+        if time.monotonic() >= self._next_expiry:
+            self._next_expiry = time.monotonic() + 1.0
+            self.expire()
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, topic, payload, created, received FROM answers WHERE seq > ? ORDER BY seq LIMIT ?",
+                (self._last_taken, limit),
+            ).fetchall()
+        if rows:
+            self._last_taken = rows[-1][0]
+        return [
+            Pending(int(seq), topic, bytes(payload), created, received)
+            for seq, topic, payload, created, received in rows
+        ]
+
+    def remove(self, seqs: Iterable[int]) -> None:
+        """The broker has these: forget them."""
+        keys = list(seqs)
+        if not keys:
+            return
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            gone = self._delete("seq = ?", [(seq,) for seq in keys])
+            self._db.execute("COMMIT")
+            self._removed += gone
+
+    def expire(self) -> int:
+        """Drop the answers older than the time to live; how many."""
+        with self._lock:
+            gone = self._delete("created < ?", [(time.time() - self.ttl_s,)])
+            self._expired += gone
+        if gone:
+            log.warning("dropped %d answers older than the outbox's time to live (%g s) without sending them", gone,
+                        self.ttl_s)  # fmt: skip
+        return gone
+
+    def expired(self, pending: Pending, now: float | None = None) -> bool:
+        return (now if now is not None else time.time()) - pending.created > self.ttl_s
+
+    def drop(self, seq: int) -> None:
+        """An answer taken but found expired before it was sent: gone, counted as expired."""
+        with self._lock:
+            self._expired += self._delete("seq = ?", [(seq,)])
+
+    def rewind(self) -> None:
+        """Offer every waiting answer again on the next ``take`` (after the client lost what it held)."""
+        self._last_taken = 0
+
+    # -- anyone ------------------------------------------------------------------------------------------------
+    def _delete(self, where: str, parameters: list[tuple[float | int]]) -> int:
+        """Under the lock: delete the matching rows, keep the depth and byte counts; how many rows went."""
+        gone = size = 0
+        for values in parameters:
+            for (length,) in self._db.execute(f"DELETE FROM answers WHERE {where} RETURNING LENGTH(payload)", values):
+                gone += 1
+                size += length
+        self._depth -= gone
+        self._bytes -= size
+        return gone
+
+    def _count(self) -> tuple[int, int]:
+        depth, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM answers").fetchone()
+        return int(depth), int(size)
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    def stats(self) -> OutboxStats:
+        with self._lock:
+            row = self._db.execute("SELECT created FROM answers ORDER BY seq LIMIT 1").fetchone()
+            oldest = None if row is None else row[0]
+            return OutboxStats(
+                depth=self._depth,
+                bytes=self._bytes,
+                oldest_age_s=None if oldest is None else max(0.0, time.time() - oldest),
+                added=self._added,
+                removed=self._removed,
+                expired=self._expired,
+                overflowed=self._overflowed,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            with contextlib.suppress(sqlite3.Error):  # a checkpoint only tidies up; the WAL is replayed at open
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._db.close()

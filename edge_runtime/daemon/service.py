@@ -1,0 +1,440 @@
+"""``edgeline run``: a bundle and a stream of sensor messages turned into a stream of answers.
+
+    source thread ──submit──► bounded queue ──► worker: Processor ──► outbox (SQLite, WAL) ──► publisher ──► MQTT
+    (MQTT: the network     (drop-oldest: the    (one answer per input;  │ then the inputs'         (QoS 1; an answer
+     thread; serial,        evicted input is     a failure is that      │ PUBACKs                  leaves the outbox
+     replay, sim)           answered "dropped")  input's coded error)   └──► stdout JSON lines      on its PUBACK)
+    status thread: status message, systemd WATCHDOG (only while the pipeline progresses); availability: retained
+    "online", "offline" as last will; a supervisor owns every thread (see ``edge_runtime.daemon.supervisor``)
+
+Every source is alike: MQTT is one (``edge_runtime.daemon.mqtt``), and so are serial, replay and sim. The broker
+is also the sink of answers whenever it is used; stdout is the other sink. Without a broker, answers go to stdout.
+
+SIGTERM or SIGINT: stop taking new input without unsubscribing, answer what is queued, flush the outbox as far as
+the broker allows (``[daemon] drain_timeout_s``), say offline, disconnect (the session stays: what was not
+answered is redelivered to the next run), exit 0. A finite source (a replay file, a bounded simulation) ends the
+same way once it is exhausted. A thread that dies, or a live source that ends, exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from edge_runtime.daemon.codecs import get_codec
+from edge_runtime.daemon.config import DaemonConfig
+from edge_runtime.daemon.guards import check_topics, check_window
+from edge_runtime.daemon.health import Metrics, MetricsServer, SystemdNotifier
+from edge_runtime.daemon.messages import Answer, Message
+from edge_runtime.daemon.mqtt import MqttConnection, MqttSink, MqttSource
+from edge_runtime.daemon.outbox import Outbox, Pending
+from edge_runtime.daemon.processor import Processor
+from edge_runtime.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull
+from edge_runtime.daemon.sources import Source, make_source
+from edge_runtime.daemon.state import StateLock, default_state_dir, instance_id
+from edge_runtime.daemon.supervisor import Supervisor
+from edge_runtime.daemon.topics import TopicFilter, render_topic
+from edge_runtime.errors import EdgelineError
+from edge_runtime.model import load
+
+__all__ = ["EXIT_FAILED", "Daemon"]
+
+log = logging.getLogger("edgeline.daemon")
+EXIT_FAILED = 1
+"""A daemon that could not go on (a thread died, a live source ended): systemd's Restart=on-failure restarts it."""
+PUBLISHER_TICK_S = 0.05
+
+
+class Daemon:
+    def __init__(
+        self,
+        bundle: Path,
+        config: DaemonConfig,
+        *,
+        backend: str | None = None,
+        echo: Callable[[Answer], None] | None = None,
+        notifier: SystemdNotifier | None = None,
+        source: Source | None = None,
+    ):
+        self.config = config
+        self.model = load(bundle, backend=backend)
+        name = self.model.name
+        codec = get_codec(config.input.codec)
+        if codec.name == "raw" and self.model.manifest.preprocess is not None:
+            # raw payloads are the model's own tensors; predict() would apply the preprocessing a second time
+            raise EdgelineError(
+                f"{bundle}: the raw codec sends the model's own tensors, but this bundle preprocesses its inputs; "
+                "use json, cbor or msgpack"
+            )
+        window = config.window if config.window is not None else self.model.manifest.window
+        check_window(window, self.model.inputs)
+        self.state_dir = (config.daemon.state_dir or default_state_dir()) / name
+        self.instance = config.daemon.instance or instance_id(self.state_dir)
+        self.filters = [TopicFilter(pattern) for pattern in config.input.subscribe]
+        check_topics(config, name=name, instance=self.instance, filters=self.filters)
+        self.client_id = config.broker.client_id.format(name=name, instance=self.instance)
+        self.availability_topic = render_topic(
+            config.health.availability_topic, device="", name=name, instance=self.instance
+        )
+        self.status_topic = render_topic(config.health.status_topic, device="", name=name, instance=self.instance)
+
+        self.model.enable_batching(config.queue.max_batch)
+        self.metrics = Metrics(model=name, version=self.model.version, instance=self.instance)
+        self.processor = Processor(
+            self.model,
+            codec,
+            self.metrics,
+            publish=config.output.publish,
+            error_topic=config.output.error_topic,
+            max_payload_bytes=config.input.max_payload_bytes,
+            window=window,
+            max_streams=config.input.max_streams,
+            result_codec=get_codec("json") if codec.name == "raw" else None,
+            instance=self.instance,
+        )
+        self.queue: BoundedQueue[Message] = BoundedQueue(config.queue.capacity, DropPolicy(config.queue_policy))
+        self.supervisor = Supervisor()
+        self.stopping = threading.Event()
+        self.source_done = threading.Event()
+        self.echo = echo
+        self._echo_lock = threading.Lock()
+        self.notifier = notifier or SystemdNotifier()
+        self._lock: StateLock | None = None
+        self.outbox: Outbox | None = None
+        self.connection: MqttConnection | None = None
+        self.sink: MqttSink | None = None
+        if config.uses_broker:
+            self.connection = MqttConnection(
+                config.broker,
+                client_id=self.client_id,
+                will=(self.availability_topic, b"offline"),
+                waiting=lambda: self.outbox.depth if self.outbox is not None else 0,
+            )
+            self.sink = MqttSink(self.connection, config.output.qos)
+        if source is not None:
+            self.source: Source = source
+        elif config.source.kind == "mqtt":
+            assert self.connection is not None
+            self.source = MqttSource(self.connection, self.filters, config.input.qos)
+        else:
+            made = make_source(config.source, filters=self.filters, max_payload_bytes=config.input.max_payload_bytes)
+            assert made is not None
+            self.source = made
+        self._metrics_server: MetricsServer | None = None
+        self._publisher_wake = threading.Event()
+        self._publisher_stop = threading.Event()
+        self._acked: list[int] = []
+        self._acked_lock = threading.Lock()
+        self._in_flight: set[int] = set()
+        self._worker: threading.Thread | None = None
+        self._publisher: threading.Thread | None = None
+        self._source_failed = False
+        self.metrics.gauges(self._gauges)
+
+    @property
+    def description(self) -> str:
+        sinks = []
+        if self.connection is not None:
+            outbox = f", outbox {self.outbox.path}" if self.outbox is not None else ", no outbox"
+            sinks.append(f"answers to {self.connection.address} at QoS {self.config.output.qos}{outbox}")
+        if self.echo is not None:
+            sinks.append("answers to stdout")
+        return f"reading {self.source.description}; {'; '.join(sinks)}; instance {self.instance}"
+
+    # -- sinks -------------------------------------------------------------------------------------------------
+    def _echo(self, answer: Answer) -> None:
+        if self.echo is None:
+            return
+        with self._echo_lock:
+            try:
+                self.echo(answer)
+            except BrokenPipeError:  # the reader of stdout went away (| head): nobody to answer, so stop
+                self.echo = None
+                if self.connection is None:
+                    log.warning("stdout was closed; stopping")
+                    self.stopping.set()
+
+    def _deliver(self, pairs: Sequence[tuple[Message, list[Answer]]]) -> None:
+        """Hand the answers of these inputs to the sinks; then, and only then, acknowledge the inputs."""
+        now = time.time()
+        to_broker = [(a.topic, a.payload, m.received) for m, answers in pairs for a in answers if a.topic is not None]
+        if self.sink is not None and to_broker:
+            if self.outbox is not None:
+                self.outbox.add(to_broker)  # committed (fsync'ed) before any input is acknowledged
+                self._publisher_wake.set()
+            else:
+                for topic, payload, received in to_broker:
+                    self._publish_direct(topic, payload, received)
+        for message, answers in pairs:
+            for answer in answers:
+                if answer.topic is None and self.echo is None:
+                    self.metrics.count("unpublishable")
+                    log.warning("answer without a topic (device cannot form one): %s", answer.payload[:300])
+                self._echo(answer)
+            if self.echo is not None and self.sink is None:
+                self.metrics.observe("publish", max(0.0, time.time() - now))
+                self.metrics.observe("total", max(0.0, time.time() - message.received))
+            if message.ack is not None:
+                message.ack()
+
+    def _publish_direct(self, topic: str, payload: bytes, received: float) -> None:
+        """Without an outbox: straight to the client, waiting (bounded) while its queue is full."""
+        assert self.sink is not None
+        handed = time.time()
+        for _ in range(200):
+            if self.sink.publish(topic, payload, done=self._done_callback(None, handed, received)):
+                return
+            time.sleep(0.05)
+        self.metrics.count("publish_dropped")
+        log.warning("the MQTT client's queue stayed full for 10 s: an answer to %s was dropped", topic)
+
+    def _done_callback(self, seq: int | None, created: float, received: float) -> Callable[[bool, str | None], None]:
+        def done(ok: bool, reason: str | None) -> None:
+            now = time.time()
+            if ok:
+                self.metrics.count("published")
+                self.metrics.observe("publish", max(0.0, now - created))
+                self.metrics.observe("total", max(0.0, now - received))
+            else:
+                self.metrics.count("publish_refused")
+                log.warning("the broker refused an answer (%s); it is not retried", reason)
+            if seq is not None:
+                with self._acked_lock:
+                    self._acked.append(seq)
+                self._publisher_wake.set()
+
+        return done
+
+    # -- publisher thread: outbox → broker -----------------------------------------------------------------------
+    def _publish_outbox(self) -> None:
+        assert self.outbox is not None and self.sink is not None and self.connection is not None
+        outbox, sink = self.outbox, self.sink
+        window = self.config.broker.max_inflight
+        qos0 = self.config.output.qos == 0
+        while True:
+            with self._acked_lock:
+                acked, self._acked = self._acked, []
+            if acked:
+                outbox.remove(acked)
+                self._in_flight.difference_update(acked)
+            if self._publisher_stop.is_set() and (outbox.depth == 0 or not sink.ready):
+                return
+            if not sink.ready:
+                self._publisher_wake.wait(0.2)
+                self._publisher_wake.clear()
+                continue
+            room = window - len(self._in_flight)
+            for pending in outbox.take(room) if room > 0 else []:
+                if not self._send(pending, qos0):
+                    outbox.rewind()
+                    break
+            self._publisher_wake.wait(PUBLISHER_TICK_S)
+            self._publisher_wake.clear()
+
+    def _send(self, pending: Pending, qos0: bool) -> bool:
+        assert self.outbox is not None and self.sink is not None
+        age = time.time() - pending.created
+        if age > self.outbox.ttl_s:
+            self.outbox.drop(pending.seq)
+            return True
+        done = self._done_callback(pending.seq, pending.created, pending.received)
+        if not self.sink.publish(pending.topic, pending.payload, expiry_s=self.outbox.ttl_s - age, done=done):
+            return False  # the client's queue is full: offered again later
+        if not qos0:
+            self._in_flight.add(pending.seq)
+        return True
+
+    # -- source thread -----------------------------------------------------------------------------------------
+    def _submit(self, message: Message, timeout: float | None = None) -> None:
+        """Queue one message; with drop-oldest, answer the message it evicts. Raises QueueClosed when stopping."""
+        evicted = self.queue.put(message, timeout=timeout)
+        if evicted is not None:
+            self.metrics.count("dropped")
+            capacity = self.config.queue.capacity
+            answers = self.processor.refuse(evicted, "dropped", f"queue full ({capacity}): dropped unprocessed")
+            self._deliver([(evicted, answers)])
+
+    def _read_source(self) -> None:
+        def submit(message: Message) -> None:
+            while not self.stopping.is_set():  # block policy: wait for room, but not past a stop
+                try:
+                    self._submit(message, timeout=0.5)
+                    return
+                except QueueFull:
+                    continue
+            raise QueueClosed
+
+        try:
+            self.source.run(submit, self.stopping)
+        except QueueClosed:
+            pass
+        except EdgelineError as exc:
+            log.error("%s", exc)
+            self._source_failed = True
+        except Exception as exc:
+            log.error("the source failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+            self._source_failed = True
+        finally:
+            if not self.source.finite and not self.stopping.is_set():
+                self._source_failed = True
+                log.error("the source %s ended", self.source.description)
+            self.source_done.set()
+
+    # -- worker thread ---------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        max_batch = self.config.queue.max_batch
+        progress = self.supervisor.progress
+        while True:
+            try:
+                batch = self.queue.get_batch(max_batch, timeout=0.5)
+            except QueueEmpty:
+                continue
+            except QueueClosed:
+                return
+            progress.begin()
+            now = time.monotonic()
+            for message in batch:
+                self.metrics.observe("queued", max(0.0, now - message.queued))
+            try:
+                answers = self.processor.process_batch(batch)
+            except Exception as exc:  # the processor answers every failure itself: this is a bug of ours
+                log.error("processing failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+                answers = [self.processor.refuse(m, "inference-failed", f"{type(exc).__name__}: {exc}") for m in batch]
+            self._deliver(list(zip(batch, answers, strict=True)))
+            progress.done()
+
+    # -- status thread -----------------------------------------------------------------------------------------
+    def _gauges(self) -> dict[str, float | int | bool | None]:
+        stats = self.queue.stats()
+        gauges: dict[str, float | int | bool | None] = {
+            "queue_depth": stats.depth,
+            "queue_capacity": stats.capacity,
+            "batch_size": self.model.batch_size,
+        }
+        if self.connection is not None:
+            gauges["connected"] = self.connection.connected.is_set()
+            gauges["reconnects"] = self.connection.reconnects
+        if self.outbox is not None:
+            box = self.outbox.stats()
+            gauges.update(
+                outbox_depth=box.depth,
+                outbox_bytes=box.bytes,
+                outbox_oldest_age_seconds=box.oldest_age_s if box.oldest_age_s is not None else 0.0,
+                outbox_expired=box.expired,
+                outbox_overflowed=box.overflowed,
+            )
+        return gauges
+
+    def status(self) -> dict[str, Any]:
+        return self.metrics.snapshot({"queue_policy": self.queue.policy.value, "client_id": self.client_id})
+
+    def _report(self) -> None:
+        interval = self.config.health.status_interval_s
+        watchdog = self.notifier.watchdog_interval_s
+        tick = min(interval, watchdog) if watchdog else interval
+        next_status = time.monotonic() + interval
+        while not self.stopping.wait(tick):
+            if watchdog and self.supervisor.healthy():
+                self.notifier.notify("WATCHDOG=1")
+            if time.monotonic() >= next_status and self.connection is not None:
+                next_status += interval
+                self.connection.publish(self.status_topic, json.dumps(self.status()).encode(), qos=0, retain=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.source.open()
+        if self.connection is not None:
+            self._lock = StateLock(self.state_dir)
+            if self.config.outbox.enabled:
+                box = self.config.outbox
+                self.outbox = Outbox(
+                    self.state_dir / "outbox.sqlite",
+                    max_answers=box.max_answers,
+                    max_bytes=box.max_bytes,
+                    ttl_s=box.ttl_s,
+                    synchronous=box.synchronous,
+                )
+                if self.outbox.depth:
+                    log.info("%d answers left by the last run wait in the outbox", self.outbox.depth)
+            self.connection.start(lambda target: self.supervisor.spawn("edgeline-mqtt", target))
+            self.connection.publish(self.availability_topic, b"online", qos=1, retain=True)
+        if self.config.health.prometheus_port:
+            health = self.config.health
+            self._metrics_server = MetricsServer(self.metrics, health.prometheus_port, health.prometheus_host).start()
+        spawn = self.supervisor.spawn
+        self._worker = spawn("edgeline-worker", self._work)
+        if self.outbox is not None:
+            self._publisher = spawn("edgeline-publisher", self._publish_outbox)
+        spawn("edgeline-status", self._report)
+        spawn("edgeline-source", self._read_source)
+        self.notifier.notify("READY=1")
+
+    def stop(self) -> None:
+        """Drain: no new input (still subscribed: what the broker sends now is left unacknowledged, for the next
+        run), answer what is queued, flush the outbox while the broker takes it, say offline, leave."""
+        self.notifier.notify("STOPPING=1")
+        self.stopping.set()
+        self.queue.close()
+        deadline = time.monotonic() + self.config.daemon.drain_timeout_s
+        if self._worker is not None:
+            self._worker.join(max(0.1, deadline - time.monotonic()))
+            if self._worker.is_alive():
+                log.error("the worker did not finish within %g s", self.config.daemon.drain_timeout_s)
+        if self._publisher is not None:
+            self._publisher_stop.set()
+            self._publisher_wake.set()
+            self._publisher.join(max(0.1, deadline - time.monotonic()))
+        if self.connection is not None:
+            if self.connection.connected.is_set():
+                self.connection.publish(self.availability_topic, b"offline", qos=1, retain=True)
+                self._wait_for_in_flight(deadline)
+            self.connection.close()
+        if self.outbox is not None:
+            if self.outbox.depth:
+                log.info("%d answers stay in the outbox for the next start", self.outbox.depth)
+            self.outbox.close()
+        if self._lock is not None:
+            self._lock.release()
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+
+    def _wait_for_in_flight(self, deadline: float) -> None:
+        """The broker's acknowledgement of what is still on its way (the offline message among it), briefly."""
+        assert self.connection is not None
+        limit = min(deadline, time.monotonic() + 2.0)
+        while self.connection.in_flight and self.connection.connected.is_set() and time.monotonic() < limit:
+            time.sleep(0.02)
+
+    def run_until_signalled(self) -> int:
+        """Run until SIGTERM or SIGINT, or until a finite source is exhausted; then drain and stop. The exit
+        code: 0, or ``EXIT_FAILED`` when the pipeline could not go on."""
+
+        def handle(signum: int, frame: Any) -> None:
+            self.stopping.set()
+
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.start()
+            log.info(
+                "edgeline run: %s v%d (%s) %s; %s", self.model.name, self.model.version, self.model.backend,
+                self.description, self.model.batching,
+            )  # fmt: skip
+            failed = self.supervisor.failed
+            while not self.stopping.wait(0.2) and not self.source_done.is_set() and not failed.is_set():
+                pass
+            self.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if self.supervisor.failed.is_set():
+            log.error("stopped: %s", self.supervisor.failure)
+            return EXIT_FAILED
+        if self._source_failed:
+            return EXIT_FAILED
+        return 0

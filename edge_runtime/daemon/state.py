@@ -1,0 +1,70 @@
+"""The state directory: what must survive a restart (the outbox), and who this daemon is.
+
+    --state-dir DIR  >  [daemon] state_dir  >  $STATE_DIRECTORY (systemd's StateDirectory=)
+                     >  $XDG_STATE_HOME/edgeline  >  ~/.local/state/edgeline
+
+Each bundle gets ``DIR/<bundle name>/``, locked while a daemon uses it (a second daemon on the same directory
+would share, and fight over, one outbox and one client id: it is refused at start). The instance id, which names
+the daemon in its client id, its availability and status topics and every result, is derived from the host name
+and the directory: stable across restarts of one instance, different between instances.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import socket
+from pathlib import Path
+from typing import IO
+
+from edge_runtime.errors import EdgelineError
+
+__all__ = ["StateLock", "default_state_dir", "instance_id"]
+
+
+def default_state_dir() -> Path:
+    systemd = os.environ.get("STATE_DIRECTORY")
+    if systemd:
+        return Path(systemd.split(":")[0])
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "edgeline"
+
+
+def instance_id(state_dir: Path) -> str:
+    """``<host>-<6 hex digits of the state directory's path>``, safe in topics and client ids."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-")[:32] or "host"
+    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:6]
+    return f"{host}-{digest}"
+
+
+class StateLock:
+    """An exclusive lock on ``directory`` (created if needed) for this process's lifetime."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._file: IO[str] = open(directory / "lock", "a+", encoding="utf-8")  # noqa: SIM115 - held until release
+        except OSError as exc:
+            raise EdgelineError(f"state directory {directory}: {exc.strerror or exc}") from exc
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            self._file.seek(0)
+            owner = self._file.read().strip() or "another process"
+            self._file.close()
+            raise EdgelineError(
+                f"state directory {directory} is in use by {owner}; give each daemon its own --state-dir"
+            ) from exc
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"edgeline run (pid {os.getpid()})\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
