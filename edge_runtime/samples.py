@@ -30,7 +30,8 @@ def read_npz(path: str | Path, role: str = "input") -> dict[str, np.ndarray]:
             )
         with loaded as data:
             arrays = {key: data[key] for key in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError, RuntimeError) as exc:
+        # NotImplementedError: an unknown compression; RuntimeError: an encrypted member
         raise PayloadError(f"{role} file {path}: not a readable .npz file ({exc})") from exc
     if not arrays:
         raise PayloadError(f"{role} file {path}: holds no arrays")

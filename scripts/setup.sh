@@ -10,11 +10,13 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
     echo "edgeline needs Python >= 3.10 (found $("$python" --version 2>&1))" >&2
     exit 2
 fi
-# The integration tests start a real Mosquitto and drive it with its own clients: Debian's packages.
-# (/usr/sbin, where the broker lives, is not on a normal user's PATH.)
+# The integration tests start a real Mosquitto and drive it with its own clients: Debian's packages; the TLS
+# tests make their certificates with the openssl command. (/usr/sbin, where the broker lives, is not on a normal
+# user's PATH.)
 have_mosquitto() {
     { command -v mosquitto || [ -x /usr/sbin/mosquitto ]; } >/dev/null 2>&1 \
-        && command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1
+        && command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1 \
+        && command -v openssl >/dev/null 2>&1
 }
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
@@ -25,14 +27,14 @@ if ! have_mosquitto; then
             "install the mosquitto broker and its clients (mosquitto_pub, mosquitto_sub) yourself" >&2
         exit 2
     fi
-    echo "setup: installing Debian's mosquitto and mosquitto-clients (apt-get)" >&2
+    echo "setup: installing Debian's mosquitto, mosquitto-clients and openssl (apt-get)" >&2
     apt_log="$(mktemp)"
     if ! { as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq \
-        && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients; } \
+        && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients openssl; } \
         >"$apt_log" 2>&1 || ! have_mosquitto; then
         cat "$apt_log" >&2
         rm -f "$apt_log"
-        echo "setup: could not install mosquitto and mosquitto-clients with apt-get (output above)" >&2
+        echo "setup: could not install mosquitto, mosquitto-clients and openssl with apt-get (output above)" >&2
         exit 2
     fi
     rm -f "$apt_log"

@@ -2,12 +2,15 @@
 
     broker          a fresh broker for one test (function scope): safe to stop and restart
     session_broker  one broker shared by the whole session: never stop it
+    broker_factory  fresh brokers with options (persistence, a TLS + password + ACL listener), stopped at teardown
+    pki             a CA, server and client certificates for this session (``tests.faults.make_pki``)
     unique_topic    a topic prefix no other test uses, so tests sharing a broker cannot see each other
     Collector       a paho-mqtt subscriber that keeps what arrives and waits for a count
 
 Each broker is Debian's ``mosquitto`` on a free loopback port, with a config generated in its own temporary
 directory (anonymous, no persistence, logging to ``mosquitto.log`` there). It is stopped at teardown: terminate,
 a bounded wait, then kill. A missing ``mosquitto`` fails the test (CI installs it; run ``scripts/setup.sh``).
+The options of ``Broker`` (persistence, a secure listener) are all off unless asked for.
 
 Registered for every test by ``tests/conftest.py``; importing this module starts nothing.
 """
@@ -22,19 +25,29 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import pytest
 
+if TYPE_CHECKING:
+    from tests.faults import Pki
+
 __all__ = [
     "Broker",
+    "BrokerFactory",
     "BrokerStartError",
     "Collector",
+    "TlsFiles",
     "broker",
+    "broker_factory",
     "find_mosquitto",
     "free_port",
+    "pki",
     "running_broker",
     "session_broker",
     "unique_topic",
@@ -55,6 +68,15 @@ class BrokerStartError(RuntimeError):
     """Mosquitto is missing, or did not start accepting connections in time."""
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """What a TLS listener needs: the CA that signs client certificates, the server certificate and its key (PEM)."""
+
+    cafile: Path
+    certfile: Path
+    keyfile: Path
+
+
 def find_mosquitto() -> str:
     """The path of the ``mosquitto`` executable: on PATH, or where Debian puts it."""
     found = shutil.which("mosquitto")
@@ -72,19 +94,118 @@ def free_port(host: str = HOST) -> int:
         return int(probe.getsockname()[1])
 
 
+def write_password_file(path: Path, users: Mapping[str, str]) -> None:
+    """A Mosquitto password file with these ``{user: password}``, hashed by ``mosquitto_passwd`` (``-b`` batch mode).
+
+    Debian ships ``mosquitto_passwd`` in the ``mosquitto`` package itself, next to the broker; ``-c`` creates the
+    file for the first user, later calls add to it.
+    """
+    if not users:
+        raise ValueError("a password file needs at least one user")
+    executable = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+    for index, (user, password) in enumerate(users.items()):
+        create = ["-c"] if index == 0 else []
+        done = subprocess.run(
+            [executable, "-b", *create, str(path), user, password],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise BrokerStartError(f"mosquitto_passwd failed for user {user!r}: {done.stderr.strip()}")
+
+
 class Broker:
     """One Mosquitto process on ``host:port``, configured and logging in ``directory``.
 
     ``start()`` picks a free port (retrying if another process takes it first), ``restart()`` keeps it, so
-    clients can reconnect to the same address after a simulated broker failure.
+    clients can reconnect to the same address after a simulated broker failure (``stop()`` or ``kill()``).
+
+    Options, all off by default:
+
+    ``persistence``
+        Mosquitto keeps persistent sessions (clean_session false / a session expiry), their subscriptions, the
+        messages queued or in flight for them and retained messages in ``mosquitto.db`` in ``directory``
+        (``persistence_location``), and reloads them when it starts, so a ``restart()`` keeps them. It writes the
+        file on a clean exit (``stop()``) and, with ``autosave_on_changes true`` and ``autosave_interval 1``, at the
+        end of every main-loop pass in which at least one change was counted. What counts (mosquitto 2.0.11
+        source): a persistent client connecting, a (un)subscription, a retained message, and a message *queued*
+        for a client (offline, or its in-flight window full) or moved from its queue into flight. A message sent
+        straight on to a connected subscriber with room in its window is not a change: it is saved only by the
+        next save that something else triggers. Each save writes the whole database to ``mosquitto.db.new``,
+        fsyncs it and renames it over ``mosquitto.db``, so a SIGKILL during a save leaves the previous one.
+        Mosquitto sends a PUBACK while handling the PUBLISH, *before* the save at the end of that pass: a
+        SIGKILL in between loses a message the publisher was told was received. There is no setting to save
+        before acknowledging; this is the smallest window Mosquitto offers.
+
+    ``trace``
+        Also log every packet (``log_type debug``): "Received PUBLISH from CLIENT (d0, q1, r0, m5, 'TOPIC', ...)"
+        and "Sending PUBLISH to CLIENT (...)", flushed line by line, so a test can tell which hop lost a message.
+
+    ``tls``, ``require_certificate``, ``users``, ``acl``
+        Any of them opens a second listener on ``tls_port`` (``secure_port`` when it is plain TCP) with these
+        settings, while ``port`` stays the anonymous, unencrypted listener every other helper uses (``Collector``,
+        ``client_args``): an observer that needs no credentials. That takes ``per_listener_settings true``, first
+        in the file (mosquitto refuses it after any security option), so that ``allow_anonymous``,
+        ``password_file`` and ``acl_file`` apply to the listener they follow; otherwise they would be global and
+        lock the plain listener too. In that mode an ACL check for a client with no listener is a denial, and a
+        persistent client reloaded from ``mosquitto.db`` finds its listener by port: ``restart()`` keeps both
+        ports. ``users`` (``{name: password}``) become a ``mosquitto_passwd`` file and turn
+        ``allow_anonymous`` off on that listener; ``acl`` is the text of an ``acl_file`` (``user NAME`` then
+        ``topic read|write|readwrite TOPIC`` lines; with an ACL file, anything not granted is denied).
     """
 
-    def __init__(self, directory: Path, *, executable: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        executable: str | None = None,
+        persistence: bool = False,
+        trace: bool = False,
+        tls: TlsFiles | None = None,
+        require_certificate: bool = False,
+        users: Mapping[str, str] | None = None,
+        acl: str | None = None,
+    ) -> None:
+        if require_certificate and tls is None:
+            raise ValueError("require_certificate needs tls")
         self.directory = Path(directory)
         self.executable = executable or find_mosquitto()
         self.host = HOST
         self.port = 0
+        self.secure_port = 0
+        self.persistence = persistence
+        self.trace = trace
+        self.tls = tls
+        self.require_certificate = require_certificate
+        self.users = dict(users) if users is not None else None
+        self.acl = acl
         self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def has_secure_listener(self) -> bool:
+        return self.tls is not None or self.users is not None or self.acl is not None
+
+    @property
+    def tls_port(self) -> int:
+        """The TLS listener's port; an error when the broker has none."""
+        if self.tls is None:
+            raise AttributeError("this broker has no TLS listener (pass tls=...)")
+        return self.secure_port
+
+    @property
+    def password_path(self) -> Path:
+        return self.directory / "passwords"
+
+    @property
+    def acl_path(self) -> Path:
+        return self.directory / "acl"
+
+    @property
+    def persistence_path(self) -> Path:
+        """Where mosquitto keeps its database when ``persistence`` is on."""
+        return self.directory / "mosquitto.db"
 
     @property
     def url(self) -> str:
@@ -113,12 +234,13 @@ class Broker:
         return self._process is not None and self._process.poll() is None
 
     def start(self) -> Broker:
-        """Start on a new free port; returns ``self``."""
+        """Start on new free ports; returns ``self``."""
         if self.running:
             raise BrokerStartError(f"broker already running on {self.address}")
         failures = []
         for _ in range(PORT_ATTEMPTS):
             self.port = free_port(self.host)
+            self.secure_port = self._free_port_besides(self.port) if self.has_secure_listener else 0
             try:
                 self._launch()
                 return self
@@ -138,8 +260,24 @@ class Broker:
             process.kill()
             process.wait(timeout=STOP_TIMEOUT_S)
 
+    def kill(self) -> None:
+        """SIGKILL, as a power cut would: no clean shutdown, no final save; returns once the process is reaped.
+
+        Safe to call when stopped. The kernel closes the sockets at once (connected clients see a reset or EOF
+        and reconnect), and ``restart()`` can bind the same ports again.
+        """
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.kill()
+        process.wait(timeout=STOP_TIMEOUT_S)
+
     def restart(self) -> None:
-        """Stop and start again on the same port (retried briefly while the old socket is released)."""
+        """Stop (if running) and start again on the same ports (retried briefly while the old sockets are released).
+
+        After ``kill()`` this is the crash-and-recover path: with ``persistence`` the broker reloads
+        ``mosquitto.db`` as its last save left it.
+        """
         self.stop()
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -190,23 +328,59 @@ class Broker:
 
         return self.wait_for_log(subscribed, timeout=timeout, since=since)
 
+    def persistence_mark(self) -> tuple[int, int, int] | None:
+        """The identity of ``mosquitto.db`` as it is now (inode, mtime, size), or None before the first save."""
+        try:
+            stat = self.persistence_path.stat()
+        except FileNotFoundError:
+            return None
+        return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+
+    def wait_for_save(self, since: tuple[int, int, int] | None, *, timeout: float = START_TIMEOUT_S) -> bool:
+        """Whether mosquitto finishes a save after ``persistence_mark()`` returned ``since``, within ``timeout``.
+
+        A save ends by renaming ``mosquitto.db.new`` over ``mosquitto.db``, so a changed mark means a complete,
+        fsynced database. The "Saving in-memory database" log line comes before the write, too early to rely on.
+        Wait for this before a ``kill()`` when the test is about what was saved rather than about the window
+        between the PUBACK and the save (about 1 ms on an idle broker, see ``Broker``).
+        """
+        deadline = time.monotonic() + timeout
+        while self.persistence_mark() in (since, None):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def __enter__(self) -> Broker:
         return self if self.running else self.start()
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    def _free_port_besides(self, taken: int) -> int:
+        """A second free port: the OS may hand out the one it just gave us again once its probe socket is closed."""
+        for _ in range(PORT_ATTEMPTS):
+            port = free_port(self.host)
+            if port != taken:
+                return port
+        raise BrokerStartError(f"no second free port besides {taken}")
+
     def _write_config(self) -> None:
-        lines = [
+        lines = ["per_listener_settings true"] if self.has_secure_listener else []
+        # The secure listener comes first: mosquitto opens listeners in this order and exits if one fails (a bad
+        # certificate, a taken port), so once the plain port, opened last, accepts, every listener is up.
+        lines += self._secure_listener_lines()
+        lines += [
             f"listener {self.port} {self.host}",
             "allow_anonymous true",
-            "persistence false",
+            *self._persistence_lines(),
             f"log_dest file {self.log_path}",
             "log_type error",
             "log_type warning",
             "log_type notice",
             "log_type information",
             "log_type subscribe",
+            *(["log_type debug"] if self.trace else []),
             "log_type unsubscribe",
             "log_timestamp_format %Y-%m-%dT%H:%M:%S",
             "connection_messages true",
@@ -218,6 +392,34 @@ class Broker:
             # temporary directory; `user root` keeps it as root. Other users it never switches.
             lines.append("user root")
         self.config_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    def _persistence_lines(self) -> list[str]:
+        if not self.persistence:
+            return ["persistence false"]
+        return [
+            "persistence true",
+            f"persistence_location {self.directory}/",
+            "autosave_interval 1",
+            "autosave_on_changes true",
+        ]
+
+    def _secure_listener_lines(self) -> list[str]:
+        """The second listener and its own security settings (``per_listener_settings`` makes them its own)."""
+        if not self.has_secure_listener:
+            return []
+        lines = [f"listener {self.secure_port} {self.host}"]
+        if self.tls is not None:
+            lines += [f"cafile {self.tls.cafile}", f"certfile {self.tls.certfile}", f"keyfile {self.tls.keyfile}"]
+            lines.append(f"require_certificate {'true' if self.require_certificate else 'false'}")
+        if self.users is not None:
+            write_password_file(self.password_path, self.users)
+            lines += ["allow_anonymous false", f"password_file {self.password_path}"]
+        else:
+            lines.append("allow_anonymous true")
+        if self.acl is not None:
+            self.acl_path.write_text(self.acl.rstrip("\n") + "\n", encoding="utf-8")
+            lines.append(f"acl_file {self.acl_path}")
+        return lines
 
     def _launch(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -265,17 +467,32 @@ def running_broker(directory: Path | None = None) -> Iterator[Broker]:
         yield running
 
 
-def _started(directory: Path) -> Broker:
+def _started(make: Callable[[], Broker]) -> Broker:
     try:
-        return Broker(directory).start()
+        return make().start()
     except BrokerStartError as exc:
         pytest.fail(str(exc), pytrace=False)
+
+
+class BrokerFactory(Protocol):
+    """``broker_factory(persistence=..., trace=..., tls=..., require_certificate=..., users=..., acl=...)``: a started broker."""
+
+    def __call__(
+        self,
+        *,
+        persistence: bool = False,
+        trace: bool = False,
+        tls: TlsFiles | None = None,
+        require_certificate: bool = False,
+        users: Mapping[str, str] | None = None,
+        acl: str | None = None,
+    ) -> Broker: ...
 
 
 @pytest.fixture
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     """A fresh Mosquitto for this test only; the test may stop and restart it."""
-    running = _started(tmp_path_factory.mktemp("mosquitto"))
+    running = _started(partial(Broker, tmp_path_factory.mktemp("mosquitto")))
     try:
         yield running
     finally:
@@ -285,11 +502,55 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
 @pytest.fixture(scope="session")
 def session_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     """One Mosquitto for the whole session; use with ``unique_topic`` and never stop it."""
-    running = _started(tmp_path_factory.mktemp("mosquitto-session"))
+    running = _started(partial(Broker, tmp_path_factory.mktemp("mosquitto-session")))
     try:
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture
+def broker_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerFactory]:
+    """Started brokers with the options of ``Broker`` (each in its own directory), all stopped at teardown."""
+    made: list[Broker] = []
+
+    def make(
+        *,
+        persistence: bool = False,
+        trace: bool = False,
+        tls: TlsFiles | None = None,
+        require_certificate: bool = False,
+        users: Mapping[str, str] | None = None,
+        acl: str | None = None,
+    ) -> Broker:
+        started = _started(
+            partial(
+                Broker,
+                tmp_path_factory.mktemp("mosquitto"),
+                persistence=persistence,
+                trace=trace,
+                tls=tls,
+                require_certificate=require_certificate,
+                users=users,
+                acl=acl,
+            )
+        )
+        made.append(started)
+        return started
+
+    try:
+        yield make
+    finally:
+        for started in made:
+            started.stop()
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """This session's certificates (CA, server for localhost/127.0.0.1, client, an unrelated CA): see ``make_pki``."""
+    from tests.faults import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture

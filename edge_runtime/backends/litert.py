@@ -17,6 +17,8 @@ __all__ = ["LiteRTSession", "TFLiteRuntimeSession"]
 
 def _spec(detail: dict[str, Any], name: str) -> TensorSpec:
     scale, zero_point = detail["quantization"]
+    if scale and not (np.isfinite(scale) and scale > 0):
+        raise BundleError(f"tensor {name!r} of the model has the quantization scale {scale}: it must be positive")
     quantization = Quantization(scale=float(scale), zero_point=int(zero_point)) if scale else None
     return TensorSpec(
         name=name,
@@ -47,10 +49,16 @@ class _InterpreterSession:
                 for detail in self._interpreter.get_input_details():
                     self._interpreter.resize_tensor_input(detail["index"], [batch_size, *detail["shape"][1:]])
             self._interpreter.allocate_tensors()
+            # a tensor name that is not UTF-8 fails here (UnicodeDecodeError is a ValueError)
+            inputs = self._interpreter.get_input_details()
+            outputs = self._interpreter.get_output_details()
         except (ValueError, RuntimeError) as exc:
             raise BundleError(f"{model_path}: {self.package} could not load the model: {exc}") from exc
-        inputs = self._interpreter.get_input_details()
-        outputs = self._interpreter.get_output_details()
+        try:
+            for detail in [*inputs, *outputs]:
+                _spec(detail, detail["name"])
+        except BundleError as exc:
+            raise BundleError(f"{model_path}: {exc}") from exc
         # The manifest orders inputs like the model's forward(); match by tensor name when it gives names.
         if input_names is not None:
             by_name = {detail["name"]: detail for detail in inputs}

@@ -144,6 +144,12 @@ class MqttConnection:
         client.on_publish = self._on_publish
         client.on_subscribe = self._on_subscribe
         client.on_log = self._on_log
+        # Only our network thread may touch the socket. Without loop_start() (no paho thread) and without this
+        # callback, paho's publish() and ack() write to the socket at once from the calling thread (worker,
+        # publisher, status), concurrently with our loop(): over TLS that corrupts the session (OpenSSL's
+        # "decryption failed or bad record mac", then a reconnection and redelivered inputs). With it, they only
+        # queue the packet and wake loop() through paho's socket pair; loop() writes it.
+        client.on_socket_register_write = lambda *_: None
         self._client = client
         self.connected = threading.Event()
         self.generation = 0
@@ -196,12 +202,13 @@ class MqttConnection:
 
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect cleanly (MQTT 5: the session stays for its expiry interval) and stop the network thread."""
-        if self.connected.is_set():
+        was_connected = self.connected.is_set()
+        self._closing.set()
+        if was_connected:
             try:
                 self._client.disconnect()
             except Exception as exc:  # pragma: no cover - a socket error while leaving
                 log.debug("disconnect: %s", exc)
-        self._closing.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout + LOOP_TICK_S * 2)
 
@@ -221,6 +228,7 @@ class MqttConnection:
                 log.debug("broker %s: %s; attempt %d, next in %.1f s", self.address, self._last_error, attempt, delay)
                 self._closing.wait(delay)
                 continue
+            generation = self.generation
             while not self._closing.is_set():
                 rc = self._client.loop(LOOP_TICK_S)
                 if rc != self._mqtt.MQTT_ERR_SUCCESS:
@@ -232,13 +240,25 @@ class MqttConnection:
                         break
                 return
             if not self._outcome.is_set():  # lost before the CONNACK: TLS alerts, a refused client certificate
-                self._fail(self._last_error or "the broker closed the connection before accepting it")
+                self._fail(self._lost_before_connack())
                 return
-            attempt = 1 if self.connected.is_set() else attempt + 1
+            # a connection that was accepted starts the back-off afresh; one that never got a CONNACK goes on with it
+            attempt = 1 if self.generation != generation else attempt + 1
             self.connected.clear()
             delay = self._backoff(attempt)
             log.debug("broker %s: reconnecting in %.1f s (attempt %d)", self.address, delay, attempt)
             self._closing.wait(delay)
+
+    def _lost_before_connack(self) -> str:
+        """The cause of a connection the broker ended before its CONNACK. Over TLS that is how mosquitto refuses a
+        client certificate (missing, or signed by a CA it does not trust): it closes the session, and its alert
+        often never arrives (a bare EOF), so name the likely cause rather than only the socket error."""
+        text = f"the broker closed the connection before accepting it ({self._last_error or 'no reason given'})"
+        if not self.config.tls:
+            return text
+        if self.config.tls_cert_file is None:
+            return f"TLS: {text}; does it require a client certificate? (set tls_cert_file and tls_key_file)"
+        return f"TLS: {text}; did it refuse our client certificate? (is tls_cert_file signed by a CA it trusts?)"
 
     def _backoff(self, attempt: int) -> float:
         """Full jitter (AWS architecture blog): uniform in [cap/2, cap] of the exponential step, capped."""

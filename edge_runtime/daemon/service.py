@@ -132,6 +132,8 @@ class Daemon:
         self._acked: list[int] = []
         self._acked_lock = threading.Lock()
         self._in_flight: set[int] = set()
+        self._evicted: list[Message] = []
+        self._evicted_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._publisher: threading.Thread | None = None
         self._source_failed = False
@@ -255,10 +257,10 @@ class Daemon:
         """Queue one message; with drop-oldest, answer the message it evicts. Raises QueueClosed when stopping."""
         evicted = self.queue.put(message, timeout=timeout)
         if evicted is not None:
+            # answered by the worker: delivering may wait for the MQTT client, and this may be its network thread
             self.metrics.count("dropped")
-            capacity = self.config.queue.capacity
-            answers = self.processor.refuse(evicted, "dropped", f"queue full ({capacity}): dropped unprocessed")
-            self._deliver([(evicted, answers)])
+            with self._evicted_lock:
+                self._evicted.append(evicted)
 
     def _read_source(self) -> None:
         def submit(message: Message) -> None:
@@ -291,11 +293,13 @@ class Daemon:
         max_batch = self.config.queue.max_batch
         progress = self.supervisor.progress
         while True:
+            self._answer_evicted()
             try:
                 batch = self.queue.get_batch(max_batch, timeout=0.5)
             except QueueEmpty:
                 continue
             except QueueClosed:
+                self._answer_evicted()
                 return
             progress.begin()
             now = time.monotonic()
@@ -308,6 +312,13 @@ class Daemon:
                 answers = [self.processor.refuse(m, "inference-failed", f"{type(exc).__name__}: {exc}") for m in batch]
             self._deliver(list(zip(batch, answers, strict=True)))
             progress.done()
+
+    def _answer_evicted(self) -> None:
+        with self._evicted_lock:
+            evicted, self._evicted = self._evicted, []
+        if evicted:
+            reason = f"queue full ({self.config.queue.capacity}): dropped unprocessed"
+            self._deliver([(message, self.processor.refuse(message, "dropped", reason)) for message in evicted])
 
     # -- status thread -----------------------------------------------------------------------------------------
     def _gauges(self) -> dict[str, float | int | bool | None]:
