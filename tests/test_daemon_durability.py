@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,6 +136,12 @@ def missing_answers(collector: DurableCollector, ids: set[str], timeout: float =
         time.sleep(0.5)
 
 
+def coded_errors(collector: DurableCollector) -> Counter[str]:
+    """Error answers by code: an input answered ``dropped`` was not lost to the network but it was lost."""
+    answers = (json.loads(payload) for payload in collector.payloads)
+    return Counter(answer["error"]["code"] for answer in answers if "error" in answer)
+
+
 def publish_in_background(
     publisher: DurablePublisher, messages: list[tuple[str, bytes]], rate: float
 ) -> threading.Thread:
@@ -222,6 +229,7 @@ def test_broker_sigkilled_four_times_while_inputs_arrive_loses_nothing(
         assert daemon.process is not None and daemon.process.poll() is None, "the daemon did not survive the broker"
         assert len(daemon.logged_at("reconnected to")) == 4, daemon.log_text()[-3000:]
         assert not missing, f"lost inside Mosquitto, after its PUBACK and before its save: {lost}"
+        assert not coded_errors(collector), coded_errors(collector)
     finally:
         daemon.kill()
         collector.close()
@@ -240,6 +248,7 @@ def test_daemon_sigkilled_three_times_mid_stream_loses_nothing(
     sending.join(TIMEOUT_S)
     missing = missing_answers(answers, {f"m{i}" for i in range(2000)})
     assert not missing, f"{len(missing)} inputs never answered ({report(answers, 2000)}):\n{daemon.log_text()[-3000:]}"
+    assert not coded_errors(answers), coded_errors(answers)
     print(report(answers, 2000))
 
 
@@ -257,6 +266,7 @@ def test_sigterm_mid_stream_then_a_restart_answers_everything(
     daemon.start(durable_broker)
     missing = missing_answers(answers, {f"m{i}" for i in range(1500)})
     assert not missing, f"{len(missing)} inputs never answered ({report(answers, 1500)}):\n{daemon.log_text()[-3000:]}"
+    assert not coded_errors(answers), coded_errors(answers)
     assert "Traceback" not in daemon.log_text()
 
 
@@ -316,6 +326,7 @@ def test_sigterm_with_the_broker_down_keeps_the_outbox_for_the_next_start(
         assert "5 answers left by the last run wait in the outbox" in second.log_text()
         missing = missing_answers(answers, {f"m{i}" for i in range(5)})
         assert not missing, second.log_text()[-3000:]
+        assert not coded_errors(answers), coded_errors(answers)
     finally:
         second.kill()
 
@@ -344,6 +355,7 @@ def test_a_black_hole_is_noticed_within_two_keepalives_and_nothing_is_lost(
             sending.join(TIMEOUT_S)
             missing = missing_answers(answers, {f"m{i}" for i in range(600)})
             assert not missing, f"{len(missing)} never answered ({report(answers, 600)}):\n{daemon.log_text()[-3000:]}"
+            assert not coded_errors(answers), coded_errors(answers)
             noticed = [t - paused_at for t in daemon.logged_at("lost the broker") if t >= paused_at - 0.01]
             assert noticed, daemon.log_text()[-3000:]
             # paho sends PINGREQ after one keepalive of silence and gives up one keepalive later; 1 s for the log

@@ -11,10 +11,11 @@
            max_streams (windowed models: streams kept at once; the least recently used is evicted, counted)
 [output]   publish = "edgeline/{name}/{device}/result", error_topic, qos, mqtt (publish results to the broker;
            always with the MQTT source, otherwise only when set or --broker is given: else they go to stdout)
-[queue]    capacity, policy = "drop-oldest" | "block" (default: drop-oldest for live sources, MQTT and serial;
-           block for replay and sim, which are lossless), max_batch (queued inputs taken at once, and
+[queue]    capacity, policy = "drop-oldest" | "block" (default: block for MQTT at QoS 1, whose backlog waits at
+           the broker, and for replay and sim; drop-oldest for serial and MQTT at QoS 0), max_batch (inputs taken at once, and
            run as one batch when the model allows it; 1 = one sample per call)
-[outbox]   enabled, max_answers, max_bytes, ttl_s, synchronous ("full": survives a power cut; "normal": a crash)
+[outbox]   enabled (false: the same bounds in memory, lost with the process), max_answers, max_bytes, ttl_s,
+           synchronous ("full": survives a power cut; "normal": a crash)
 [health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off), prometheus_host (loopback)
 [window]   size, hop, channels (overrides the bundle's)
 """
@@ -248,7 +249,9 @@ class DaemonConfig(_Section):
     def queue_policy(self) -> str:
         if self.queue.policy is not None:
             return self.queue.policy
-        return "block" if self.source.kind in LOSSLESS_SOURCES else "drop-oldest"
+        if self.source.kind in LOSSLESS_SOURCES or (self.source.kind == "mqtt" and self.input.qos == 1):
+            return "block"  # recordings and at-least-once inputs must lose nothing: the broker keeps the backlog
+        return "drop-oldest"
 
     def with_overrides(
         self,

@@ -93,6 +93,19 @@ def describe_socket_error(exc: BaseException) -> str:
     return f"{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
 
 
+class _LastError(logging.Handler):
+    """Keeps paho's last error line on the connection: the cause a failed first connection reports."""
+
+    def __init__(self, connection: MqttConnection):
+        super().__init__(logging.ERROR)
+        self.connection = connection
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "not connected" not in text.lower():
+            self.connection._last_error = text
+
+
 class MqttConnection:
     """One client to one broker, kept connected by our own network thread.
 
@@ -143,7 +156,11 @@ class MqttConnection:
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         client.on_subscribe = self._on_subscribe
-        client.on_log = self._on_log
+        # paho's errors only, through a logger of our own: with on_log set, paho formats a line for every packet
+        paho_log = logging.Logger("edgeline.paho", logging.ERROR)  # not registered: one per connection
+        paho_log.propagate = False
+        paho_log.addHandler(_LastError(self))
+        client.enable_logger(paho_log)
         # Only our network thread may touch the socket. Without loop_start() (no paho thread) and without this
         # callback, paho's publish() and ack() write to the socket at once from the calling thread (worker,
         # publisher, status), concurrently with our loop(): over TLS that corrupts the session (OpenSSL's
@@ -270,10 +287,6 @@ class MqttConnection:
         self._outcome.set()
 
     # -- paho callbacks: network thread; never let an exception out ----------------------------------------
-    def _on_log(self, client: Any, userdata: Any, level: int, text: str) -> None:
-        if level == self._mqtt.MQTT_LOG_ERR and "not connected" not in text.lower():
-            self._last_error = text
-
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         try:
             if reason.is_failure:

@@ -25,13 +25,14 @@ import logging
 import sqlite3
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge_runtime.errors import EdgelineError
 
-__all__ = ["Outbox", "OutboxStats", "Pending"]
+__all__ = ["MemoryOutbox", "Outbox", "OutboxStats", "Pending"]
 
 log = logging.getLogger("edgeline.outbox")
 
@@ -241,3 +242,110 @@ class Outbox:
             with contextlib.suppress(sqlite3.Error):  # a checkpoint only tidies up; the WAL is replayed at open
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
+
+
+class MemoryOutbox:
+    """The outbox without the disk (``[outbox] enabled = false``): the same bounds, time to live, counters and
+    calls, in memory. A crash loses what it holds. It keeps one rule of the durable outbox: the worker hands
+    answers over and goes on, it never waits for the MQTT client (whose queue only paho's network thread drains,
+    and that thread may itself be waiting for the worker's queue)."""
+
+    path = None
+
+    def __init__(self, *, max_answers: int = 100_000, max_bytes: int = 64 << 20, ttl_s: float = 86400.0):
+        self.max_answers = max_answers
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._rows: OrderedDict[int, Pending] = OrderedDict()
+        self._untaken: deque[int] = deque()
+        self._seq = self._bytes = 0
+        self._added = self._removed = self._expired = self._overflowed = 0
+        self._next_expiry = 0.0
+
+    def add(self, answers: Sequence[tuple[str, bytes, float]]) -> None:
+        now = time.time()
+        with self._lock:
+            for topic, payload, received in answers:
+                self._seq += 1
+                self._rows[self._seq] = Pending(self._seq, topic, payload, now, received)
+                self._untaken.append(self._seq)
+                self._bytes += len(payload)
+            self._added += len(answers)
+            dropped = 0
+            while self._rows and (len(self._rows) > self.max_answers or self._bytes > self.max_bytes):
+                _, oldest = self._rows.popitem(last=False)
+                self._bytes -= len(oldest.payload)
+                dropped += 1
+            self._overflowed += dropped
+        if dropped:
+            log.warning("outbox full (%d answers, %d bytes at most): dropped the %d oldest", self.max_answers,
+                        self.max_bytes, dropped)  # fmt: skip
+
+    def take(self, limit: int) -> list[Pending]:
+        if time.monotonic() >= self._next_expiry:
+            self._next_expiry = time.monotonic() + 1.0
+            self.expire()
+        taken: list[Pending] = []
+        with self._lock:
+            while self._untaken and len(taken) < limit:
+                pending = self._rows.get(self._untaken.popleft())
+                if pending is not None:
+                    taken.append(pending)
+        return taken
+
+    def remove(self, seqs: Iterable[int]) -> None:
+        with self._lock:
+            for seq in seqs:
+                pending = self._rows.pop(seq, None)
+                if pending is not None:
+                    self._bytes -= len(pending.payload)
+                    self._removed += 1
+
+    def expire(self) -> int:
+        limit = time.time() - self.ttl_s
+        gone = 0
+        with self._lock:
+            while self._rows:
+                seq, oldest = next(iter(self._rows.items()))
+                if oldest.created >= limit:
+                    break
+                del self._rows[seq]
+                self._bytes -= len(oldest.payload)
+                gone += 1
+            self._expired += gone
+        if gone:
+            log.warning("dropped %d answers older than the outbox's time to live (%g s) without sending them", gone,
+                        self.ttl_s)  # fmt: skip
+        return gone
+
+    def drop(self, seq: int) -> None:
+        with self._lock:
+            pending = self._rows.pop(seq, None)
+            if pending is not None:
+                self._bytes -= len(pending.payload)
+                self._expired += 1
+
+    def rewind(self) -> None:
+        with self._lock:
+            self._untaken = deque(self._rows)
+
+    @property
+    def depth(self) -> int:
+        return len(self._rows)
+
+    def stats(self) -> OutboxStats:
+        with self._lock:
+            oldest = next(iter(self._rows.values()), None)
+            return OutboxStats(
+                depth=len(self._rows),
+                bytes=self._bytes,
+                oldest_age_s=None if oldest is None else max(0.0, time.time() - oldest.created),
+                added=self._added,
+                removed=self._removed,
+                expired=self._expired,
+                overflowed=self._overflowed,
+            )
+
+    def close(self) -> None:
+        """Nothing to close: what it still holds is lost with the process (said in the log by the daemon)."""

@@ -33,7 +33,7 @@ from edge_runtime.daemon.guards import check_topics, check_window
 from edge_runtime.daemon.health import Metrics, MetricsServer, SystemdNotifier
 from edge_runtime.daemon.messages import Answer, Message
 from edge_runtime.daemon.mqtt import MqttConnection, MqttSink, MqttSource
-from edge_runtime.daemon.outbox import Outbox, Pending
+from edge_runtime.daemon.outbox import MemoryOutbox, Outbox, Pending
 from edge_runtime.daemon.processor import Processor
 from edge_runtime.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull
 from edge_runtime.daemon.sources import Source, make_source
@@ -106,7 +106,7 @@ class Daemon:
         self._echo_lock = threading.Lock()
         self.notifier = notifier or SystemdNotifier()
         self._lock: StateLock | None = None
-        self.outbox: Outbox | None = None
+        self.outbox: Outbox | MemoryOutbox | None = None
         self.connection: MqttConnection | None = None
         self.sink: MqttSink | None = None
         if config.uses_broker:
@@ -132,7 +132,7 @@ class Daemon:
         self._acked: list[int] = []
         self._acked_lock = threading.Lock()
         self._in_flight: set[int] = set()
-        self._evicted: list[Message] = []
+        self._evicted: list[tuple[Message, list[Answer]]] = []
         self._evicted_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._publisher: threading.Thread | None = None
@@ -143,7 +143,7 @@ class Daemon:
     def description(self) -> str:
         sinks = []
         if self.connection is not None:
-            outbox = f", outbox {self.outbox.path}" if self.outbox is not None else ", no outbox"
+            outbox = f", outbox {self.outbox.path}" if isinstance(self.outbox, Outbox) else ", outbox in memory"
             sinks.append(f"answers to {self.connection.address} at QoS {self.config.output.qos}{outbox}")
         if self.echo is not None:
             sinks.append("answers to stdout")
@@ -167,12 +167,9 @@ class Daemon:
         now = time.time()
         to_broker = [(a.topic, a.payload, m.received) for m, answers in pairs for a in answers if a.topic is not None]
         if self.sink is not None and to_broker:
-            if self.outbox is not None:
-                self.outbox.add(to_broker)  # committed (fsync'ed) before any input is acknowledged
-                self._publisher_wake.set()
-            else:
-                for topic, payload, received in to_broker:
-                    self._publish_direct(topic, payload, received)
+            assert self.outbox is not None
+            self.outbox.add(to_broker)  # on disk: committed (fsync'ed) before any input is acknowledged
+            self._publisher_wake.set()
         for message, answers in pairs:
             for answer in answers:
                 if answer.topic is None and self.echo is None:
@@ -184,17 +181,6 @@ class Daemon:
                 self.metrics.observe("total", max(0.0, time.time() - message.received))
             if message.ack is not None:
                 message.ack()
-
-    def _publish_direct(self, topic: str, payload: bytes, received: float) -> None:
-        """Without an outbox: straight to the client, waiting (bounded) while its queue is full."""
-        assert self.sink is not None
-        handed = time.time()
-        for _ in range(200):
-            if self.sink.publish(topic, payload, done=self._done_callback(None, handed, received)):
-                return
-            time.sleep(0.05)
-        self.metrics.count("publish_dropped")
-        log.warning("the MQTT client's queue stayed full for 10 s: an answer to %s was dropped", topic)
 
     def _done_callback(self, seq: int | None, created: float, received: float) -> Callable[[bool, str | None], None]:
         def done(ok: bool, reason: str | None) -> None:
@@ -257,10 +243,12 @@ class Daemon:
         """Queue one message; with drop-oldest, answer the message it evicts. Raises QueueClosed when stopping."""
         evicted = self.queue.put(message, timeout=timeout)
         if evicted is not None:
-            # answered by the worker: delivering may wait for the MQTT client, and this may be its network thread
+            # answered now, delivered by the worker (this may be the MQTT client's network thread)
             self.metrics.count("dropped")
+            reason = f"queue full ({self.config.queue.capacity}): dropped unprocessed"
+            answers = self.processor.refuse(evicted, "dropped", reason)
             with self._evicted_lock:
-                self._evicted.append(evicted)
+                self._evicted.append((evicted, answers))
 
     def _read_source(self) -> None:
         def submit(message: Message) -> None:
@@ -317,8 +305,7 @@ class Daemon:
         with self._evicted_lock:
             evicted, self._evicted = self._evicted, []
         if evicted:
-            reason = f"queue full ({self.config.queue.capacity}): dropped unprocessed"
-            self._deliver([(message, self.processor.refuse(message, "dropped", reason)) for message in evicted])
+            self._deliver(evicted)
 
     # -- status thread -----------------------------------------------------------------------------------------
     def _gauges(self) -> dict[str, float | int | bool | None]:
@@ -362,8 +349,8 @@ class Daemon:
         self.source.open()
         if self.connection is not None:
             self._lock = StateLock(self.state_dir)
-            if self.config.outbox.enabled:
-                box = self.config.outbox
+            box = self.config.outbox
+            if box.enabled:
                 self.outbox = Outbox(
                     self.state_dir / "outbox.sqlite",
                     max_answers=box.max_answers,
@@ -373,6 +360,8 @@ class Daemon:
                 )
                 if self.outbox.depth:
                     log.info("%d answers left by the last run wait in the outbox", self.outbox.depth)
+            else:
+                self.outbox = MemoryOutbox(max_answers=box.max_answers, max_bytes=box.max_bytes, ttl_s=box.ttl_s)
             self.connection.start(lambda target: self.supervisor.spawn("edgeline-mqtt", target))
             self.connection.publish(self.availability_topic, b"online", qos=1, retain=True)
         if self.config.health.prometheus_port:
@@ -407,8 +396,10 @@ class Daemon:
                 self._wait_for_in_flight(deadline)
             self.connection.close()
         if self.outbox is not None:
-            if self.outbox.depth:
+            if self.outbox.depth and isinstance(self.outbox, Outbox):
                 log.info("%d answers stay in the outbox for the next start", self.outbox.depth)
+            elif self.outbox.depth:
+                log.warning("%d answers in the memory outbox are lost ([outbox] enabled = false)", self.outbox.depth)
             self.outbox.close()
         if self._lock is not None:
             self._lock.release()
