@@ -12,8 +12,8 @@
 [output]   publish = "edgeline/{name}/{device}/result", error_topic, qos, mqtt (publish results to the broker;
            always with the MQTT source, otherwise only when set or --broker is given: else they go to stdout)
 [queue]    capacity, policy = "drop-oldest" | "block" (default: block for MQTT at QoS 1, whose backlog waits at
-           the broker, and for replay and sim; drop-oldest for serial and MQTT at QoS 0), max_batch (inputs taken at once, and
-           run as one batch when the model allows it; 1 = one sample per call)
+           the broker, and for replay and sim; drop-oldest for serial and MQTT at QoS 0), max_batch (inputs
+           taken at once, and run as one batch when the model allows it; 1 = one sample per call)
 [outbox]   enabled (false: the same bounds in memory, lost with the process), max_answers, max_bytes, ttl_s,
            synchronous ("full": survives a power cut; "normal": a crash)
 [health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off), prometheus_host (loopback)

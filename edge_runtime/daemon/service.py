@@ -1,9 +1,10 @@
 """``edgeline run``: a bundle and a stream of sensor messages turned into a stream of answers.
 
-    source thread ──submit──► bounded queue ──► worker: Processor ──► outbox (SQLite, WAL) ──► publisher ──► MQTT
-    (MQTT: the network     (drop-oldest: the    (one answer per input;  │ then the inputs'         (QoS 1; an answer
-     thread; serial,        evicted input is     a failure is that      │ PUBACKs                  leaves the outbox
-     replay, sim)           answered "dropped")  input's coded error)   └──► stdout JSON lines      on its PUBACK)
+    source thread ──submit──► bounded queue ──► worker: Processor ──► committer ──► outbox ──► publisher ──► MQTT
+    (MQTT: the network     (drop-oldest: the    (one answer per input;  │ (SQLite WAL;   then the   (QoS 1; an answer
+     thread; serial,        evicted input is     a failure is that      │  group commit,  inputs'    leaves the outbox
+     replay, sim)           answered "dropped")  input's coded error)   │  one fsync)     PUBACKs)   on its PUBACK)
+                                                                        └──► stdout JSON lines
     status thread: status message, systemd WATCHDOG (only while the pipeline progresses); availability: retained
     "online", "offline" as last will; a supervisor owns every thread (see ``edge_runtime.daemon.supervisor``)
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import signal
 import threading
 import time
@@ -49,6 +51,8 @@ log = logging.getLogger("edgeline.daemon")
 EXIT_FAILED = 1
 """A daemon that could not go on (a thread died, a live source ended): systemd's Restart=on-failure restarts it."""
 PUBLISHER_TICK_S = 0.05
+COMMIT_BACKLOG = 8
+"""Batches the worker may hand the committer ahead of the disk."""
 
 
 class Daemon:
@@ -135,6 +139,8 @@ class Daemon:
         self._evicted: list[tuple[Message, list[Answer]]] = []
         self._evicted_lock = threading.Lock()
         self._worker: threading.Thread | None = None
+        self._commits: queue.Queue[tuple[list[tuple[str, bytes, float]], list[Callable[[], None]]] | None] | None = None
+        self._committer: threading.Thread | None = None
         self._publisher: threading.Thread | None = None
         self._source_failed = False
         self.metrics.gauges(self._gauges)
@@ -166,10 +172,15 @@ class Daemon:
         """Hand the answers of these inputs to the sinks; then, and only then, acknowledge the inputs."""
         now = time.time()
         to_broker = [(a.topic, a.payload, m.received) for m, answers in pairs for a in answers if a.topic is not None]
+        acks = [m.ack for m, _ in pairs if m.ack is not None]
         if self.sink is not None and to_broker:
             assert self.outbox is not None
-            self.outbox.add(to_broker)  # on disk: committed (fsync'ed) before any input is acknowledged
-            self._publisher_wake.set()
+            if self._commits is not None:  # on disk: the committer acknowledges once the answers are fsync'ed
+                self._commits.put((to_broker, acks))
+                acks = []
+            else:
+                self.outbox.add(to_broker)
+                self._publisher_wake.set()
         for message, answers in pairs:
             for answer in answers:
                 if answer.topic is None and self.echo is None:
@@ -179,8 +190,37 @@ class Daemon:
             if self.echo is not None and self.sink is None:
                 self.metrics.observe("publish", max(0.0, time.time() - now))
                 self.metrics.observe("total", max(0.0, time.time() - message.received))
-            if message.ack is not None:
-                message.ack()
+        for ack in acks:
+            ack()
+
+    # -- committer thread: group commit ---------------------------------------------------------------------------
+    def _commit(self) -> None:
+        """Commit what the worker handed over, as many batches as have queued up in one transaction (one fsync),
+        then acknowledge their inputs. The worker goes on with the next batch meanwhile; it waits only when
+        ``COMMIT_BACKLOG`` batches are queued (a disk that stalls holds the pipeline back, not memory)."""
+        assert self._commits is not None and self.outbox is not None
+        commits, outbox = self._commits, self.outbox
+        finished = False
+        while not finished:
+            try:
+                first = commits.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            items = [first]
+            while True:
+                try:
+                    items.append(commits.get_nowait())
+                except queue.Empty:
+                    break
+            finished = any(item is None for item in items)
+            batches = [item for item in items if item is not None]
+            if not batches:
+                continue
+            outbox.add([row for rows, _ in batches for row in rows])
+            self._publisher_wake.set()
+            for _, acks in batches:
+                for ack in acks:
+                    ack()
 
     def _done_callback(self, seq: int | None, created: float, received: float) -> Callable[[bool, str | None], None]:
         def done(ok: bool, reason: str | None) -> None:
@@ -368,6 +408,9 @@ class Daemon:
             health = self.config.health
             self._metrics_server = MetricsServer(self.metrics, health.prometheus_port, health.prometheus_host).start()
         spawn = self.supervisor.spawn
+        if isinstance(self.outbox, Outbox):
+            self._commits = queue.Queue(COMMIT_BACKLOG)
+            self._committer = spawn("edgeline-committer", self._commit)
         self._worker = spawn("edgeline-worker", self._work)
         if self.outbox is not None:
             self._publisher = spawn("edgeline-publisher", self._publish_outbox)
@@ -386,6 +429,9 @@ class Daemon:
             self._worker.join(max(0.1, deadline - time.monotonic()))
             if self._worker.is_alive():
                 log.error("the worker did not finish within %g s", self.config.daemon.drain_timeout_s)
+        if self._committer is not None and self._commits is not None:
+            self._commits.put(None)  # after the worker's last batch
+            self._committer.join(max(0.1, deadline - time.monotonic()))
         if self._publisher is not None:
             self._publisher_stop.set()
             self._publisher_wake.set()

@@ -1,0 +1,91 @@
+"""The outbox's contract, on disk (SQLite) and in memory (``[outbox] enabled = false``): oldest first, bounded by
+count and bytes (the oldest go, counted), a time to live (expired answers are dropped and counted, never handed
+out), removal on PUBACK, rewind after a lost connection; and on disk, what was committed survives a new process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from edge_runtime.daemon.outbox import MemoryOutbox, Outbox
+
+Box = Outbox | MemoryOutbox
+MakeBox = Callable[..., Box]
+
+
+@pytest.fixture(params=["sqlite", "memory"])
+def make(request: pytest.FixtureRequest, tmp_path: Path) -> MakeBox:
+    def factory(*, max_answers: int = 100_000, max_bytes: int = 64 << 20, ttl_s: float = 86400.0) -> Box:
+        if request.param == "sqlite":
+            return Outbox(tmp_path / "outbox.sqlite", max_answers=max_answers, max_bytes=max_bytes, ttl_s=ttl_s)
+        return MemoryOutbox(max_answers=max_answers, max_bytes=max_bytes, ttl_s=ttl_s)
+
+    return factory
+
+
+def answers(count: int, start: int = 0, size: int = 10) -> list[tuple[str, bytes, float]]:
+    return [(f"results/d{i}", bytes([i % 256]) * size, time.time()) for i in range(start, start + count)]
+
+
+def test_answers_come_out_oldest_first_once_and_leave_on_removal(make: MakeBox) -> None:
+    box = make()
+    box.add(answers(5))
+    first = box.take(3)
+    assert [p.topic for p in first] == ["results/d0", "results/d1", "results/d2"]
+    assert [p.topic for p in box.take(10)] == ["results/d3", "results/d4"]
+    assert box.take(10) == []  # taken answers are not offered again until a rewind
+    box.remove([p.seq for p in first])
+    assert box.depth == 2
+    box.rewind()  # the connection was lost: what was taken and not acknowledged is offered again
+    assert [p.topic for p in box.take(10)] == ["results/d3", "results/d4"]
+    stats = box.stats()
+    assert (stats.added, stats.removed, stats.depth, stats.bytes) == (5, 3, 2, 20)
+
+
+def test_past_the_count_cap_the_oldest_are_dropped_and_counted(make: MakeBox) -> None:
+    box = make(max_answers=4)
+    box.add(answers(3))
+    box.add(answers(3, start=3))
+    assert [p.topic for p in box.take(10)] == ["results/d2", "results/d3", "results/d4", "results/d5"]
+    assert box.stats().overflowed == 2
+
+
+def test_past_the_byte_cap_the_oldest_are_dropped_and_counted(make: MakeBox) -> None:
+    box = make(max_bytes=1024)
+    box.add(answers(3, size=400))
+    assert box.depth == 2 and box.stats().bytes == 800 and box.stats().overflowed == 1
+
+
+def test_expired_answers_are_dropped_never_handed_out(make: MakeBox) -> None:
+    box = make(ttl_s=0.2)
+    box.add(answers(3))
+    time.sleep(0.3)
+    box.add(answers(1, start=3))
+    assert [p.topic for p in box.take(10)] == ["results/d3"]
+    stats = box.stats()
+    assert stats.expired == 3 and stats.depth == 1
+    assert stats.oldest_age_s is not None and stats.oldest_age_s < 0.2
+
+
+def test_committed_answers_survive_the_process(tmp_path: Path) -> None:
+    """Another process adds and is killed without closing; this one finds every committed answer."""
+    path = tmp_path / "outbox.sqlite"
+    script = (
+        "import os, signal, sys, time\n"
+        "from edge_runtime.daemon.outbox import Outbox\n"
+        f"box = Outbox(__import__('pathlib').Path({str(path)!r}))\n"
+        "box.add([(f'results/d{i}', b'x', time.time()) for i in range(50)])\n"
+        "box.remove([1, 2])\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == -9, done.stderr.decode()
+    box = Outbox(path)
+    assert box.depth == 48
+    assert [p.topic for p in box.take(2)] == ["results/d2", "results/d3"]
+    box.close()
