@@ -39,7 +39,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults_without_a_file() -> None:
     config = load_config(None)
     assert config == DaemonConfig()
-    assert config.queue.policy is None and config.queue_policy == "drop-oldest"
+    assert config.queue.policy is None and config.queue_policy == "block"  # MQTT at QoS 1: the broker holds the backlog
 
 
 def test_file_is_read(tmp_path: Path) -> None:
@@ -117,7 +117,9 @@ def test_bad_broker_flag(broker: str) -> None:
 
 def test_each_source_has_its_stated_queue_policy_and_sink() -> None:
     mqtt = DaemonConfig()
-    assert (mqtt.queue_policy, mqtt.uses_broker) == ("drop-oldest", True)
+    assert (mqtt.queue_policy, mqtt.uses_broker) == ("block", True)
+    at_most_once = DaemonConfig.model_validate({"input": {"qos": 0}})
+    assert at_most_once.queue_policy == "drop-oldest"
     serial = mqtt.with_overrides(source={"kind": "serial", "url": "/dev/ttyUSB0"})
     assert (serial.queue_policy, serial.uses_broker) == ("drop-oldest", False)
     replay = mqtt.with_overrides(source={"kind": "replay", "path": "-"})
