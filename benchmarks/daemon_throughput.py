@@ -1,23 +1,40 @@
-"""End-to-end throughput and latency through a local Mosquitto, side by side in one run: `edgeline run`
-against a hand-written baseline (paho-mqtt subscribe -> json -> LiteRT invoke -> publish), same bundle,
-same messages, at QoS 0 and QoS 1. Messages are sent as fast as the publisher can (a backlog forms).
-The daemon runs twice: as configured by default (queued inputs batched into one call when the model allows it)
-and with batching off (``[queue] max_batch = 1``).
+"""`edgeline run` throughput and latency at QoS 1 through a local Mosquitto, against its two rooflines, side by side.
+
+Per bundle, the same N JSON messages (default 2000) are sent as fast as one publisher can (a backlog forms) to:
+
+- ``edgeline run`` as configured by default (outbox on: every answer committed to SQLite before its input is
+  acknowledged), and with ``[outbox] enabled = false`` (answers handed straight to the MQTT client);
+- the transport roofline: a paho-mqtt program with no model that subscribes at QoS 1, takes the ``id`` out of each
+  payload and publishes ``{"id": ...}`` at QoS 1, all on paho's network thread (MQTT 5, receive maximum 65535);
+- the hand-written baseline (paho subscribe -> json -> LiteRT invoke -> publish, inference on the network thread).
+
+Each consumer is a separate process; a fresh daemon gets a fresh ``--state-dir`` and a unique ``--instance``.
+The model roofline is ``edge_runtime.load(bundle)`` called in this process on the same inputs (already decoded):
+``predict(x)`` one sample per call, and ``predict_batch`` at the batch size the daemon's default
+``[queue] max_batch`` (16) gets from ``Model.enable_batching`` when the model allows batching. The roofline is the
+faster of the calls the daemon can make. Rounds are interleaved; each number is the median over rounds.
 
     python benchmarks/daemon_throughput.py --write benchmarks/results/daemon_throughput.md \
         --bundle artifacts/bench/bundles/ds_cnn-litert-int8-static artifacts/bench/bundles/resnet8-litert-int8-static
+
+A smoke run: add ``--messages 300 --rounds 1``. Full scale takes about 5 minutes on a quiet 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +43,11 @@ import paho.mqtt.client as mqtt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from report import publish
 
-from tests.mqtt_broker import running_broker
+from tests.mqtt_broker import Broker, running_broker
+
+QOS = 1
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
 
 # The baseline a user would write in ~30 lines: inference on paho's network thread, no checks, no queue.
 BASELINE = """
@@ -35,7 +56,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 from ai_edge_litert.interpreter import Interpreter
 
-model, host, port, topic_in, topic_out, qos = sys.argv[1:7]
+model, host, port, topic_in, topic_out, qos, client_id = sys.argv[1:8]
 port, qos = int(port), int(qos)
 it = Interpreter(model_path=model, num_threads=1)
 it.allocate_tensors()
@@ -56,112 +77,326 @@ def on_message(client, userdata, msg):
     result = {"id": message.get("id"), "outputs": y.tolist(), "label": int(np.argmax(y))}
     client.publish(topic_out, json.dumps(result), qos=qos)
 
-client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="baseline")
-client.on_connect = lambda c, *a: (c.subscribe(topic_in, qos=qos), print("subscribed", flush=True))
+client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+client.on_connect = lambda c, *a: c.subscribe(topic_in, qos=qos)
 client.on_message = on_message
 client.connect(host, port)
 client.loop_forever()
 """
 
+# The transport roofline: what MQTT alone costs per message, as a careful paho program does it. Everything runs
+# on the network thread (no hand-off), only the id is taken out of the payload (a regex on the first bytes, no
+# JSON decoding of the data), and nothing limits the number of messages in flight either way.
+TRANSPORT = """
+import re, sys
+import orjson
+import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
-def drive(host: str, port: int, topic: str, payloads: list[bytes], qos: int, timeout: float) -> dict[str, float]:
-    """Send every payload as fast as possible; collect answers; throughput and send-to-answer latency."""
+host, port, topic_in, topic_out, qos, client_id = sys.argv[1:7]
+port, qos = int(port), int(qos)
+ID = re.compile(rb'"id"\\s*:\\s*"([^"]*)"')
+
+def on_message(client, userdata, msg):
+    found = ID.search(msg.payload)
+    identity = found.group(1).decode() if found else None
+    client.publish(topic_out, orjson.dumps({"id": identity}), qos=qos)
+
+client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+client.max_inflight_messages_set(65535)
+client.max_queued_messages_set(0)
+client.on_connect = lambda c, *a: c.subscribe(topic_in, qos=qos)
+client.on_message = on_message
+properties = Properties(PacketTypes.CONNECT)
+properties.ReceiveMaximum = 65535
+client.connect(host, port, properties=properties)
+client.loop_forever()
+"""
+
+OUTBOX_ON = "edgeline run (outbox on, default)"
+OUTBOX_OFF = "edgeline run, outbox off"
+TRANSPORT_ROW = "transport roofline (paho, no model)"
+BASELINE_ROW = "hand-written baseline"
+CONSUMERS = (TRANSPORT_ROW, OUTBOX_ON, OUTBOX_OFF, BASELINE_ROW)
+
+
+@dataclass
+class Run:
+    answered: float
+    errors: float
+    sent_per_s: float
+    throughput: float
+    p50_ms: float
+    p99_ms: float
+    codes: Counter[str]
+    """Coded error answers by code."""
+    cpu_us: float = float("nan")
+    """The consumer process's CPU time (user + system) per message sent, over the run."""
+
+
+def drive(broker: Broker, topic: str, payloads: list[bytes], timeout: float) -> Run:
+    """Send every payload as fast as one publisher can; collect answers; throughput and send-to-answer latency.
+
+    Throughput is answers over the time from the first publish to the last answer; the sending rate is messages
+    over the time from the first publish to the last PUBACK. Coded error answers (an answer with an ``error``
+    field) are counted apart and not as answered.
+    """
     sent: dict[str, float] = {}
     answered: dict[str, float] = {}
+    errors: set[str] = set()
+    codes: Counter[str] = Counter()
     done = threading.Event()
     lock = threading.Lock()
 
     def on_message(client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
-        identity = json.loads(msg.payload).get("id")
+        now = time.perf_counter()
+        record = json.loads(msg.payload)
+        identity = record.get("id")
         with lock:
-            answered.setdefault(identity, time.perf_counter())
-            if len(answered) >= len(payloads):
+            if "error" in record:
+                errors.add(identity)
+                codes[str(record["error"].get("code"))] += 1
+            else:
+                answered.setdefault(identity, now)
+            if len(answered) + len(errors) >= len(payloads):
                 done.set()
 
     listener = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
     listener.on_message = on_message
     subscribed = threading.Event()
     listener.on_subscribe = lambda *_: subscribed.set()
-    listener.connect(host, port)
-    listener.subscribe(f"{topic}/out/#", qos=qos)
+    listener.connect(broker.host, broker.port)
+    listener.subscribe(f"{topic}/out/#", qos=QOS)
     listener.loop_start()
-    subscribed.wait(10)
+    acknowledged = [0]
+    all_acknowledged = threading.Event()
+    acknowledged_at = [float("nan")]
+
+    def on_publish(client: mqtt.Client, userdata: object, mid: int, reason: object, properties: object) -> None:
+        acknowledged[0] += 1  # paho's network thread only
+        if acknowledged[0] == len(payloads):
+            acknowledged_at[0] = time.perf_counter()
+            all_acknowledged.set()
+
     publisher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
     publisher.max_inflight_messages_set(1000)
-    publisher.connect(host, port)
+    publisher.on_publish = on_publish
+    publisher.connect(broker.host, broker.port)
     publisher.loop_start()
+    try:
+        if not subscribed.wait(10):
+            raise RuntimeError("the listener got no SUBACK")
+        start = time.perf_counter()
+        for index, payload in enumerate(payloads):
+            sent[f"m{index}"] = time.perf_counter()
+            publisher.publish(f"{topic}/in/dev", payload, qos=QOS)
+        done.wait(timeout)
+        all_acknowledged.wait(5)
+    finally:
+        publisher.loop_stop()
+        listener.loop_stop()
+        publisher.disconnect()
+        listener.disconnect()
+    with lock:
+        arrivals = dict(answered)
+    end = max(arrivals.values(), default=time.perf_counter())
+    latencies = [arrivals[i] - sent[i] for i in arrivals if i in sent]
+    return Run(
+        answered=len(arrivals),
+        errors=len(errors),
+        sent_per_s=len(payloads) / (acknowledged_at[0] - start),
+        throughput=len(arrivals) / (end - start) if arrivals else 0.0,
+        p50_ms=statistics.median(latencies) * 1000 if latencies else float("nan"),
+        p99_ms=float(np.percentile(latencies, 99)) * 1000 if latencies else float("nan"),
+        codes=codes,
+    )
+
+
+def wait_ready(broker: Broker, process: subprocess.Popen[bytes], client_id: str, topic_filter: str, since: int) -> None:
+    """Until the broker logs the consumer's subscription (then nothing published later is missed)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not broker.wait_for_subscription(client_id, topic_filter, timeout=0.5, since=since):
+        if process.poll() is not None:
+            raise RuntimeError(f"{client_id} exited with code {process.returncode} before subscribing")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{client_id} did not subscribe to {topic_filter} within {START_TIMEOUT_S:g} s")
+
+
+def consumer_command(
+    name: str, bundle: Path, broker: Broker, topic: str, client_id: str, scripts: dict[str, Path], state: Path,
+    instance: str,
+) -> list[str]:  # fmt: skip
+    if name == BASELINE_ROW:
+        return [sys.executable, str(scripts["baseline"]), str(bundle / "model.tflite"), broker.host, str(broker.port),
+                f"{topic}/in/+", f"{topic}/out/dev", str(QOS), client_id]  # fmt: skip
+    if name == TRANSPORT_ROW:
+        return [sys.executable, str(scripts["transport"]), broker.host, str(broker.port), f"{topic}/in/+",
+                f"{topic}/out/dev", str(QOS), client_id]  # fmt: skip
+    command = [sys.executable, "-m", "edge_runtime.cli", "run", str(bundle), "--broker", broker.address,
+               "--subscribe", f"{topic}/in/+", "--publish", f"{topic}/out/{{device}}", "--qos", str(QOS),
+               "--state-dir", str(state), "--instance", instance]  # fmt: skip
+    if name == OUTBOX_OFF:
+        command += ["--config", str(scripts["outbox_off"])]
+    return command
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def processor_cost(bundle: Path, payloads: list[bytes]) -> float:
+    """Microseconds per message of the daemon's own work, in-process and without MQTT: ``Processor.process``
+    (size check, JSON decode with its checks, model call, interpretation, JSON encode, metrics)."""
+    import edge_runtime
+    from edge_runtime.daemon.codecs import get_codec
+    from edge_runtime.daemon.health import Metrics
+    from edge_runtime.daemon.messages import Message
+    from edge_runtime.daemon.processor import Processor
+
+    model = edge_runtime.load(bundle)
+    processor = Processor(model, get_codec("json"), Metrics(model=model.name, version=1), publish="out/{device}")
+    messages = [Message("in/dev", payload, "dev") for payload in payloads]
+    for message in messages[:50]:  # warm-up
+        processor.process(message)
     start = time.perf_counter()
-    for index, payload in enumerate(payloads):
-        sent[f"m{index}"] = time.perf_counter()
-        publisher.publish(f"{topic}/in/dev", payload, qos=qos)
-    done.wait(timeout)
-    end = max(answered.values(), default=time.perf_counter())
-    publisher.loop_stop()
-    listener.loop_stop()
-    latencies = [answered[i] - sent[i] for i in answered if i in sent]
-    return {
-        "answered": len(answered),
-        "throughput": len(answered) / (end - start) if answered else 0.0,
-        "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
-        "p99_ms": float(np.percentile(latencies, 99)) * 1000 if latencies else float("nan"),
-    }
+    for message in messages:
+        processor.process(message)
+    return (time.perf_counter() - start) / len(messages) * 1e6
 
 
-CONSUMERS = ("baseline", "edgeline run", "edgeline run, max_batch 1")
+def run_consumer(
+    name: str, bundle: Path, model_name: str, broker: Broker, payloads: list[bytes], scratch: Path,
+    scripts: dict[str, Path], tag: str,
+) -> Run:  # fmt: skip
+    topic = f"bench/{tag}"
+    unique = uuid.uuid4().hex[:10]
+    daemon = name in (OUTBOX_ON, OUTBOX_OFF)
+    client_id = f"edgeline-{model_name}-bench-{unique}" if daemon else f"bench-{unique}"
+    state = Path(tempfile.mkdtemp(prefix="state-", dir=scratch))
+    command = consumer_command(name, bundle, broker, topic, client_id, scripts, state, f"bench-{unique}")
+    since = broker.log_size()
+    with open(scratch / f"{unique}.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(broker, process, client_id, f"{topic}/in/+", since)
+            before = cpu_seconds(process.pid)
+            run = drive(broker, topic, payloads, timeout=max(60.0, len(payloads) / 20))
+            run.cpu_us = (cpu_seconds(process.pid) - before) / len(payloads) * 1e6
+            return run
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=STOP_TIMEOUT_S)
 
 
-def batching_of(bundle: Path) -> str:
+def model_rooflines(bundle: Path, arrays: list[np.ndarray], max_batch: int) -> tuple[float, float | None, str]:
+    """Calls per second, in-process: ``predict`` one sample per call, and ``predict_batch`` at the daemon's batch."""
     import edge_runtime
 
     model = edge_runtime.load(bundle)
-    model.enable_batching(16)
-    return f"the daemon batches up to {model.batch_size}" if model.batch_size > 1 else model.batching
+    for x in arrays[:20]:  # warm-up
+        model.predict(x)
+    start = time.perf_counter()
+    for x in arrays:
+        model.predict(x)
+    single = len(arrays) / (time.perf_counter() - start)
+    size = model.enable_batching(max_batch)
+    if size <= 1:
+        return single, None, model.batching
+    chunks = [[[x] for x in arrays[i : i + size]] for i in range(0, len(arrays) - len(arrays) % size, size)]
+    model.predict_batch(chunks[0])
+    start = time.perf_counter()
+    for chunk in chunks:
+        model.predict_batch(chunk)
+    batched = sum(len(c) for c in chunks) / (time.perf_counter() - start)
+    return single, batched, f"the daemon batches up to {size}"
 
 
-def measure(
-    broker: object, bundle: Path, baseline_file: Path, unbatched: Path, messages: int, rounds: int
-) -> list[tuple[str, int, float, float, float, float]]:
+def measure_bundle(
+    broker: Broker, bundle: Path, scratch: Path, scripts: dict[str, Path], messages: int, rounds: int, max_batch: int
+) -> str:
     import edge_runtime
 
-    spec = edge_runtime.read_bundle(bundle).manifest.inputs[0]
+    manifest = edge_runtime.read_bundle(bundle).manifest
+    spec = manifest.inputs[0]
     rng = np.random.default_rng(0)
     count = int(np.prod(spec.shape))
-    payloads = [
-        json.dumps({"id": f"m{i}", "data": rng.random(count, dtype=np.float32).round(4).tolist()}).encode()
-        for i in range(messages)
+    data = [rng.random(count, dtype=np.float32).round(4) for _ in range(messages)]
+    payloads = [json.dumps({"id": f"m{i}", "data": d.tolist()}).encode() for i, d in enumerate(data)]
+    arrays = [np.asarray(d.tolist(), dtype=np.float32).reshape(spec.shape) for d in data]
+    runs: dict[str, list[Run]] = {name: [] for name in CONSUMERS}
+    singles: list[float] = []
+    costs: list[float] = []
+    batches: list[float] = []
+    batching = ""
+    for round_index in range(rounds):  # interleaved; the order turns each round
+        order = CONSUMERS[round_index % len(CONSUMERS) :] + CONSUMERS[: round_index % len(CONSUMERS)]
+        for number, name in enumerate(order):
+            tag = f"{bundle.name}/{round_index}/{number}"
+            print(f"[{bundle.name}] round {round_index + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
+            runs[name].append(run_consumer(name, bundle, manifest.name, broker, payloads, scratch, scripts, tag))
+        single, batched, batching = model_rooflines(bundle, arrays, max_batch)
+        costs.append(processor_cost(bundle, payloads))
+        singles.append(single)
+        if batched is not None:
+            batches.append(batched)
+
+    def median(name: str, field: str) -> float:
+        return statistics.median(getattr(r, field) for r in runs[name])
+
+    lines = [
+        f"### `{bundle.name}` ({batching})",
+        "",
+        "| consumer | answered / sent | errors | sent msg/s | throughput msg/s | latency p50 ms | latency p99 ms "
+        "| CPU µs/msg |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    host, port, address = broker.host, broker.port, broker.address  # type: ignore[attr-defined]
-    results: dict[tuple[str, int], list[dict[str, float]]] = {}
-    for round_index in range(rounds):  # interleaved
-        for qos in (0, 1):
-            for number, name in enumerate(CONSUMERS):
-                topic = f"bench/{bundle.name}/{round_index}/{qos}/{number}"
-                if name == "baseline":
-                    command = [sys.executable, str(baseline_file), str(bundle / "model.tflite"), host, str(port),
-                               f"{topic}/in/+", f"{topic}/out/dev", str(qos)]  # fmt: skip
-                else:
-                    command = [sys.executable, "-m", "edge_runtime.cli", "run", str(bundle), "--broker", address,
-                               "--subscribe", f"{topic}/in/+", "--publish", f"{topic}/out/{{device}}",
-                               "--qos", str(qos)]  # fmt: skip
-                    if "max_batch 1" in name:
-                        command += ["--config", str(unbatched)]
-                process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                try:
-                    assert process.stdout is not None
-                    while "subscribed" not in (line := process.stdout.readline()):
-                        if not line:
-                            raise RuntimeError(f"{name} did not start")
-                    time.sleep(0.2)
-                    results.setdefault((name, qos), []).append(drive(host, port, topic, payloads, qos, timeout=120))
-                finally:
-                    process.terminate()
-                    process.wait(timeout=30)
-    rows = [
-        (name, qos, *(statistics.median(r[k] for r in runs) for k in ("answered", "throughput", "p50_ms", "p99_ms")))
-        for (name, qos), runs in results.items()
+    for name in CONSUMERS:
+        lines.append(
+            f"| {name} | {median(name, 'answered'):.0f} / {messages} | {median(name, 'errors'):.0f} "
+            f"| {median(name, 'sent_per_s'):.0f} | {median(name, 'throughput'):.0f} "
+            f"| {median(name, 'p50_ms'):.1f} | {median(name, 'p99_ms'):.1f} | {median(name, 'cpu_us'):.0f} |"
+        )
+    model_single = statistics.median(singles)
+    lines.append(f"| model roofline: `predict(x)`, 1 sample per call | | | | {model_single:.0f} | | | |")
+    model_best = model_single
+    taken = "`predict(x)`: the daemon cannot batch this model"
+    if batches:
+        model_batched = statistics.median(batches)
+        lines.append(f"| model roofline: `predict_batch`, {max_batch} per call | | | | {model_batched:.0f} | | | |")
+        model_best = max(model_single, model_batched)
+        taken = f"the faster of `predict(x)` and `predict_batch` by {max_batch} (both are calls the daemon makes)"
+    lines.append(
+        f"| the daemon's own work in-process, no MQTT (`Processor.process`) | | | | "
+        f"{1e6 / statistics.median(costs):.0f} | | | {statistics.median(costs):.0f} (wall) |"
+    )
+    for name in CONSUMERS:
+        codes = sum((r.codes for r in runs[name]), Counter())
+        if codes:
+            listed = ", ".join(f"{n} `{code}`" for code, n in codes.most_common())
+            lines.append(f"\n{name}: coded error answers over all rounds: {listed}")
+    transport = median(TRANSPORT_ROW, "throughput")
+    on, off = median(OUTBOX_ON, "throughput"), median(OUTBOX_OFF, "throughput")
+    roof = min(transport, model_best)
+    which = "transport" if transport <= model_best else "model"
+    lines += [
+        "",
+        f"- outbox cost = 1 - on/off = 1 - {on:.0f}/{off:.0f} = **{1 - on / off:.1%}** (goal <= 10%)"
+        if off > 0
+        else "- outbox cost: n/a (no answers with the outbox off)",
+        f"- roofline = min(transport {transport:.0f}, model {model_best:.0f}) = {roof:.0f} msg/s ({which}); "
+        f"model roofline taken: {taken}",
+        f"- daemon / roofline = **{on / roof:.2f}** with the outbox on, {off / roof:.2f} with it off (goal >= 0.8)"
+        if roof > 0
+        else "- daemon / roofline: n/a",
     ]
-    rows.sort(key=lambda r: (r[1], CONSUMERS.index(r[0])))
-    return rows
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -173,33 +408,35 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", type=Path)
     args = parser.parse_args()
+    from edge_runtime.daemon.config import QueueConfig
+
+    max_batch = QueueConfig().max_batch  # the daemon's default, which the daemon rows run with
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwind: the running consumer and the broker are stopped on the way out
+
+    signal.signal(signal.SIGTERM, interrupted)
     tables = []
-    with running_broker() as broker, tempfile.TemporaryDirectory() as scratch:
-        baseline_file = Path(scratch) / "baseline.py"
-        baseline_file.write_text(BASELINE)
-        unbatched = Path(scratch) / "unbatched.toml"
-        unbatched.write_text("[queue]\nmax_batch = 1\n")
+    with running_broker() as broker, tempfile.TemporaryDirectory(prefix="edgeline-bench-") as temporary:
+        scratch = Path(temporary)
+        scripts = {"baseline": scratch / "baseline.py", "transport": scratch / "transport.py"}
+        scripts["baseline"].write_text(BASELINE)
+        scripts["transport"].write_text(TRANSPORT)
+        scripts["outbox_off"] = scratch / "outbox_off.toml"
+        scripts["outbox_off"].write_text("[outbox]\nenabled = false\n")
         for bundle in args.bundle:
-            rows = measure(broker, bundle, baseline_file, unbatched, args.messages, args.rounds)
-            lines = [
-                f"### `{bundle.name}` ({batching_of(bundle)})",
-                "",
-                "| QoS | consumer | answered / sent | throughput msg/s | latency p50 ms | latency p99 ms |",
-                "|---|---|---|---|---|---|",
-            ]
-            lines += [
-                f"| {q} | {n} | {a:.0f} / {args.messages} | {t:.0f} | {p50:.1f} | {p99:.1f} |"
-                for n, q, a, t, p50, p99 in rows
-            ]
-            tables.append("\n".join(lines))
+            tables.append(measure_bundle(broker, bundle, scratch, scripts, args.messages, args.rounds, max_batch))
     publish(
         "\n\n".join(tables),
         script=__file__,
-        title="Daemon throughput vs a hand-written baseline",
-        intro=f"{args.messages} JSON messages per run, sent as fast as one publisher can through a local Mosquitto; "
-        f"median of {args.rounds} interleaved rounds. Latency is from publish to the answer's arrival at a "
-        "subscriber, so under this backlog it is mostly queueing. The daemon runs with every feature on "
-        "(validation, coded errors, status, availability).",
+        title="Daemon throughput at QoS 1 against its rooflines",
+        intro=f"{args.messages} JSON messages per run at QoS 1, sent as fast as one publisher can through a local "
+        "Mosquitto (`sent msg/s`: from the first publish to the last PUBACK); "
+        f"median of {args.rounds} interleaved rounds. Latency is from publish to the "
+        "answer's arrival at a subscriber, so under this backlog it is mostly queueing. The daemon runs with every "
+        "feature on (validation, coded errors, status, availability); the rooflines are described in "
+        "`benchmarks/daemon_throughput.py`. Throughput is bounded by the sending rate: a consumer faster than "
+        "`sent msg/s` only shows it.",
         write=args.write,
     )
     return 0

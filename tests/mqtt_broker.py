@@ -475,7 +475,8 @@ def _started(make: Callable[[], Broker]) -> Broker:
 
 
 class BrokerFactory(Protocol):
-    """``broker_factory(persistence=..., trace=..., tls=..., require_certificate=..., users=..., acl=...)``: a started broker."""
+    """``broker_factory(persistence=..., trace=..., tls=..., require_certificate=..., users=..., acl=...)``:
+    a started broker."""
 
     def __call__(
         self,
