@@ -333,9 +333,9 @@ class Outcome:
 
 
 def make_inputs(bundle: Path, count: int, topic: str) -> list[tuple[str, bytes]]:
-    import edge_runtime
+    import edgeline
 
-    spec = edge_runtime.read_bundle(bundle).manifest.inputs[0]
+    spec = edgeline.read_bundle(bundle).manifest.inputs[0]
     size = int(np.prod(spec.shape))
     rng = np.random.default_rng(0)
     return [
@@ -354,9 +354,9 @@ def wait_for(condition: Callable[[], bool], timeout: float, tick: float = 0.05) 
 
 
 def run_scenario(scenario: str, bundle: Path, args: argparse.Namespace, scratch: Path) -> Outcome:
-    import edge_runtime
+    import edgeline
 
-    name = edge_runtime.read_bundle(bundle).manifest.name
+    name = edgeline.read_bundle(bundle).manifest.name
     tag = uuid.uuid4().hex[:8]
     instance = f"faults-{scenario}-{tag}"
     prefix = f"faults/{tag}"
@@ -375,7 +375,7 @@ def run_scenario(scenario: str, bundle: Path, args: argparse.Namespace, scratch:
         stack.callback(broker.stop)
         proxy = TapProxy(broker.host, broker.port, inputs=f"{prefix}/in/", outputs=f"{prefix}/out/")
         stack.callback(proxy.close)
-        command = [sys.executable, "-m", "edge_runtime.cli", "run", str(bundle), "--broker", proxy.address,
+        command = [sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--broker", proxy.address,
                    "--subscribe", f"{prefix}/in/+", "--publish", f"{prefix}/out/{{device}}", "--qos", "1",
                    "--state-dir", str(work / "state"), "--instance", instance, "--config", str(config)]  # fmt: skip
         daemons = Daemons(command, work)

@@ -43,7 +43,7 @@ def one_run(bundle: Path, broker_address: str, host: str, port: int, payload: by
     listener.loop_start()
     start = time.perf_counter()
     process = subprocess.Popen(
-        [sys.executable, "-m", "edge_runtime.cli", "run", str(bundle), "--broker", broker_address,
+        [sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--broker", broker_address,
          "--subscribe", f"{topic}/in/+", "--publish", f"{topic}/results/{{device}}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -75,12 +75,12 @@ def main() -> int:
         for name in args.models:
             variants = [(b, p) for b in ("litert", "executorch-xnnpack") for p in ("int8-static",)]
             timings: dict[str, list[tuple[float, float]]] = {}
-            import edge_runtime
+            import edgeline
 
             for round_index in range(args.rounds):  # interleaved
                 for backend, precision in variants:
                     bundle = args.bundles / f"{name}-{backend}-{precision}"
-                    spec = edge_runtime.read_bundle(bundle).manifest.inputs[0]
+                    spec = edgeline.read_bundle(bundle).manifest.inputs[0]
                     count = 1
                     for dim in spec.shape:
                         count *= dim

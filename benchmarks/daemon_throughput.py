@@ -9,7 +9,7 @@ Per bundle, the same N JSON messages (default 2000) are sent as fast as one publ
 - the hand-written baseline (paho subscribe -> json -> LiteRT invoke -> publish, inference on the network thread).
 
 Each consumer is a separate process; a fresh daemon gets a fresh ``--state-dir`` and a unique ``--instance``.
-The model roofline is ``edge_runtime.load(bundle)`` called in this process on the same inputs (already decoded):
+The model roofline is ``edgeline.load(bundle)`` called in this process on the same inputs (already decoded):
 ``predict(x)`` one sample per call, and ``predict_batch`` at the batch size the daemon's default
 ``[queue] max_batch`` (16) gets from ``Model.enable_batching`` when the model allows batching. The roofline is the
 faster of the calls the daemon can make. Rounds are interleaved; each number is the median over rounds.
@@ -233,7 +233,7 @@ def consumer_command(
     if name == TRANSPORT_ROW:
         return [sys.executable, str(scripts["transport"]), broker.host, str(broker.port), f"{topic}/in/+",
                 f"{topic}/out/dev", str(QOS), client_id]  # fmt: skip
-    command = [sys.executable, "-m", "edge_runtime.cli", "run", str(bundle), "--broker", broker.address,
+    command = [sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--broker", broker.address,
                "--subscribe", f"{topic}/in/+", "--publish", f"{topic}/out/{{device}}", "--qos", str(QOS),
                "--state-dir", str(state), "--instance", instance]  # fmt: skip
     if name == OUTBOX_OFF:
@@ -250,13 +250,13 @@ def cpu_seconds(pid: int) -> float:
 def processor_cost(bundle: Path, payloads: list[bytes]) -> float:
     """Microseconds per message of the daemon's own work, in-process and without MQTT: ``Processor.process``
     (size check, JSON decode with its checks, model call, interpretation, JSON encode, metrics)."""
-    import edge_runtime
-    from edge_runtime.daemon.codecs import get_codec
-    from edge_runtime.daemon.health import Metrics
-    from edge_runtime.daemon.messages import Message
-    from edge_runtime.daemon.processor import Processor
+    import edgeline
+    from edgeline.daemon.codecs import get_codec
+    from edgeline.daemon.health import Metrics
+    from edgeline.daemon.messages import Message
+    from edgeline.daemon.processor import Processor
 
-    model = edge_runtime.load(bundle)
+    model = edgeline.load(bundle)
     processor = Processor(model, get_codec("json"), Metrics(model=model.name, version=1), publish="out/{device}")
     messages = [Message("in/dev", payload, "dev") for payload in payloads]
     for message in messages[:50]:  # warm-up
@@ -297,9 +297,9 @@ def run_consumer(
 
 def model_rooflines(bundle: Path, arrays: list[np.ndarray], max_batch: int) -> tuple[float, float | None, str]:
     """Calls per second, in-process: ``predict`` one sample per call, and ``predict_batch`` at the daemon's batch."""
-    import edge_runtime
+    import edgeline
 
-    model = edge_runtime.load(bundle)
+    model = edgeline.load(bundle)
     for x in arrays[:20]:  # warm-up
         model.predict(x)
     start = time.perf_counter()
@@ -321,9 +321,9 @@ def model_rooflines(bundle: Path, arrays: list[np.ndarray], max_batch: int) -> t
 def measure_bundle(
     broker: Broker, bundle: Path, scratch: Path, scripts: dict[str, Path], messages: int, rounds: int, max_batch: int
 ) -> str:
-    import edge_runtime
+    import edgeline
 
-    manifest = edge_runtime.read_bundle(bundle).manifest
+    manifest = edgeline.read_bundle(bundle).manifest
     spec = manifest.inputs[0]
     rng = np.random.default_rng(0)
     count = int(np.prod(spec.shape))
@@ -408,7 +408,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", type=Path)
     args = parser.parse_args()
-    from edge_runtime.daemon.config import QueueConfig
+    from edgeline.daemon.config import QueueConfig
 
     max_batch = QueueConfig().max_batch  # the daemon's default, which the daemon rows run with
 

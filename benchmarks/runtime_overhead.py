@@ -1,4 +1,4 @@
-"""Side by side, one run: torch eager, the raw runtime call, and edge_runtime's ``predict`` on the same bundle.
+"""Side by side, one run: torch eager, the raw runtime call, and edgeline's ``predict`` on the same bundle.
 
 For every reference model and backend/precision: export time, bundle size, and per-inference latency
 (median of interleaved rounds, batch 1, one thread everywhere). The goal: ``predict`` within 5% of the raw call.
@@ -88,11 +88,11 @@ def main() -> int:
 
     import torch
 
-    from edge_runtime import load
-    from edge_runtime.samples import read_npz
-    from export.native_output import capture_native_output
-    from export.pipeline import ExportOptions, run_export
-    from export.reference import REFERENCE_MODELS, prepare
+    from edgeline import load
+    from edgeline.export.native_output import capture_native_output
+    from edgeline.export.pipeline import ExportOptions, run_export
+    from edgeline.export.reference import REFERENCE_MODELS, prepare
+    from edgeline.samples import read_npz
 
     torch.set_num_threads(1)
     work = args.work or Path(tempfile.mkdtemp(prefix="edgeline-bench-"))
@@ -157,7 +157,7 @@ def main() -> int:
     publish(
         "\n".join(lines),
         script=__file__,
-        title="Runtime overhead: torch eager vs raw runtime call vs edge_runtime predict",
+        title="Runtime overhead: torch eager vs raw runtime call vs edgeline predict",
         intro=f"Machine: {machine}; shared and noisy, so compare ratios within this run. Median of {args.rounds} "
         "interleaved rounds, batch 1, one thread everywhere. 'raw call' is the minimal hand-written code for the "
         "same job (for int8 LiteRT models it quantizes the input and dequantizes the output as the LiteRT docs "

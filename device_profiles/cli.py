@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from device_profiles.loader import list_profiles, load_profile, profile_json_schema
-from device_profiles.schema import Profile
+from edgeline.device_profiles.loader import list_profiles, load_profile, profile_json_schema
+from edgeline.device_profiles.schema import Profile
 
 __all__ = ["register"]
 

@@ -6,9 +6,9 @@
     │   └── IntegrityError     a file whose size or sha256 differs from the manifest
     ├── BackendUnavailableError  a backend whose optional dependency is not installed (names the extra)
     ├── PayloadError           model inputs of the wrong count, shape, dtype, or with NaN/Inf
-    └── ExportError            export failed for a reason the user can act on (defined in ``export.errors``)
+    └── ExportError            export failed for a reason the user can act on (defined in ``edgeline.export.errors``)
 
-``edge_runtime.errors`` re-exports these; import them from there.
+``edgeline.errors`` re-exports these; import them from there.
 Anything that is not an ``EdgelineError`` reaching the command line is a bug of ours.
 """
 

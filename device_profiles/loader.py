@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from device_profiles.errors import ProfileError
-from device_profiles.schema import Budgets, Cpu, Profile, Target
+from edgeline.device_profiles.errors import ProfileError
+from edgeline.device_profiles.schema import Budgets, Cpu, Profile, Target
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -68,7 +68,7 @@ def profile_json_schema() -> dict[str, Any]:
 
 
 def _bundled_dir() -> Traversable:
-    return resources.files("device_profiles").joinpath("profiles")
+    return resources.files("edgeline.device_profiles").joinpath("profiles")
 
 
 def _load_bundled(profile_id: str) -> Profile:

@@ -1,24 +1,48 @@
-"""edgeline's device side: verified bundles, torch-free runtimes, floats in and floats out.
+"""edgeline: verified bundles, torch-free runtimes, floats in and floats out.
 
-    >>> import edge_runtime
-    >>> model = edge_runtime.load("bundles/digits")
+    >>> import edgeline
+    >>> model = edgeline.load("bundles/digits")
     >>> outputs = model.predict(image)              # one float array per input, batch 1
     >>> model.interpret([image], outputs).label
 
-Importing this package imports numpy and pydantic, nothing heavier; runtime backends load on first use.
+This package is the device side (the ``edge_runtime/`` folder); the workstation side lives in its subpackages
+``edgeline.export`` (needs the ``export`` extra), ``edgeline.device_profiles``, ``edgeline.sim`` and
+``edgeline.firmware_bridge``. Importing ``edgeline`` imports nothing: the names below load their module (numpy,
+pydantic) on first use, and runtime backends load when a bundle asks for one, so ``edgeline --help`` and
+``import edgeline.device_profiles`` stay light.
 """
 
-from edge_runtime.bundle import Bundle, read_bundle
-from edge_runtime.errors import (
-    BackendUnavailableError,
-    BundleError,
-    EdgelineError,
-    IntegrityError,
-    PayloadError,
-    ProfileError,
-)
-from edge_runtime.manifest import Manifest
-from edge_runtime.model import Model, load
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edgeline.bundle import Bundle, read_bundle
+    from edgeline.errors import (
+        BackendUnavailableError,
+        BundleError,
+        EdgelineError,
+        IntegrityError,
+        PayloadError,
+        ProfileError,
+    )
+    from edgeline.manifest import Manifest
+    from edgeline.model import Model, load
+
+_HOMES = {
+    "Bundle": "edgeline.bundle",
+    "read_bundle": "edgeline.bundle",
+    "BackendUnavailableError": "edgeline.errors",
+    "BundleError": "edgeline.errors",
+    "EdgelineError": "edgeline.errors",
+    "IntegrityError": "edgeline.errors",
+    "PayloadError": "edgeline.errors",
+    "ProfileError": "edgeline.errors",
+    "Manifest": "edgeline.manifest",
+    "Model": "edgeline.model",
+    "load": "edgeline.model",
+}
 
 __all__ = [
     "BackendUnavailableError",
@@ -33,3 +57,16 @@ __all__ = [
     "load",
     "read_bundle",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'edgeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from edge_runtime.errors import BundleError, IntegrityError
-from edge_runtime.manifest import FileEntry, Manifest
+from edgeline.errors import BundleError, IntegrityError
+from edgeline.manifest import FileEntry, Manifest
 
 __all__ = [
     "MANIFEST_FILE",

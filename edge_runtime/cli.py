@@ -13,17 +13,17 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from edge_runtime.errors import EdgelineError
+from edgeline.errors import EdgelineError
 
 __all__ = ["main"]
 
 COMMAND_MODULES: tuple[str, ...] = (
-    "export.cli",  # export
-    "edge_runtime.commands",  # infer, verify
-    "edge_runtime.daemon.run_command",  # run
-    "device_profiles.cli",  # profiles
-    "export.reference.cli",  # reference
-    "sim.cli",  # sim
+    "edgeline.export.cli",  # export
+    "edgeline.commands",  # infer, verify
+    "edgeline.daemon.run_command",  # run
+    "edgeline.device_profiles.cli",  # profiles
+    "edgeline.export.reference.cli",  # reference
+    "edgeline.sim.cli",  # sim
 )
 
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.bundle import read_bundle
-from edge_runtime.errors import BundleError
-from edge_runtime.model import Model, load
-from edge_runtime.samples import read_npz, sample_set
-from edge_runtime.timing import median_latency_ms
+from edgeline.bundle import read_bundle
+from edgeline.errors import BundleError
+from edgeline.model import Model, load
+from edgeline.samples import read_npz, sample_set
+from edgeline.timing import median_latency_ms
 
 __all__ = ["register"]
 

@@ -1,6 +1,6 @@
-"""Errors of the runtime side; the tree is drawn in ``device_profiles.errors``."""
+"""Errors of the runtime side; the tree is drawn in ``edgeline.device_profiles.errors``."""
 
-from device_profiles.errors import (
+from edgeline.device_profiles.errors import (
     PAYLOAD_CODES,
     BackendUnavailableError,
     BundleError,

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_runtime.backends import Session, open_session
-from edge_runtime.bundle import Bundle, read_bundle
-from edge_runtime.errors import BundleError, PayloadError
-from edge_runtime.manifest import Manifest, TensorSpec
-from edge_runtime.postprocess import Interpretation, interpret
+from edgeline.backends import Session, open_session
+from edgeline.bundle import Bundle, read_bundle
+from edgeline.errors import BundleError, PayloadError
+from edgeline.manifest import Manifest, TensorSpec
+from edgeline.postprocess import Interpretation, interpret
 
 __all__ = ["Model", "load", "usable_threads"]
 
@@ -193,7 +193,7 @@ class Model:
         batched: Session | None = opener(size)
         if batched is None:
             return "the model's graph is fixed to a batch of 1"
-        from edge_runtime.samples import read_npz
+        from edgeline.samples import read_npz
 
         arrays = read_npz(self.bundle.file(golden.path), "golden")
         inputs = [arrays[f"input_{i}"] for i in range(len(self.inputs))]

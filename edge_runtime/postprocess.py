@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.manifest import Postprocess
+from edgeline.manifest import Postprocess
 
 __all__ = ["Interpretation", "interpret", "softmax"]
 

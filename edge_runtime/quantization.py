@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_runtime.manifest import Quantization
+from edgeline.manifest import Quantization
 
 __all__ = ["dequantize", "quantize"]
 

@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from edge_runtime.errors import EdgelineError
+from edgeline.errors import EdgelineError
 
 __all__ = ["resolve"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_runtime.errors import PayloadError
-from edge_runtime.manifest import TensorSpec
+from edgeline.errors import PayloadError
+from edgeline.manifest import TensorSpec
 
 __all__ = ["LABELS_KEY", "SampleSet", "read_npz", "sample_set"]
 

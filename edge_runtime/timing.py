@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edge_runtime.model import Model
+from edgeline.model import Model
 
 __all__ = ["median_latency_ms"]
 

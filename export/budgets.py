@@ -5,8 +5,8 @@ Host timings are never held against a device budget: latency is checked on the d
 
 from __future__ import annotations
 
-from device_profiles import Budgets
-from edge_runtime.manifest import Fidelity
+from edgeline.device_profiles import Budgets
+from edgeline.manifest import Fidelity
 
 __all__ = ["budget_violations"]
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_runtime.errors import EdgelineError
-from edge_runtime.samples import SampleSet, read_npz
-from export.errors import CalibrationError
-from export.fidelity import run_float
-from export.loading import LoadedModel
+from edgeline.errors import EdgelineError
+from edgeline.export.errors import CalibrationError
+from edgeline.export.fidelity import run_float
+from edgeline.export.loading import LoadedModel
+from edgeline.samples import SampleSet, read_npz
 
 __all__ = ["check_model_runs", "load_samples"]
 

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from device_profiles import Precision
-from edge_runtime.errors import BackendUnavailableError, EdgelineError
+from edgeline.device_profiles import Precision
+from edgeline.errors import BackendUnavailableError, EdgelineError
 
 __all__ = ["register"]
 
@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
         import torch  # noqa: F401
     except ImportError as exc:
         raise BackendUnavailableError("edgeline export needs the export extra: pip install 'edgeline[export]'") from exc
-    from export.pipeline import ExportOptions, run_export
-    from export.report import format_report
+    from edgeline.export.pipeline import ExportOptions, run_export
+    from edgeline.export.report import format_report
 
     options = ExportOptions(
         model=args.model,

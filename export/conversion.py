@@ -5,13 +5,13 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from device_profiles import Precision, Target
-from edge_runtime.errors import EdgelineError
-from edge_runtime.samples import SampleSet
-from export.backends import EXPORT_BACKENDS, ExportedModel, ExportRequest, get_exporter, operators_named_in
-from export.errors import ExportError, LoweringError
-from export.loading import LoadedModel
-from export.native_output import capture_native_output
+from edgeline.device_profiles import Precision, Target
+from edgeline.errors import EdgelineError
+from edgeline.export.backends import EXPORT_BACKENDS, ExportedModel, ExportRequest, get_exporter, operators_named_in
+from edgeline.export.errors import ExportError, LoweringError
+from edgeline.export.loading import LoadedModel
+from edgeline.export.native_output import capture_native_output
+from edgeline.samples import SampleSet
 
 __all__ = ["convert", "with_alternatives"]
 

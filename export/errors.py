@@ -1,4 +1,4 @@
-"""Export errors; the whole tree is drawn in ``device_profiles.errors``.
+"""Export errors; the whole tree is drawn in ``edgeline.device_profiles.errors``.
 
 ExportError
 ├── ModelLoadError      MODEL could not be imported, called, or did not give a torch.nn.Module
@@ -9,7 +9,7 @@ ExportError
 
 from __future__ import annotations
 
-from device_profiles.errors import EdgelineError
+from edgeline.device_profiles.errors import EdgelineError
 
 __all__ = ["BudgetError", "CalibrationError", "ExportError", "LoweringError", "ModelLoadError"]
 

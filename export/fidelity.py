@@ -1,4 +1,4 @@
-"""How a converted bundle compares with the float torch model, measured through edge_runtime itself."""
+"""How a converted bundle compares with the float torch model, measured through edgeline itself."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.manifest import Fidelity, Postprocess
-from edge_runtime.model import Model
-from edge_runtime.postprocess import interpret
-from edge_runtime.samples import SampleSet
-from export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
+from edgeline.export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
+from edgeline.manifest import Fidelity, Postprocess
+from edgeline.model import Model
+from edgeline.postprocess import interpret
+from edgeline.samples import SampleSet
 
 __all__ = ["FloatReference", "measure_fidelity", "run_float"]
 
@@ -43,7 +43,7 @@ def _runtime_description(model: Model) -> str:
         package_version = version(package)
     except PackageNotFoundError:
         package_version = "?"
-    return f"edge_runtime {model.backend} ({package} {package_version}) on host {platform.machine()}"
+    return f"edgeline {model.backend} ({package} {package_version}) on host {platform.machine()}"
 
 
 def measure_fidelity(model: Model, reference: FloatReference, samples: SampleSet, post: Postprocess) -> Fidelity:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from export.errors import ModelLoadError
+from edgeline.export.errors import ModelLoadError
 
 __all__ = ["LoadedModel", "default_name", "load_model"]
 

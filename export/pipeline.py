@@ -1,7 +1,7 @@
 """``edgeline export``: a torch model and a device profile in, one verified bundle out.
 
 For each candidate target (the profile's, in order, unless the user names one): convert into a staging
-directory, write a provisional manifest, load it back through ``edge_runtime`` exactly as a device
+directory, write a provisional manifest, load it back through ``edgeline`` exactly as a device
 would, measure fidelity against the float model, write the golden self-test, check the budgets.
 The first target that passes is moved into place; the report says why each earlier one did not.
 """
@@ -19,24 +19,24 @@ from typing import Any, Literal
 
 import numpy as np
 
-from device_profiles import Precision, Profile, Target, load_profile
-from edge_runtime import bundle as bundle_io
-from edge_runtime.backends import open_session
-from edge_runtime.errors import EdgelineError
-from edge_runtime.manifest import NAME_PATTERN, Budgets, Fidelity, Postprocess
-from edge_runtime.model import load
-from edge_runtime.postprocess import interpret
-from edge_runtime.samples import SampleSet
-from edge_runtime.timing import median_latency_ms
-from export.backends import EXPORT_BACKENDS, ExportRequest
-from export.budgets import budget_violations
-from export.calibration import check_model_runs, load_samples
-from export.conversion import convert, with_alternatives
-from export.errors import BudgetError, CalibrationError, ExportError, LoweringError
-from export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
-from export.loading import LoadedModel, load_model
-from export.report import ExportReport, TargetOutcome
-from export.staging import write_bundle, write_golden
+from edgeline import bundle as bundle_io
+from edgeline.backends import open_session
+from edgeline.device_profiles import Precision, Profile, Target, load_profile
+from edgeline.errors import EdgelineError
+from edgeline.export.backends import EXPORT_BACKENDS, ExportRequest
+from edgeline.export.budgets import budget_violations
+from edgeline.export.calibration import check_model_runs, load_samples
+from edgeline.export.conversion import convert, with_alternatives
+from edgeline.export.errors import BudgetError, CalibrationError, ExportError, LoweringError
+from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
+from edgeline.export.loading import LoadedModel, load_model
+from edgeline.export.report import ExportReport, TargetOutcome
+from edgeline.export.staging import write_bundle, write_golden
+from edgeline.manifest import NAME_PATTERN, Budgets, Fidelity, Postprocess
+from edgeline.model import load
+from edgeline.postprocess import interpret
+from edgeline.samples import SampleSet
+from edgeline.timing import median_latency_ms
 
 __all__ = ["ExportOptions", "ExportReport", "TargetOutcome", "run_export"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from edge_runtime.manifest import Fidelity
+from edgeline.manifest import Fidelity
 
 __all__ = ["ExportReport", "TargetOutcome", "format_report"]
 

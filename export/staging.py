@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime import bundle as bundle_io
-from edge_runtime.manifest import Golden, Manifest
-from edge_runtime.model import Model
-from edge_runtime.samples import SampleSet
-from export.backends import ExportedModel
+from edgeline import bundle as bundle_io
+from edgeline.export.backends import ExportedModel
+from edgeline.manifest import Golden, Manifest
+from edgeline.model import Model
+from edgeline.samples import SampleSet
 
 __all__ = ["GOLDEN_SAMPLES", "write_bundle", "write_golden"]
 

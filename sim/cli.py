@@ -14,11 +14,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sim.data import SENSOR_MODELS, SENSORS
+from edgeline.sim.data import SENSOR_MODELS, SENSORS
 
 if TYPE_CHECKING:
-    from sim.publisher import PublishOptions
-    from sim.sensors import Sensor
+    from edgeline.sim.publisher import PublishOptions
+    from edgeline.sim.sensors import Sensor
 
 __all__ = ["add_sensor_arguments", "make_sensors", "publish_options", "register"]
 
@@ -86,8 +86,8 @@ def add_sensor_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_sensors(args: argparse.Namespace) -> list[Sensor]:
     """The sensors of every device the arguments name, with their samples loaded."""
-    from sim.data import load_samples, resolve_model
-    from sim.sensors import fleet_devices, make_sensor
+    from edgeline.sim.data import load_samples, resolve_model
+    from edgeline.sim.sensors import fleet_devices, make_sensor
 
     model = resolve_model(args.sensor, args.model)
     samples = load_samples(args.data, model)
@@ -106,14 +106,14 @@ def make_sensors(args: argparse.Namespace) -> list[Sensor]:
 
 def publish_options(args: argparse.Namespace, qos: int = 0) -> PublishOptions:
     """How many messages, how fast, where and for how long: checked, with errors naming the flag."""
-    from sim.publisher import PublishOptions
+    from edgeline.sim.publisher import PublishOptions
 
     return PublishOptions(count=args.count, rate_hz=args.rate, topic=args.topic, qos=qos, time_limit_s=args.time_limit)
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from edge_runtime.daemon.config import BrokerAddress
-    from sim.publisher import publish, record
+    from edgeline.daemon.config import BrokerAddress
+    from edgeline.sim.publisher import publish, record
 
     options = publish_options(args, qos=args.qos)
     if args.out is not None:

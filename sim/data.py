@@ -8,7 +8,7 @@
     camera     resnet8 (or vww)  3x32x32 colour frames, 10 classes (vww: 3x96x96, person / no_person)
     digits     digits            1x8x8 images of handwritten digits (the real scikit-learn set); 10 classes
 
-The shapes repeat ``export.reference``'s catalogue (sim may not import ``export``); a test keeps them equal.
+The shapes repeat ``edgeline.export.reference``'s catalogue (sim may not import ``export``); a test keeps them equal.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_runtime.errors import EdgelineError
-from edge_runtime.samples import LABELS_KEY, read_npz
+from edgeline.errors import EdgelineError
+from edgeline.samples import LABELS_KEY, read_npz
 
 __all__ = [
     "MODEL_SHAPES",

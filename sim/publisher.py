@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_runtime.daemon.config import BrokerAddress
-from edge_runtime.daemon.topics import validate_template
-from edge_runtime.errors import EdgelineError
-from sim.sensors import Sensor
+from edgeline.daemon.config import BrokerAddress
+from edgeline.daemon.topics import validate_template
+from edgeline.errors import EdgelineError
+from edgeline.sim.sensors import Sensor
 
 __all__ = [
     "DEFAULT_TOPIC",

@@ -1,6 +1,6 @@
 """Simulated sensors: seeded replays of real validation samples, one message at a time.
 
-A sensor is made from samples (``sim.data``), a device id and a seed. ``next_message(seq)`` is the message
+A sensor is made from samples (``edgeline.sim.data``), a device id and a seed. ``next_message(seq)`` is the message
 number ``seq`` of that device, a pure function of (samples, device, seed, seq), so runs repeat exactly and the
 devices of a fleet, seeded alike, still send different streams:
 
@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edge_runtime.errors import EdgelineError
-from sim.data import SENSOR_MODELS, Samples
+from edgeline.errors import EdgelineError
+from edgeline.sim.data import SENSOR_MODELS, Samples
 
 __all__ = [
     "ReplaySensor",

@@ -1,7 +1,7 @@
 """Simulated sensors as a daemon source: ``edgeline run BUNDLE --sim 'digits --count 10 --devices 3'``.
 
 The same sensors, messages and pacing as ``edgeline sim``, handed to the daemon in-process instead of through a
-broker. ``edge_runtime.daemon.sources`` registers this class by name and imports it only when a configuration asks
+broker. ``edgeline.daemon.sources`` registers this class by name and imports it only when a configuration asks
 for it, so the device side never loads it otherwise.
 """
 
@@ -13,11 +13,11 @@ import threading
 from collections.abc import Callable
 from typing import NoReturn
 
-from edge_runtime.daemon.messages import Message
-from edge_runtime.errors import EdgelineError
-from sim.cli import add_sensor_arguments, make_sensors, publish_options
-from sim.publisher import Pacing, fleet_messages
-from sim.sensors import Sensor
+from edgeline.daemon.messages import Message
+from edgeline.errors import EdgelineError
+from edgeline.sim.cli import add_sensor_arguments, make_sensors, publish_options
+from edgeline.sim.publisher import Pacing, fleet_messages
+from edgeline.sim.sensors import Sensor
 
 __all__ = ["SimSource"]
 

@@ -17,7 +17,7 @@ import pytest
 # it here binds them to the session's stream. (The torch-free tests run in fresh subprocesses.)
 import torch  # noqa: F401
 
-from edge_runtime.cli import main
+from edgeline.cli import main
 
 pytest_plugins = ["tests.mqtt_broker"]  # real-Mosquitto fixtures: broker, session_broker, unique_topic
 

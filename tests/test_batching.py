@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
-import edge_runtime
-from edge_runtime.daemon.codecs import get_codec
-from edge_runtime.daemon.health import Metrics
-from edge_runtime.daemon.messages import Message
-from edge_runtime.daemon.processor import Processor
-from edge_runtime.errors import PayloadError
+import edgeline
+from edgeline.daemon.codecs import get_codec
+from edgeline.daemon.health import Metrics
+from edgeline.daemon.messages import Message
+from edgeline.daemon.processor import Processor
+from edgeline.errors import PayloadError
 
 
 def images(count: int, seed: int) -> list[np.ndarray]:
@@ -23,18 +23,18 @@ def images(count: int, seed: int) -> list[np.ndarray]:
 
 
 def test_a_graph_fixed_to_batch_1_runs_one_sample_per_call(built_litert_bundle: Path) -> None:
-    model = edge_runtime.load(built_litert_bundle)  # conv -> flatten(1): a reshape to [1, 256] in the graph
+    model = edgeline.load(built_litert_bundle)  # conv -> flatten(1): a reshape to [1, 256] in the graph
     assert model.enable_batching(16) == 1
     assert "fixed to a batch of 1" in model.batching
 
 
 def test_batching_off_when_asked_for_one(batchable_bundle: Path) -> None:
-    model = edge_runtime.load(batchable_bundle)
+    model = edgeline.load(batchable_bundle)
     assert model.enable_batching(1) == 1 and model.batching == "off"
 
 
 def test_batches_give_the_single_sample_outputs(batchable_bundle: Path) -> None:
-    model = edge_runtime.load(batchable_bundle)
+    model = edgeline.load(batchable_bundle)
     assert model.enable_batching(8) == 8, model.batching
     samples = images(8, seed=1)
     for sample, answer in zip(samples, model.predict_batch([[x] for x in samples]), strict=True):
@@ -47,7 +47,7 @@ def test_batches_give_the_single_sample_outputs(batchable_bundle: Path) -> None:
 
 
 def test_a_bad_sample_costs_only_its_own_answer(batchable_bundle: Path) -> None:
-    model = edge_runtime.load(batchable_bundle)
+    model = edgeline.load(batchable_bundle)
     model.enable_batching(4)
     samples = images(4, seed=2)
     poisoned = samples[1].copy()
@@ -62,7 +62,7 @@ def test_a_bad_sample_costs_only_its_own_answer(batchable_bundle: Path) -> None:
 
 
 def test_the_processor_batches_full_batches_and_answers_every_message_in_order(batchable_bundle: Path) -> None:
-    model = edge_runtime.load(batchable_bundle)
+    model = edgeline.load(batchable_bundle)
     model.enable_batching(4)
     processor = Processor(model, get_codec("json"), Metrics(model="pooled", version=1), publish="r/{device}")
     samples = images(10, seed=3)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from device_profiles import Budgets
-from edge_runtime.manifest import Fidelity
-from export.budgets import budget_violations
+from edgeline.device_profiles import Budgets
+from edgeline.export.budgets import budget_violations
+from edgeline.manifest import Fidelity
 
 BUDGETS = Budgets(max_model_bytes=1000, max_accuracy_drop=1.0, min_cosine=0.99)
 

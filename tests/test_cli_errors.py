@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_runtime.cli import main
+from edgeline.cli import main
 
 from .conftest import CLASSES, IMAGE_SHAPE
 

@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from edge_runtime.daemon.codecs import CODECS, Decoded, get_codec
-from edge_runtime.errors import PAYLOAD_CODES, EdgelineError, PayloadError
-from edge_runtime.manifest import Quantization, TensorSpec, Window
-from edge_runtime.quantization import quantize
+from edgeline.daemon.codecs import CODECS, Decoded, get_codec
+from edgeline.errors import PAYLOAD_CODES, EdgelineError, PayloadError
+from edgeline.manifest import Quantization, TensorSpec, Window
+from edgeline.quantization import quantize
 
 PROPERTY = settings(deadline=None, max_examples=100)
 # What a codec may answer; the size limit is the caller's, checked before decoding.
@@ -82,7 +82,7 @@ def test_an_unknown_codec_is_a_user_error_listing_the_valid_names() -> None:
 def test_importing_the_daemon_pieces_loads_no_codec_library_nor_torch() -> None:
     # A fresh interpreter: this test process has torch loaded already (conftest).
     script = (
-        "import sys, edge_runtime.daemon.codecs as c, edge_runtime.daemon.windowing, edge_runtime.daemon.queueing; "
+        "import sys, edgeline.daemon.codecs as c, edgeline.daemon.windowing, edgeline.daemon.queueing; "
         "c.get_codec('raw'); "
         "print(sorted(m for m in ('torch', 'orjson', 'cbor2', 'msgpack') if m in sys.modules))"
     )

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import edge_runtime
+import edgeline
 from tests.mqtt_broker import Broker, Collector
 
 TIMEOUT_S = 20.0
@@ -26,13 +26,13 @@ TIMEOUT_S = 20.0
 @pytest.fixture
 def daemon(broker: Broker, built_litert_bundle: Path, unique_topic: str) -> Iterator[subprocess.Popen[str]]:
     args = [
-        sys.executable, "-m", "edge_runtime.cli", "run", str(built_litert_bundle),
+        sys.executable, "-m", "edgeline.cli", "run", str(built_litert_bundle),
         "--broker", broker.address, "--subscribe", f"{unique_topic}/sensors/+/image",
         "--publish", f"{unique_topic}/results/{{device}}", "--qos", "1", "--instance", "t",
     ]  # fmt: skip
     since = broker.log_size()
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    client_id = f"edgeline-{edge_runtime.read_bundle(built_litert_bundle).manifest.name}-t"
+    client_id = f"edgeline-{edgeline.read_bundle(built_litert_bundle).manifest.name}-t"
     subscribed = broker.wait_for_subscription(
         client_id, f"{unique_topic}/sensors/+/image", timeout=TIMEOUT_S, since=since
     )
@@ -79,7 +79,7 @@ def test_every_input_gets_exactly_one_answer_equal_to_infer(
     records = [json.loads(payload) for _, payload, _ in answers]
     by_id = {r["id"]: r for r in records if "error" not in r}
     assert sorted(by_id) == sorted(f"m{i}" for i in range(len(images)))
-    model = edge_runtime.load(built_litert_bundle)
+    model = edgeline.load(built_litert_bundle)
     for index, row in enumerate(images):
         record = by_id[f"m{index}"]
         assert record["device"] == f"cam-{index % 3}"
@@ -97,7 +97,7 @@ def test_every_input_gets_exactly_one_answer_equal_to_infer(
 def test_availability_online_then_offline_on_sigterm(
     broker: Broker, daemon: subprocess.Popen[str], built_litert_bundle: Path
 ) -> None:
-    name = edge_runtime.read_bundle(built_litert_bundle).manifest.name
+    name = edgeline.read_bundle(built_litert_bundle).manifest.name
     watcher = Collector(broker, f"edgeline/{name}/t/availability")
     first = watcher.wait_for(1)
     assert first[0][1] == b"online" and first[0][2]  # retained
@@ -115,7 +115,7 @@ def test_an_unreachable_broker_is_a_clear_error(built_litert_bundle: Path, tmp_p
 
     args = ["run", str(built_litert_bundle), "--broker", f"127.0.0.1:{free_port()}"]
     done = subprocess.run(
-        [sys.executable, "-m", "edge_runtime.cli", *args],
+        [sys.executable, "-m", "edgeline.cli", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -135,7 +135,7 @@ def test_systemd_ready_watchdog_and_stopping(broker: Broker, built_litert_bundle
         receiver.bind(path)
         receiver.settimeout(TIMEOUT_S)
         env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}
-        args = [sys.executable, "-m", "edge_runtime.cli", "run", str(built_litert_bundle), "--broker", broker.address]
+        args = [sys.executable, "-m", "edgeline.cli", "run", str(built_litert_bundle), "--broker", broker.address]
         process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert receiver.recv(64) == b"READY=1"
@@ -156,8 +156,8 @@ def test_systemd_ready_watchdog_and_stopping(broker: Broker, built_litert_bundle
 TORCH_FREE_DAEMON = """
 import json, sys, time
 from pathlib import Path
-from edge_runtime.daemon.config import DaemonConfig
-from edge_runtime.daemon.service import Daemon
+from edgeline.daemon.config import DaemonConfig
+from edgeline.daemon.service import Daemon
 
 bundle, address, topic = sys.argv[1:4]
 config = DaemonConfig().with_overrides(broker=address, subscribe=[topic + "/in/+"], publish=topic + "/out/{device}")
@@ -168,7 +168,7 @@ deadline = time.monotonic() + 20
 while daemon.metrics.snapshot()["counts"].get("results", 0) < 1 and time.monotonic() < deadline:
     time.sleep(0.05)
 daemon.stop()
-heavy = sorted(m for m in ("torch", "executorch", "litert_torch", "export") if m in sys.modules)
+heavy = sorted(m for m in ("torch", "executorch", "litert_torch", "edgeline.export") if m in sys.modules)
 print(json.dumps({"results": daemon.metrics.snapshot()["counts"].get("results", 0), "heavy": heavy}))
 """
 
@@ -192,7 +192,7 @@ def test_a_simulated_fleet_through_the_daemon_matches_edgeline_infer(
 ) -> None:
     """sim (its own process) -> Mosquitto -> daemon -> Mosquitto -> checker: every message answered exactly once,
     and each answer's outputs equal what `edgeline infer` gives for the same input."""
-    from edge_runtime.cli import main
+    from edgeline.cli import main
 
     data = tmp_path / "prepared"
     (data / "digits").mkdir(parents=True)
@@ -203,7 +203,7 @@ def test_a_simulated_fleet_through_the_daemon_matches_edgeline_infer(
     sent = Collector(broker, f"{unique_topic}/sensors/#")
     results = Collector(broker, f"{unique_topic}/results/#")
     sim = [
-        sys.executable, "-m", "edge_runtime.cli", "sim", "digits", "--broker", broker.address, "--data", str(data),
+        sys.executable, "-m", "edgeline.cli", "sim", "digits", "--broker", broker.address, "--data", str(data),
         "--devices", "3", "--device", "cam", "--count", "5", "--rate", "0", "--qos", "1",
         "--topic", f"{unique_topic}/sensors/{{device}}/image",
     ]  # fmt: skip
@@ -256,12 +256,12 @@ def test_binary_codecs_and_the_error_topic_through_the_broker(
     )
     since = broker.log_size()
     process = subprocess.Popen(
-        [sys.executable, "-m", "edge_runtime.cli", "run", str(built_litert_bundle), "--config", str(config),
+        [sys.executable, "-m", "edgeline.cli", "run", str(built_litert_bundle), "--config", str(config),
          "--broker", broker.address, "--instance", "t"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        client_id = f"edgeline-{edge_runtime.read_bundle(built_litert_bundle).manifest.name}-t"
+        client_id = f"edgeline-{edgeline.read_bundle(built_litert_bundle).manifest.name}-t"
         assert broker.wait_for_subscription(client_id, f"{unique_topic}/in/+", timeout=TIMEOUT_S, since=since)
         results = Collector(broker, f"{unique_topic}/out/#")
         errors = Collector(broker, f"{unique_topic}/errors/#")
@@ -280,7 +280,7 @@ def test_binary_codecs_and_the_error_topic_through_the_broker(
         mirrored = [decode_answer(codec, payload) for _, payload, _ in errors.wait_for(len(bad))]
         time.sleep(0.5)  # anything extra would arrive now
         assert (len(results.messages), len(errors.messages)) == (len(images) + len(bad), len(bad))
-        model = edge_runtime.load(built_litert_bundle)
+        model = edgeline.load(built_litert_bundle)
         by_id = {a["id"]: a for a in answers if "error" not in a}
         for identity, x in images.items():
             outputs = by_id[identity]["outputs"]
@@ -302,8 +302,8 @@ def test_binary_codecs_and_the_error_topic_through_the_broker(
 def gated_daemon(broker: Broker, bundle: Path, topic: str, policy: str, capacity: int) -> tuple[Any, Any, Any]:
     """A daemon in this process whose worker waits at a gate before its first inference: a consumer slower than
     the stream, made deterministic. Broker, client, queue and model are the real ones."""
-    from edge_runtime.daemon.config import DaemonConfig
-    from edge_runtime.daemon.service import Daemon
+    from edgeline.daemon.config import DaemonConfig
+    from edgeline.daemon.service import Daemon
     from tests.mqtt_broker import free_port
 
     config = DaemonConfig.model_validate(
@@ -430,7 +430,7 @@ def test_under_backlog_the_daemon_batches_what_is_queued(
         answers = {a["id"]: a for a in (json.loads(p) for _, p, _ in results.wait_for(20))}
         assert sorted(answers) == sorted(f"m{i}" for i in range(20))
         assert sorted(a.get("batch", 1) for a in answers.values()) == [1] * 4 + [16] * 16
-        model = edge_runtime.load(batchable_bundle)
+        model = edgeline.load(batchable_bundle)
         for index, image in enumerate(images):
             np.testing.assert_array_equal(answers[f"m{index}"]["outputs"][0], model.predict(image)[0].tolist())
         assert daemon.status()["batch_size"] == 16

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_runtime.daemon.config import DaemonConfig, load_config
-from edge_runtime.errors import EdgelineError
+from edgeline.daemon.config import DaemonConfig, load_config
+from edgeline.errors import EdgelineError
 
 GOOD = """
 [broker]

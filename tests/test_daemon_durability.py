@@ -30,9 +30,9 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-import edge_runtime
-from edge_runtime.daemon.config import DaemonConfig
-from edge_runtime.daemon.service import Daemon
+import edgeline
+from edgeline.daemon.config import DaemonConfig
+from edgeline.daemon.service import Daemon
 from tests.faults import BlackHoleProxy, DurableCollector, DurablePublisher, kill_and_restart
 from tests.mqtt_broker import Broker, BrokerFactory
 
@@ -54,12 +54,12 @@ class DaemonProcess:
     def __init__(self, bundle: Path, broker_address: str, topic: str, state_dir: Path, config: str = "") -> None:
         self.broker_address = broker_address
         self.subscription = f"{topic}/sensors/+/image"
-        self.client_id = f"edgeline-{edge_runtime.read_bundle(bundle).manifest.name}-{INSTANCE}"
+        self.client_id = f"edgeline-{edgeline.read_bundle(bundle).manifest.name}-{INSTANCE}"
         self.log = state_dir.parent / f"{state_dir.name}.log"
         config_file = state_dir.parent / f"{state_dir.name}.toml"
         config_file.write_text(config)
         self.args = [
-            sys.executable, "-m", "edge_runtime.cli", "run", str(bundle), "--broker", broker_address,
+            sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--broker", broker_address,
             "--subscribe", self.subscription, "--publish", f"{topic}/results/{{device}}", "--qos", "1",
             "--state-dir", str(state_dir), "--instance", INSTANCE, "--config", str(config_file),
         ]  # fmt: skip

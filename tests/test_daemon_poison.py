@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-import edge_runtime
-from edge_runtime.cli import main
-from edge_runtime.daemon.config import DaemonConfig
-from edge_runtime.daemon.health import SystemdNotifier
-from edge_runtime.daemon.messages import Message
-from edge_runtime.daemon.service import EXIT_FAILED, Daemon
+import edgeline
+from edgeline.cli import main
+from edgeline.daemon.config import DaemonConfig
+from edgeline.daemon.health import SystemdNotifier
+from edgeline.daemon.messages import Message
+from edgeline.daemon.service import EXIT_FAILED, Daemon
 from tests.mqtt_broker import Broker, Collector
 
 TIMEOUT_S = 30.0
@@ -40,7 +40,7 @@ def image(seed: int) -> list[float]:
 
 def run_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "edge_runtime.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "edgeline.cli", *args], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -129,7 +129,7 @@ def sqrt_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_nan_output_inside_a_batch_costs_one_answer(sqrt_bundle: Path, tmp_path: Path) -> None:
     """20 inputs queued at once (replay, block policy, max_batch 16): a full batch runs in one call; the inputs
     whose outputs are NaN get `inference-failed`, every other input its result, and the daemon ends with 0."""
-    model = edge_runtime.load(sqrt_bundle)
+    model = edgeline.load(sqrt_bundle)
     assert model.enable_batching(16) and model.batch_size == 16, model.batching
     rng = np.random.default_rng(5)
     rows = [rng.random(4, dtype=np.float32) + 0.1 for _ in range(20)]
@@ -257,12 +257,12 @@ def test_the_watchdog_stops_while_the_worker_is_stuck(built_litert_bundle: Path,
 def test_sigterm_with_the_broker_down_exits_0(broker: Broker, built_litert_bundle: Path, unique_topic: str) -> None:
     since = broker.log_size()
     process = subprocess.Popen(
-        [sys.executable, "-m", "edge_runtime.cli", "run", str(built_litert_bundle), "--broker", broker.address,
+        [sys.executable, "-m", "edgeline.cli", "run", str(built_litert_bundle), "--broker", broker.address,
          "--subscribe", f"{unique_topic}/in/+", "--publish", f"{unique_topic}/out/{{device}}", "--instance", "p"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        client_id = f"edgeline-{edge_runtime.read_bundle(built_litert_bundle).manifest.name}-p"
+        client_id = f"edgeline-{edgeline.read_bundle(built_litert_bundle).manifest.name}-p"
         assert broker.wait_for_subscription(client_id, f"{unique_topic}/in/+", timeout=TIMEOUT_S, since=since)
         broker.stop()
         time.sleep(0.5)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import edge_runtime
+import edgeline
 from tests.faults import DurablePublisher, Pki, make_pki
 from tests.mqtt_broker import Broker, BrokerFactory, Collector
 
@@ -38,7 +38,7 @@ USER, PASSWORD = "edge", "correct horse battery"
 
 
 def bundle_name(bundle: Path) -> str:
-    return edge_runtime.read_bundle(bundle).manifest.name
+    return edgeline.read_bundle(bundle).manifest.name
 
 
 def toml_config(path: Path, sections: dict[str, dict[str, object]]) -> Path:
@@ -68,7 +68,7 @@ def start_daemon(
     extra: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "edge_runtime.cli", "run", str(bundle), "--config", str(config)]
+    command = [sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--config", str(config)]
     flags = ["--broker", f"127.0.0.1:{port}", "--subscribe", subscribe, "--publish", publish, "--instance", instance]
     args = [*command, *flags, *extra]
     return subprocess.Popen(
@@ -170,7 +170,7 @@ def test_answers_over_tls_with_a_password_and_an_acl_equal_predict(
     assert len(results.messages) == len(images)
     by_id = {answer["id"]: answer for answer in answers}
     assert sorted(by_id) == sorted(images)
-    model = edge_runtime.load(built_litert_bundle)
+    model = edgeline.load(built_litert_bundle)
     for key, x in images.items():
         assert by_id[key]["device"] == "cam" and by_id[key]["instance"] == "t"
         np.testing.assert_allclose(by_id[key]["outputs"][0], model.predict(x.reshape(1, 1, 8, 8))[0], rtol=1e-6)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import device_profiles
-from device_profiles import (
+from edgeline import device_profiles
+from edgeline.cli import main
+from edgeline.device_profiles import (
     Precision,
     Profile,
     ProfileError,
@@ -20,8 +21,7 @@ from device_profiles import (
     profile_ids,
     profile_json_schema,
 )
-from device_profiles import loader as profile_loader
-from edge_runtime.cli import main
+from edgeline.device_profiles import loader as profile_loader
 
 REQUIRED_IDS = ["jetson-orin-nano", "rpi-zero-2w", "rpi4", "rpi5", "x86-64"]
 
@@ -302,9 +302,8 @@ def test_cli_schema(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_importing_the_package_imports_nothing_else_of_ours() -> None:
     code = (
-        "import sys, device_profiles, device_profiles.cli\n"
-        "ours = {'edge_runtime', 'export', 'sim', 'firmware_bridge'}\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ours))\n"
+        "import sys, edgeline.device_profiles, edgeline.device_profiles.cli\n"
+        "print(sorted(m for m in sys.modules if m.startswith('edgeline.') and m.split('.')[1] != 'device_profiles'))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import edge_runtime
-from edge_runtime.cli import main
-from edge_runtime.samples import read_npz, sample_set
-from export.reference import REFERENCE_MODELS, Prepared, prepare
+import edgeline
+from edgeline.cli import main
+from edgeline.export.reference import REFERENCE_MODELS, Prepared, prepare
+from edgeline.samples import read_npz, sample_set
 
 pytestmark = pytest.mark.slow
 
@@ -114,7 +114,7 @@ def test_reference_model_exports_verifies_and_runs(
     validation = read_npz(ref.validation_path)
     assert len(records) == len(validation["x"])
     # The CLI's outputs are the Model's outputs for the same samples.
-    model = edge_runtime.load(out)
+    model = edgeline.load(out)
     samples = sample_set(validation, model.inputs, "validation")
     for index in (0, len(samples) - 1):
         expected = model.predict(*samples.sample(index))

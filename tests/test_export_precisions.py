@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import edge_runtime
-from edge_runtime.cli import main
+import edgeline
+from edgeline.cli import main
 
 PRECISIONS = {
     "litert": ("fp32", "fp16", "int8-dynamic", "int8-static"),
@@ -57,7 +57,7 @@ def test_precision_exports_measures_and_verifies(
     assert main(["verify", str(bundle)]) == 0
     assert "verified" in capsys.readouterr().out
     image = np.full((1, 1, 8, 8), 0.5, dtype=np.float32)
-    (logits,) = edge_runtime.load(bundle).predict(image)
+    (logits,) = edgeline.load(bundle).predict(image)
     assert logits.dtype == np.float32
     assert logits.shape == (1, 10)
 
@@ -96,7 +96,7 @@ def test_manifest_names_inputs_like_forward_and_keeps_tensor_names(bundles: dict
 @pytest.mark.parametrize("backend", sorted(PRECISIONS))
 def test_results_survive_the_next_predict(backend: str, bundles: dict[tuple[str, str], Path]) -> None:
     """Runtimes may reuse output buffers; a result the caller keeps must not change under it."""
-    model = edge_runtime.load(bundles[(backend, "fp32")])
+    model = edgeline.load(bundles[(backend, "fp32")])
     first = model.predict(np.zeros((1, 1, 8, 8), dtype=np.float32))[0]
     kept = first.copy()
     second = model.predict(np.ones((1, 1, 8, 8), dtype=np.float32))[0]
@@ -112,7 +112,7 @@ def test_exporting_leaves_the_callers_logging_alone(
     (pytest's own handlers would hide it) an export must leave the root logger as it found it."""
     script = (
         "import logging, sys\n"
-        "from edge_runtime.cli import main\n"
+        "from edgeline.cli import main\n"
         "code = main(sys.argv[1:])\n"
         "root = logging.getLogger()\n"
         "print(code, len(root.handlers), root.level)\n"

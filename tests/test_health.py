@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from edge_runtime.daemon.health import (
+from edgeline.daemon.health import (
     LATENCY_BUCKETS,
     LATENCY_WINDOW,
     MISSING_CLIENT,
@@ -27,7 +27,7 @@ from edge_runtime.daemon.health import (
     MetricsServer,
     SystemdNotifier,
 )
-from edge_runtime.errors import EdgelineError
+from edgeline.errors import EdgelineError
 
 IDENTITY = {"model": "kws", "version": "3", "instance": "kitchen"}
 
@@ -286,7 +286,7 @@ def test_without_prometheus_client_the_endpoint_says_what_to_install(
 
 def test_importing_health_does_not_import_prometheus_client() -> None:
     code = (
-        "import sys, edge_runtime.daemon.health as h\n"
+        "import sys, edgeline.daemon.health as h\n"
         "m = h.Metrics(model='m', version=1)\n"
         "m.count('received'); m.error('x'); m.observe('model', 0.001); m.snapshot()\n"
         "print(sorted(n for n in sys.modules if n.startswith('prometheus_client')))\n"
@@ -322,7 +322,7 @@ def test_systemd_unit_is_notify_with_watchdog_and_runs_the_daemon() -> None:
 
     unit = configparser.ConfigParser(strict=True, interpolation=None)
     unit.optionxform = str  # type: ignore[assignment,method-assign]  # systemd keys are case-sensitive
-    unit.read_string(files("edge_runtime").joinpath("systemd/edgeline@.service").read_text())
+    unit.read_string(files("edgeline").joinpath("systemd/edgeline@.service").read_text())
     service = unit["Service"]
     assert service["Type"] == "notify"
     assert int(service["WatchdogSec"]) > 0

@@ -38,15 +38,15 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from hypothesis.strategies import SearchStrategy
 
-import edge_runtime
-from edge_runtime.bundle import MANIFEST_FILE, read_bundle
-from edge_runtime.daemon.codecs import CODECS, Decoded, get_codec
-from edge_runtime.daemon.sources import LineFramer, parse_record
-from edge_runtime.daemon.topics import TopicFilter
-from edge_runtime.errors import PAYLOAD_CODES, BundleError, EdgelineError, IntegrityError, PayloadError
-from edge_runtime.manifest import Quantization, TensorSpec, Window
-from edge_runtime.quantization import dequantize
-from edge_runtime.samples import read_npz
+import edgeline
+from edgeline.bundle import MANIFEST_FILE, read_bundle
+from edgeline.daemon.codecs import CODECS, Decoded, get_codec
+from edgeline.daemon.sources import LineFramer, parse_record
+from edgeline.daemon.topics import TopicFilter
+from edgeline.errors import PAYLOAD_CODES, BundleError, EdgelineError, IntegrityError, PayloadError
+from edgeline.manifest import Quantization, TensorSpec, Window
+from edgeline.quantization import dequantize
+from edgeline.samples import read_npz
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE = settings(deadline=None, max_examples=120, suppress_health_check=[HealthCheck.too_slow])
@@ -554,7 +554,7 @@ def checked_load(bundle: Path, *, load: bool = True) -> object:
     if not load:
         return verified
     try:
-        return edge_runtime.load(bundle, threads=1)
+        return edgeline.load(bundle, threads=1)
     except EdgelineError as error:
         assert str(error).strip()
         return error
@@ -682,7 +682,7 @@ def test_manifest_values_that_broke_the_reader(
     manifest = read_manifest_json(bundle)
     change(manifest)
     (bundle / MANIFEST_FILE).write_bytes(dumps_with_raw(manifest))
-    assert isinstance(checked_load(bundle), BundleError if refused else edge_runtime.Model)
+    assert isinstance(checked_load(bundle), BundleError if refused else edgeline.Model)
 
 
 def outside_setup(bundle: Path) -> Path:
@@ -797,8 +797,8 @@ WORKER = r"""
 import faulthandler, json, sys, traceback
 from pathlib import Path
 import numpy as np
-import edge_runtime
-from edge_runtime.errors import EdgelineError
+import edgeline
+from edgeline.errors import EdgelineError
 faulthandler.enable()
 repo = Path.cwd().resolve()
 
@@ -812,7 +812,7 @@ def answer(stage, **fields):
 
 for line in sys.stdin:
     try:
-        model = edge_runtime.load(line.strip(), threads=1)
+        model = edgeline.load(line.strip(), threads=1)
     except EdgelineError as exc:
         answer("load", outcome="edgeline", type=type(exc).__name__, message=str(exc))
         continue
@@ -933,7 +933,7 @@ def test_a_signed_corrupt_golden_file_does_not_break_loading(
         golden = bundle / "golden.npz"
         corrupt_file(golden, data.draw(st.sampled_from(["truncate", "flip", "append", "empty"])), data)
         sign(bundle, "golden.npz")
-        assert isinstance(checked_load(bundle), edge_runtime.Model)  # golden.npz is read by verify, not by load
+        assert isinstance(checked_load(bundle), edgeline.Model)  # golden.npz is read by verify, not by load
         try:
             read_npz(golden, "golden")
         except EdgelineError as error:

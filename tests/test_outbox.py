@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_runtime.daemon.outbox import MemoryOutbox, Outbox
+from edgeline.daemon.outbox import MemoryOutbox, Outbox
 
 Box = Outbox | MemoryOutbox
 MakeBox = Callable[..., Box]
@@ -77,7 +77,7 @@ def test_committed_answers_survive_the_process(tmp_path: Path) -> None:
     path = tmp_path / "outbox.sqlite"
     script = (
         "import os, signal, sys, time\n"
-        "from edge_runtime.daemon.outbox import Outbox\n"
+        "from edgeline.daemon.outbox import Outbox\n"
         f"box = Outbox(__import__('pathlib').Path({str(path)!r}))\n"
         "box.add([(f'results/d{i}', b'x', time.time()) for i in range(50)])\n"
         "box.remove([1, 2])\n"

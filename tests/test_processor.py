@@ -8,20 +8,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import edge_runtime
-from edge_runtime.daemon.codecs import get_codec
-from edge_runtime.daemon.health import Metrics
-from edge_runtime.daemon.messages import Message
-from edge_runtime.daemon.processor import Processor
-from edge_runtime.manifest import Window
+import edgeline
+from edgeline.daemon.codecs import get_codec
+from edgeline.daemon.health import Metrics
+from edgeline.daemon.messages import Message
+from edgeline.daemon.processor import Processor
+from edgeline.manifest import Window
 
 
 @pytest.fixture(scope="module")
-def model(built_litert_bundle: Path) -> edge_runtime.Model:
-    return edge_runtime.load(built_litert_bundle)
+def model(built_litert_bundle: Path) -> edgeline.Model:
+    return edgeline.load(built_litert_bundle)
 
 
-def processor(model: edge_runtime.Model, **options: object) -> Processor:
+def processor(model: edgeline.Model, **options: object) -> Processor:
     metrics = Metrics(model=model.name, version=model.version)
     return Processor(model, get_codec("json"), metrics, publish="out/{name}/{device}", **options)  # type: ignore[arg-type]
 
@@ -35,7 +35,7 @@ def image(seed: int = 0) -> list[float]:
     return np.random.default_rng(seed).random(64, dtype=np.float32).tolist()
 
 
-def test_a_good_message_gets_one_result_equal_to_predict(model: edge_runtime.Model) -> None:
+def test_a_good_message_gets_one_result_equal_to_predict(model: edgeline.Model) -> None:
     proc = processor(model)
     (answer,) = proc.process(message({"id": "m1", "data": image(1)}))
     assert not answer.is_error
@@ -63,7 +63,7 @@ BAD = [
 
 @pytest.mark.parametrize(("payload", "code"), BAD)
 def test_bad_input_gets_one_coded_error_and_nothing_else_is_lost(
-    model: edge_runtime.Model, payload: object, code: str
+    model: edgeline.Model, payload: object, code: str
 ) -> None:
     proc = processor(model)
     (first,) = proc.process(message({"id": "before", "data": image(2)}))
@@ -81,20 +81,20 @@ def test_bad_input_gets_one_coded_error_and_nothing_else_is_lost(
     assert status["counts"]["results"] == 2
 
 
-def test_oversized_is_refused_before_decoding(model: edge_runtime.Model) -> None:
+def test_oversized_is_refused_before_decoding(model: edgeline.Model) -> None:
     proc = processor(model, max_payload_bytes=100)
     (error,) = proc.process(message(b"\xff" * 101))  # not even JSON: the size check comes first
     assert json.loads(error.payload)["error"]["code"] == "oversized"
 
 
-def test_errors_are_mirrored_to_the_error_topic(model: edge_runtime.Model) -> None:
+def test_errors_are_mirrored_to_the_error_topic(model: edgeline.Model) -> None:
     proc = processor(model, error_topic="errors/{device}")
     answers = proc.process(message(b"[]"))
     assert [a.topic for a in answers] == [f"out/{model.name}/cam-1", "errors/cam-1"]
     assert all(a.is_error for a in answers)
 
 
-def test_windows_per_device(model: edge_runtime.Model) -> None:
+def test_windows_per_device(model: edgeline.Model) -> None:
     """An (8 rows x 8 channels) window over streamed rows, hop 4: rows from two devices never mix."""
     proc = processor(model, window=Window(size=8, hop=4, channels=8))
     rows = np.arange(16 * 8, dtype=np.float32).reshape(16, 8) / 128.0
@@ -112,7 +112,7 @@ def test_windows_per_device(model: edge_runtime.Model) -> None:
 
 
 def test_a_runtime_failure_is_answered_inference_failed_and_the_stream_goes_on(lookup_bundle: Path) -> None:
-    lookup = edge_runtime.load(lookup_bundle)
+    lookup = edgeline.load(lookup_bundle)
     worker = processor(lookup)
     indices = [[1.0, 2.0, 3.0], [1.0, 2.0, 300.0], [7.0, 0.0, 5.0]]  # 300: past the table, only the runtime knows
     answers = [worker.process(message({"id": f"m{i}", "data": x})) for i, x in enumerate(indices)]

@@ -10,12 +10,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from edge_runtime.errors import PayloadError
-from edge_runtime.manifest import Postprocess, Quantization, TensorSpec
-from edge_runtime.postprocess import interpret, softmax
-from edge_runtime.quantization import dequantize, quantize
-from edge_runtime.samples import sample_set
-from export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
+from edgeline.errors import PayloadError
+from edgeline.export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
+from edgeline.manifest import Postprocess, Quantization, TensorSpec
+from edgeline.postprocess import interpret, softmax
+from edgeline.quantization import dequantize, quantize
+from edgeline.samples import sample_set
 
 # No deadline: the first example pays for numpy's warm-up; a deadline would be a timing assertion.
 PROPERTY = settings(deadline=None, max_examples=150)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_runtime.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull, QueueStats
+from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull, QueueStats
 
 LIMIT = 30.0  # seconds: only ever reached when something is broken
 # A blocked thread waits longer than the test waits for it: a wake-up that never comes fails the test.

@@ -13,11 +13,19 @@ import numpy as np
 import pytest
 import torch
 
-from edge_runtime.errors import EdgelineError
-from export.reference import CATALOGUE, REFERENCE_MODELS, Prepared, autoencoder, find_prepared, load_reference, prepare
-from export.reference import cli as reference_cli
-from export.reference.data import CALIBRATION_SIZE, Dataset, bilinear_resize
-from export.reference.training import accuracy, predict
+from edgeline.errors import EdgelineError
+from edgeline.export.reference import (
+    CATALOGUE,
+    REFERENCE_MODELS,
+    Prepared,
+    autoencoder,
+    find_prepared,
+    load_reference,
+    prepare,
+)
+from edgeline.export.reference import cli as reference_cli
+from edgeline.export.reference.data import CALIBRATION_SIZE, Dataset, bilinear_resize
+from edgeline.export.reference.training import accuracy, predict
 
 NAMES = ("digits", "resnet8", "ds_cnn", "vww", "autoencoder")
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,12 +53,12 @@ def prepared_digits(tmp_path_factory: pytest.TempPathFactory) -> Prepared:
 
 def test_registry_lists_all_five() -> None:
     assert tuple(REFERENCE_MODELS) == NAMES
-    assert REFERENCE_MODELS["digits"] == "export.reference.digits"
+    assert REFERENCE_MODELS["digits"] == "edgeline.export.reference.digits"
     assert set(CATALOGUE) == set(NAMES)
 
 
 def test_importing_the_package_and_its_cli_does_not_import_torch() -> None:
-    code = "import sys, export.reference, export.reference.cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, edgeline.export.reference, edgeline.export.reference.cli; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr or "torch was imported"
 
@@ -232,9 +240,9 @@ def test_reference_list_through_register(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_edgeline_reference_list(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        from edge_runtime.cli import main
+        from edgeline.cli import main
     except ImportError as exc:  # pragma: no cover - another folder's module is mid-edit
-        pytest.skip(f"edge_runtime.cli does not import: {exc}")
+        pytest.skip(f"edgeline.cli does not import: {exc}")
     assert main(["reference", "list"]) == 0
     out = capsys.readouterr().out
     for name in NAMES:

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import edge_runtime
-from edge_runtime.cli import main
-from edge_runtime.errors import BundleError, IntegrityError, PayloadError
-from edge_runtime.postprocess import softmax
+import edgeline
+from edgeline.cli import main
+from edgeline.errors import BundleError, IntegrityError, PayloadError
+from edgeline.postprocess import softmax
 
 from .conftest import CLASSES, IMAGE_SHAPE
 
@@ -55,7 +55,7 @@ def _error_line(captured: Any, command: str) -> str:
 
 
 def test_manifest_describes_an_int8_model_with_quantization_params(litert_bundle: Path) -> None:
-    model = edge_runtime.load(litert_bundle)
+    model = edgeline.load(litert_bundle)
     manifest = model.manifest
     assert (manifest.backend, manifest.precision, manifest.profile) == ("litert", "int8-static", "rpi5")
     assert manifest.model == "model.tflite"
@@ -75,7 +75,7 @@ def test_manifest_describes_an_int8_model_with_quantization_params(litert_bundle
 
 
 def test_predict_with_and_without_the_batch_dimension(litert_bundle: Path) -> None:
-    model = edge_runtime.load(litert_bundle)
+    model = edgeline.load(litert_bundle)
     with_batch = model.predict(_image(1))
     without_batch = model.predict(_image(1, batch=False))
     for outputs in (with_batch, without_batch):
@@ -91,7 +91,7 @@ def test_predict_with_and_without_the_batch_dimension(litert_bundle: Path) -> No
 
 
 def test_predict_accepts_other_real_dtypes_as_float(litert_bundle: Path) -> None:
-    model = edge_runtime.load(litert_bundle)
+    model = edgeline.load(litert_bundle)
     image = _image(3)
     expected = model.predict(image)[0]
     np.testing.assert_array_equal(model.predict(image.astype(np.float64))[0], expected)
@@ -100,7 +100,7 @@ def test_predict_accepts_other_real_dtypes_as_float(litert_bundle: Path) -> None
 
 
 def test_predict_reproduces_the_golden_outputs(litert_bundle: Path) -> None:
-    model = edge_runtime.load(litert_bundle)
+    model = edgeline.load(litert_bundle)
     golden = model.manifest.golden
     assert golden is not None
     with np.load(litert_bundle / golden.path, allow_pickle=False) as arrays:
@@ -116,7 +116,7 @@ def test_predict_reproduces_the_golden_outputs(litert_bundle: Path) -> None:
 
 
 def test_wrong_number_of_inputs_is_a_payload_error_naming_the_input(litert_bundle: Path) -> None:
-    model = edge_runtime.load(litert_bundle)
+    model = edgeline.load(litert_bundle)
     name = model.inputs[0].name
     for arrays in ((), (_image(), _image())):
         with pytest.raises(PayloadError) as raised:
@@ -139,7 +139,7 @@ def test_wrong_number_of_inputs_is_a_payload_error_naming_the_input(litert_bundl
     ids=["wrong-width", "batch-of-two", "flat", "strings", "bool", "complex"],
 )
 def test_bad_arrays_are_payload_errors_naming_the_input(litert_bundle: Path, array: np.ndarray, expected: str) -> None:
-    model = edge_runtime.load(litert_bundle)
+    model = edgeline.load(litert_bundle)
     with pytest.raises(PayloadError, match=expected) as raised:
         model.predict(array)
     assert f"input 0 ({model.inputs[0].name})" in str(raised.value)
@@ -148,7 +148,7 @@ def test_bad_arrays_are_payload_errors_naming_the_input(litert_bundle: Path, arr
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e39], ids=["nan", "inf", "-inf", "float32-overflow"])
 @pytest.mark.parametrize("position", [0, 37, 63])
 def test_non_finite_values_are_payload_errors(litert_bundle: Path, bad: float, position: int) -> None:
-    model = edge_runtime.load(litert_bundle)
+    model = edgeline.load(litert_bundle)
     image = _image(4).astype(np.float64)
     image.reshape(-1)[position] = bad
     with pytest.raises(PayloadError, match="contains NaN or Inf") as raised:
@@ -166,7 +166,7 @@ def test_one_flipped_byte_in_the_model_is_an_integrity_error(litert_bundle: Path
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match=r"'model.tflite' does not match its sha256"):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 def test_a_truncated_model_is_an_integrity_error_giving_both_sizes(litert_bundle: Path) -> None:
@@ -176,26 +176,26 @@ def test_a_truncated_model_is_an_integrity_error_giving_both_sizes(litert_bundle
     with pytest.raises(
         IntegrityError, match=rf"'model.tflite' has {len(data) - 10} bytes, the manifest says {len(data)}"
     ):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 def test_a_missing_golden_file_is_named(litert_bundle: Path) -> None:
     (litert_bundle / "golden.npz").unlink()
     with pytest.raises(IntegrityError, match=r"'golden.npz' listed in the manifest is missing"):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 def test_a_manifest_that_is_not_json_is_a_bundle_error(litert_bundle: Path) -> None:
     (litert_bundle / "manifest.json").write_text('{"schema_version": 1, "name": ', encoding="utf-8")
     with pytest.raises(BundleError, match="not valid JSON"):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 @pytest.mark.parametrize("content", ["[1, 2, 3]", '"manifest"', "null"])
 def test_a_manifest_that_is_not_an_object_is_a_bundle_error(litert_bundle: Path, content: str) -> None:
     (litert_bundle / "manifest.json").write_text(content, encoding="utf-8")
     with pytest.raises(BundleError, match="must be a JSON object"):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 def test_a_newer_schema_version_is_refused_naming_the_supported_one(litert_bundle: Path) -> None:
@@ -203,7 +203,7 @@ def test_a_newer_schema_version_is_refused_naming_the_supported_one(litert_bundl
     data["schema_version"] = 2
     _write_manifest(litert_bundle, data)
     with pytest.raises(BundleError, match=r"schema_version 2 is not supported by this runtime \(supported: 1\)"):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 @pytest.mark.parametrize("path", ["../x", "/etc/passwd", "sub/../../x", "C:/x", ""])
@@ -214,7 +214,7 @@ def test_file_entries_outside_the_bundle_fail_validation(litert_bundle: Path, pa
     data["files"].append({"path": path, "size": 7, "sha256": hashlib.sha256(b"outside").hexdigest()})
     _write_manifest(litert_bundle, data)
     with pytest.raises(BundleError, match=r"invalid manifest: files\.2\.path: .*relative path inside the bundle"):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 def test_a_symlink_pointing_outside_the_bundle_is_refused(litert_bundle: Path) -> None:
@@ -225,7 +225,7 @@ def test_a_symlink_pointing_outside_the_bundle_is_refused(litert_bundle: Path) -
     data["files"].append({"path": "link", "size": 9, "sha256": hashlib.sha256(b"not yours").hexdigest()})
     _write_manifest(litert_bundle, data)
     with pytest.raises(IntegrityError, match="points outside the bundle"):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 def test_an_unknown_runtime_backend_lists_the_valid_ones(litert_bundle: Path) -> None:
@@ -235,9 +235,9 @@ def test_an_unknown_runtime_backend_lists_the_valid_ones(litert_bundle: Path) ->
     with pytest.raises(
         BundleError, match=r"unknown runtime backend 'tensorrt'; valid: executorch, litert, tflite-runtime"
     ):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
     with pytest.raises(BundleError, match=r"unknown runtime backend 'nope'; valid: "):
-        edge_runtime.load(litert_bundle, backend="nope")
+        edgeline.load(litert_bundle, backend="nope")
 
 
 def test_a_manifest_whose_input_shape_differs_from_the_model_is_refused(litert_bundle: Path) -> None:
@@ -247,7 +247,7 @@ def test_a_manifest_whose_input_shape_differs_from_the_model_is_refused(litert_b
     with pytest.raises(
         BundleError, match=r"model input .* is int8\[1, 1, 8, 8\], the manifest says int8\[1, 1, 4, 4\]"
     ):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 def test_a_model_file_the_runtime_cannot_parse_is_a_bundle_error(litert_bundle: Path) -> None:
@@ -259,7 +259,7 @@ def test_a_model_file_the_runtime_cannot_parse_is_a_bundle_error(litert_bundle: 
             entry.update(size=len(garbage), sha256=hashlib.sha256(garbage).hexdigest())
     _write_manifest(litert_bundle, data)
     with pytest.raises(BundleError, match="could not load the model"):
-        edge_runtime.load(litert_bundle)
+        edgeline.load(litert_bundle)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ def test_infer_json_prints_one_object_per_sample_matching_predict(
     _no_traceback(captured)
     records = _json_records(captured.out)
     assert len(records) == len(images)
-    model = edge_runtime.load(litert_bundle)
+    model = edgeline.load(litert_bundle)
     for index, record in enumerate(records):
         assert {"outputs", "label", "score"} <= set(record)
         expected = model.predict(images[index])
@@ -370,7 +370,7 @@ def test_infer_of_one_sample_without_its_sample_axis(
     assert main(["infer", str(litert_bundle), "--input", str(path), "--json"]) == 0
     records = _json_records(capsys.readouterr().out)
     assert len(records) == 1
-    expected = edge_runtime.load(litert_bundle).predict(_image(9))[0]
+    expected = edgeline.load(litert_bundle).predict(_image(9))[0]
     np.testing.assert_array_equal(np.array(records[0]["outputs"][0], dtype=np.float32), expected)
 
 
@@ -397,11 +397,11 @@ TORCH_FREE_SCRIPT = textwrap.dedent(
 
     import numpy as np
 
-    import edge_runtime
-    from edge_runtime.cli import main
+    import edgeline
+    from edgeline.cli import main
 
     bundle, samples = sys.argv[1], sys.argv[2]
-    model = edge_runtime.load(bundle)
+    model = edgeline.load(bundle)
     outputs = model.predict(np.zeros(model.inputs[0].shape, dtype=np.float32))
     code = main(["infer", bundle, "--input", samples, "--json"])
     code_verify = main(["verify", bundle])

@@ -19,11 +19,11 @@ import numpy as np
 import paho.mqtt.client as mqtt
 import pytest
 
-from edge_runtime.cli import main
-from edge_runtime.daemon.config import BrokerAddress
-from sim.data import MODEL_SHAPES, SENSOR_MODELS, Samples, load_samples, resolve_model
-from sim.publisher import PublishOptions, fleet_messages, publish
-from sim.sensors import ReplaySensor, VibrationSensor, fleet_devices, float32_values, make_sensor
+from edgeline.cli import main
+from edgeline.daemon.config import BrokerAddress
+from edgeline.sim.data import MODEL_SHAPES, SENSOR_MODELS, Samples, load_samples, resolve_model
+from edgeline.sim.publisher import PublishOptions, fleet_messages, publish
+from edgeline.sim.sensors import ReplaySensor, VibrationSensor, fleet_devices, float32_values, make_sensor
 from tests.mqtt_broker import Broker, free_port
 
 SAMPLES = 20
@@ -101,7 +101,7 @@ def run_cli(*argv: str | Path) -> tuple[int, str, float]:
     """``edgeline ARGV`` in a fresh process, as a user runs it: exit code, its output, seconds taken."""
     start = time.monotonic()
     completed = subprocess.run(
-        [sys.executable, "-m", "edge_runtime.cli", *map(str, argv)],
+        [sys.executable, "-m", "edgeline.cli", *map(str, argv)],
         capture_output=True,
         text=True,
         timeout=RUN_LIMIT_S + 10,
@@ -279,7 +279,7 @@ def test_vibration_anomaly_rate(prepared: Path) -> None:
 
 
 def test_sensor_catalogue_matches_the_reference_models() -> None:
-    from export.reference.registry import CATALOGUE
+    from edgeline.export.reference.registry import CATALOGUE
 
     assert {name: info.input_shape for name, info in CATALOGUE.items()} == MODEL_SHAPES
     assert sorted(name for names in SENSOR_MODELS.values() for name in names) == sorted(CATALOGUE)
@@ -298,8 +298,8 @@ def test_data_directory_layouts(prepared: Path, tmp_path: Path) -> None:
 
 def test_sim_imports_neither_torch_nor_export() -> None:
     code = (
-        "import sys, sim.cli, sim.data, sim.sensors, sim.publisher\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'export'}))\n"
+        "import sys, edgeline.sim.cli, edgeline.sim.data, edgeline.sim.sensors, edgeline.sim.publisher\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('edgeline.export')))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]"

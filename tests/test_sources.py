@@ -19,13 +19,13 @@ import cbor2
 import numpy as np
 import pytest
 
-import edge_runtime
-from edge_runtime.daemon.sources import LineFramer, parse_record
-from edge_runtime.daemon.topics import TopicFilter
+import edgeline
+from edgeline.daemon.sources import LineFramer, parse_record
+from edgeline.daemon.topics import TopicFilter
 from tests.mqtt_broker import Broker
 
 TIMEOUT_S = 30.0
-EDGELINE = [sys.executable, "-m", "edge_runtime.cli"]
+EDGELINE = [sys.executable, "-m", "edgeline.cli"]
 
 
 # -- framing and record forms --------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def answers_of(stdout: bytes) -> list[dict[str, object]]:
 
 def check_results(bundle: Path, answers: list[dict[str, object]], inputs: dict[str, np.ndarray]) -> None:
     """Every id in ``inputs`` answered once, with the outputs ``predict`` gives for the same input."""
-    model = edge_runtime.load(bundle)
+    model = edgeline.load(bundle)
     results = {str(a["id"]): a for a in answers if "error" not in a}
     assert sorted(results) == sorted(inputs)
     for identity, x in inputs.items():

@@ -1,4 +1,4 @@
-"""edge_runtime on the legacy ``tflite-runtime`` package: its own environment (numpy<2), no torch, no ai-edge-litert.
+"""edgeline on the legacy ``tflite-runtime`` package: its own environment (numpy<2), no torch, no ai-edge-litert.
 
 Bundles come from the real exporter (litert-torch, fp32 and static int8 with int8 input/output tensors) in the main
 environment; ``edgeline infer`` and ``edgeline verify`` then run them with ``--backend tflite-runtime`` in the
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_runtime import Manifest, read_bundle
-from edge_runtime.cli import main
+from edgeline import Manifest, read_bundle
+from edgeline.cli import main
 from tests.tflite_runtime_env import FORBIDDEN_MODULES, TFLiteEnv, TFLiteEnvError, ensure_env, subprocess_env
 
 pytestmark = [
@@ -64,12 +64,12 @@ API_SCRIPT = textwrap.dedent(
     """\
     import importlib.util, json, sys
     import numpy as np
-    import edge_runtime
-    from edge_runtime.cli import build_parser
+    import edgeline
+    from edgeline.cli import build_parser
 
     bundle, validation, *forbidden = sys.argv[1:]
     build_parser()  # registers every subcommand, as `edgeline` does
-    model = edge_runtime.load(bundle, backend="tflite-runtime")
+    model = edgeline.load(bundle, backend="tflite-runtime")
     with np.load(validation, allow_pickle=False) as data:
         x = data["x"]
     outputs = [model.predict(x[i])[0] for i in range(len(x))]
@@ -193,7 +193,7 @@ def bundle(request: pytest.FixtureRequest, data: Data, tmp_path_factory: pytest.
 @pytest.fixture(scope="module")
 def litert_records(bundle: ExportedBundle, data: Data) -> list[dict[str, Any]]:
     """``edgeline infer --json`` in the main environment with the manifest's backend (litert)."""
-    args = ["-m", "edge_runtime.cli", "infer", str(bundle.path), "--input", str(data.validation), "--json"]
+    args = ["-m", "edgeline.cli", "infer", str(bundle.path), "--input", str(data.validation), "--json"]
     return _records(_check(_run_main_env(args), f"litert infer ({bundle.precision})"))
 
 
@@ -232,7 +232,7 @@ def test_exported_bundle_is_what_the_test_needs(bundle: ExportedBundle) -> None:
 def test_infer_agrees_with_litert(
     bundle: ExportedBundle, data: Data, tflite_env: TFLiteEnv, litert_records: list[dict[str, Any]]
 ) -> None:
-    args = ["-m", "edge_runtime.cli", "infer", str(bundle.path), "--input", str(data.validation), "--json"]
+    args = ["-m", "edgeline.cli", "infer", str(bundle.path), "--input", str(data.validation), "--json"]
     tflite_records = _records(
         _check(_run_tflite_env(tflite_env, [*args, "--backend", "tflite-runtime"]), "tflite-runtime infer")
     )
@@ -264,7 +264,7 @@ def test_python_api_imports_neither_torch_nor_litert(
 
 def test_verify_passes(bundle: ExportedBundle, tflite_env: TFLiteEnv) -> None:
     proc = _run_tflite_env(
-        tflite_env, ["-m", "edge_runtime.cli", "verify", str(bundle.path), "--backend", "tflite-runtime", "--json"]
+        tflite_env, ["-m", "edgeline.cli", "verify", str(bundle.path), "--backend", "tflite-runtime", "--json"]
     )
     assert proc.returncode in (0, 1), f"verify: exit {proc.returncode}\n{proc.stderr[-3000:]}"
     report = json.loads(proc.stdout)
@@ -278,9 +278,9 @@ def test_verify_passes(bundle: ExportedBundle, tflite_env: TFLiteEnv) -> None:
 THREADS_SCRIPT = textwrap.dedent(
     """\
     import json, sys
-    import edge_runtime
+    import edgeline
 
-    model = edge_runtime.load(sys.argv[1], backend="tflite-runtime", threads=int(sys.argv[2]))
+    model = edgeline.load(sys.argv[1], backend="tflite-runtime", threads=int(sys.argv[2]))
     print(json.dumps({"threads": model.threads}))
     """
 )

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edge_runtime.daemon.topics import TopicFilter, render_topic, validate_template
-from edge_runtime.errors import EdgelineError
+from edgeline.daemon.topics import TopicFilter, render_topic, validate_template
+from edgeline.errors import EdgelineError
 
 level = st.text(alphabet=st.characters(blacklist_characters="/+#\x00", blacklist_categories=("Cs",)), min_size=1)
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from edge_runtime.daemon.windowing import StreamWindows, Windower
-from edge_runtime.errors import PayloadError
-from edge_runtime.manifest import Window
+from edgeline.daemon.windowing import StreamWindows, Windower
+from edgeline.errors import PayloadError
+from edgeline.manifest import Window
 
 PROPERTY = settings(deadline=None, max_examples=200)
 

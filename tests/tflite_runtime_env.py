@@ -9,7 +9,8 @@ numpy 2) and has Python 3.11 wheels only for manylinux x86-64 (manylinux2014) an
         venv/                python -m venv + tflite-runtime, numpy<2, pydantic: no torch, no ai-edge-litert
         ready.json           written last: what was asked for and what got installed; absent = rebuild
 
-The repository is made importable through PYTHONPATH, so nothing is built or written inside the work tree.
+The repository is made importable through PYTHONPATH (``edgeline`` as a tree of links in build/, see
+``tests/package_tree.py``), so nothing is built or installed from the work tree.
 
     python -m tests.tflite_runtime_env      # build or check it ahead of the tests (e.g. a CI cache step)
 """
@@ -26,6 +27,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.package_tree import package_tree
 
 __all__ = ["CACHE_DIR", "FORBIDDEN_MODULES", "REPO", "REQUIREMENTS", "TFLiteEnv", "TFLiteEnvError", "ensure_env"]
 
@@ -79,7 +82,7 @@ class TFLiteEnv:
 def subprocess_env() -> dict[str, str]:
     """The caller's environment without its virtualenv or Python path, with this repository importable."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(package_tree()), str(REPO)])  # edgeline, and tests
     env["PYTHONNOUSERSITE"] = "1"
     return env
 

@@ -13,16 +13,16 @@ from typing import Protocol
 
 import numpy as np
 
-from edge_runtime.errors import BundleError
-from edge_runtime.manifest import TensorSpec
-from edge_runtime.registry import resolve
+from edgeline.errors import BundleError
+from edgeline.manifest import TensorSpec
+from edgeline.registry import resolve
 
 __all__ = ["RUNTIME_BACKENDS", "Session", "SessionFactory", "open_session", "runtime_backend_names"]
 
 RUNTIME_BACKENDS: dict[str, str] = {
-    "litert": "edge_runtime.backends.litert:LiteRTSession",
-    "tflite-runtime": "edge_runtime.backends.litert:TFLiteRuntimeSession",
-    "executorch": "edge_runtime.backends.executorch:ExecuTorchSession",
+    "litert": "edgeline.backends.litert:LiteRTSession",
+    "tflite-runtime": "edgeline.backends.litert:TFLiteRuntimeSession",
+    "executorch": "edgeline.backends.executorch:ExecuTorchSession",
 }
 
 

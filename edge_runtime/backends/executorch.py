@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edge_runtime.errors import BackendUnavailableError, BundleError
-from edge_runtime.manifest import TensorSpec
+from edgeline.errors import BackendUnavailableError, BundleError
+from edgeline.manifest import TensorSpec
 
 __all__ = ["ExecuTorchSession"]
 

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edge_runtime.errors import BackendUnavailableError, BundleError
-from edge_runtime.manifest import Quantization, TensorSpec
+from edgeline.errors import BackendUnavailableError, BundleError
+from edgeline.manifest import Quantization, TensorSpec
 
 __all__ = ["LiteRTSession", "TFLiteRuntimeSession"]
 
@@ -81,7 +81,7 @@ class _InterpreterSession:
         """Bind the interpreter's native calls once, skipping the Python wrapper's per-call checks.
 
         The public ``invoke()`` first checks (through a reference count) that no numpy view into the
-        interpreter's memory is alive; edge_runtime never creates one (it copies with set/get), so the check
+        interpreter's memory is alive; edgeline never creates one (it copies with set/get), so the check
         is ~0.4 µs of pure overhead per inference. Builds without the native wrapper use the public API.
         """
         native = getattr(self._interpreter, "_interpreter", None)

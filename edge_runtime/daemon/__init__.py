@@ -1,4 +1,4 @@
-"""The streaming half of edge_runtime: ``edgeline run`` and what it is made of.
+"""The streaming half of edgeline: ``edgeline run`` and what it is made of.
 
     source (mqtt, serial, replay, sim) → codec → window → bounded queue → worker (Processor) → outbox → sinks
 

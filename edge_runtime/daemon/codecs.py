@@ -8,7 +8,7 @@
 
 With a ``window`` (a time-series model) a message carries the new samples of one stream instead of whole inputs:
 ``n >= 1`` time steps of ``window.channels`` values (flat, or nested as ``[[c0, c1, ...], ...]``; raw: float32),
-decoded to one float32 array of shape ``(n, channels)`` for ``edge_runtime.daemon.windowing``.
+decoded to one float32 array of shape ``(n, channels)`` for ``edgeline.daemon.windowing``.
 
 Decoding runs for every message: parsing and conversion run in C (orjson, cbor2, msgpack, numpy), never as a
 Python loop over the values; byte strings (cbor, msgpack) and raw payloads are not even copied.
@@ -29,10 +29,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edge_runtime.errors import BackendUnavailableError, EdgelineError, PayloadError
-from edge_runtime.manifest import TensorSpec, Window
-from edge_runtime.quantization import dequantize
-from edge_runtime.registry import resolve
+from edgeline.errors import BackendUnavailableError, EdgelineError, PayloadError
+from edgeline.manifest import TensorSpec, Window
+from edgeline.quantization import dequantize
+from edgeline.registry import resolve
 
 __all__ = [
     "CODECS",
@@ -46,10 +46,10 @@ __all__ = [
 ]
 
 CODECS: dict[str, str] = {
-    "json": "edge_runtime.daemon.codecs:JsonCodec",
-    "raw": "edge_runtime.daemon.codecs:RawCodec",
-    "cbor": "edge_runtime.daemon.codecs:CborCodec",
-    "msgpack": "edge_runtime.daemon.codecs:MsgpackCodec",
+    "json": "edgeline.daemon.codecs:JsonCodec",
+    "raw": "edgeline.daemon.codecs:RawCodec",
+    "cbor": "edgeline.daemon.codecs:CborCodec",
+    "msgpack": "edgeline.daemon.codecs:MsgpackCodec",
 }
 
 _F32 = np.dtype(np.float32)

@@ -29,10 +29,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edge_runtime.bundle import describe_validation_error
-from edge_runtime.daemon.topics import TopicFilter, validate_template
-from edge_runtime.errors import EdgelineError
-from edge_runtime.manifest import Window
+from edgeline.bundle import describe_validation_error
+from edgeline.daemon.topics import TopicFilter, validate_template
+from edgeline.errors import EdgelineError
+from edgeline.manifest import Window
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -196,7 +196,7 @@ class QueueConfig(_Section):
 
 
 class OutboxConfig(_Section):
-    """The durable outbox between the worker and the broker (see ``edge_runtime.daemon.outbox``)."""
+    """The durable outbox between the worker and the broker (see ``edgeline.daemon.outbox``)."""
 
     enabled: bool = True
     max_answers: int = Field(default=100_000, ge=1)

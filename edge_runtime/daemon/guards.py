@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-from edge_runtime.daemon.config import DaemonConfig
-from edge_runtime.daemon.topics import TopicFilter, overlapping
-from edge_runtime.errors import EdgelineError
-from edge_runtime.manifest import TensorSpec, Window
+from edgeline.daemon.config import DaemonConfig
+from edgeline.daemon.topics import TopicFilter, overlapping
+from edgeline.errors import EdgelineError
+from edgeline.manifest import TensorSpec, Window
 
 __all__ = ["check_topics", "check_window"]
 

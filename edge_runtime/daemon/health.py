@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from edge_runtime.errors import EdgelineError
+from edgeline.errors import EdgelineError
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector, CollectorRegistry

@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from edge_runtime.daemon.config import BrokerAddress, BrokerConfig
-from edge_runtime.daemon.messages import Message
-from edge_runtime.daemon.topics import TopicFilter
-from edge_runtime.errors import EdgelineError
+from edgeline.daemon.config import BrokerAddress, BrokerConfig
+from edgeline.daemon.messages import Message
+from edgeline.daemon.topics import TopicFilter
+from edgeline.errors import EdgelineError
 
 __all__ = ["BrokerRefused", "MqttConnection", "MqttSink", "MqttSource", "PublishDone"]
 

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge_runtime.errors import EdgelineError
+from edgeline.errors import EdgelineError
 
 __all__ = ["MemoryOutbox", "Outbox", "OutboxStats", "Pending"]
 

@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 import orjson
 
-from edge_runtime.daemon.codecs import Codec, Decoded
-from edge_runtime.daemon.health import Metrics
-from edge_runtime.daemon.messages import Answer, Message
-from edge_runtime.daemon.topics import render_topic, topic_problem
-from edge_runtime.daemon.windowing import StreamWindows
-from edge_runtime.errors import PayloadError
-from edge_runtime.manifest import Window
-from edge_runtime.model import Model
+from edgeline.daemon.codecs import Codec, Decoded
+from edgeline.daemon.health import Metrics
+from edgeline.daemon.messages import Answer, Message
+from edgeline.daemon.topics import render_topic, topic_problem
+from edgeline.daemon.windowing import StreamWindows
+from edgeline.errors import PayloadError
+from edgeline.manifest import Window
+from edgeline.model import Model
 
 __all__ = ["Processor", "readable_id"]
 

@@ -1,4 +1,4 @@
-"""``edgeline run``: the on-device daemon (see ``edge_runtime.daemon.service``)."""
+"""``edgeline run``: the on-device daemon (see ``edgeline.daemon.service``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge_runtime.daemon.config import load_config
+from edgeline.daemon.config import load_config
 
 __all__ = ["register"]
 
@@ -70,8 +70,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_daemon(args: argparse.Namespace) -> int:
-    from edge_runtime.daemon.processor import Answer
-    from edge_runtime.daemon.service import Daemon
+    from edgeline.daemon.processor import Answer
+    from edgeline.daemon.service import Daemon
 
     source: dict[str, object] = {"baudrate": args.baudrate, "speed": args.speed, "device": args.device}
     if args.serial is not None:

@@ -6,9 +6,9 @@
      replay, sim)           answered "dropped")  input's coded error)   │  one fsync)     PUBACKs)   on its PUBACK)
                                                                         └──► stdout JSON lines
     status thread: status message, systemd WATCHDOG (only while the pipeline progresses); availability: retained
-    "online", "offline" as last will; a supervisor owns every thread (see ``edge_runtime.daemon.supervisor``)
+    "online", "offline" as last will; a supervisor owns every thread (see ``edgeline.daemon.supervisor``)
 
-Every source is alike: MQTT is one (``edge_runtime.daemon.mqtt``), and so are serial, replay and sim. The broker
+Every source is alike: MQTT is one (``edgeline.daemon.mqtt``), and so are serial, replay and sim. The broker
 is also the sink of answers whenever it is used; stdout is the other sink. Without a broker, answers go to stdout.
 
 SIGTERM or SIGINT: stop taking new input without unsubscribing, answer what is queued, flush the outbox as far as
@@ -29,21 +29,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from edge_runtime.daemon.codecs import get_codec
-from edge_runtime.daemon.config import DaemonConfig
-from edge_runtime.daemon.guards import check_topics, check_window
-from edge_runtime.daemon.health import Metrics, MetricsServer, SystemdNotifier
-from edge_runtime.daemon.messages import Answer, Message
-from edge_runtime.daemon.mqtt import MqttConnection, MqttSink, MqttSource
-from edge_runtime.daemon.outbox import MemoryOutbox, Outbox, Pending
-from edge_runtime.daemon.processor import Processor
-from edge_runtime.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull
-from edge_runtime.daemon.sources import Source, make_source
-from edge_runtime.daemon.state import StateLock, default_state_dir, instance_id
-from edge_runtime.daemon.supervisor import Supervisor
-from edge_runtime.daemon.topics import TopicFilter, render_topic
-from edge_runtime.errors import EdgelineError
-from edge_runtime.model import load
+from edgeline.daemon.codecs import get_codec
+from edgeline.daemon.config import DaemonConfig
+from edgeline.daemon.guards import check_topics, check_window
+from edgeline.daemon.health import Metrics, MetricsServer, SystemdNotifier
+from edgeline.daemon.messages import Answer, Message
+from edgeline.daemon.mqtt import MqttConnection, MqttSink, MqttSource
+from edgeline.daemon.outbox import MemoryOutbox, Outbox, Pending
+from edgeline.daemon.processor import Processor
+from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull
+from edgeline.daemon.sources import Source, make_source
+from edgeline.daemon.state import StateLock, default_state_dir, instance_id
+from edgeline.daemon.supervisor import Supervisor
+from edgeline.daemon.topics import TopicFilter, render_topic
+from edgeline.errors import EdgelineError
+from edgeline.model import load
 
 __all__ = ["EXIT_FAILED", "Daemon"]
 

@@ -11,7 +11,8 @@ so windowing, the queue policy, error answers and sinks are the same whatever th
                sensors/pump/accel {"id": 1, "data": [...]}                                      (mosquitto_sub -v)
                {"id": 1, "data": [...]}                                                         (a bare payload)
              Ends at the end of the file; ``speed`` > 0 replays at the recorded times (``t``) divided by it.
-    sim      simulated sensors in-process (``sim.source``, registered here by name and imported only when asked for).
+    sim      simulated sensors in-process (``edgeline.sim.source``, registered here by name and imported only when
+             asked for).
 
 Lines are bounded: a line longer than the payload limit is skipped to its end and answered ``oversized``, never
 buffered whole.
@@ -31,18 +32,18 @@ from typing import BinaryIO, Protocol
 
 import orjson
 
-from edge_runtime.daemon.config import SourceConfig
-from edge_runtime.daemon.messages import Message
-from edge_runtime.daemon.topics import TopicFilter
-from edge_runtime.errors import EdgelineError
+from edgeline.daemon.config import SourceConfig
+from edgeline.daemon.messages import Message
+from edgeline.daemon.topics import TopicFilter
+from edgeline.errors import EdgelineError
 
 __all__ = ["LineFramer", "ReplaySource", "SerialSource", "Source", "make_source", "parse_record"]
 
 log = logging.getLogger("edgeline.source")
 
 Submit = Callable[[Message], None]
-SOURCES = {"sim": "sim.source:SimSource"}
-"""Sources that live outside edge_runtime, by name: imported only when a configuration asks for them."""
+SOURCES = {"sim": "edgeline.sim.source:SimSource"}
+"""Sources that live outside edgeline, by name: imported only when a configuration asks for them."""
 READ_CHUNK = 65536
 
 

@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import IO
 
-from edge_runtime.errors import EdgelineError
+from edgeline.errors import EdgelineError
 
 __all__ = ["StateLock", "default_state_dir", "instance_id"]
 

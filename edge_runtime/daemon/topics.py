@@ -12,7 +12,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, field
 
-from edge_runtime.errors import EdgelineError
+from edgeline.errors import EdgelineError
 
 __all__ = [
     "MAX_TOPIC_BYTES",

@@ -13,8 +13,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from edge_runtime.errors import PayloadError
-from edge_runtime.manifest import Window
+from edgeline.errors import PayloadError
+from edgeline.manifest import Window
 
 __all__ = ["StreamWindows", "Windower"]
 

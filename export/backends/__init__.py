@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from device_profiles import Precision
-from edge_runtime.manifest import Placement, RuntimeRequirement
-from edge_runtime.registry import resolve
-from export.errors import ExportError
+from edgeline.device_profiles import Precision
+from edgeline.export.errors import ExportError
+from edgeline.manifest import Placement, RuntimeRequirement
+from edgeline.registry import resolve
 
 __all__ = [
     "EXPORT_BACKENDS",
@@ -28,8 +28,8 @@ __all__ = [
 ]
 
 EXPORT_BACKENDS: dict[str, str] = {
-    "executorch-xnnpack": "export.backends.executorch_xnnpack:XnnpackExporter",
-    "litert": "export.backends.litert:LiteRTExporter",
+    "executorch-xnnpack": "edgeline.export.backends.executorch_xnnpack:XnnpackExporter",
+    "litert": "edgeline.export.backends.litert:LiteRTExporter",
 }
 
 
@@ -46,7 +46,7 @@ class ExportRequest:
 @dataclass(frozen=True)
 class ExportedModel:
     model_file: str  # relative to out_dir
-    runtime_backend: str  # edge_runtime registry name
+    runtime_backend: str  # edgeline registry name
     runtime: RuntimeRequirement
     input_names: tuple[str, ...]  # the model file's tensor names, in forward()'s order
     extra_files: tuple[str, ...] = ()  # e.g. a compiled context binary

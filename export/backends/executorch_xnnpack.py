@@ -6,10 +6,10 @@ from collections import Counter
 from importlib.metadata import version
 from typing import Any
 
-from device_profiles import Precision
-from edge_runtime.manifest import Placement, RuntimeRequirement
-from export.backends import ExportedModel, ExportRequest
-from export.errors import ExportError
+from edgeline.device_profiles import Precision
+from edgeline.export.backends import ExportedModel, ExportRequest
+from edgeline.export.errors import ExportError
+from edgeline.manifest import Placement, RuntimeRequirement
 
 __all__ = ["XnnpackExporter"]
 

@@ -6,10 +6,10 @@ import re
 from importlib.metadata import version
 from typing import Any
 
-from device_profiles import Precision
-from edge_runtime.manifest import RuntimeRequirement
-from export.backends import ExportedModel, ExportRequest
-from export.errors import ExportError
+from edgeline.device_profiles import Precision
+from edgeline.export.backends import ExportedModel, ExportRequest
+from edgeline.export.errors import ExportError
+from edgeline.manifest import RuntimeRequirement
 
 __all__ = ["LiteRTExporter"]
 

@@ -12,8 +12,8 @@ Each module has ``NAME``, ``TASK``, ``LABELS``, ``INPUT_SHAPE``, ``build(seed)``
 writes the files an export run needs. Importing this package imports neither torch nor the models.
 """
 
-from export.reference.preparation import Prepared, find_prepared, prepare
-from export.reference.registry import (
+from edgeline.export.reference.preparation import Prepared, find_prepared, prepare
+from edgeline.export.reference.registry import (
     CATALOGUE,
     REFERENCE_MODELS,
     ReferenceInfo,

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.reference.data import Dataset, calibration_subset, rng_for
-from export.reference.training import fit, predict, seeded_build
+from edgeline.export.reference.data import Dataset, calibration_subset, rng_for
+from edgeline.export.reference.training import fit, predict, seeded_build
 
 __all__ = [
     "INPUT_SHAPE",

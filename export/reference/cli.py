@@ -12,9 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from edge_runtime.errors import EdgelineError
-from export.reference.preparation import find_prepared, prepare
-from export.reference.registry import CATALOGUE, REFERENCE_MODELS, resolve_names
+from edgeline.errors import EdgelineError
+from edgeline.export.reference.preparation import find_prepared, prepare
+from edgeline.export.reference.registry import CATALOGUE, REFERENCE_MODELS, resolve_names
 
 __all__ = ["register"]
 

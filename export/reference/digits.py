@@ -2,7 +2,7 @@
 
 Input ``(N, 1, 8, 8)`` float32, pixel value / 16 (so in [0, 1]); output: 10 logits, one per digit.
 Data: the 1,797 real 8x8 digits that ship with scikit-learn, split 75/25 stratified with a fixed seed
-(:data:`export.reference.data.DIGITS_SPLIT_SEED`); calibration is 128 training images.
+(:data:`edgeline.export.reference.data.DIGITS_SPLIT_SEED`); calibration is 128 training images.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from export.reference.data import Dataset, calibration_subset, load_digits_split
-from export.reference.training import fit_classifier, seeded_build
+from edgeline.export.reference.data import Dataset, calibration_subset, load_digits_split
+from edgeline.export.reference.training import fit_classifier, seeded_build
 
 __all__ = ["INPUT_SHAPE", "LABELS", "NAME", "TASK", "DigitsCNN", "build", "make_data", "model", "train"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from export.reference.registry import AnomalyReferenceModule, load_reference
+from edgeline.export.reference.registry import AnomalyReferenceModule, load_reference
 
 __all__ = [
     "CALIBRATION_FILE",
@@ -145,7 +145,7 @@ def prepare(name: str, out_dir: Path | str, *, seed: int = 0) -> Prepared:
     """Train reference model ``name`` with ``seed`` and write its files into ``out_dir``.
 
     Returns at once, without training, when ``out_dir`` already holds that model prepared with that seed.
-    Prints nothing. Raises :class:`~edge_runtime.errors.EdgelineError` for an unknown name.
+    Prints nothing. Raises :class:`~edgeline.errors.EdgelineError` for an unknown name.
     """
     module = load_reference(name)
     directory = Path(out_dir)
@@ -156,7 +156,7 @@ def prepare(name: str, out_dir: Path | str, *, seed: int = 0) -> Prepared:
     import numpy as np
     import torch
 
-    from export.reference.training import accuracy
+    from edgeline.export.reference.training import accuracy
 
     directory.mkdir(parents=True, exist_ok=True)
     # A reference.json left from an earlier run must not vouch for files being rewritten now.

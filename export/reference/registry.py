@@ -10,13 +10,13 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
-from edge_runtime.errors import EdgelineError
+from edgeline.errors import EdgelineError
 
 if TYPE_CHECKING:
     import numpy as np
     from torch import nn
 
-    from export.reference.data import Dataset
+    from edgeline.export.reference.data import Dataset
 
 __all__ = [
     "CATALOGUE",
@@ -45,15 +45,24 @@ class ReferenceInfo:
 CATALOGUE: dict[str, ReferenceInfo] = {
     info.name: info
     for info in (
-        ReferenceInfo("digits", "export.reference.digits", "classify", (1, 8, 8), 10, "real: scikit-learn digits"),
         ReferenceInfo(
-            "resnet8", "export.reference.resnet8", "classify", (3, 32, 32), 10, "real digits, upscaled and tinted"
+            "digits", "edgeline.export.reference.digits", "classify", (1, 8, 8), 10, "real: scikit-learn digits"
         ),
-        ReferenceInfo("ds_cnn", "export.reference.ds_cnn", "classify", (1, 49, 10), 12, "synthetic MFCC-like"),
         ReferenceInfo(
-            "vww", "export.reference.vww", "classify", (3, 96, 96), 2, "real photos with pasted digit glyphs"
+            "resnet8",
+            "edgeline.export.reference.resnet8",
+            "classify",
+            (3, 32, 32),
+            10,
+            "real digits, upscaled and tinted",
         ),
-        ReferenceInfo("autoencoder", "export.reference.autoencoder", "anomaly", (640,), 0, "synthetic machine log-mel"),
+        ReferenceInfo("ds_cnn", "edgeline.export.reference.ds_cnn", "classify", (1, 49, 10), 12, "synthetic MFCC-like"),
+        ReferenceInfo(
+            "vww", "edgeline.export.reference.vww", "classify", (3, 96, 96), 2, "real photos with pasted digit glyphs"
+        ),
+        ReferenceInfo(
+            "autoencoder", "edgeline.export.reference.autoencoder", "anomaly", (640,), 0, "synthetic machine log-mel"
+        ),
     )
 }
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.reference.data import Dataset, bilinear_resize, calibration_subset, load_digits_split, rng_for
-from export.reference.training import fit_classifier, seeded_build
+from edgeline.export.reference.data import Dataset, bilinear_resize, calibration_subset, load_digits_split, rng_for
+from edgeline.export.reference.training import fit_classifier, seeded_build
 
 __all__ = ["INPUT_SHAPE", "LABELS", "NAME", "TASK", "ResNet8", "build", "make_data", "model", "tint", "train"]
 
