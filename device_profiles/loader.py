@@ -7,17 +7,16 @@ as ``targets[1].precision``) and, where the choice is closed, the valid values.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic import ValidationError
 
 from edgeline.device_profiles.errors import ProfileError
-from edgeline.device_profiles.schema import Budgets, Cpu, Profile, Target
+from edgeline.device_profiles.schema import Profile
+from edgeline.device_profiles.validation import describe_validation_error
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -30,13 +29,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 __all__ = ["list_profiles", "load_profile", "profile_ids", "profile_json_schema"]
 
 _SUFFIX = ".toml"
-# The model each TOML table is validated against, keyed by its location with list indexes left out.
-_TABLES: dict[tuple[str, ...], type[BaseModel]] = {
-    (): Profile,
-    ("cpu",): Cpu,
-    ("targets",): Target,
-    ("budgets",): Budgets,
-}
 
 
 def load_profile(id_or_path: str | os.PathLike[str]) -> Profile:
@@ -109,46 +101,9 @@ def _parse(data: bytes, source: str) -> Profile:
         raise ProfileError(f"invalid profile {source}: not valid TOML: {exc}") from exc
     # ``Profile.source`` records where the file was found; the file itself may not set it.
     if "source" in document:
-        raise ProfileError(f"invalid profile {source}: source: unknown key; {_valid_keys(())}")
+        keys = ", ".join(name for name, field in Profile.model_fields.items() if not field.exclude)
+        raise ProfileError(f"invalid profile {source}: source: unknown key; valid keys: {keys}")
     try:
         return Profile.model_validate({**document, "source": source})
     except ValidationError as exc:
-        problems = [_describe(error) for error in exc.errors()]
-        if len(problems) == 1:
-            raise ProfileError(f"invalid profile {source}: {problems[0]}") from exc
-        listing = "".join(f"\n  {problem}" for problem in problems)
-        raise ProfileError(f"invalid profile {source} ({len(problems)} problems):{listing}") from exc
-
-
-def _describe(error: ErrorDetails) -> str:
-    loc = error["loc"]
-    if not loc:  # a check across fields: its message names the fields itself
-        return error["msg"]
-    where = _dotted(loc)
-    kind = error["type"]
-    value = error.get("input")
-    if kind == "missing":
-        return f"{where}: required field is missing"
-    if kind == "extra_forbidden":
-        table = tuple(part for part in loc[:-1] if isinstance(part, str))
-        return f"{where}: unknown key; {_valid_keys(table)}"
-    if kind in ("enum", "literal_error"):
-        choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
-        return f"{where}: {value!r} is not valid; valid: {', '.join(choices)}"
-    got = "" if isinstance(value, dict) else f" (got {value!r})"
-    return f"{where}: {error['msg'][0].lower()}{error['msg'][1:]}{got}"
-
-
-def _dotted(loc: tuple[int | str, ...]) -> str:
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path.lstrip(".")
-
-
-def _valid_keys(table: tuple[str, ...]) -> str:
-    model = _TABLES.get(table)
-    if model is None:
-        return "this value is not a table"
-    keys = [name for name in model.model_fields if name != "source"]
-    return "valid keys: " + ", ".join(keys)
+        raise ProfileError(describe_validation_error(exc, Profile, f"invalid profile {source}")) from exc

@@ -10,13 +10,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from edgeline.device_profiles.validation import describe_validation_error
 from edgeline.errors import BundleError, IntegrityError
 from edgeline.manifest import FileEntry, Manifest
 
 __all__ = [
     "MANIFEST_FILE",
     "Bundle",
-    "describe_validation_error",
     "file_entry",
     "read_bundle",
     "write_manifest",
@@ -67,14 +67,6 @@ def write_manifest(bundle_dir: Path, manifest: Manifest) -> Path:
     return path
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
-        lines.append(f"{where}: {error['msg']}")
-    return "; ".join(lines)
-
-
 def read_manifest(bundle_dir: Path) -> Manifest:
     path = bundle_dir / MANIFEST_FILE
     if not path.is_file():
@@ -93,7 +85,7 @@ def read_manifest(bundle_dir: Path) -> Manifest:
     try:
         return Manifest.model_validate(data)
     except ValidationError as exc:
-        raise BundleError(f"{path}: invalid manifest: {describe_validation_error(exc)}") from exc
+        raise BundleError(describe_validation_error(exc, Manifest, f"{path}: invalid manifest")) from exc
 
 
 def verify_files(bundle_dir: Path, manifest: Manifest) -> None:

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from edgeline.device_profiles.schema import Budgets
+
 __all__ = [
     "SCHEMA_VERSION",
     "Budgets",
@@ -151,16 +153,6 @@ class Fidelity(_Frozen):
         return self
 
 
-class Budgets(_Frozen):
-    """The profile's budgets, carried so the device can check its own share (latency, memory)."""
-
-    max_model_bytes: int | None = None
-    max_accuracy_drop: float | None = None
-    min_cosine: float | None = None
-    max_latency_ms: float | None = None
-    max_memory_mb: int | None = None
-
-
 class RuntimeRequirement(_Frozen):
     package: str
     min_version: str
@@ -192,7 +184,8 @@ class Manifest(_Frozen):
     window: Window | None = None
     fidelity: Fidelity
     golden: Golden | None = None
-    budgets: Budgets = Budgets()
+    budgets: Budgets
+    """The profile's budgets (one class with the profiles'), so the device can check its own share (latency)."""
     runtime: RuntimeRequirement
     placement: Placement | None = None
     export: dict[str, str] = Field(default_factory=dict)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from edgeline.arrays import all_finite
 from edgeline.backends import Session, open_session
 from edgeline.bundle import Bundle, read_bundle
 from edgeline.errors import BundleError, PayloadError
@@ -49,9 +49,7 @@ def _input_converter(index: int, spec: TensorSpec, manifest: Manifest) -> Conver
         return x
 
     def check_finite(x: np.ndarray) -> None:
-        # The cheapest full scan (a BLAS dot product): NaN or Inf anywhere makes it non-finite. Huge finite
-        # values can overflow it too, so only then is every element checked.
-        if not math.isfinite(_vdot(x, x)) and not np.isfinite(x).all():
+        if not all_finite(x):
             raise PayloadError(f"{where}: contains NaN or Inf", code="non-finite")
 
     if params is not None and dtype.kind in "iu":

@@ -11,7 +11,7 @@ import numpy as np
 from edgeline.errors import PayloadError
 from edgeline.manifest import TensorSpec
 
-__all__ = ["LABELS_KEY", "SampleSet", "read_npz", "sample_set"]
+__all__ = ["LABELS_KEY", "SampleSet", "check_sample_counts", "match_inputs", "read_npz", "sample_set"]
 
 LABELS_KEY = "labels"
 
@@ -67,22 +67,35 @@ def _as_samples(array: np.ndarray, spec: TensorSpec, where: str) -> np.ndarray:
     return array.astype(np.float32, copy=False)
 
 
-def sample_set(arrays: dict[str, np.ndarray], specs: Sequence[TensorSpec], source: str) -> SampleSet:
-    """Match named arrays to model inputs: by input name when all names match, else in file order."""
+def match_inputs(
+    arrays: dict[str, np.ndarray], names: Sequence[str] | None, source: str, *, taker: str = "the model"
+) -> tuple[list[str], list[np.ndarray], np.ndarray | None]:
+    """The one way sample files meet a model: ``labels`` split off, the other arrays in the order of the input
+    ``names`` when they carry exactly those names, else in file order (``names`` None: any number of them).
+    Returns the keys, the arrays and the labels."""
     labels = arrays.get(LABELS_KEY)
     data = {key: value for key, value in arrays.items() if key != LABELS_KEY}
-    if len(data) != len(specs):
+    if names is not None and len(data) != len(names):
         raise PayloadError(
             f"{source}: holds {len(data)} input arrays ({', '.join(data) or 'none'}) "
-            f"but the model takes {len(specs)} ({', '.join(s.name for s in specs)})"
+            f"but {taker} takes {len(names)} ({', '.join(names)})"
         )
-    names = [spec.name for spec in specs]
-    ordered = [data[name] for name in names] if set(data) == set(names) else list(data.values())
-    keys = names if set(data) == set(names) else list(data)
-    inputs = [_as_samples(a, s, f"{source}[{k}]") for a, s, k in zip(ordered, specs, keys, strict=True)]
+    keys = list(names) if names is not None and set(data) == set(names) else list(data)
+    return keys, [data[key] for key in keys], labels
+
+
+def check_sample_counts(inputs: Sequence[np.ndarray], labels: np.ndarray | None, source: str) -> None:
+    """Every input array, and the labels, hold the same number of samples (the first axis)."""
     counts = {array.shape[0] for array in inputs}
     if len(counts) != 1:
         raise PayloadError(f"{source}: input arrays disagree on the number of samples: {sorted(counts)}")
     if labels is not None and labels.shape[:1] != inputs[0].shape[:1]:
         raise PayloadError(f"{source}[labels]: {labels.shape[0]} labels for {inputs[0].shape[0]} samples")
+
+
+def sample_set(arrays: dict[str, np.ndarray], specs: Sequence[TensorSpec], source: str) -> SampleSet:
+    """Match named arrays to model inputs (``match_inputs``) and check each against its input's shape."""
+    keys, ordered, labels = match_inputs(arrays, [spec.name for spec in specs], source)
+    inputs = [_as_samples(a, s, f"{source}[{k}]") for a, s, k in zip(ordered, specs, keys, strict=True)]
+    check_sample_counts(inputs, labels, source)
     return SampleSet(inputs, labels, source)

@@ -10,40 +10,28 @@ from edgeline.errors import EdgelineError
 from edgeline.export.errors import CalibrationError
 from edgeline.export.fidelity import run_float
 from edgeline.export.loading import LoadedModel
-from edgeline.samples import SampleSet, read_npz
+from edgeline.samples import SampleSet, check_sample_counts, match_inputs, read_npz
 
-__all__ = ["check_model_runs", "load_samples"]
+__all__ = ["check_model_runs", "load_model_samples"]
 
 
-def load_samples(path: Path, role: str, loaded: LoadedModel, expected: SampleSet | None) -> SampleSet:
+def load_model_samples(path: Path, role: str, loaded: LoadedModel, expected: SampleSet | None) -> SampleSet:
+    source = f"{role} file {path}"
     try:
         arrays = read_npz(path, role)
+        names, ordered, labels = match_inputs(arrays, loaded.forward_parameters, source, taker="the model's forward")
+        inputs = []
+        for key, array in zip(names, ordered, strict=True):
+            if not np.issubdtype(array.dtype, np.floating):
+                raise CalibrationError(f"{source}[{key}]: dtype {array.dtype}, expected floating point")
+            if array.ndim < 1 or array.shape[0] < 1:
+                raise CalibrationError(f"{source}[{key}]: needs a first axis of samples, got {array.shape}")
+            inputs.append(np.ascontiguousarray(array, dtype=np.float32))
+        check_sample_counts(inputs, labels, source)
+    except CalibrationError:
+        raise
     except EdgelineError as exc:
         raise CalibrationError(str(exc)) from exc
-    labels = arrays.pop("labels", None)
-    names = loaded.forward_parameters
-    if names is not None and set(arrays) == set(names):
-        ordered = [arrays[n] for n in names]
-    else:
-        ordered = list(arrays.values())
-        names = tuple(arrays)
-    if loaded.forward_parameters is not None and len(ordered) != len(loaded.forward_parameters):
-        raise CalibrationError(
-            f"{role} file {path} holds {len(ordered)} input arrays ({', '.join(arrays)}) but the model's "
-            f"forward takes {len(loaded.forward_parameters)} ({', '.join(loaded.forward_parameters)})"
-        )
-    inputs = []
-    for key, array in zip(names, ordered, strict=True):
-        if not np.issubdtype(array.dtype, np.floating):
-            raise CalibrationError(f"{role} file {path}[{key}]: dtype {array.dtype}, expected floating point")
-        if array.ndim < 1 or array.shape[0] < 1:
-            raise CalibrationError(f"{role} file {path}[{key}]: needs a first axis of samples, got {array.shape}")
-        inputs.append(np.ascontiguousarray(array, dtype=np.float32))
-    counts = {a.shape[0] for a in inputs}
-    if len(counts) != 1:
-        raise CalibrationError(f"{role} file {path}: arrays disagree on the number of samples: {sorted(counts)}")
-    if labels is not None and labels.shape[:1] != inputs[0].shape[:1]:
-        raise CalibrationError(f"{role} file {path}[labels]: {labels.shape[0]} labels for {inputs[0].shape[0]} samples")
     if expected is not None:
         for key, got, want in zip(names, inputs, expected.inputs, strict=True):
             if got.shape[1:] != want.shape[1:]:

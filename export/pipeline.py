@@ -25,14 +25,14 @@ from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
 from edgeline.export.backends import EXPORT_BACKENDS, ExportRequest
 from edgeline.export.budgets import budget_violations
-from edgeline.export.calibration import check_model_runs, load_samples
+from edgeline.export.calibration import check_model_runs, load_model_samples
 from edgeline.export.conversion import convert, with_alternatives
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError, LoweringError
 from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
 from edgeline.export.loading import LoadedModel, load_model
 from edgeline.export.report import ExportReport, TargetOutcome
 from edgeline.export.staging import write_bundle, write_golden
-from edgeline.manifest import NAME_PATTERN, Budgets, Fidelity, Postprocess
+from edgeline.manifest import NAME_PATTERN, Fidelity, Postprocess
 from edgeline.model import load
 from edgeline.postprocess import interpret
 from edgeline.samples import SampleSet
@@ -240,9 +240,9 @@ def run_export(options: ExportOptions, progress: Progress = lambda line: None) -
     loaded = load_model(options.model)
     name = options.name or _check_name(loaded.default_name, f"the name taken from {options.model} (give --name)")
     out, version = _out_dir(options, name)
-    calibration = load_samples(options.calibration, "calibration", loaded, None)
+    calibration = load_model_samples(options.calibration, "calibration", loaded, None)
     validation = (
-        load_samples(options.validation, "validation", loaded, calibration) if options.validation else calibration
+        load_model_samples(options.validation, "validation", loaded, calibration) if options.validation else calibration
     )
     outputs = check_model_runs(loaded, calibration)
     post = _postprocess(options, loaded, calibration, validation, outputs)
@@ -257,7 +257,7 @@ def run_export(options: ExportOptions, progress: Progress = lambda line: None) -
         "created": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
         "profile": profile.id,
         "postprocess": post,
-        "budgets": Budgets(**profile.budgets.model_dump()),
+        "budgets": profile.budgets,
         "export": {"source": loaded.source, "edgeline": _edgeline_version()},
     }
     staging = out.parent / f".{out.name}.staging"

@@ -86,11 +86,11 @@ def add_sensor_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_sensors(args: argparse.Namespace) -> list[Sensor]:
     """The sensors of every device the arguments name, with their samples loaded."""
-    from edgeline.sim.data import load_samples, resolve_model
+    from edgeline.sim.data import load_sensor_samples, resolve_model
     from edgeline.sim.sensors import fleet_devices, make_sensor
 
     model = resolve_model(args.sensor, args.model)
-    samples = load_samples(args.data, model)
+    samples = load_sensor_samples(args.data, model)
     return [
         make_sensor(
             args.sensor,

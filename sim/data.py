@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeline.arrays import all_finite
 from edgeline.errors import EdgelineError
 from edgeline.samples import LABELS_KEY, read_npz
 
@@ -27,7 +28,7 @@ __all__ = [
     "SENSOR_MODELS",
     "VALIDATION_FILE",
     "Samples",
-    "load_samples",
+    "load_sensor_samples",
     "resolve_model",
 ]
 
@@ -91,7 +92,7 @@ def resolve_model(sensor: str, model: str | None = None) -> str:
     return model
 
 
-def load_samples(data: Path | str | None, model: str) -> Samples:
+def load_sensor_samples(data: Path | str | None, model: str) -> Samples:
     """The samples at ``data`` for reference ``model``.
 
     ``data`` is an .npz file (replayed whatever its shape), or a directory holding ``validation.npz`` itself
@@ -137,7 +138,7 @@ def _read(path: Path) -> Samples:
         raise EdgelineError(f"{path}: samples of shape {list(x.shape)}; expected (N, ...) with N samples first")
     with np.errstate(over="ignore"):
         x32 = x.astype(np.float32, copy=False)
-    if not np.isfinite(x32).all():
+    if not all_finite(x32):
         raise EdgelineError(f"{path}: samples hold NaN or Inf (after conversion to float32)")
     if labels is not None:
         if not np.issubdtype(labels.dtype, np.integer):

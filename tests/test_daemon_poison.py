@@ -199,7 +199,8 @@ def test_a_dead_thread_ends_the_daemon_with_a_failure(built_litert_bundle: Path,
 
 
 def test_the_watchdog_stops_while_the_worker_is_stuck(built_litert_bundle: Path, tmp_path: Path) -> None:
-    """WATCHDOG=1 flows while idle, stops while the worker is stuck in a call, and comes back once it is free."""
+    """WATCHDOG=1 flows while idle, stops while the worker is stuck in a call, and comes back once it is free; the
+    status says whether the worker waits for input and whether the source waits for room (back-pressure)."""
     path = str(tmp_path / "notify.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
         receiver.bind(path)
@@ -228,7 +229,9 @@ def test_the_watchdog_stops_while_the_worker_is_stuck(built_litert_bundle: Path,
                         submit(feed.pop(0))
                     stopping.wait(0.02)
 
-        config = DaemonConfig.model_validate({"source": {"kind": "serial", "url": "unused"}})
+        config = DaemonConfig.model_validate(
+            {"source": {"kind": "serial", "url": "unused"}, "queue": {"capacity": 1, "policy": "block"}}
+        )
         notifier = SystemdNotifier(address=path, watchdog_usec="100000")  # a ping every 50 ms while healthy
         daemon = Daemon(built_litert_bundle, config, echo=lambda a: None, source=HeldSource(), notifier=notifier)
         process = daemon.processor.process_batch
@@ -242,8 +245,16 @@ def test_the_watchdog_stops_while_the_worker_is_stuck(built_litert_bundle: Path,
         daemon.start()
         try:
             assert pings(0.5) >= 3  # idle: healthy
-            feed.append(Message(topic="s", payload=json.dumps({"data": image(1)}).encode(), device="d"))
-            assert entered.wait(TIMEOUT_S)
+            gauges = daemon.metrics.snapshot()
+            assert (gauges["worker_idle"], gauges["source_blocked"]) == (True, False)
+            payload = json.dumps({"data": image(1)}).encode()
+            feed.extend(Message(topic="s", payload=payload, device="d") for _ in range(3))  # 1 in the worker,
+            assert entered.wait(TIMEOUT_S)  # 1 queued, 1 waiting for room
+            deadline = time.monotonic() + TIMEOUT_S
+            while not daemon.metrics.snapshot()["source_blocked"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            gauges = daemon.metrics.snapshot()
+            assert (gauges["worker_idle"], gauges["source_blocked"]) == (False, True)
             pings(0.2)  # the tick that saw the worker start may still ping
             assert pings(0.6) == 0  # stuck: no ping, systemd would restart us
             gate.set()

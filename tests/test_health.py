@@ -328,3 +328,9 @@ def test_systemd_unit_is_notify_with_watchdog_and_runs_the_daemon() -> None:
     assert int(service["WatchdogSec"]) > 0
     assert service["KillSignal"] == "SIGTERM"
     assert " run " in service["ExecStart"] and "--config" in service["ExecStart"]
+    # SIGTERM drains first: systemd must not SIGKILL before the daemon's own drain timeout is over
+    from edgeline.daemon.config import DaemonSection
+
+    assert float(service["TimeoutStopSec"]) > DaemonSection().drain_timeout_s
+    # a serial sensor's device node belongs to dialout, which DynamicUser= does not give
+    assert service["DynamicUser"] == "yes" and "dialout" in service["SupplementaryGroups"].split()

@@ -213,7 +213,7 @@ def test_file_entries_outside_the_bundle_fail_validation(litert_bundle: Path, pa
     data = _manifest(litert_bundle)
     data["files"].append({"path": path, "size": 7, "sha256": hashlib.sha256(b"outside").hexdigest()})
     _write_manifest(litert_bundle, data)
-    with pytest.raises(BundleError, match=r"invalid manifest: files\.2\.path: .*relative path inside the bundle"):
+    with pytest.raises(BundleError, match=r"invalid manifest: files\[2\]\.path: .*relative path inside the bundle"):
         edgeline.load(litert_bundle)
 
 

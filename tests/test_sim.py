@@ -21,7 +21,7 @@ import pytest
 
 from edgeline.cli import main
 from edgeline.daemon.config import BrokerAddress
-from edgeline.sim.data import MODEL_SHAPES, SENSOR_MODELS, Samples, load_samples, resolve_model
+from edgeline.sim.data import MODEL_SHAPES, SENSOR_MODELS, Samples, load_sensor_samples, resolve_model
 from edgeline.sim.publisher import PublishOptions, fleet_messages, publish
 from edgeline.sim.sensors import ReplaySensor, VibrationSensor, fleet_devices, float32_values, make_sensor
 from tests.mqtt_broker import Broker, free_port
@@ -142,7 +142,7 @@ def test_fleet_of_three_sends_exactly_count_each(
     assert len(set(ids)) == len(ids)
     assert {message["id"] for message in by_device["pump-002"]} == {f"pump-002-{seq}" for seq in range(12)}
 
-    samples = load_samples(prepared, "digits")
+    samples = load_sensor_samples(prepared, "digits")
     assert samples.labels is not None
     label_of = {sample.tobytes(): int(label) for sample, label in zip(samples.x, samples.labels, strict=True)}
     for _, message in received:
@@ -157,7 +157,7 @@ def test_seeded_runs_are_identical_through_the_broker(
     runs = []
     for run in ("first", "second"):
         collector = collect(f"{unique_topic}/{run}/#")
-        sensors = [make_sensor("digits", load_samples(prepared, "digits"), device=d, seed=5) for d in ("a", "b")]
+        sensors = [make_sensor("digits", load_sensor_samples(prepared, "digits"), device=d, seed=5) for d in ("a", "b")]
         options = PublishOptions(count=8, rate_hz=0, topic=f"{unique_topic}/{run}/{{device}}", qos=1)
         report = publish(sensors, BrokerAddress.parse(session_broker.address), options)
         assert report.published == 16
@@ -172,7 +172,7 @@ def test_seeded_runs_are_identical_through_the_broker(
 
 
 def test_time_limit_stops_a_run_that_count_would_not(session_broker: Broker, unique_topic: str, prepared: Path) -> None:
-    sensors = [make_sensor("digits", load_samples(prepared, "digits"), device="slow")]
+    sensors = [make_sensor("digits", load_sensor_samples(prepared, "digits"), device="slow")]
     options = PublishOptions(count=1000, rate_hz=4, topic=f"{unique_topic}/{{device}}", time_limit_s=0.5)
     start = time.monotonic()
     report = publish(sensors, BrokerAddress.parse(session_broker.address), options)
@@ -184,7 +184,7 @@ def test_time_limit_stops_a_run_that_count_would_not(session_broker: Broker, uni
 
 def test_count_bounds_an_unpaced_run(session_broker: Broker, unique_topic: str, collect: Any, prepared: Path) -> None:
     collector = collect(f"{unique_topic}/#")
-    sensors = [make_sensor("digits", load_samples(prepared, "digits"), device="fast")]
+    sensors = [make_sensor("digits", load_sensor_samples(prepared, "digits"), device="fast")]
     options = PublishOptions(count=3 * SAMPLES + 1, rate_hz=0, topic=f"{unique_topic}/{{device}}", qos=0)
     report = publish(sensors, BrokerAddress.parse(session_broker.address), options)
     assert report.published == report.acknowledged == 61
@@ -209,7 +209,7 @@ def test_vibration_sensor_cli_injects_anomalies(
 
 
 def digits(prepared: Path) -> Samples:
-    return load_samples(prepared, "digits")
+    return load_sensor_samples(prepared, "digits")
 
 
 def test_messages_are_a_pure_function_of_seed_device_and_seq(prepared: Path) -> None:
@@ -262,7 +262,7 @@ def test_float32_values_read_back_exactly() -> None:
 
 
 def test_vibration_anomaly_rate(prepared: Path) -> None:
-    samples = load_samples(prepared, "autoencoder")
+    samples = load_sensor_samples(prepared, "autoencoder")
     truth = samples.labels
     assert truth is not None
 
@@ -288,11 +288,11 @@ def test_sensor_catalogue_matches_the_reference_models() -> None:
 
 
 def test_data_directory_layouts(prepared: Path, tmp_path: Path) -> None:
-    assert load_samples(prepared, "digits").x.shape == (SAMPLES, 1, 8, 8)
-    assert load_samples(prepared / "digits", "digits").x.shape == (SAMPLES, 1, 8, 8)
+    assert load_sensor_samples(prepared, "digits").x.shape == (SAMPLES, 1, 8, 8)
+    assert load_sensor_samples(prepared / "digits", "digits").x.shape == (SAMPLES, 1, 8, 8)
     # Any .npz replays as it is, whatever its shape or array name; labels stay optional.
     np.savez(tmp_path / "any.npz", frames=np.ones((4, 3), dtype=np.float64))
-    samples = load_samples(tmp_path / "any.npz", "digits")
+    samples = load_sensor_samples(tmp_path / "any.npz", "digits")
     assert samples.x.dtype == np.float32 and samples.labels is None and samples.sample_size == 3
 
 

@@ -96,15 +96,6 @@ def test_samples_with_the_wrong_channel_count_are_the_wrong_shape(shape: tuple[i
     assert windower.pending == 1  # the bad push changed nothing
 
 
-def test_reset_forgets_the_partial_window() -> None:
-    windower = Windower(Window(size=3, hop=3, channels=1))
-    windower.push(np.array([[1], [2]], dtype=np.float32))
-    windower.reset()
-    assert windower.pending == 0
-    (window,) = windower.push(np.array([[7], [8], [9]], dtype=np.float32))
-    assert window.ravel().tolist() == [7, 8, 9]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # many streams
 
@@ -148,13 +139,6 @@ def test_a_bad_push_on_a_new_key_evicts_nobody() -> None:
     with pytest.raises(PayloadError):
         streams.push("b", np.zeros((1, 3), dtype=np.float32))
     assert "a" in streams and "b" not in streams and streams.evicted == 0
-
-
-def test_forget_drops_a_stream() -> None:
-    streams = StreamWindows(Window(size=2, hop=2, channels=1))
-    streams.push("a", np.array([[1]], dtype=np.float32))
-    assert streams.forget("a") and not streams.forget("a")
-    assert streams.push("a", np.array([[2]], dtype=np.float32)) == []
 
 
 def test_at_least_one_stream_is_kept() -> None:

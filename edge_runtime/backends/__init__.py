@@ -36,12 +36,6 @@ class Session(Protocol):
     def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]: ...
 
 
-class BatchingSession(Session, Protocol):
-    """A session that can also open its model for several samples per call (optional)."""
-
-    def batched(self, size: int) -> Session | None: ...
-
-
 class SessionFactory(Protocol):
     file_suffixes: tuple[str, ...]
 

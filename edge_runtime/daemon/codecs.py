@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from edgeline.arrays import all_finite
 from edgeline.errors import BackendUnavailableError, EdgelineError, PayloadError
 from edgeline.manifest import TensorSpec, Window
 from edgeline.quantization import dequantize
@@ -318,8 +319,7 @@ def _describe(value: Any) -> str:
 
 
 def _check_finite(array: np.ndarray, where: str) -> None:
-    # One BLAS pass: NaN or Inf anywhere makes the dot product non-finite (huge finite values can too: then look).
-    if not math.isfinite(np.vdot(array, array)) and not np.isfinite(array).all():
+    if not all_finite(array):
         raise PayloadError(f"{where} holds NaN or Inf", code="non-finite")
 
 
@@ -430,7 +430,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "biuf":
             raise TypeError(f"cannot encode an array of dtype {value.dtype}")
-        if value.dtype.kind == "f" and not np.isfinite(value).all():
+        if not all_finite(value):
             raise _NonFinite
         return value.tolist()
     if isinstance(value, np.generic):

@@ -29,8 +29,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edgeline.bundle import describe_validation_error
 from edgeline.daemon.topics import TopicFilter, validate_template
+from edgeline.device_profiles.validation import describe_validation_error
 from edgeline.errors import EdgelineError
 from edgeline.manifest import Window
 
@@ -300,7 +300,9 @@ def _validate(data: object, source: str) -> DaemonConfig:
     try:
         return DaemonConfig.model_validate(data)
     except ValidationError as exc:
-        raise EdgelineError(f"{source}: invalid daemon configuration: {describe_validation_error(exc)}") from exc
+        raise EdgelineError(
+            describe_validation_error(exc, DaemonConfig, f"{source}: invalid daemon configuration")
+        ) from exc
 
 
 def load_config(path: Path | None) -> DaemonConfig:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from edgeline.arrays import all_finite
 from edgeline.daemon.codecs import Codec, Decoded
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.messages import Answer, Message
@@ -274,7 +275,7 @@ class Processor:
         if problem is not None:
             raise _TopicError(f"the answer's topic cannot be formed from device {message.device[:64]!r}: {problem}")
         for output in outputs:
-            if not np.isfinite(output).all():
+            if not all_finite(output):
                 raise _ModelOutputError("the model's output holds NaN or Inf for this input")
         interpreted = self.model.interpret(inputs, outputs).as_dict()
         record = self._record(message, sequence, identity)

@@ -354,6 +354,9 @@ class Daemon:
             "queue_depth": stats.depth,
             "queue_capacity": stats.capacity,
             "batch_size": self.model.batch_size,
+            # back-pressure: the source waits for room (block policy); the worker waits for input
+            "source_blocked": self.queue.waiting_puts > 0,
+            "worker_idle": self.queue.waiting_gets > 0,
         }
         if self.connection is not None:
             gauges["connected"] = self.connection.connected.is_set()

@@ -21,7 +21,6 @@ buffered whole.
 from __future__ import annotations
 
 import base64
-import importlib
 import logging
 import sys
 import threading
@@ -36,6 +35,7 @@ from edgeline.daemon.config import SourceConfig
 from edgeline.daemon.messages import Message
 from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
+from edgeline.registry import resolve
 
 __all__ = ["LineFramer", "ReplaySource", "SerialSource", "Source", "make_source", "parse_record"]
 
@@ -264,17 +264,6 @@ class ReplaySource:
         submit(message)
 
 
-def load_external_source(kind: str) -> type:
-    """A source class registered by name in ``SOURCES``, imported now."""
-    module_name, _, class_name = SOURCES[kind].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EdgelineError(f"the {kind} source needs the {module_name.split('.')[0]} package: {exc}") from exc
-    source_class: type = getattr(module, class_name)
-    return source_class
-
-
 def make_source(settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int) -> Source | None:
     """The configured source, or None for MQTT (the daemon's broker connection is that source)."""
     device = settings.device
@@ -287,6 +276,6 @@ def make_source(settings: SourceConfig, *, filters: Sequence[TopicFilter], max_p
             settings.path, filters=filters, device=device, max_payload_bytes=max_payload_bytes, speed=settings.speed
         )
     if settings.kind in SOURCES and settings.sim is not None:
-        source: Source = load_external_source(settings.kind)(settings.sim, device=device)
+        source: Source = resolve(SOURCES, settings.kind, "source", EdgelineError)(settings.sim, device=device)
         return source
     return None  # mqtt: the configuration has checked that every other kind has what it needs

@@ -68,11 +68,6 @@ class Windower:
             self._pending = data[next_start:].astype(_F32, copy=True)  # never a view of the caller's array
         return windows
 
-    def reset(self) -> None:
-        """Forget the partial window (after a gap in the stream, for example)."""
-        self._pending = self._pending[:0]
-        self._skip = 0
-
 
 class StreamWindows:
     """One ``Windower`` per stream key, created on first use; at most ``max_streams``, least recently used out."""
@@ -108,7 +103,3 @@ class StreamWindows:
         else:
             self._streams.move_to_end(key)
         return windower.push(samples)
-
-    def forget(self, key: str) -> bool:
-        """Drop the stream ``key`` (a device that went offline); whether it was there."""
-        return self._streams.pop(key, None) is not None
