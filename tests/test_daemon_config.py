@@ -98,13 +98,14 @@ def test_errors_name_the_key(tmp_path: Path, text: str, named: str) -> None:
 
 
 def test_valid_values_are_listed(tmp_path: Path) -> None:
-    with pytest.raises(EdgelineError, match="queue.policy: 'drop-newest' is not valid; valid: drop-oldest, block"):
+    with pytest.raises(EdgelineError, match=r"queue\.policy: 'drop-newest' is not valid; valid: drop-oldest, block"):
         load_config(write(tmp_path, "[queue]\npolicy = 'drop-newest'\n"))
 
 
 def test_an_unknown_key_lists_the_valid_keys_of_its_table(tmp_path: Path) -> None:
     """The same wording as a profile's (one formatter for profiles, manifests and daemon configurations)."""
-    with pytest.raises(EdgelineError, match=r"queue.max_batches: unknown key; valid keys: capacity, policy, max_batch$"):
+    expected = r"queue\.max_batches: unknown key; valid keys: capacity, policy, max_batch$"
+    with pytest.raises(EdgelineError, match=expected):
         load_config(write(tmp_path, "[queue]\nmax_batches = 4\n"))
 
 

@@ -1,4 +1,9 @@
-"""Property tests of the pure pieces: quantization maths, metrics, post-processing and sample matching."""
+"""Property tests of the pure pieces: quantization maths, metrics, post-processing and sample matching.
+
+Quantization is tested where inferences go through it: the converters ``Model`` builds once per input and output
+(``edgeline.model``), which compute in place with precomputed constants. ``edgeline.quantization`` holds the plain
+formulas; the converters must agree with them exactly.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from hypothesis.extra import numpy as hnp
 from edgeline.errors import PayloadError
 from edgeline.export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
 from edgeline.manifest import Postprocess, Quantization, TensorSpec
+from edgeline.model import _input_converter, _output_converter
 from edgeline.postprocess import interpret, softmax
 from edgeline.quantization import dequantize, quantize
 from edgeline.samples import sample_set
@@ -24,6 +30,25 @@ INTEGER_DTYPES = [np.dtype(np.int8), np.dtype(np.uint8)]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # quantization
+
+
+class _NoPreprocess:
+    preprocess = None  # all of the manifest an input converter reads
+
+
+def to_model(values: np.ndarray, params: Quantization, dtype: np.dtype) -> np.ndarray:
+    """What an inference feeds the model for these float values: the input converter of an int input."""
+    spec = TensorSpec(name="x", dtype=str(dtype), shape=(1, values.size), quantization=params)
+    convert = _input_converter(0, spec, _NoPreprocess())
+    return convert(np.asarray(values, dtype=np.float32).reshape(1, -1)).reshape(values.shape).copy()
+
+
+def from_model(codes: np.ndarray, params: Quantization) -> np.ndarray:
+    """What an inference returns for these output codes: the output converter of an int output."""
+    spec = TensorSpec(name="y", dtype=str(codes.dtype), shape=(1, codes.size), quantization=params)
+    convert = _output_converter(spec)
+    assert convert is not None
+    return convert(codes.reshape(1, -1)).reshape(codes.shape)
 
 
 @st.composite
@@ -51,10 +76,10 @@ def test_round_trip_error_is_at_most_half_a_step_inside_the_range(
         )
     )
     values = (steps * quant.scale).astype(np.float32)
-    quantized = quantize(values, quant, dtype)
+    quantized = to_model(values, quant, dtype)
     assert quantized.dtype == dtype
     assert quantized.shape == values.shape
-    restored = dequantize(quantized, quant)
+    restored = from_model(quantized, quant)
     assert restored.dtype == np.float32
     error = np.abs(restored.astype(np.float64) - values.astype(np.float64))
     # Half a step, plus float32 rounding of the division and the multiplication (far below a step).
@@ -71,8 +96,11 @@ def test_values_outside_the_range_saturate(params: tuple[Quantization, np.dtype]
     else:
         value, expected = (info.min - quant.zero_point - 0.5 - beyond) * quant.scale, info.min
     assume(math.isfinite(float(np.float32(value))))
-    quantized = quantize(np.array([value, sign * np.inf], dtype=np.float32), quant, dtype)
-    assert quantized.tolist() == [expected, expected]
+    quantized = to_model(np.array([value, -value], dtype=np.float32), quant, dtype)
+    assert quantized[0] == expected
+    with pytest.raises(PayloadError, match="NaN or Inf") as refused:
+        to_model(np.array([value, sign * np.inf], dtype=np.float32), quant, dtype)
+    assert refused.value.code == "non-finite"
 
 
 @PROPERTY
@@ -85,7 +113,7 @@ def test_exact_halves_round_to_even(dtype: np.dtype, exponent: int, data: st.Dat
     quant = Quantization(scale=scale, zero_point=zero_point)
     value = np.array([(below + 0.5) * scale], dtype=np.float32)
     nearest_even = below if below % 2 == 0 else below + 1
-    assert int(quantize(value, quant, dtype)[0]) == nearest_even + zero_point
+    assert int(to_model(value, quant, dtype)[0]) == nearest_even + zero_point
 
 
 @PROPERTY
@@ -96,7 +124,7 @@ def test_quantize_is_monotonic(params: tuple[Quantization, np.dtype], data: st.D
         hnp.arrays(np.float32, st.integers(2, 32), elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=False))
     )
     ordered = np.sort(values)
-    quantized = quantize(ordered, quant, dtype).astype(np.int64)
+    quantized = to_model(ordered, quant, dtype).astype(np.int64)
     assert (np.diff(quantized) >= 0).all()
 
 
@@ -108,7 +136,22 @@ def test_every_code_dequantizes_and_quantizes_back_to_itself(
     quant, dtype = params
     info = np.iinfo(dtype)
     codes = data.draw(hnp.arrays(dtype, st.integers(1, 32), elements=st.integers(int(info.min), int(info.max))))
-    assert np.array_equal(quantize(dequantize(codes, quant), quant, dtype), codes)
+    assert np.array_equal(to_model(from_model(codes, quant), quant, dtype), codes)
+
+
+@PROPERTY
+@given(params=quantization_params(), data=st.data())
+def test_the_converters_agree_with_the_formulas_exactly(
+    params: tuple[Quantization, np.dtype], data: st.DataObject
+) -> None:
+    quant, dtype = params
+    info = np.iinfo(dtype)
+    values = data.draw(
+        hnp.arrays(np.float32, st.integers(1, 32), elements=st.floats(-1e6, 1e6, width=32, allow_subnormal=False))
+    )
+    assert np.array_equal(to_model(values, quant, dtype), quantize(values, quant, dtype))
+    codes = data.draw(hnp.arrays(dtype, st.integers(1, 32), elements=st.integers(int(info.min), int(info.max))))
+    assert np.array_equal(from_model(codes, quant), dequantize(codes, quant))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
