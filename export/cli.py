@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +45,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--name", help="bundle name (default: from MODEL)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     parser.add_argument(
+        "--all",
+        action="store_true",
+        help="try every target of the profile, write each bundle that passes to OUT/BACKEND-PRECISION and show "
+        "them side by side; the profile's order still picks one",
+    )
+    parser.add_argument(
         "--task",
         choices=["classify", "regress", "anomaly", "raw"],
         help="how to read the outputs (default: classify when validation has labels)",
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise BackendUnavailableError("edgeline export needs the export extra: pip install 'edgeline[export]'") from exc
     from edgeline.export.pipeline import ExportOptions, run_export
+    from edgeline.export.progress import Progress
     from edgeline.export.report import format_report
 
     options = ExportOptions(
@@ -95,13 +100,10 @@ def run(args: argparse.Namespace) -> int:
         task=args.task,
         labels=_read_labels(args.labels),
         threshold=args.threshold,
+        all_targets=args.all,
     )
-    started = time.perf_counter()
-
-    def progress(line: str) -> None:
-        print(f"[{time.perf_counter() - started:6.1f}s] {line}", file=sys.stderr, flush=True)
-
-    report = run_export(options, progress)
+    with Progress() as progress:
+        report = run_export(options, progress)
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from edgeline.export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
+from edgeline.export.progress import Progress
 from edgeline.manifest import Fidelity, Postprocess
 from edgeline.model import Model
 from edgeline.postprocess import interpret
@@ -25,16 +27,83 @@ class FloatReference:
     outputs: list[list[np.ndarray]]  # per sample, per output
 
 
-def run_float(module: Any, samples: SampleSet) -> FloatReference:
+FLOAT_BATCH = 64
+"""Samples per call of the float model when it can take several (see ``run_float``)."""
+
+Outputs = list[np.ndarray]
+Call = Callable[[list[np.ndarray]], Outputs]
+
+
+def run_float(module: Any, samples: SampleSet, progress: Progress | None = None) -> FloatReference:
+    """The float model's outputs for every sample, each as the model returns it for that sample alone.
+
+    A module exported with a batch of 1 (a ``.pt2``) refuses a batch, and one call per sample costs about a
+    millisecond of overhead at best. So the samples go through in batches of ``FLOAT_BATCH``: called directly when
+    the module takes a batch, else vectorised over the batch with ``torch.vmap`` (each sample still sees its batch
+    of 1). Either way is used only when it gives the first samples' outputs as single calls do; otherwise one call
+    per sample.
+    """
     import torch
 
-    results = []
     with torch.no_grad():
-        for index in range(len(samples)):
-            raw = module(*(torch.from_numpy(array) for array in samples.sample(index)))
-            outputs = raw if isinstance(raw, (tuple, list)) else (raw,)
-            results.append([output.detach().numpy().astype(np.float32) for output in outputs])
+        batched = _batched_call(module, samples)
+        step = FLOAT_BATCH if batched is not None else 1
+        results: list[Outputs] = []
+        for start in range(0, len(samples), step):
+            if batched is None:
+                results.append(_single(module, samples.sample(start)))
+            else:
+                outputs = batched([array[start : start + step] for array in samples.inputs])
+                results.extend([output[i : i + 1] for output in outputs] for i in range(outputs[0].shape[0]))
+            if progress is not None:
+                progress.count(len(results), len(samples))
     return FloatReference(results)
+
+
+def _outputs(raw: Any) -> tuple[Any, ...]:
+    return tuple(raw) if isinstance(raw, tuple | list) else (raw,)
+
+
+def _single(module: Any, arrays: list[np.ndarray]) -> Outputs:
+    import torch
+
+    return [o.detach().numpy().astype(np.float32) for o in _outputs(module(*(torch.from_numpy(a) for a in arrays)))]
+
+
+def _batched_call(module: Any, samples: SampleSet) -> Call | None:
+    """A way to call ``module`` on a batch whose outputs, sample by sample, are what single calls give; or None."""
+    import torch
+
+    def direct(arrays: list[np.ndarray]) -> Outputs:
+        return [o.numpy().astype(np.float32) for o in _outputs(module(*(torch.from_numpy(a) for a in arrays)))]
+
+    def one(*tensors: Any) -> tuple[Any, ...]:
+        return tuple(o.squeeze(0) for o in _outputs(module(*(t.unsqueeze(0) for t in tensors))))
+
+    def vectorised(arrays: list[np.ndarray]) -> Outputs:
+        return [o.numpy().astype(np.float32) for o in torch.vmap(one)(*(torch.from_numpy(a) for a in arrays))]
+
+    if len(samples) < 2:
+        return None
+    expected = [_single(module, samples.sample(i)) for i in range(2)]
+    for candidate in (direct, vectorised):
+        try:
+            got = candidate([array[:2] for array in samples.inputs])
+        except Exception:  # the module refuses this way of calling it (a shape guard, an op vmap cannot batch)
+            continue
+        if all(_same(got, expected[i], i) for i in range(2)):
+            return candidate
+    return None
+
+
+def _same(batch: Outputs, single: Outputs, index: int) -> bool:
+    if len(batch) != len(single):
+        return False
+    for whole, alone in zip(batch, single, strict=True):
+        part = whole[index : index + 1]
+        if part.shape != alone.shape or not np.allclose(part, alone, rtol=1e-4, atol=1e-5):
+            return False
+    return True
 
 
 def _runtime_description(model: Model) -> str:
@@ -46,8 +115,14 @@ def _runtime_description(model: Model) -> str:
     return f"edgeline {model.backend} ({package} {package_version}) on host {platform.machine()}"
 
 
-def measure_fidelity(model: Model, reference: FloatReference, samples: SampleSet, post: Postprocess) -> Fidelity:
-    converted = [model.predict(*samples.sample(i)) for i in range(len(samples))]
+def measure_fidelity(
+    model: Model, reference: FloatReference, samples: SampleSet, post: Postprocess, progress: Progress | None = None
+) -> Fidelity:
+    converted = []
+    for index in range(len(samples)):
+        converted.append(model.predict(*samples.sample(index)))
+        if progress is not None and ((index + 1) % 50 == 0 or index + 1 == len(samples)):
+            progress.count(index + 1, len(samples))
     float_flat = np.stack([np.concatenate([o.reshape(-1) for o in outs]) for outs in reference.outputs])
     conv_flat = np.stack([np.concatenate([o.reshape(-1) for o in outs]) for outs in converted])
     error = np.abs(float_flat - conv_flat)

@@ -12,7 +12,6 @@ import datetime as dt
 import re
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +29,7 @@ from edgeline.export.conversion import convert, with_alternatives
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError, LoweringError
 from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
 from edgeline.export.loading import LoadedModel, load_model
+from edgeline.export.progress import Progress, Silent
 from edgeline.export.report import ExportReport, TargetOutcome
 from edgeline.export.staging import write_bundle, write_golden
 from edgeline.manifest import NAME_PATTERN, Fidelity, Postprocess
@@ -58,9 +58,8 @@ class ExportOptions:
     task: Task | None = None
     labels: tuple[str, ...] | None = None
     threshold: float | None = None
-
-
-Progress = Callable[[str], None]
+    all_targets: bool = False
+    """``--all``: try every target and write each that passes to OUT/BACKEND-PRECISION; the order still picks."""
 
 
 def _targets(profile: Profile, backend: str | None, precision: Precision | None) -> list[Target]:
@@ -143,15 +142,21 @@ def _check_name(name: str, what: str) -> str:
 
 def _out_dir(options: ExportOptions, name: str) -> tuple[Path, int]:
     out = options.out or Path("bundles") / name
-    version = 1
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not options.force:
-            raise ExportError(f"output directory {out} exists; pass --force to replace it")
-        try:
-            version = bundle_io.read_manifest(out).version + 1
-        except EdgelineError:
-            version = 1
-    return out, version
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not options.force:
+        raise ExportError(f"output directory {out} exists; pass --force to replace it")
+    return out, _next_version(out)
+
+
+def _next_version(path: Path) -> int:
+    """1, or one more than the bundle already at ``path`` (replaced with --force)."""
+    try:
+        return bundle_io.read_manifest(path).version + 1
+    except EdgelineError:
+        return 1
+
+
+def _destination(options: ExportOptions, out: Path, target: Target) -> Path:
+    return out / f"{target.backend}-{target.precision.value}" if options.all_targets else out
 
 
 def _try_target(
@@ -207,7 +212,7 @@ def _try_target(
     write_bundle(staging, exported, fields)
     progress(f"{target.backend} {target.precision.value}: checking fidelity on {len(validation)} samples")
     model = load(staging, threads=1)
-    fidelity = measure_fidelity(model, reference, validation, fields["postprocess"])
+    fidelity = measure_fidelity(model, reference, validation, fields["postprocess"], progress)
     latency = median_latency_ms(model, validation.sample(0))
     golden = write_golden(staging, model, validation)
     manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
@@ -225,8 +230,11 @@ def _try_target(
         outcome.status = "selected"
 
 
-def run_export(options: ExportOptions, progress: Progress = lambda line: None) -> ExportReport:
+def run_export(options: ExportOptions, progress: Progress | None = None) -> ExportReport:
     import torch
+
+    if progress is None:
+        progress = Silent()
 
     profile = load_profile(options.profile)
     targets = _targets(profile, options.backend, options.precision)
@@ -248,7 +256,7 @@ def run_export(options: ExportOptions, progress: Progress = lambda line: None) -
     post = _postprocess(options, loaded, calibration, validation, outputs)
     role = "validation" if options.validation else "calibration"
     progress(f"running the float model on {len(validation)} {role} samples")
-    reference = run_float(loaded.module, validation)
+    reference = run_float(loaded.module, validation, progress)
     report = ExportReport(name=name, profile=profile.id, out=out, validation=options.validation)
     report.outcomes = [TargetOutcome(t.backend, t.precision.value, t.threads) for t in targets]
     common: dict[str, Any] = {
@@ -262,8 +270,11 @@ def run_export(options: ExportOptions, progress: Progress = lambda line: None) -
     }
     staging = out.parent / f".{out.name}.staging"
     explicit = options.backend is not None and options.precision is not None
+    destinations = [_destination(options, out, target) for target in targets]
+    versions = [_next_version(d) for d in destinations] if options.all_targets else [version] * len(targets)
+    cleared = not options.all_targets
     try:
-        for target, outcome in zip(targets, report.outcomes, strict=True):
+        for target, outcome, destination, version in zip(targets, report.outcomes, destinations, versions, strict=True):
             try:
                 _try_target(
                     target,
@@ -273,7 +284,7 @@ def run_export(options: ExportOptions, progress: Progress = lambda line: None) -
                     validation,
                     reference,
                     profile,
-                    common,
+                    dict(common, version=version),
                     staging,
                     progress,
                 )
@@ -286,12 +297,24 @@ def run_export(options: ExportOptions, progress: Progress = lambda line: None) -
                     raise
                 outcome.status, outcome.reason = "failed", str(exc)
             if outcome.status == "selected":
-                if out.exists():
-                    shutil.rmtree(out)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                staging.rename(out)
-                report.version = version
-                break
+                if report.selected is not outcome:  # an earlier target was picked: this one only passed (--all)
+                    outcome.status = "passed"
+                if not cleared and out.exists():  # --all replaces the whole folder (--force was given)
+                    if out.is_dir():
+                        shutil.rmtree(out)
+                    else:
+                        out.unlink()
+                cleared = True
+                if destination.exists():
+                    shutil.rmtree(destination)
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                staging.rename(destination)
+                outcome.bundle = destination
+                if outcome.status == "selected":
+                    report.out, report.version = destination, version
+                if not options.all_targets:
+                    break
+                continue
             progress(f"{target.backend} {target.precision.value}: {outcome.status}: {outcome.reason}")
     finally:
         shutil.rmtree(staging, ignore_errors=True)

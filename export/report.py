@@ -16,12 +16,14 @@ class TargetOutcome:
     backend: str
     precision: str
     threads: int
-    status: Literal["selected", "rejected", "failed", "not tried"] = "not tried"
+    status: Literal["selected", "passed", "rejected", "failed", "not tried"] = "not tried"
+    """selected: the profile's order picks it; passed: it met the budgets too, written with ``--all``."""
     reason: str | None = None
     size_bytes: int | None = None
     fidelity: Fidelity | None = None
     host_latency_ms: float | None = None
     seconds: float | None = None
+    bundle: Path | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -34,6 +36,7 @@ class TargetOutcome:
             "fidelity": self.fidelity.model_dump(mode="json") if self.fidelity else None,
             "host_latency_ms": self.host_latency_ms,
             "export_seconds": self.seconds,
+            "bundle": str(self.bundle) if self.bundle is not None else None,
         }
 
 
@@ -92,7 +95,9 @@ def format_report(report: ExportReport) -> str:
     rows = [header]
     for o in report.outcomes:
         latency = f"{o.host_latency_ms:.3f} ms" if o.host_latency_ms is not None else "-"
-        where = str(report.out) if o.status == "selected" else (o.reason or "")
+        where = str(o.bundle) if o.bundle is not None else (o.reason or "")
+        if o.status == "selected" and any(other.status == "passed" for other in report.outcomes):
+            where += "  <- the profile's order picks this one"
         rows.append((o.backend, o.precision, o.status, _size(o), _fidelity(o), latency, where))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = [

@@ -9,10 +9,10 @@ Registering imports neither torch nor the models; ``prepare`` imports them when 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from edgeline.errors import EdgelineError
+from edgeline.export.progress import Progress
 from edgeline.export.reference.preparation import find_prepared, prepare
 from edgeline.export.reference.registry import CATALOGUE, REFERENCE_MODELS, resolve_names
 
@@ -68,10 +68,11 @@ def _prepare(args: argparse.Namespace) -> int:
     for name in names:
         directory = out / name
         reused = find_prepared(name, directory, seed=args.seed) is not None
-        if not reused:
-            print(f"{name}: training ...", file=sys.stderr, flush=True)
         try:
-            prepared = prepare(name, directory, seed=args.seed)
+            with Progress() as progress:
+                if not reused:
+                    progress(f"{name}: training")
+                prepared = prepare(name, directory, seed=args.seed)
         except OSError as exc:
             raise EdgelineError(f"cannot write {directory}: {exc}") from exc
         metric = "float accuracy"
