@@ -10,7 +10,7 @@ from edgeline.errors import EdgelineError
 from edgeline.export.backends import EXPORT_BACKENDS, ExportedModel, ExportRequest, get_exporter, operators_named_in
 from edgeline.export.errors import ExportError, LoweringError
 from edgeline.export.loading import LoadedModel
-from edgeline.export.native_output import capture_native_output
+from edgeline.native_output import capture_native_output
 from edgeline.samples import SampleSet
 
 __all__ = ["convert", "with_alternatives"]
