@@ -23,6 +23,8 @@ class CommandParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # The innermost parser's name is the one a command's error line starts with: `edgeline profiles show: ...`
+        self.set_defaults(command_prog=self.prog)
         levels = self.add_argument_group("logging").add_mutually_exclusive_group()
         # SUPPRESS: a subparser sets the level only when its own flag is given, so it never resets one given before
         # the command name to the default (argparse copies a subparser's defaults over the parent's values).

@@ -104,10 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _logging_to_stderr(args.log_level):
             code: int = args.func(args)
     except EdgelineError as exc:
-        print(f"edgeline {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{args.command_prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"edgeline {args.command}: interrupted", file=sys.stderr)
+        print(f"{args.command_prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader went away (`edgeline ... | head`): not an error worth a traceback.
