@@ -89,9 +89,9 @@ def main() -> int:
     import torch
 
     from edgeline import load
-    from edgeline.export.native_output import capture_native_output
     from edgeline.export.pipeline import ExportOptions, run_export
     from edgeline.export.reference import REFERENCE_MODELS, prepare
+    from edgeline.native_output import capture_native_output
     from edgeline.samples import read_npz
 
     torch.set_num_threads(1)

@@ -9,9 +9,31 @@ Profiles are TOML files: one per device bundled in ``device_profiles/profiles/``
 path. This package imports nothing else of edgeline.
 """
 
-from edgeline.device_profiles.errors import ProfileError
-from edgeline.device_profiles.loader import list_profiles, load_profile, profile_ids, profile_json_schema
-from edgeline.device_profiles.schema import Budgets, Cpu, Precision, Profile, Target
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edgeline.device_profiles.errors import ProfileError
+    from edgeline.device_profiles.loader import list_profiles, load_profile, profile_ids, profile_json_schema
+    from edgeline.device_profiles.precision import Precision
+    from edgeline.device_profiles.schema import Budgets, Cpu, Profile, Target
+
+# Names load their module on first use: the error tree and Precision import no pydantic, so ``edgeline --help``
+# (whose errors module re-exports the tree from here) stays light.
+_HOMES = {
+    "Budgets": "edgeline.device_profiles.schema",
+    "Cpu": "edgeline.device_profiles.schema",
+    "Precision": "edgeline.device_profiles.precision",
+    "Profile": "edgeline.device_profiles.schema",
+    "ProfileError": "edgeline.device_profiles.errors",
+    "Target": "edgeline.device_profiles.schema",
+    "list_profiles": "edgeline.device_profiles.loader",
+    "load_profile": "edgeline.device_profiles.loader",
+    "profile_ids": "edgeline.device_profiles.loader",
+    "profile_json_schema": "edgeline.device_profiles.loader",
+}
 
 __all__ = [
     "Budgets",
@@ -25,3 +47,16 @@ __all__ = [
     "profile_ids",
     "profile_json_schema",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'edgeline.device_profiles' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edgeline.device_profiles.loader import list_profiles, load_profile, profile_json_schema
-from edgeline.device_profiles.schema import Profile
+if TYPE_CHECKING:
+    from edgeline.device_profiles.schema import Profile
 
 __all__ = ["register"]
 
@@ -22,12 +22,12 @@ def register(subparsers: Any) -> None:
     actions = parser.add_subparsers(dest="profiles_command", metavar="ACTION", required=True)
 
     list_parser = actions.add_parser("list", help="list the bundled profiles")
-    list_parser.add_argument("--json", action="store_true", help="print a JSON list of profiles")
+    list_parser.add_argument("--json", action="store_true", help="print the profiles as one JSON document (a list)")
     list_parser.set_defaults(func=_list)
 
     show_parser = actions.add_parser("show", help="show one profile")
     show_parser.add_argument("profile", metavar="ID_OR_PATH", help="a bundled id such as rpi5, or a .toml file")
-    show_parser.add_argument("--json", action="store_true", help="print the profile as JSON")
+    show_parser.add_argument("--json", action="store_true", help="print the profile as one JSON document")
     show_parser.set_defaults(func=_show)
 
     schema_parser = actions.add_parser("schema", help="print the JSON Schema of a profile file")
@@ -35,6 +35,8 @@ def register(subparsers: Any) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from edgeline.device_profiles.loader import list_profiles
+
     profiles = list_profiles()
     if args.json:
         print(json.dumps([_as_json(profile) for profile in profiles], indent=2))
@@ -58,6 +60,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from edgeline.device_profiles.loader import load_profile
+
     profile = load_profile(args.profile)
     if args.json:
         print(json.dumps(_as_json(profile), indent=2))
@@ -67,6 +71,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from edgeline.device_profiles.loader import profile_json_schema
+
     print(json.dumps(profile_json_schema(), indent=2))
     return 0
 

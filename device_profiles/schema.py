@@ -7,12 +7,13 @@ unknown keys are refused rather than ignored, so a typo never turns into a silen
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
+
+from edgeline.device_profiles.precision import Precision
 
 __all__ = ["ID_PATTERN", "Budgets", "Cpu", "Precision", "Profile", "Target"]
 
@@ -21,15 +22,6 @@ ID_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
 PositiveInt = Annotated[int, Strict(), Field(gt=0)]
 PositiveFloat = Annotated[float, Strict(), Field(gt=0)]
 Name = Annotated[str, Field(min_length=1)]
-
-
-class Precision(str, Enum):
-    """Numeric precision of an exported model."""
-
-    FP32 = "fp32"
-    FP16 = "fp16"
-    INT8_DYNAMIC = "int8-dynamic"
-    INT8_STATIC = "int8-static"
 
 
 class _Frozen(BaseModel):

@@ -1,24 +1,35 @@
-"""``edgeline infer`` and ``edgeline verify``: run a bundle on this machine, torch-free for LiteRT bundles."""
+"""``edgeline infer`` and ``edgeline verify``: run a bundle on this machine, torch-free for LiteRT bundles.
+
+Registering the commands imports nothing heavy; numpy, pydantic and the runtimes load when a command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import platform
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from edgeline.arguments import bounded_int
+from edgeline.backends import RUNTIME_BACKENDS
+from edgeline.errors import BundleError, EdgelineError
 
-from edgeline.bundle import read_bundle
-from edgeline.errors import BundleError
-from edgeline.model import Model, load
-from edgeline.samples import read_npz, sample_set
-from edgeline.timing import median_latency_ms
+if TYPE_CHECKING:
+    from edgeline.model import Model
 
 __all__ = ["register"]
+
+log = logging.getLogger(__name__)
+
+RUNTIME_BACKEND_HELP = "runtime backend to run the model with instead of the manifest's: %(choices)s"
 
 
 def register(subparsers: Any) -> None:
@@ -27,7 +38,7 @@ def register(subparsers: Any) -> None:
         help="run a bundle on samples from an .npz file",
         description="Run a bundle on one or many samples.",
     )
-    infer.add_argument("bundle", metavar="BUNDLE", type=Path)
+    infer.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory (written by `edgeline export`)")
     infer.add_argument(
         "--input",
         required=True,
@@ -35,11 +46,20 @@ def register(subparsers: Any) -> None:
         metavar="X.npz",
         help="one array per model input (first axis = samples, or one sample); optional `labels`",
     )
-    infer.add_argument("--json", action="store_true", help="print one JSON object per sample per line")
-    infer.add_argument("--backend", help="runtime backend to use instead of the manifest's (e.g. tflite-runtime)")
-    infer.add_argument("--threads", type=int, help="threads (default: the manifest's)")
-    infer.add_argument("--top-k", type=int, default=1, help="classes to report per sample (classifiers)")
-    infer.add_argument("--show", type=int, default=5, help="samples to print without --json (default 5)")
+    infer.add_argument("--json", action="store_true", help="print JSON lines: one object per sample")
+    infer.add_argument("--backend", choices=sorted(RUNTIME_BACKENDS), metavar="RUNTIME", help=RUNTIME_BACKEND_HELP)
+    infer.add_argument(
+        "--threads",
+        type=bounded_int(1),
+        metavar="N",
+        help="threads, at most this machine's CPUs (default: the manifest's)",
+    )
+    infer.add_argument(
+        "--top-k", type=bounded_int(1), default=1, metavar="K", help="classes to report per sample (classifiers)"
+    )
+    infer.add_argument(
+        "--show", type=bounded_int(0), default=5, metavar="N", help="samples to print without --json (default 5)"
+    )
     infer.set_defaults(func=run_infer)
 
     verify = subparsers.add_parser(
@@ -47,18 +67,74 @@ def register(subparsers: Any) -> None:
         help="check a bundle's integrity and run its golden self-test",
         description="Verify sizes and hashes, run golden.npz through the runtime, and time the model here.",
     )
-    verify.add_argument("bundle", metavar="BUNDLE", type=Path)
-    verify.add_argument("--backend", help="runtime backend to use instead of the manifest's")
-    verify.add_argument("--json", action="store_true", help="print the result as JSON")
+    verify.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory (written by `edgeline export`)")
+    verify.add_argument("--backend", choices=sorted(RUNTIME_BACKENDS), metavar="RUNTIME", help=RUNTIME_BACKEND_HELP)
+    verify.add_argument("--json", action="store_true", help="print the checks and their figures as one JSON document")
     verify.set_defaults(func=run_verify)
 
 
-def _jsonable(array: np.ndarray) -> Any:
-    return array.tolist()
+@dataclass
+class _Outcome:
+    failed: bool = False
+
+
+@contextmanager
+def _runtime_output() -> Iterator[_Outcome]:
+    """What third-party code prints while a model loads and runs (LiteRT's delegate line from C on fd 2,
+    ExecuTorch's warnings) is kept off the terminal: logged at debug level (``-v`` shows it), or as a warning
+    when the block raises or the caller marks the outcome failed."""
+    from edgeline.native_output import CapturedOutput, capture_native_output
+
+    outcome = _Outcome()
+    captured = CapturedOutput()
+    try:
+        with capture_native_output() as captured:
+            yield outcome
+    except BaseException:
+        outcome.failed = True
+        raise
+    finally:
+        text = captured.text.strip()
+        if text:  # logged once the file descriptors are back
+            log.log(logging.WARNING if outcome.failed else logging.DEBUG, "the runtime printed:\n%s", text)
+
+
+def _check_infer_flags(args: argparse.Namespace, model: Model) -> None:
+    """Ranges that depend on the model and the machine: refused with the valid range, never quietly narrowed."""
+    from edgeline.model import usable_threads
+
+    if args.threads is not None and usable_threads(args.threads) < args.threads:
+        cpus = usable_threads(args.threads)
+        raise EdgelineError(f"--threads {args.threads}: this process may use {cpus} CPUs here; valid: 1 to {cpus}")
+    if args.top_k == 1:
+        return
+    if model.manifest.postprocess.kind != "classify":
+        raise EdgelineError(
+            f"--top-k applies to classifiers; {model.name} is a {model.manifest.postprocess.kind} model"
+        )
+    classes = math.prod(model.outputs[0].shape)
+    if args.top_k > classes:
+        raise EdgelineError(f"--top-k {args.top_k}: {model.name} has {classes} classes; valid: 1 to {classes}")
+
+
+def _summary(answer: dict[str, Any], outputs: list[Any]) -> str:
+    fields = ", ".join(
+        f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+        for key, value in answer.items()
+        if key != "top_k"
+    )
+    if "top_k" in answer:
+        fields += "; top " + ", ".join(f"{entry['label']} {entry['score']:.4g}" for entry in answer["top_k"])
+    return fields or f"outputs={[list(output.shape) for output in outputs]}"
 
 
 def run_infer(args: argparse.Namespace) -> int:
-    model = load(args.bundle, backend=args.backend, threads=args.threads)
+    from edgeline.model import load
+    from edgeline.samples import read_npz, sample_set
+
+    with _runtime_output():
+        model = load(args.bundle, backend=args.backend, threads=args.threads)
+    _check_infer_flags(args, model)
     samples = sample_set(read_npz(args.input, "input"), model.inputs, str(args.input))
     post = model.manifest.postprocess
     labels = samples.labels
@@ -76,17 +152,12 @@ def run_infer(args: argparse.Namespace) -> int:
         elif post.kind == "anomaly" and expected is not None:
             correct += int(bool(answer["anomaly"]) == bool(expected))
         if args.json:
-            record: dict[str, Any] = {"sample": index, "outputs": [_jsonable(o) for o in outputs], **answer}
+            record: dict[str, Any] = {"sample": index, "outputs": [o.tolist() for o in outputs], **answer}
             if expected is not None:
                 record["expected"] = expected
             print(json.dumps(record))
         elif index < args.show:
-            summary = (
-                ", ".join(
-                    f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in answer.items() if k != "top_k"
-                )
-                or f"outputs={[list(o.shape) for o in outputs]}"
-            )
+            summary = _summary(answer, outputs)
             print(f"sample {index}: {summary}" + ("" if expected is None else f" (expected {expected})"))
     if args.json:
         return 0
@@ -109,14 +180,18 @@ def run_infer(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# verify: each check is a dict of figures (the --json document); the text lines are made from them
+
+
 def _golden_check(model: Model) -> dict[str, Any]:
+    import numpy as np
+
+    from edgeline.samples import read_npz
+
     golden = model.manifest.golden
     if golden is None:
-        return {
-            "check": "golden self-test",
-            "ok": None,
-            "detail": "not verified: the bundle has no golden.npz",
-        }
+        return {"check": "golden", "ok": None, "samples": 0}
     arrays = read_npz(model.bundle.file(golden.path), "golden")
     try:
         inputs = [arrays[f"input_{i}"] for i in range(len(model.inputs))]
@@ -124,55 +199,106 @@ def _golden_check(model: Model) -> dict[str, Any]:
     except KeyError as exc:
         raise BundleError(f"{model.bundle.path}: golden.npz lacks {exc.args[0]}") from exc
     worst = 0.0
-    ok = True
+    mismatched = 0
     for i in range(golden.samples):
         outputs = model.predict(*(a[i : i + 1] for a in inputs))
+        ok = True
         for j, (got, want) in enumerate(zip(outputs, expected, strict=True)):
             want_i = want[i : i + 1].reshape(got.shape)
-            error = float(np.abs(got - want_i).max())
-            worst = max(worst, error)
+            worst = max(worst, float(np.abs(got - want_i).max()))
             ok &= bool(np.allclose(got, want_i, rtol=golden.rtol, atol=golden.atol[j]))
+        mismatched += not ok
     return {
-        "check": "golden self-test",
-        "ok": ok,
-        "detail": f"{golden.samples} samples, max |error| {worst:.3g} (tolerance {max(golden.atol):.3g})",
+        "check": "golden",
+        "ok": mismatched == 0,
+        "samples": golden.samples,
+        "mismatched_samples": mismatched,
+        "max_abs_error": worst,
+        "atol": list(golden.atol),
+        "rtol": golden.rtol,
     }
 
 
 def _latency_check(model: Model) -> dict[str, Any]:
+    import numpy as np
+
+    from edgeline.timing import median_latency_ms
+
     sample = [np.zeros(spec.shape, dtype=np.float32) for spec in model.inputs]
     median = median_latency_ms(model, sample, runs=100)
     budget = model.manifest.budgets.max_latency_ms
-    threads = f"{model.threads} thread(s), the bundle asks for {model.manifest.threads}"
-    where = f"median {median:.3f} ms on this machine ({platform.machine()}, {threads})"
-    if budget is None:
-        return {"check": "latency", "ok": None, "detail": f"{where}; the profile sets no latency budget"}
     return {
         "check": "latency",
-        "ok": median <= budget,
-        "detail": f"{where}; {model.manifest.profile} budget {budget:g} ms",
+        "ok": None if budget is None else median <= budget,
+        "median_ms": median,
+        "budget_ms": budget,
+        "profile": model.manifest.profile,
+        "machine": platform.machine(),
+        "threads": model.threads,
+        "manifest_threads": model.manifest.threads,
     }
 
 
+def _describe(check: dict[str, Any]) -> str:
+    """One line of text for a check."""
+    kind = check["check"]
+    if kind == "integrity":
+        return f"integrity: {check['files']} files ({check['bytes']} bytes) match their sizes and sha256"
+    if kind == "load":
+        return f"load: {check['backend']} opened {check['model']}"
+    if kind == "golden":
+        if check["ok"] is None:
+            return "golden self-test: not verified: the bundle has no golden.npz"
+        mismatched = f", {check['mismatched_samples']} outside it" if check["mismatched_samples"] else ""
+        return (
+            f"golden self-test: {check['samples']} samples, max |error| {check['max_abs_error']:.3g} "
+            f"(tolerance {max(check['atol']):.3g}{mismatched})"
+        )
+    where = (
+        f"latency: median {check['median_ms']:.3f} ms on this machine ({check['machine']}, {check['threads']} "
+        f"thread(s), the bundle asks for {check['manifest_threads']})"
+    )
+    if check["budget_ms"] is None:
+        return f"{where}; the profile sets no latency budget"
+    return f"{where}; {check['profile']} budget {check['budget_ms']:g} ms"
+
+
 def run_verify(args: argparse.Namespace) -> int:
+    from edgeline.bundle import read_bundle
+    from edgeline.model import load
+
     bundle = read_bundle(args.bundle)
-    checks: list[dict[str, Any]] = [
-        {
-            "check": "integrity",
-            "ok": True,
-            "detail": f"{len(bundle.manifest.files)} files match their sizes and sha256",
-        }
-    ]
-    model = load(args.bundle, backend=args.backend)
-    checks.append({"check": "load", "ok": True, "detail": f"{model.backend} opened {bundle.manifest.model}"})
-    checks.append(_golden_check(model))
-    checks.append(_latency_check(model))
-    passed = all(check["ok"] is not False for check in checks)
+    manifest = bundle.manifest
+    integrity = {
+        "check": "integrity",
+        "ok": True,
+        "files": len(manifest.files),
+        "bytes": sum(entry.size for entry in manifest.files),
+    }
+    with _runtime_output() as outcome:
+        model = load(args.bundle, backend=args.backend)
+        checks = [
+            integrity,
+            {"check": "load", "ok": True, "backend": model.backend, "model": manifest.model},
+            _golden_check(model),
+            _latency_check(model),
+        ]
+        passed = all(check["ok"] is not False for check in checks)
+        outcome.failed = not passed
     if args.json:
-        print(json.dumps({"bundle": str(args.bundle), "ok": passed, "checks": checks}, indent=2))
+        report = {
+            "bundle": str(args.bundle),
+            "name": manifest.name,
+            "version": manifest.version,
+            "backend": model.backend,
+            "precision": manifest.precision,
+            "ok": passed,
+            "checks": checks,
+        }
+        print(json.dumps(report, indent=2))
     else:
         for check in checks:
             status = {True: "ok", False: "FAIL", None: "n/a"}[check["ok"]]
-            print(f"{status:4}  {check['check']}: {check['detail']}")
-        print(f"{bundle.manifest.name} v{bundle.manifest.version}: {'verified' if passed else 'FAILED'}")
+            print(f"{status:4}  {_describe(check)}")
+        print(f"{manifest.name} v{manifest.version}: {'verified' if passed else 'FAILED'}")
     return 0 if passed else 1

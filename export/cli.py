@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edgeline.device_profiles import Precision
+from edgeline.device_profiles.precision import Precision
 from edgeline.errors import BackendUnavailableError, EdgelineError
+from edgeline.export.backends import EXPORT_BACKENDS
 
 __all__ = ["register"]
 
@@ -39,8 +40,19 @@ def register(subparsers: Any) -> None:
         metavar="VAL.npz",
         help="held-out samples (same arrays) with an optional `labels` array",
     )
-    parser.add_argument("--backend", help="export backend (default: the profile's targets, in order)")
-    parser.add_argument("--precision", choices=[p.value for p in Precision], help="precision (default: the profile's)")
+    parser.add_argument(
+        "--backend",
+        choices=sorted(EXPORT_BACKENDS),
+        metavar="EXPORTER",
+        help="export target: the converter that writes the model file, %(choices)s (default: the profile's "
+        "targets, in order; the bundle then names the runtime backend that runs it)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=[p.value for p in Precision],
+        metavar="PRECISION",
+        help="%(choices)s (default: the profile's)",
+    )
     parser.add_argument("--out", type=Path, metavar="DIR", help="bundle directory (default: bundles/NAME)")
     parser.add_argument("--name", help="bundle name (default: from MODEL)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
@@ -53,7 +65,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--task",
         choices=["classify", "regress", "anomaly", "raw"],
-        help="how to read the outputs (default: classify when validation has labels)",
+        metavar="TASK",
+        help="how to read the outputs: %(choices)s (default: classify when validation has labels)",
     )
     parser.add_argument("--labels", metavar="FILE", type=Path, help="class names, one per line")
     parser.add_argument(
@@ -61,7 +74,7 @@ def register(subparsers: Any) -> None:
         type=float,
         help="anomaly threshold (default: 99th percentile of the float model's calibration scores)",
     )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
     parser.set_defaults(func=run)
 
 

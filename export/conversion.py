@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 
@@ -10,10 +11,12 @@ from edgeline.errors import EdgelineError
 from edgeline.export.backends import EXPORT_BACKENDS, ExportedModel, ExportRequest, get_exporter, operators_named_in
 from edgeline.export.errors import ExportError, LoweringError
 from edgeline.export.loading import LoadedModel
-from edgeline.export.native_output import capture_native_output
+from edgeline.native_output import capture_native_output
 from edgeline.samples import SampleSet
 
 __all__ = ["convert", "with_alternatives"]
+
+logger = logging.getLogger(__name__)
 
 
 def lowering_error(target: Target, exc: BaseException, log: str) -> LoweringError:
@@ -33,14 +36,19 @@ def convert(request: ExportRequest, target: Target) -> ExportedModel:
     if request.precision not in exporter.precisions:
         valid = ", ".join(p.value for p in exporter.precisions)
         raise ExportError(f"{target.backend} does not export {request.precision.value}; valid: {valid}")
+    error: Exception | None = None
     with capture_native_output() as captured:
         try:
-            return exporter.export(request)
+            exported = exporter.export(request)
         except EdgelineError:
             raise
         except Exception as exc:
             error = exc
-    raise lowering_error(target, error, captured.text) from error
+    if error is not None:  # captured.text is complete once the descriptors are back
+        raise lowering_error(target, error, captured.text) from error
+    if captured.text.strip():  # shown with -v
+        logger.debug("%s printed while converting:\n%s", target.backend, captured.text.strip())
+    return exported
 
 
 def with_alternatives(exc: LoweringError, failed: Target, loaded: LoadedModel, calibration: SampleSet) -> LoweringError:

@@ -7,6 +7,7 @@ line and counts are left out, so logs stay readable. The device side never uses 
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -23,6 +24,8 @@ class Progress:
     def __init__(self, stream: TextIO | None = None, *, live: bool | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.live = self.stream.isatty() if live is None else live
+        # -q (or --log-level warning) silences progress like the info lines it stands beside
+        self.enabled = stream is not None or logging.getLogger("edgeline").isEnabledFor(logging.INFO)
         self.started = time.perf_counter()
         self._line = ""
         self._count = ""
@@ -32,6 +35,8 @@ class Progress:
         self._stop = threading.Event()
 
     def __call__(self, line: str) -> None:
+        if not self.enabled:
+            return
         with self._lock:
             self._finish_line()
             self._line, self._count, self._step_started = line, "", time.perf_counter()
@@ -43,7 +48,7 @@ class Progress:
                 self.stream.flush()
 
     def count(self, done: int, total: int) -> None:
-        if not self.live:
+        if not self.live or not self.enabled:
             return
         with self._lock:
             self._count = f"{done}/{total}"
@@ -97,6 +102,4 @@ class Silent(Progress):
 
     def __init__(self) -> None:
         super().__init__(stream=sys.stderr, live=False)
-
-    def __call__(self, line: str) -> None:
-        pass
+        self.enabled = False

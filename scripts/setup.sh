@@ -11,12 +11,12 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
     exit 2
 fi
 # The integration tests start a real Mosquitto and drive it with its own clients: Debian's packages; the TLS
-# tests make their certificates with the openssl command. (/usr/sbin, where the broker lives, is not on a normal
-# user's PATH.)
+# tests make their certificates with the openssl command; the completion tests run the zsh script in zsh. (/usr/sbin,
+# where the broker lives, is not on a normal user's PATH.)
 have_mosquitto() {
     { command -v mosquitto || [ -x /usr/sbin/mosquitto ]; } >/dev/null 2>&1 \
         && command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1 \
-        && command -v openssl >/dev/null 2>&1
+        && command -v openssl >/dev/null 2>&1 && command -v zsh >/dev/null 2>&1
 }
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
@@ -24,17 +24,17 @@ as_root() {
 if ! have_mosquitto; then
     if ! command -v apt-get >/dev/null 2>&1 || { [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null 2>&1; }; then
         echo "setup: mosquitto is missing and cannot be installed here (needs apt-get, as root or with sudo);" \
-            "install the mosquitto broker and its clients (mosquitto_pub, mosquitto_sub) yourself" >&2
+            "install the mosquitto broker and its clients (mosquitto_pub, mosquitto_sub), openssl and zsh yourself" >&2
         exit 2
     fi
-    echo "setup: installing Debian's mosquitto, mosquitto-clients and openssl (apt-get)" >&2
+    echo "setup: installing Debian's mosquitto, mosquitto-clients, openssl and zsh (apt-get)" >&2
     apt_log="$(mktemp)"
     if ! { as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq \
-        && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients openssl; } \
+        && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients openssl zsh; } \
         >"$apt_log" 2>&1 || ! have_mosquitto; then
         cat "$apt_log" >&2
         rm -f "$apt_log"
-        echo "setup: could not install mosquitto, mosquitto-clients and openssl with apt-get (output above)" >&2
+        echo "setup: could not install mosquitto, mosquitto-clients, openssl and zsh with apt-get (output above)" >&2
         exit 2
     fi
     rm -f "$apt_log"

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgeline.sim.data import SENSOR_MODELS, SENSORS
+from edgeline.sim.data import MODEL_SHAPES, SENSOR_MODELS, SENSORS
 
 if TYPE_CHECKING:
     from edgeline.sim.publisher import PublishOptions
@@ -40,19 +40,26 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT", help=f"MQTT broker (default {DEFAULT_BROKER})"
     )
-    parser.add_argument("--qos", type=int, default=0, metavar="0|1", help="MQTT quality of service (default 0)")
+    parser.add_argument(
+        "--qos",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        metavar="QOS",
+        help="MQTT quality of service: %(choices)s (default 0)",
+    )
     parser.add_argument(
         "--out",
         metavar="FILE",
         help="write the messages to FILE (- for stdout) as a recording for `edgeline run --replay`, not to a broker",
     )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
     parser.set_defaults(func=run_sim)
 
 
 def add_sensor_arguments(parser: argparse.ArgumentParser) -> None:
     """What to simulate, how fast and for how long: shared by ``edgeline sim`` and ``edgeline run --sim``."""
-    parser.add_argument("sensor", metavar="SENSOR", help=f"one of: {', '.join(SENSORS)}")
+    parser.add_argument("sensor", metavar="SENSOR", choices=SENSORS, help="one of: %(choices)s")
     parser.add_argument(
         "--rate", type=float, default=10.0, metavar="HZ", help="messages per second per device; 0: unpaced"
     )
@@ -70,7 +77,12 @@ def add_sensor_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR_OR_NPZ",
         help="the --out DIR of `edgeline reference prepare MODEL` (or DIR/MODEL), or an .npz file to replay",
     )
-    parser.add_argument("--model", metavar="NAME", help="reference model to feed (camera: resnet8 or vww)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODEL_SHAPES),
+        metavar="NAME",
+        help="reference model to feed: %(choices)s (the sensor's own by default; camera: resnet8 or vww)",
+    )
     parser.add_argument(
         "--topic", default="sensors/{device}/{sensor}", metavar="TEMPLATE", help="fields {device} and {sensor}"
     )

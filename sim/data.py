@@ -13,14 +13,15 @@ The shapes repeat ``edgeline.export.reference``'s catalogue (sim may not import 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from edgeline.arrays import all_finite
 from edgeline.errors import EdgelineError
-from edgeline.samples import LABELS_KEY, read_npz
+
+if TYPE_CHECKING:  # `edgeline sim --help` lists the sensors: reading them needs no numpy
+    import numpy as np
 
 __all__ = [
     "MODEL_SHAPES",
@@ -77,7 +78,7 @@ class Samples:
     @property
     def sample_size(self) -> int:
         """Values in one sample (one message's ``data``)."""
-        return int(np.prod(self.x.shape[1:], dtype=np.int64))
+        return math.prod(self.x.shape[1:])
 
 
 def resolve_model(sensor: str, model: str | None = None) -> str:
@@ -121,6 +122,11 @@ def load_sensor_samples(data: Path | str | None, model: str) -> Samples:
 
 
 def _read(path: Path) -> Samples:
+    import numpy as np
+
+    from edgeline.arrays import all_finite
+    from edgeline.samples import LABELS_KEY, read_npz
+
     arrays = read_npz(path, "sample")
     labels = arrays.pop(LABELS_KEY, None)
     if SAMPLES_KEY in arrays:

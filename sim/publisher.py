@@ -238,6 +238,7 @@ class _Tracker:
 def publish(sensors: Sequence[Sensor], broker: BrokerAddress, options: PublishOptions) -> PublishReport:
     """Publish ``options.count`` messages of every sensor (one sensor per device) and report what happened."""
     import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
 
     if not sensors:
         raise EdgelineError("no sensors to publish")
@@ -247,7 +248,7 @@ def publish(sensors: Sequence[Sensor], broker: BrokerAddress, options: PublishOp
     kind = sensors[0].name
     tracker = _Tracker()
     client_id = options.client_id or f"edgeline-sim-{devices[0]}-{os.getpid()}"
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
     client.on_connect = tracker.on_connect
     client.on_disconnect = tracker.on_disconnect
     client.on_publish = tracker.on_publish

@@ -266,6 +266,16 @@ def test_reference_prepare_reuses_and_prints_the_next_command(
     assert prepared_digits.reference_path.stat().st_mtime_ns == before
 
 
+def test_reference_prepare_json_is_one_document(prepared_digits: Prepared, capsys: pytest.CaptureFixture[str]) -> None:
+    out_dir = prepared_digits.directory.parent
+    assert _run_cli(["reference", "prepare", "digits", "--out", os.fspath(out_dir), "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["name"] == "digits" and entry["reused"] is True
+    assert entry["float_accuracy"] == prepared_digits.float_accuracy and entry["seed"] == prepared_digits.seed
+    assert entry["directory"] == os.fspath(prepared_digits.directory)
+    assert entry["export"] == prepared_digits.export_command("rpi5")
+
+
 def test_export_command_of_an_anomaly_model_names_task_and_threshold(tmp_path: Path) -> None:
     prepared = Prepared("autoencoder", "anomaly", (), (640,), 0.99, 0.0125, 0, tmp_path / "my models" / "ae")
     assert prepared.labels_path is None

@@ -272,8 +272,20 @@ def test_verify_passes_on_the_exported_bundle(litert_bundle: Path, capsys: pytes
     _no_traceback(captured)
     report = json.loads(captured.out)
     assert report["ok"] is True
-    checks = {check["check"]: check["ok"] for check in report["checks"]}
-    assert checks["integrity"] is True and checks["load"] is True and checks["golden self-test"] is True
+    checks = {check["check"]: check for check in report["checks"]}
+    assert [check["ok"] for check in checks.values()][:3] == [True, True, True]
+    manifest = _manifest(litert_bundle)
+    assert (report["name"], report["version"], report["backend"]) == ("tiny", 1, manifest["backend"])
+    assert checks["integrity"]["files"] == len(manifest["files"])
+    assert checks["integrity"]["bytes"] == sum(entry["size"] for entry in manifest["files"])
+    assert checks["load"]["model"] == manifest["model"]
+    golden = checks["golden"]
+    assert golden["samples"] == manifest["golden"]["samples"] and golden["mismatched_samples"] == 0
+    assert 0 <= golden["max_abs_error"] <= max(golden["atol"])
+    latency = checks["latency"]
+    assert latency["median_ms"] > 0 and latency["threads"] >= 1
+    assert latency["budget_ms"] == manifest.get("budgets", {}).get("max_latency_ms")
+    assert latency["ok"] is (None if latency["budget_ms"] is None else latency["median_ms"] <= latency["budget_ms"])
 
 
 def test_verify_fails_cleanly_on_a_tampered_bundle(litert_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -303,7 +315,9 @@ def test_verify_reports_a_golden_mismatch_as_failed(litert_bundle: Path, capsys:
     _no_traceback(captured)
     report = json.loads(captured.out)
     assert report["ok"] is False
-    assert {check["check"]: check["ok"] for check in report["checks"]}["golden self-test"] is False
+    golden = {check["check"]: check for check in report["checks"]}["golden"]
+    assert golden["ok"] is False and golden["mismatched_samples"] == golden["samples"]
+    assert golden["max_abs_error"] >= 1.0 - max(golden["atol"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -385,6 +399,22 @@ def test_infer_summary_without_json(
     assert lines[2] == "... 14 more samples"
     assert "16 samples through tiny v1 (litert, int8-static)" in lines[3]
     assert lines[4].startswith("accuracy: bundle ")
+
+
+def test_infer_top_k_shows_the_classes_in_text_too(
+    litert_bundle: Path, sample_files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["infer", str(litert_bundle), "--input", str(sample_files["validation"]), "--top-k", "3"]
+    assert main([*args, "--json"]) == 0
+    records = _json_records(capsys.readouterr().out)
+    assert main([*args, "--show", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for record, line in zip(records[:2], lines[:2], strict=True):
+        shown = line.split("; top ", 1)[1].split(" (expected")[0].split(", ")
+        assert [entry.split()[0] for entry in shown] == [entry["label"] for entry in record["top_k"]]
+        assert [float(entry.split()[1]) for entry in shown] == pytest.approx(
+            [entry["score"] for entry in record["top_k"]], rel=1e-3
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -312,7 +312,10 @@ def test_sim_imports_neither_torch_nor_export() -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["sim", "thermometer"], "unknown sensor 'thermometer'; valid: vibration, keyword, camera, digits"),
+        (
+            ["sim", "thermometer"],
+            "invalid choice: 'thermometer' (choose from 'vibration', 'keyword', 'camera', 'digits')",
+        ),
         (["sim", "digits"], "no data to replay: prepare one with `edgeline reference prepare digits --out DIR`"),
         (["sim", "digits", "--data", "{missing}"], "no such file or directory"),
         (["sim", "keyword", "--data", "{prepared}"], "neither"),
@@ -323,7 +326,10 @@ def test_sim_imports_neither_torch_nor_export() -> None:
         (["sim", "digits", "--data", "{prepared}", "--broker", "127.0.0.1:http"], "expected HOST:PORT"),
         (["sim", "digits", "--data", "{prepared}", "--topic", "s/{room}"], "unknown field(s) room"),
         (["sim", "digits", "--data", "{prepared}", "--topic", "s/+/{device}"], "cannot be empty or contain"),
-        (["sim", "digits", "--data", "{prepared}", "--qos", "2"], "--qos must be 0 or 1"),
+        (
+            ["sim", "digits", "--data", "{prepared}", "--qos", "2"],
+            "argument --qos: invalid choice: 2 (choose from 0, 1)",
+        ),
         (["sim", "digits", "--data", "{prepared}", "--count", "0"], "--count must be between 1"),
         (["sim", "digits", "--data", "{prepared}", "--devices", "0"], "--devices must be 1 or more"),
         (["sim", "digits", "--data", "{prepared}", "--device", "a/b"], "device id 'a/b'"),

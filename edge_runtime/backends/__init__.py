@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from edgeline.errors import BundleError
-from edgeline.manifest import TensorSpec
 from edgeline.registry import resolve
+
+if TYPE_CHECKING:  # the registry is read by `--help` (choices of --backend): no numpy or pydantic for that
+    import numpy as np
+
+    from edgeline.manifest import TensorSpec
 
 __all__ = ["RUNTIME_BACKENDS", "Session", "SessionFactory", "open_session", "runtime_backend_names"]
 

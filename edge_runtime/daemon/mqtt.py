@@ -123,6 +123,7 @@ class MqttConnection:
         waiting: Callable[[], int] = lambda: 0,
     ):
         import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
 
@@ -135,10 +136,10 @@ class MqttConnection:
         self._Properties = Properties
         self._PacketTypes = PacketTypes
         if self.v5:
-            client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+            client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
         else:
             client = mqtt.Client(
-                mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=False, protocol=mqtt.MQTTv311
+                CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=False, protocol=mqtt.MQTTv311
             )
         client.manual_ack_set(True)
         client.max_inflight_messages_set(config.max_inflight)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from edgeline.daemon.config import load_config
+from edgeline.backends import RUNTIME_BACKENDS
+from edgeline.errors import EdgelineError
 
 __all__ = ["register"]
 
@@ -24,18 +24,21 @@ def register(subparsers: Any) -> None:
         "source instead; their answers go to stdout, or to the broker when --broker is given. Flags override "
         "the config file.",
     )
-    run.add_argument("bundle", metavar="BUNDLE", type=Path)
+    run.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory (written by `edgeline export`)")
     run.add_argument("--config", type=Path, metavar="daemon.toml", help="daemon configuration (TOML)")
     run.add_argument("--broker", metavar="HOST:PORT", help="MQTT broker (default 127.0.0.1:1883)")
     run.add_argument("--subscribe", nargs="+", metavar="TOPIC", help="topic filters; {device} = the first + level")
     run.add_argument("--publish", metavar="TEMPLATE", help="result topic template with {device} and {name}")
-    run.add_argument("--codec", choices=["json", "raw", "cbor", "msgpack"], help="input payload codec")
+    run.add_argument(
+        "--codec", choices=["json", "raw", "cbor", "msgpack"], metavar="CODEC", help="input payload codec: %(choices)s"
+    )
     run.add_argument(
         "--qos",
         type=int,
         choices=[0, 1],
-        help="QoS for subscriptions and results (default 1: at least once; an input is acknowledged only once its "
-        "answer is safe in the outbox)",
+        metavar="QOS",
+        help="QoS for subscriptions and results: %(choices)s (default 1: at least once; an input is acknowledged "
+        "only once its answer is safe in the outbox)",
     )
     run.add_argument(
         "--state-dir",
@@ -46,7 +49,12 @@ def register(subparsers: Any) -> None:
     run.add_argument(
         "--instance", metavar="ID", help="this daemon's id in topics and results (default: host + state dir)"
     )
-    run.add_argument("--backend", help="runtime backend instead of the manifest's (e.g. tflite-runtime)")
+    run.add_argument(
+        "--backend",
+        choices=sorted(RUNTIME_BACKENDS),
+        metavar="RUNTIME",
+        help="runtime backend to run the model with instead of the manifest's: %(choices)s",
+    )
     run.add_argument("--stdout", action="store_true", help="also print every answer as a JSON line on stdout")
     sources = run.add_argument_group("sources other than MQTT (one at a time)")
     exclusive = sources.add_mutually_exclusive_group()
@@ -61,16 +69,20 @@ def register(subparsers: Any) -> None:
         metavar="'SENSOR [ARGS]'",
         help="simulated sensors in-process, with the arguments of `edgeline sim`, e.g. 'digits --count 10'",
     )
-    sources.add_argument("--baudrate", type=int, metavar="N", help="serial speed (default 115200)")
+    sources.add_argument("--baudrate", type=int, metavar="N", help="serial speed, with --serial (default 115200)")
     sources.add_argument(
-        "--speed", type=float, metavar="X", help="replay at X times the recorded pace (default 0: as fast as possible)"
+        "--speed",
+        type=float,
+        metavar="X",
+        help="with --replay: replay at X times the recorded pace (default 0: as fast as possible)",
     )
     sources.add_argument("--device", metavar="ID", help="stream key of messages without a topic (serial, bare lines)")
     run.set_defaults(func=run_daemon)
 
 
 def run_daemon(args: argparse.Namespace) -> int:
-    from edgeline.daemon.processor import Answer
+    from edgeline.daemon.config import load_config
+    from edgeline.daemon.messages import Answer
     from edgeline.daemon.service import Daemon
 
     source: dict[str, object] = {"baudrate": args.baudrate, "speed": args.speed, "device": args.device}
@@ -90,7 +102,10 @@ def run_daemon(args: argparse.Namespace) -> int:
         state_dir=args.state_dir,
         instance=args.instance,
     )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A setting of another source would be dropped without a word: refuse it.
+    for flag, value, kind in (("--baudrate", args.baudrate, "serial"), ("--speed", args.speed, "replay")):
+        if value is not None and config.source.kind != kind:
+            raise EdgelineError(f"{flag} applies to the {kind} source (--{kind}); this run reads {config.source.kind}")
 
     def echo(answer: Answer) -> None:  # JSON lines whatever the codec on the wire
         sys.stdout.write(json.dumps(answer.record, separators=(",", ":")) + "\n")

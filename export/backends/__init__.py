@@ -10,12 +10,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from edgeline.device_profiles import Precision
 from edgeline.export.errors import ExportError
-from edgeline.manifest import Placement, RuntimeRequirement
 from edgeline.registry import resolve
+
+if TYPE_CHECKING:  # the registry is read by `edgeline export --help` (choices of --backend): nothing heavy for that
+    from edgeline.device_profiles import Precision
+    from edgeline.manifest import Placement, RuntimeRequirement
 
 __all__ = [
     "EXPORT_BACKENDS",

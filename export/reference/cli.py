@@ -1,7 +1,7 @@
 """``edgeline reference``: list the reference models, or train them and write what an export run needs.
 
-    edgeline reference list
-    edgeline reference prepare NAME [NAME ...] --out DIR     (or: prepare all --out DIR)
+    edgeline reference list [--json]
+    edgeline reference prepare NAME [NAME ...] --out DIR [--json]     (or: prepare all --out DIR)
 
 Registering imports neither torch nor the models; ``prepare`` imports them when it runs.
 """
@@ -9,8 +9,12 @@ Registering imports neither torch nor the models; ``prepare`` imports them when 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from pathlib import Path
+from typing import Any
 
+from edgeline.arguments import bounded_int
 from edgeline.errors import EdgelineError
 from edgeline.export.progress import Progress
 from edgeline.export.reference.preparation import find_prepared, prepare
@@ -31,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     actions = parser.add_subparsers(dest="reference_action", metavar="ACTION", required=True)
 
     list_parser = actions.add_parser("list", help="names, tasks, input shapes and data of the reference models")
+    list_parser.add_argument("--json", action="store_true", help="print the list as one JSON document")
     list_parser.set_defaults(func=_list)
 
     prepare_parser = actions.add_parser(
@@ -44,11 +49,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "names", nargs="+", metavar="NAME", help=f"one or more of: {', '.join(REFERENCE_MODELS)}; or 'all'"
     )
     prepare_parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
-    prepare_parser.add_argument("--seed", type=int, default=0, help="data, initialisation and training seed")
+    prepare_parser.add_argument(
+        "--seed", type=bounded_int(0), default=0, metavar="N", help="data, initialisation and training seed (default 0)"
+    )
+    prepare_parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print what was prepared (files, accuracy, export command) as one JSON document",
+    )
     prepare_parser.set_defaults(func=_prepare)
 
 
 def _list(args: argparse.Namespace) -> int:
+    if args.json:
+        entries = [
+            {
+                "name": info.name,
+                "task": info.task,
+                "input_shape": list(info.input_shape),
+                "label_count": info.label_count,
+                "data": info.data,
+            }
+            for info in CATALOGUE.values()
+        ]
+        print(json.dumps(entries, indent=2))
+        return 0
     print(f"{'name':<12} {'task':<9} {'input':<9} {'labels':<7} data")
     for info in CATALOGUE.values():
         shape = "x".join(str(size) for size in info.input_shape)
@@ -59,12 +84,10 @@ def _list(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     names = resolve_names(args.names)
-    if args.seed < 0:
-        raise EdgelineError(f"--seed must be 0 or more, got {args.seed}")
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise EdgelineError(f"--out {out} exists and is not a directory")
-    commands = []
+    report: list[dict[str, Any]] = []
     for name in names:
         directory = out / name
         reused = find_prepared(name, directory, seed=args.seed) is not None
@@ -75,13 +98,18 @@ def _prepare(args: argparse.Namespace) -> int:
                 prepared = prepare(name, directory, seed=args.seed)
         except OSError as exc:
             raise EdgelineError(f"cannot write {directory}: {exc}") from exc
-        metric = "float accuracy"
-        if prepared.threshold is not None:
-            metric += f" (anomaly if score > {prepared.threshold:.4g})"
-        note = "  (already prepared)" if reused else ""
-        print(f"{name}: {metric} {prepared.float_accuracy:.4f}  {directory}{note}", flush=True)
-        commands.append(prepared.export_command(DEFAULT_PROFILE))
+        command = prepared.export_command(DEFAULT_PROFILE)
+        report.append({**prepared.to_json(), "directory": os.fspath(directory), "reused": reused, "export": command})
+        if not args.json:
+            metric = "float accuracy"
+            if prepared.threshold is not None:
+                metric += f" (anomaly if score > {prepared.threshold:.4g})"
+            note = "  (already prepared)" if reused else ""
+            print(f"{name}: {metric} {prepared.float_accuracy:.4f}  {directory}{note}", flush=True)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
     print("next:")
-    for command in commands:
-        print(f"  {command}")
+    for entry in report:
+        print(f"  {entry['export']}")
     return 0

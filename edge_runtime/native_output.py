@@ -1,7 +1,7 @@
-"""Keep converters from touching the process: what they print on the file descriptors (absl, C++ logs,
-progress bars) goes to a log, shown when a step fails, and any root-logger setup they do is undone
-(executorch calls ``logging.basicConfig()`` on import and module-level ``logging.debug()`` while lowering,
-which would configure the caller's root logger).
+"""Keep converters and runtimes from touching the process: what they print on the file descriptors (absl, C++
+logs, LiteRT's delegate line, progress bars) goes to a log, shown when a step fails (or with ``-v``), and any
+root-logger setup they do is undone (executorch calls ``logging.basicConfig()`` on import and module-level
+``logging.debug()`` while lowering, which would configure the caller's root logger).
 """
 
 from __future__ import annotations

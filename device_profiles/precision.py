@@ -1,0 +1,16 @@
+"""The precisions a model is exported in: a plain enum, so `edgeline export --help` lists them without pydantic."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = ["Precision"]
+
+
+class Precision(str, Enum):
+    """Numeric precision of an exported model."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8_DYNAMIC = "int8-dynamic"
+    INT8_STATIC = "int8-static"
