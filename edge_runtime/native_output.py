@@ -21,9 +21,6 @@ __all__ = ["CapturedOutput", "capture_native_output"]
 class CapturedOutput:
     text: str = field(default="")
 
-    def tail(self, lines: int = 15) -> str:
-        return "\n".join(self.text.strip().splitlines()[-lines:])
-
 
 @contextlib.contextmanager
 def capture_native_output() -> Iterator[CapturedOutput]:

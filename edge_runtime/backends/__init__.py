@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the registry is read by `--help` (choices of --backend): no
 
     from edgeline.manifest import TensorSpec
 
-__all__ = ["RUNTIME_BACKENDS", "Session", "SessionFactory", "open_session", "runtime_backend_names"]
+__all__ = ["RUNTIME_BACKENDS", "Session", "SessionFactory", "open_session"]
 
 RUNTIME_BACKENDS: dict[str, str] = {
     "litert": "edgeline.backends.litert:LiteRTSession",
@@ -42,10 +42,6 @@ class SessionFactory(Protocol):
     file_suffixes: tuple[str, ...]
 
     def __call__(self, model_path: Path, *, threads: int, input_names: Sequence[str] | None) -> Session: ...
-
-
-def runtime_backend_names() -> list[str]:
-    return sorted(RUNTIME_BACKENDS)
 
 
 def open_session(name: str, model_path: Path, *, threads: int = 1, input_names: Sequence[str] | None = None) -> Session:

@@ -24,7 +24,6 @@ __all__ = [
     "ExportRequest",
     "ExportedModel",
     "Exporter",
-    "export_backend_names",
     "get_exporter",
     "operators_named_in",
 ]
@@ -61,10 +60,6 @@ class Exporter(Protocol):
     precisions: tuple[Precision, ...]
 
     def export(self, request: ExportRequest) -> ExportedModel: ...
-
-
-def export_backend_names() -> list[str]:
-    return sorted(EXPORT_BACKENDS)
 
 
 def get_exporter(name: str) -> Exporter:
