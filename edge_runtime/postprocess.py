@@ -48,14 +48,19 @@ def interpret(
     if post.kind == "classify":
         row = outputs[0].reshape(-1).astype(np.float64)
         scores = softmax(row) if post.score == "softmax" else row
-        order = np.argsort(-scores, kind="stable")[: max(1, top_k)]
-        names = post.labels or tuple(str(i) for i in range(row.size))
-        best = int(order[0])
+        # the first of equal scores wins either way (argmax, or a stable sort); one class needs no sort
+        order = [int(np.argmax(scores))] if top_k <= 1 else np.argsort(-scores, kind="stable")[:top_k].tolist()
+        labels = post.labels
+
+        def name(index: int) -> str:
+            return labels[index] if labels else str(index)
+
+        best = order[0]
         return Interpretation(
-            label=names[best],
+            label=name(best),
             index=best,
             score=float(scores[best]),
-            top_k=tuple((names[int(i)], float(scores[int(i)])) for i in order),
+            top_k=tuple((name(i), float(scores[i])) for i in order),
         )
     if post.kind == "anomaly":
         assert post.threshold is not None  # the manifest validator guarantees it

@@ -409,8 +409,8 @@ class RawCodec:
 
 
 class _NonFinite(Exception):
-    def __init__(self) -> None:
-        self.path: list[str] = []
+    def __init__(self, path: list[str] | None = None) -> None:
+        self.path: list[str] = path or []
 
 
 def _plain_record(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -453,6 +453,10 @@ def _plain(value: Any) -> Any:
                 raise
         return plain
     if isinstance(value, list | tuple):
+        if value and set(map(type, value)) == {float}:  # a row of outputs: checked in one C-level pass
+            if not all(map(math.isfinite, value)):
+                raise _NonFinite([f"[{next(i for i, v in enumerate(value) if not math.isfinite(v))}]"])
+            return list(value)
         items = []
         for index, item in enumerate(value):
             try:
