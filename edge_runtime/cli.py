@@ -20,6 +20,7 @@ __all__ = ["main"]
 COMMAND_MODULES: tuple[str, ...] = (
     "edgeline.export.cli",  # export
     "edgeline.commands",  # infer, verify
+    "edgeline.bundle_cli",  # bundle show
     "edgeline.daemon.run_command",  # run
     "edgeline.device_profiles.cli",  # profiles
     "edgeline.export.reference.cli",  # reference

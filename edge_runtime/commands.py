@@ -7,24 +7,29 @@ import json
 import platform
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgeline.bundle import read_bundle
-from edgeline.errors import BundleError
+from edgeline.errors import BundleError, PayloadError
 from edgeline.model import Model, load
 from edgeline.samples import read_npz, sample_set
 from edgeline.timing import median_latency_ms
 
-__all__ = ["register"]
+__all__ = ["infer_payloads", "register"]
+
+PAYLOAD_SUFFIXES = (".json", ".jsonl")
+INFER_DEVICE = "infer"
+"""The device (stream key) of the messages read from a file, as the daemon names a source's messages."""
 
 
 def register(subparsers: Any) -> None:
     infer = subparsers.add_parser(
         "infer",
-        help="run a bundle on samples from an .npz file",
+        help="run a bundle on samples from an .npz file, or on the daemon's payloads (.json, .jsonl)",
         description="Run a bundle on one or many samples.",
     )
     infer.add_argument("bundle", metavar="BUNDLE", type=Path)
@@ -32,8 +37,9 @@ def register(subparsers: Any) -> None:
         "--input",
         required=True,
         type=Path,
-        metavar="X.npz",
-        help="one array per model input (first axis = samples, or one sample); optional `labels`",
+        metavar="FILE",
+        help="X.npz: one array per model input (first axis = samples, or one sample), optional `labels`; "
+        "or payloads as `edgeline run` takes them (json codec): X.json holds one message, X.jsonl one per line",
     )
     infer.add_argument("--json", action="store_true", help="print one JSON object per sample per line")
     infer.add_argument("--backend", help="runtime backend to use instead of the manifest's (e.g. tflite-runtime)")
@@ -59,6 +65,8 @@ def _jsonable(array: np.ndarray) -> Any:
 
 def run_infer(args: argparse.Namespace) -> int:
     model = load(args.bundle, backend=args.backend, threads=args.threads)
+    if args.input.suffix in PAYLOAD_SUFFIXES:
+        return infer_payloads(model, args.input, top_k=args.top_k, as_json=args.json, show=args.show)
     samples = sample_set(read_npz(args.input, "input"), model.inputs, str(args.input))
     post = model.manifest.postprocess
     labels = samples.labels
@@ -107,6 +115,71 @@ def run_infer(args: argparse.Namespace) -> int:
             )
         print(line)
     return 0
+
+
+def _payloads(path: Path) -> list[tuple[int, bytes]]:
+    """(line number, payload): a .json file is one message, a .jsonl file one per line (blank lines skipped)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PayloadError(f"input file {path}: {exc.strerror or exc}") from exc
+    messages = [(1, data)] if path.suffix == ".json" else list(enumerate(data.splitlines(), 1))
+    messages = [(line, payload) for line, payload in messages if payload.strip()]
+    if not messages:
+        raise PayloadError(f"input file {path}: no messages")
+    return messages
+
+
+def infer_payloads(model: Model, path: Path, *, top_k: int = 1, as_json: bool = False, show: int = 5) -> int:
+    """Answer each message of ``path`` as ``edgeline run`` would (its json codec and processor): a result or a coded
+    error per input. Exit code 1 when any input got an error."""
+    from edgeline.daemon.codecs import get_codec
+    from edgeline.daemon.health import Metrics
+    from edgeline.daemon.messages import Message
+    from edgeline.daemon.processor import Processor
+
+    processor = Processor(
+        model, get_codec("json"), Metrics(model=model.name, version=model.version), publish="{device}", top_k=top_k
+    )
+    errors: Counter[str] = Counter()
+    results = 0
+    printed = 0
+    for line, payload in _payloads(path):
+        for answer in processor.process(Message(topic="", payload=payload, device=INFER_DEVICE)):
+            record = {"line": line, **answer.record}
+            if answer.is_error:
+                errors[record["error"]["code"]] += 1
+            else:
+                results += 1
+            if as_json:
+                print(json.dumps(record))
+                continue
+            printed += 1
+            if printed > show:
+                continue
+            if answer.is_error:
+                print(f"line {line} ({record['id']}): error {record['error']['code']}: {record['error']['message']}")
+            else:
+                print(f"line {line} ({record['id']}): {_answer_summary(record)}")
+    if not as_json:
+        if printed > show:
+            print(f"... {printed - show} more answers")
+        codes = ", ".join(f"{code} {count}" for code, count in sorted(errors.items()))
+        print(
+            f"{path}: {results} results, {sum(errors.values())} errors" + (f" ({codes})" if codes else "")
+            + f" from {model.name} v{model.version} ({model.backend}, {model.manifest.precision})"
+        )  # fmt: skip
+    return 1 if errors else 0
+
+
+def _answer_summary(record: dict[str, Any]) -> str:
+    keys = ("label", "class_index", "score", "anomaly", "anomaly_score")
+    shown = [
+        f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}" for k in keys if k in record
+    ]
+    if "top_k" in record:
+        shown.append("top-k: " + ", ".join(f"{entry['label']} {entry['score']:.4g}" for entry in record["top_k"]))
+    return ", ".join(shown) or f"outputs={[len(output) for output in record['outputs']]}"
 
 
 def _golden_check(model: Model) -> dict[str, Any]:

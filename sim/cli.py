@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeline.daemon.topics import SENSOR_TOPIC
 from edgeline.sim.data import SENSOR_MODELS, SENSORS
 
 if TYPE_CHECKING:
@@ -40,7 +41,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT", help=f"MQTT broker (default {DEFAULT_BROKER})"
     )
-    parser.add_argument("--qos", type=int, default=0, metavar="0|1", help="MQTT quality of service (default 0)")
+    parser.add_argument(
+        "--qos", type=int, default=1, metavar="0|1", help="MQTT quality of service (default 1, as `edgeline run`)"
+    )
     parser.add_argument(
         "--out",
         metavar="FILE",
@@ -72,7 +75,10 @@ def add_sensor_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", metavar="NAME", help="reference model to feed (camera: resnet8 or vww)")
     parser.add_argument(
-        "--topic", default="sensors/{device}/{sensor}", metavar="TEMPLATE", help="fields {device} and {sensor}"
+        "--topic",
+        default=SENSOR_TOPIC,
+        metavar="TEMPLATE",
+        help=f"fields {{device}} and {{sensor}} (default {SENSOR_TOPIC}: where `edgeline run` listens by default)",
     )
     parser.add_argument("--seed", type=int, default=0, help="order and anomaly seed (default 0)")
     parser.add_argument(

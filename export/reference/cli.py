@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from edgeline.errors import EdgelineError
+from edgeline.export.errors import require_export_extra
 from edgeline.export.reference.preparation import find_prepared, prepare
 from edgeline.export.reference.registry import CATALOGUE, REFERENCE_MODELS, resolve_names
 
@@ -58,6 +59,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    require_export_extra("edgeline reference prepare", "sklearn")
     names = resolve_names(args.names)
     if args.seed < 0:
         raise EdgelineError(f"--seed must be 0 or more, got {args.seed}")
