@@ -1,8 +1,9 @@
 """Shared fixtures: a tiny classifier written as a user would write it, its sample files, and one real bundle.
 
 The bundle is exported once per test session with the real LiteRT exporter (about 10 s on two cores); tests
-that change it work on their own copy (``litert_bundle``). Without torch (the device tier, ``-m device``, run by
-``scripts/test_device.sh`` in the base install) it is the copy committed in tests/data (see ``tests.tiny_bundle``).
+that change it work on their own copy (``litert_bundle``). Without torch (the device tier: scripts/test_device.sh
+runs the tests marked ``device`` but not ``workstation`` in the base install) it is the copy committed in tests/data
+(see ``tests.tiny_bundle``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ if HAVE_TORCH:
     # Importing it here binds them to the session's stream. (The torch-free tests run in fresh subprocesses.)
     import torch  # noqa: F401
 
+# The device tier collects every module: leave out those that import, at import time, what the base install lacks.
+collect_ignore = [
+    module
+    for module, needs in (("test_reference_models.py", "torch"), ("test_health.py", "prometheus_client"))
+    if importlib.util.find_spec(needs) is None
+]
+
 pytest_plugins = ["tests.mqtt_broker"]  # real-Mosquitto fixtures: broker, session_broker, unique_topic
 
 __all__ = ["CLASSES", "HAVE_TORCH", "IMAGE_SHAPE", "TINY_MODEL_SOURCE"]
@@ -34,8 +42,8 @@ def needs_torch(what: str) -> None:
     """Fail a device-tier test that asked for something only the workstation tier (the export extra) can make."""
     if not HAVE_TORCH:
         pytest.fail(
-            f"{what} needs torch (the export extra), which the device tier lacks: leave the `device` marker off "
-            "this test, or give it a bundle from tests/data"
+            f"{what} needs torch (the export extra), which the device tier lacks: mark the test `workstation`, "
+            "or give it a bundle from tests/data"
         )
 
 

@@ -31,6 +31,8 @@ from edgeline.registry import resolve
 from tests.mqtt_broker import Broker, Collector
 from tests.tiny_bundle import COMMITTED_BUNDLE, write_samples
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 TIMEOUT_S = 20.0
 EXPORT_EXTRA = ("torch", "sklearn", "executorch", "litert_torch", "ai_edge_quantizer")
 WITHOUT_TORCH = (
@@ -48,7 +50,6 @@ def edgeline_without_torch(*args: str) -> subprocess.CompletedProcess[str]:
 # -- the base install -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.device
 @pytest.mark.parametrize(
     "command",
     [
@@ -63,15 +64,13 @@ def test_export_side_commands_refuse_in_one_line_naming_the_extra(command: list[
     assert done.returncode == 2, done.stderr
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr
-    assert lines[0].startswith(
-        f"edgeline {command[0]}: error: edgeline {' '.join(command[: 2 if command[0] == 'reference' else 1])} needs the export extra"
-    )
+    program = " ".join(command[:2]) if command[0] == "reference" else command[0]
+    assert lines[0].startswith(f"edgeline {command[0]}: error: edgeline {program} needs the export extra")
     assert lines[0].endswith("pip install 'edgeline[export]'")
     assert done.stdout == ""  # no "training ..." before the refusal
     assert not out.exists()
 
 
-@pytest.mark.device
 @pytest.mark.parametrize("profile_id", profile_ids())
 def test_a_profiles_first_target_runs_on_its_own_device_install(profile_id: str) -> None:
     from edgeline.export.backends import EXPORT_BACKENDS
@@ -90,7 +89,6 @@ BASE_INSTALL_BUNDLES = {"litert": COMMITTED_BUNDLE}
 """A bundle for each runtime backend of the base install."""
 
 
-@pytest.mark.device
 @pytest.mark.parametrize("backend", sorted(BASE_INSTALL_BACKENDS))
 def test_the_base_install_backends_run_a_bundle_without_torch(backend: str, tmp_path: Path) -> None:
     samples = write_samples(tmp_path)
@@ -109,7 +107,6 @@ def test_the_base_install_backends_run_a_bundle_without_torch(backend: str, tmp_
     assert all(0 <= record["class_index"] < 10 for record in records)
 
 
-@pytest.mark.device
 def test_the_committed_bundle_is_valid_and_small(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(COMMITTED_BUNDLE), "--json"]) == 0
     checks = {check["check"]: check["ok"] for check in json.loads(capsys.readouterr().out)["checks"]}
@@ -117,6 +114,7 @@ def test_the_committed_bundle_is_valid_and_small(capsys: pytest.CaptureFixture[s
     assert sum(path.stat().st_size for path in COMMITTED_BUNDLE.iterdir()) < 32 * 1024
 
 
+@pytest.mark.workstation  # compares with a fresh export
 def test_the_committed_bundle_describes_what_the_exporter_writes_today(built_litert_bundle: Path) -> None:
     """Workstation tier: a fresh export of the same model; regenerate with `python -m tests.tiny_bundle`."""
     committed = edgeline.read_bundle(COMMITTED_BUNDLE).manifest
@@ -141,7 +139,6 @@ def test_the_committed_bundle_describes_what_the_exporter_writes_today(built_lit
 # -- run and sim meet on their defaults -------------------------------------------------------------------------------
 
 
-@pytest.mark.device
 def test_the_defaults_of_run_and_sim_agree() -> None:
     from edgeline.cli import build_parser
 
@@ -153,7 +150,6 @@ def test_the_defaults_of_run_and_sim_agree() -> None:
     assert (sim.topic, config.input.subscribe) == (SENSOR_TOPIC, (SENSOR_SUBSCRIPTION,))
 
 
-@pytest.mark.device
 def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path) -> None:
     """`edgeline run BUNDLE --broker H:P` and `edgeline sim digits --broker H:P`, no topic or QoS flags: every message
     the simulator sends is answered."""
@@ -197,7 +193,6 @@ def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path) -> Non
     assert "nothing received" not in stderr
 
 
-@pytest.mark.device
 def test_the_daemon_warns_once_when_its_subscription_stays_silent(broker: Broker, tmp_path: Path) -> None:
     config = tmp_path / "daemon.toml"
     config.write_text("[input]\nsilence_warning_s = 0.2\n", encoding="utf-8")
@@ -215,7 +210,6 @@ def test_the_daemon_warns_once_when_its_subscription_stays_silent(broker: Broker
     assert stderr.count(f"nothing received on {SENSOR_SUBSCRIPTION} for 0.2 s") == 1, stderr
 
 
-@pytest.mark.device
 def test_silence_is_reported_once_per_silent_spell_and_per_subscription() -> None:
     now = [0.0]
     watch = SilenceWatch([TopicFilter("a/+/x"), TopicFilter("b/#")], 60.0, clock=lambda: now[0])
@@ -232,7 +226,6 @@ def test_silence_is_reported_once_per_silent_spell_and_per_subscription() -> Non
     assert watch.newly_silent() == ["b/#"]  # a new spell, of that subscription only
 
 
-@pytest.mark.device
 @pytest.mark.parametrize(
     ("specs", "window"),
     [
@@ -262,7 +255,6 @@ def test_the_example_payload_names_fields_the_codec_accepts(
 # -- bundle show ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.device
 def test_bundle_show_json_carries_the_manifests_numbers(tmp_path: Path) -> None:
     done = edgeline_without_torch("bundle", "show", str(COMMITTED_BUNDLE), "--json")
     assert done.returncode == 0, done.stderr
@@ -281,7 +273,6 @@ def test_bundle_show_json_carries_the_manifests_numbers(tmp_path: Path) -> None:
     assert info["signature"] == {"present": False, "verified": False}
 
 
-@pytest.mark.device
 def test_bundle_show_text_and_a_signature_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
 
@@ -306,7 +297,6 @@ def _without_timing(record: dict[str, object]) -> dict[str, object]:
     return {key: value for key, value in record.items() if key not in ("timestamp", "latency_ms", "line")}
 
 
-@pytest.mark.device
 def test_infer_answers_json_lines_as_the_daemon_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rng = np.random.default_rng(3)
     images = rng.random((4, 64), dtype=np.float32)
@@ -337,7 +327,6 @@ def test_infer_answers_json_lines_as_the_daemon_does(tmp_path: Path, capsys: pyt
     assert [{k: v for k, v in r.items() if k != "instance"} for r in daemon] == mine
 
 
-@pytest.mark.device
 def test_infer_takes_one_json_message_and_refuses_an_empty_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
