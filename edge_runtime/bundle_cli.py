@@ -1,7 +1,8 @@
 """``edgeline bundle show``: what a bundle holds and promises, read from its verified manifest (no model is run).
 
 Inputs and outputs, an example payload for ``edgeline run``, postprocessing, fidelity, placement, size and signature
-status; ``--json`` prints the same as one JSON document. Torch-free: this is also a device's command.
+status; ``--json`` prints the same as one JSON document. Torch-free: this is also a device's command, and
+registering it imports nothing heavy (``edgeline --help`` stays light).
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from edgeline.bundle import MANIFEST_FILE, SIGNATURE_FILE, Bundle, read_bundle
-from edgeline.manifest import Placement, TensorSpec
+if TYPE_CHECKING:
+    from edgeline.bundle import Bundle
+    from edgeline.manifest import Placement, TensorSpec
 
 __all__ = ["describe_bundle", "register"]
 
@@ -61,6 +63,7 @@ def _placement(placement: Placement | None) -> dict[str, Any] | None:
 def describe_bundle(bundle: Bundle) -> dict[str, Any]:
     """The facts ``bundle show`` prints, as plain data (numbers as numbers)."""
     from edgeline.backends import BASE_INSTALL_BACKENDS
+    from edgeline.bundle import MANIFEST_FILE, SIGNATURE_FILE
     from edgeline.daemon.codecs import example_payload, payload_fields
 
     manifest = bundle.manifest
@@ -175,8 +178,8 @@ def format_description(info: dict[str, Any]) -> str:
         f"size:         model {size['model_bytes']:,} bytes{budget}; bundle {size['bundle_bytes']:,} bytes "
         f"in {size['files']} files (sizes and sha256 verified)",
         "signature:    "
-        + (f"{SIGNATURE_FILE} present, not verified (this runtime does not check signatures yet)"
-           if signature["present"] else f"unsigned (no {SIGNATURE_FILE})"),
+        + ("manifest.sig present, not verified (this runtime does not check signatures yet)"
+           if signature["present"] else "unsigned (no manifest.sig)"),
     ]  # fmt: skip
     if info["window"] is not None:
         window = info["window"]
@@ -185,6 +188,8 @@ def format_description(info: dict[str, Any]) -> str:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    from edgeline.bundle import read_bundle
+
     info = describe_bundle(read_bundle(args.bundle))
     print(json.dumps(info, indent=2) if args.json else format_description(info))
     return 0
