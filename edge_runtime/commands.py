@@ -12,6 +12,7 @@ import math
 import platform
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,12 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from edgeline.arguments import bounded_int
 from edgeline.backends import RUNTIME_BACKENDS
-from edgeline.errors import BundleError, EdgelineError
+from edgeline.errors import BundleError, EdgelineError, PayloadError
 
 if TYPE_CHECKING:
     from edgeline.model import Model
 
-__all__ = ["register"]
+__all__ = ["infer_payloads", "register"]
+
+PAYLOAD_SUFFIXES = (".json", ".jsonl")
+INFER_DEVICE = "infer"
+"""The device (stream key) of the messages read from a file, as the daemon names a source's messages."""
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ RUNTIME_BACKEND_HELP = "runtime backend to run the model with instead of the man
 def register(subparsers: Any) -> None:
     infer = subparsers.add_parser(
         "infer",
-        help="run a bundle on samples from an .npz file",
+        help="run a bundle on samples from an .npz file, or on the daemon's payloads (.json, .jsonl)",
         description="Run a bundle on one or many samples.",
     )
     infer.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory (written by `edgeline export`)")
@@ -43,8 +48,9 @@ def register(subparsers: Any) -> None:
         "--input",
         required=True,
         type=Path,
-        metavar="X.npz",
-        help="one array per model input (first axis = samples, or one sample); optional `labels`",
+        metavar="FILE",
+        help="X.npz: one array per model input (first axis = samples, or one sample), optional `labels`; "
+        "or payloads as `edgeline run` takes them (json codec): X.json holds one message, X.jsonl one per line",
     )
     infer.add_argument("--json", action="store_true", help="print JSON lines: one object per sample")
     infer.add_argument("--backend", choices=sorted(RUNTIME_BACKENDS), metavar="RUNTIME", help=RUNTIME_BACKEND_HELP)
@@ -135,6 +141,8 @@ def run_infer(args: argparse.Namespace) -> int:
     with _runtime_output():
         model = load(args.bundle, backend=args.backend, threads=args.threads)
     _check_infer_flags(args, model)
+    if args.input.suffix in PAYLOAD_SUFFIXES:
+        return infer_payloads(model, args.input, top_k=args.top_k, as_json=args.json, show=args.show)
     samples = sample_set(read_npz(args.input, "input"), model.inputs, str(args.input))
     post = model.manifest.postprocess
     labels = samples.labels
@@ -178,6 +186,71 @@ def run_infer(args: argparse.Namespace) -> int:
             )
         print(line)
     return 0
+
+
+def _payloads(path: Path) -> list[tuple[int, bytes]]:
+    """(line number, payload): a .json file is one message, a .jsonl file one per line (blank lines skipped)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PayloadError(f"input file {path}: {exc.strerror or exc}") from exc
+    messages = [(1, data)] if path.suffix == ".json" else list(enumerate(data.splitlines(), 1))
+    messages = [(line, payload) for line, payload in messages if payload.strip()]
+    if not messages:
+        raise PayloadError(f"input file {path}: no messages")
+    return messages
+
+
+def infer_payloads(model: Model, path: Path, *, top_k: int = 1, as_json: bool = False, show: int = 5) -> int:
+    """Answer each message of ``path`` as ``edgeline run`` would (its json codec and processor): a result or a coded
+    error per input. Exit code 1 when any input got an error."""
+    from edgeline.daemon.codecs import get_codec
+    from edgeline.daemon.health import Metrics
+    from edgeline.daemon.messages import Message
+    from edgeline.daemon.processor import Processor
+
+    processor = Processor(
+        model, get_codec("json"), Metrics(model=model.name, version=model.version), publish="{device}", top_k=top_k
+    )
+    errors: Counter[str] = Counter()
+    results = 0
+    printed = 0
+    for line, payload in _payloads(path):
+        for answer in processor.process(Message(topic="", payload=payload, device=INFER_DEVICE)):
+            record = {"line": line, **answer.record}
+            if answer.is_error:
+                errors[record["error"]["code"]] += 1
+            else:
+                results += 1
+            if as_json:
+                print(json.dumps(record))
+                continue
+            printed += 1
+            if printed > show:
+                continue
+            if answer.is_error:
+                print(f"line {line} ({record['id']}): error {record['error']['code']}: {record['error']['message']}")
+            else:
+                print(f"line {line} ({record['id']}): {_answer_summary(record)}")
+    if not as_json:
+        if printed > show:
+            print(f"... {printed - show} more answers")
+        codes = ", ".join(f"{code} {count}" for code, count in sorted(errors.items()))
+        print(
+            f"{path}: {results} results, {sum(errors.values())} errors" + (f" ({codes})" if codes else "")
+            + f" from {model.name} v{model.version} ({model.backend}, {model.manifest.precision})"
+        )  # fmt: skip
+    return 1 if errors else 0
+
+
+def _answer_summary(record: dict[str, Any]) -> str:
+    keys = ("label", "class_index", "score", "anomaly", "anomaly_score")
+    shown = [
+        f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}" for k in keys if k in record
+    ]
+    if "top_k" in record:
+        shown.append("top-k: " + ", ".join(f"{entry['label']} {entry['score']:.4g}" for entry in record["top_k"]))
+    return ", ".join(shown) or f"outputs={[len(output) for output in record['outputs']]}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

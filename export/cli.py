@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from edgeline.device_profiles.precision import Precision
-from edgeline.errors import BackendUnavailableError, EdgelineError
+from edgeline.errors import EdgelineError
 from edgeline.export.backends import EXPORT_BACKENDS
+from edgeline.export.errors import require_export_extra
 
 __all__ = ["register"]
 
@@ -92,10 +93,7 @@ def _read_labels(path: Path | None) -> tuple[str, ...] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import torch  # noqa: F401
-    except ImportError as exc:
-        raise BackendUnavailableError("edgeline export needs the export extra: pip install 'edgeline[export]'") from exc
+    require_export_extra()
     from edgeline.export.pipeline import ExportOptions, run_export
     from edgeline.export.progress import Progress
     from edgeline.export.report import format_report

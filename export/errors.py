@@ -9,9 +9,28 @@ ExportError
 
 from __future__ import annotations
 
-from edgeline.device_profiles.errors import EdgelineError
+import importlib.util
 
-__all__ = ["BudgetError", "CalibrationError", "ExportError", "LoweringError", "ModelLoadError"]
+from edgeline.device_profiles.errors import BackendUnavailableError, EdgelineError
+
+__all__ = [
+    "BudgetError",
+    "CalibrationError",
+    "ExportError",
+    "LoweringError",
+    "ModelLoadError",
+    "require_export_extra",
+]
+
+
+def require_export_extra(*modules: str) -> None:
+    """Refuse the command before it does any work when the export extra is not installed (a device's base install):
+    one line naming the extra (the CLI names the command). ``modules``: what it imports besides torch."""
+    missing = [name for name in ("torch", *modules) if importlib.util.find_spec(name) is None]
+    if missing:
+        raise BackendUnavailableError(
+            f"needs the export extra ({', '.join(missing)} not installed): pip install 'edgeline[export]'"
+        )
 
 
 class ExportError(EdgelineError):

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeline.daemon.topics import SENSOR_TOPIC
 from edgeline.sim.data import MODEL_SHAPES, SENSOR_MODELS, SENSORS
 
 if TYPE_CHECKING:
@@ -44,9 +45,9 @@ def register(subparsers: Any) -> None:
         "--qos",
         type=int,
         choices=[0, 1],
-        default=0,
+        default=1,
         metavar="QOS",
-        help="MQTT quality of service: %(choices)s (default 0)",
+        help="MQTT quality of service: %(choices)s (default 1, as `edgeline run`)",
     )
     parser.add_argument(
         "--out",
@@ -84,7 +85,10 @@ def add_sensor_arguments(parser: argparse.ArgumentParser) -> None:
         help="reference model to feed: %(choices)s (the sensor's own by default; camera: resnet8 or vww)",
     )
     parser.add_argument(
-        "--topic", default="sensors/{device}/{sensor}", metavar="TEMPLATE", help="fields {device} and {sensor}"
+        "--topic",
+        default=SENSOR_TOPIC,
+        metavar="TEMPLATE",
+        help=f"fields {{device}} and {{sensor}} (default {SENSOR_TOPIC}: where `edgeline run` listens by default)",
     )
     parser.add_argument("--seed", type=int, default=0, help="order and anomaly seed (default 0)")
     parser.add_argument(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgeline.daemon.config import BrokerAddress
-from edgeline.daemon.topics import validate_template
+from edgeline.daemon.topics import SENSOR_TOPIC, validate_template
 from edgeline.errors import EdgelineError
 from edgeline.sim.sensors import Sensor
 
@@ -42,7 +42,7 @@ __all__ = [
     "validate_topic_template",
 ]
 
-DEFAULT_TOPIC = "sensors/{device}/{sensor}"
+DEFAULT_TOPIC = SENSOR_TOPIC
 TOPIC_FIELDS = ("device", "sensor")
 CONNECT_TIMEOUT_S = 5.0
 MAX_COUNT = 10_000_000

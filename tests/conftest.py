@@ -1,25 +1,54 @@
 """Shared fixtures: a tiny classifier written as a user would write it, its sample files, and one real bundle.
 
 The bundle is exported once per test session with the real LiteRT exporter (about 10 s on two cores); tests
-that change it work on their own copy (``litert_bundle``).
+that change it work on their own copy (``litert_bundle``). Without torch (the device tier: scripts/test_device.sh
+runs the tests marked ``device`` but not ``workstation`` in the base install) it is the copy committed in tests/data
+(see ``tests.tiny_bundle``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-# torch binds logging StreamHandlers to sys.stderr when first imported (torch._logging). Imported inside a test,
-# that is the test's capture stream, closed afterwards, and a later torch warning fails to write to it. Importing
-# it here binds them to the session's stream. (The torch-free tests run in fresh subprocesses.)
-import torch  # noqa: F401
-
 from edgeline.cli import main
+from tests.tiny_bundle import CLASSES, COMMITTED_BUNDLE, IMAGE_SHAPE, TINY_MODEL_SOURCE, export_tiny, write_samples
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+"""False in the device tier: the base install, without the export extra."""
+if HAVE_TORCH:
+    # torch binds logging StreamHandlers to sys.stderr when first imported (torch._logging). Imported inside a
+    # test, that is the test's capture stream, closed afterwards, and a later torch warning fails to write to it.
+    # Importing it here binds them to the session's stream. (The torch-free tests run in fresh subprocesses.)
+    import torch  # noqa: F401
+
+# The device tier collects every module: leave out those that import, at import time, what the base install lacks.
+collect_ignore = [
+    module
+    for module, needs in (
+        ("test_reference_models.py", "torch"),
+        ("test_float_reference.py", "torch"),
+        ("test_health.py", "prometheus_client"),
+    )
+    if importlib.util.find_spec(needs) is None
+]
 
 pytest_plugins = ["tests.mqtt_broker"]  # real-Mosquitto fixtures: broker, session_broker, unique_topic
+
+__all__ = ["CLASSES", "HAVE_TORCH", "IMAGE_SHAPE", "TINY_MODEL_SOURCE"]
+
+
+def needs_torch(what: str) -> None:
+    """Fail a device-tier test that asked for something only the workstation tier (the export extra) can make."""
+    if not HAVE_TORCH:
+        pytest.fail(
+            f"{what} needs torch (the export extra), which the device tier lacks: mark the test `workstation`, "
+            "or give it a bundle from tests/data"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -32,31 +61,6 @@ def private_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyt
     return state
 
 
-TINY_MODEL_SOURCE = '''\
-import torch
-from torch import nn
-
-
-class Tiny(nn.Module):
-    """conv + linear: a (1, 1, 8, 8) image to 10 class logits."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, kernel_size=3, padding=1)
-        self.fc = nn.Linear(4 * 8 * 8, 10)
-
-    def forward(self, image):
-        return self.fc(torch.relu(self.conv(image)).flatten(1))
-
-
-def model():
-    return Tiny()
-'''
-
-IMAGE_SHAPE = (1, 8, 8)
-CLASSES = 10
-
-
 @pytest.fixture(scope="session")
 def tiny_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("user_model") / "tiny.py"
@@ -67,44 +71,19 @@ def tiny_model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def sample_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Seeded float32 images in [0, 1): calibration (32) and validation (16, with integer labels)."""
-    root = tmp_path_factory.mktemp("samples")
-    rng = np.random.default_rng(20240607)
-    calibration = root / "calibration.npz"
-    validation = root / "validation.npz"
-    np.savez(calibration, image=rng.random((32, *IMAGE_SHAPE), dtype=np.float32))
-    np.savez(
-        validation,
-        image=rng.random((16, *IMAGE_SHAPE), dtype=np.float32),
-        labels=rng.integers(0, CLASSES, size=16),
-    )
-    return {"calibration": calibration, "validation": validation}
+    return write_samples(tmp_path_factory.mktemp("samples"))
 
 
 @pytest.fixture(scope="session")
 def built_litert_bundle(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_file: Path, sample_files: dict[str, Path]
 ) -> Path:
-    """The pristine int8-static LiteRT bundle; never modify it, use ``litert_bundle``."""
+    """The pristine int8-static LiteRT bundle; never modify it, use ``litert_bundle``. Exported here with torch;
+    without it (the device tier), the committed copy made by the same export."""
+    if not HAVE_TORCH:
+        return COMMITTED_BUNDLE
     out = tmp_path_factory.mktemp("exported") / "tiny"
-    code = main(
-        [
-            "export",
-            f"{tiny_model_file}:model",
-            "--profile",
-            "rpi5",
-            "--calibration",
-            str(sample_files["calibration"]),
-            "--validation",
-            str(sample_files["validation"]),
-            "--backend",
-            "litert",
-            "--precision",
-            "int8-static",
-            "--out",
-            str(out),
-        ]
-    )
-    assert code == 0, "exporting the tiny model for rpi5 (litert int8-static) failed"
+    assert export_tiny(tiny_model_file, sample_files, out) == 0, "exporting the tiny model for rpi5 failed"
     return out
 
 
@@ -141,6 +120,7 @@ def model():
 @pytest.fixture(scope="session")
 def batchable_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An int8-static LiteRT bundle of a (1, 3, 8, 8) model whose graph takes any batch size (never modify it)."""
+    needs_torch("the batchable_bundle fixture")
     root = tmp_path_factory.mktemp("pooled_model")
     source = root / "pooled.py"
     source.write_text(POOLED_MODEL_SOURCE, encoding="utf-8")
@@ -181,6 +161,7 @@ def model():
 def lookup_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An fp32 LiteRT bundle taking (1, 1, 3) indices in [0, 8); 300 passes every input check but the runtime's
     EMBEDDING_LOOKUP refuses it: a real ``inference-failed`` (never modify it)."""
+    needs_torch("the lookup_bundle fixture")
     root = tmp_path_factory.mktemp("lookup_model")
     source = root / "lookup.py"
     source.write_text(LOOKUP_MODEL_SOURCE, encoding="utf-8")

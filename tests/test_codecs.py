@@ -23,6 +23,8 @@ from edgeline.errors import PAYLOAD_CODES, EdgelineError, PayloadError
 from edgeline.manifest import Quantization, TensorSpec, Window
 from edgeline.quantization import quantize
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 PROPERTY = settings(deadline=None, max_examples=100)
 # What a codec may answer; the size limit is the caller's, checked before decoding.
 DECODE_CODES = {"invalid-input", "malformed", "missing-input", "wrong-shape", "wrong-dtype", "non-finite"}

@@ -20,6 +20,8 @@ import pytest
 import edgeline
 from tests.mqtt_broker import Broker, Collector
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 TIMEOUT_S = 20.0
 
 
@@ -346,6 +348,7 @@ def wait_until(condition: Any, timeout: float = TIMEOUT_S) -> bool:
     return True
 
 
+@pytest.mark.workstation  # its daemon serves metrics: prometheus-client (metrics extra)
 def test_a_full_drop_oldest_queue_answers_dropped_and_loses_nothing_else(
     broker: Broker, built_litert_bundle: Path, unique_topic: str
 ) -> None:
@@ -391,6 +394,7 @@ def test_a_full_drop_oldest_queue_answers_dropped_and_loses_nothing_else(
         daemon.stop()
 
 
+@pytest.mark.workstation  # its daemon serves metrics: prometheus-client (metrics extra)
 def test_a_full_block_queue_holds_the_stream_back_and_loses_nothing(
     broker: Broker, built_litert_bundle: Path, unique_topic: str
 ) -> None:
@@ -412,6 +416,7 @@ def test_a_full_block_queue_holds_the_stream_back_and_loses_nothing(
         daemon.stop()
 
 
+@pytest.mark.workstation  # needs a bundle only the export extra can make
 def test_under_backlog_the_daemon_batches_what_is_queued(
     broker: Broker, batchable_bundle: Path, unique_topic: str
 ) -> None:

@@ -9,6 +9,8 @@ import pytest
 from edgeline.daemon.config import DaemonConfig, load_config
 from edgeline.errors import EdgelineError
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 GOOD = """
 [broker]
 host = "127.0.0.1"

@@ -23,6 +23,8 @@ from edgeline.device_profiles import (
 )
 from edgeline.device_profiles import loader as profile_loader
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 REQUIRED_IDS = ["jetson-orin-nano", "rpi-zero-2w", "rpi4", "rpi5", "x86-64"]
 
 VALID_TOML = """\

@@ -14,6 +14,8 @@ import pytest
 
 from edgeline.daemon.outbox import MemoryOutbox, Outbox
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 Box = Outbox | MemoryOutbox
 MakeBox = Callable[..., Box]
 

@@ -15,6 +15,8 @@ from edgeline.daemon.messages import Message
 from edgeline.daemon.processor import Processor
 from edgeline.manifest import Window
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 
 @pytest.fixture(scope="module")
 def model(built_litert_bundle: Path) -> edgeline.Model:
@@ -111,6 +113,7 @@ def test_windows_per_device(model: edgeline.Model) -> None:
         assert record["window"] == 0  # the first (and only) window this message completed
 
 
+@pytest.mark.workstation  # needs a bundle only the export extra can make
 def test_a_runtime_failure_is_answered_inference_failed_and_the_stream_goes_on(lookup_bundle: Path) -> None:
     lookup = edgeline.load(lookup_bundle)
     worker = processor(lookup)

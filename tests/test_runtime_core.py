@@ -24,6 +24,8 @@ from edgeline.postprocess import softmax
 
 from .conftest import CLASSES, IMAGE_SHAPE
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 
 def _image(seed: int = 0, *, batch: bool = True) -> np.ndarray:
     image = np.random.default_rng(seed).random(IMAGE_SHAPE, dtype=np.float32)

@@ -26,6 +26,8 @@ from edgeline.sim.publisher import PublishOptions, fleet_messages, publish
 from edgeline.sim.sensors import ReplaySensor, VibrationSensor, fleet_devices, float32_values, make_sensor
 from tests.mqtt_broker import Broker, free_port
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 SAMPLES = 20
 RUN_LIMIT_S = 20.0
 """Hang guard: no run here should come near it."""

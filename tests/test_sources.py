@@ -24,6 +24,8 @@ from edgeline.daemon.sources import LineFramer, parse_record
 from edgeline.daemon.topics import TopicFilter
 from tests.mqtt_broker import Broker
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 TIMEOUT_S = 30.0
 EDGELINE = [sys.executable, "-m", "edgeline.cli"]
 
@@ -434,6 +436,7 @@ def test_a_closed_stdout_stops_the_daemon_quietly(built_litert_bundle: Path, dig
     assert b"stdout was closed" in stderr and b"Traceback" not in stderr
 
 
+@pytest.mark.workstation  # needs a bundle only the export extra can make
 def test_a_runtime_failure_in_a_replay_is_one_coded_answer_without_a_traceback(lookup_bundle: Path) -> None:
     lines = [b'{"id": "a", "data": [1, 2, 3]}', b'{"id": "b", "data": [1, 2, 300]}', b'{"id": "c", "data": [4, 5, 6]}']
     done = run_edgeline("run", str(lookup_bundle), "--replay", "-", stdin=b"\n".join(lines))

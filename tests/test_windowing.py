@@ -14,6 +14,8 @@ from edgeline.daemon.windowing import StreamWindows, Windower
 from edgeline.errors import PayloadError
 from edgeline.manifest import Window
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 PROPERTY = settings(deadline=None, max_examples=200)
 
 

@@ -19,13 +19,17 @@ if TYPE_CHECKING:  # the registry is read by `--help` (choices of --backend): no
 
     from edgeline.manifest import TensorSpec
 
-__all__ = ["RUNTIME_BACKENDS", "Session", "SessionFactory", "open_session"]
+__all__ = ["BASE_INSTALL_BACKENDS", "RUNTIME_BACKENDS", "Session", "SessionFactory", "open_session"]
 
 RUNTIME_BACKENDS: dict[str, str] = {
     "litert": "edgeline.backends.litert:LiteRTSession",
     "tflite-runtime": "edgeline.backends.litert:TFLiteRuntimeSession",
     "executorch": "edgeline.backends.executorch:ExecuTorchSession",
 }
+BASE_INSTALL_BACKENDS: frozenset[str] = frozenset({"litert"})
+"""The runtime backends that ``pip install edgeline`` (no extras, what a device runs) can run: their runtime is a
+dependency of the base install and needs no torch. ``executorch`` needs torch (the ``executorch`` extra) and
+``tflite-runtime`` a package of its own. A device profile's first target must export for one of these."""
 
 
 class Session(Protocol):

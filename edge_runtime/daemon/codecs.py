@@ -43,7 +43,9 @@ __all__ = [
     "JsonCodec",
     "MsgpackCodec",
     "RawCodec",
+    "example_payload",
     "get_codec",
+    "payload_fields",
 ]
 
 CODECS: dict[str, str] = {
@@ -83,6 +85,31 @@ def get_codec(name: str) -> Codec:
     """The codec registered as ``name``; an unknown name raises ``EdgelineError`` listing the valid ones."""
     codec: Codec = resolve(CODECS, name, "codec", EdgelineError)()
     return codec
+
+
+def example_payload(codec: str, specs: Sequence[TensorSpec], window: Window | None = None) -> str:
+    """What a message for this model looks like in ``codec``, its values abbreviated: for the map codecs the map
+    as JSON text, e.g. ``{"id": "1", "data": [...64 floats...]}``; for raw, the byte layout."""
+    if codec == "raw":
+        if window is not None:
+            return f"n x {window.channels} little-endian float32 values (n time steps of {window.channels} channels)"
+        layout = " + ".join(f"{spec.size} {spec.dtype} ({spec.name} {list(spec.shape)})" for spec in specs)
+        return f"{sum(s.size * np.dtype(s.dtype).itemsize for s in specs)} bytes, little-endian: {layout}; no id"
+    if window is not None:
+        values = f"[[...{window.channels} floats...], ...] (time steps of {window.channels} channels)"
+        fields = [f'"{_DATA}": {values}']
+    else:
+        fields = [f"{json.dumps(key)}: [...{count} floats...]" for key, count in payload_fields(specs).items()]
+    return "{" + ", ".join(['"id": "1"', *fields]) + "}"
+
+
+def payload_fields(specs: Sequence[TensorSpec], window: Window | None = None) -> dict[str, int]:
+    """The input fields of a map payload and how many values each takes (with a window: per time step)."""
+    if window is not None:
+        return {_DATA: window.channels}
+    if len(specs) == 1:
+        return {_DATA: specs[0].size}
+    return {spec.name: spec.size for spec in specs}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

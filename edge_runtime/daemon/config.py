@@ -7,8 +7,10 @@
 [broker]   host, port, client_id (template with {name}, {instance}), keepalive_s, protocol ("5" or "3.1.1"),
            session_expiry_s, reconnect_max_s, connect_timeout_s, max_inflight, max_queued; TLS: tls_ca_file,
            tls_cert_file, tls_key_file, tls_insecure_skip_verify; username, password_file (or $EDGELINE_MQTT_PASSWORD)
-[input]    subscribe = ["sensors/+/accel"] (or "$share/GROUP/sensors/+/accel"), codec, qos, max_payload_bytes,
-           max_streams (windowed models: streams kept at once; the least recently used is evicted, counted)
+[input]    subscribe (default ["sensors/+/+"]: where `edgeline sim` publishes, sensors/{device}/{sensor}; or e.g.
+           "$share/GROUP/sensors/+/accel"), codec, qos, max_payload_bytes, max_streams (windowed models: streams
+           kept at once; the least recently used is evicted, counted), silence_warning_s (warn once when a
+           subscription has heard nothing for that long; 0: never)
 [output]   publish = "edgeline/{name}/{device}/result", error_topic, qos, mqtt (publish results to the broker;
            always with the MQTT source, otherwise only when set or --broker is given: else they go to stdout)
 [queue]    capacity, policy = "drop-oldest" | "block" (default: block for MQTT at QoS 1, whose backlog waits at
@@ -29,7 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edgeline.daemon.topics import TopicFilter, validate_template
+from edgeline.daemon.topics import SENSOR_SUBSCRIPTION, TopicFilter, validate_template
 from edgeline.device_profiles.validation import describe_validation_error
 from edgeline.errors import EdgelineError
 from edgeline.manifest import Window
@@ -39,12 +41,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["BrokerAddress", "BrokerConfig", "DaemonConfig", "load_config"]
+__all__ = ["DEFAULT_QOS", "BrokerAddress", "BrokerConfig", "DaemonConfig", "load_config"]
 
 CODEC_NAMES = ("json", "raw", "cbor", "msgpack")
 SOURCE_KINDS = ("mqtt", "serial", "replay", "sim")
 LOSSLESS_SOURCES = ("replay", "sim")
 DEFAULT_PORT = 1883
+DEFAULT_QOS: Literal[0, 1] = 1
+"""Of the daemon's subscriptions and answers, and of ``edgeline sim``: at least once on both sides."""
 
 
 @dataclass(frozen=True)
@@ -153,11 +157,12 @@ class BrokerConfig(_Section):
 
 
 class InputConfig(_Section):
-    subscribe: tuple[str, ...] = ("sensors/+/data",)
+    subscribe: tuple[str, ...] = (SENSOR_SUBSCRIPTION,)
     codec: Literal["json", "raw", "cbor", "msgpack"] = "json"
-    qos: Literal[0, 1] = 1
+    qos: Literal[0, 1] = DEFAULT_QOS
     max_payload_bytes: int = Field(default=1 << 20, ge=16)
     max_streams: int = Field(default=1024, ge=1, le=1_000_000)
+    silence_warning_s: float = Field(default=60.0, ge=0)
 
     @field_validator("subscribe")
     @classmethod
@@ -175,7 +180,7 @@ class InputConfig(_Section):
 class OutputConfig(_Section):
     publish: str = "edgeline/{name}/{device}/result"
     error_topic: str | None = None
-    qos: Literal[0, 1] = 1
+    qos: Literal[0, 1] = DEFAULT_QOS
     mqtt: bool | None = None
 
     @field_validator("publish", "error_topic")

@@ -99,6 +99,7 @@ class Processor:
         max_streams: int = 1024,
         result_codec: Codec | None = None,
         instance: str = "",
+        top_k: int = 1,
     ):
         self.model = model
         self.codec = codec
@@ -113,6 +114,7 @@ class Processor:
         self._sequence: Counter[str] = Counter()
         self._sequence_lock = threading.Lock()  # drops are answered on the network thread
         self.instance = instance
+        self.top_k = top_k
         self._base: dict[str, Any] = {"model": model.name, "version": model.version}
         if instance:
             self._base["instance"] = instance
@@ -277,7 +279,7 @@ class Processor:
         for output in outputs:
             if not all_finite(output):
                 raise _ModelOutputError("the model's output holds NaN or Inf for this input")
-        interpreted = self.model.interpret(inputs, outputs).as_dict()
+        interpreted = self.model.interpret(inputs, outputs, top_k=self.top_k).as_dict()
         record = self._record(message, sequence, identity)
         if window is not None:
             record["window"] = window

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from edgeline.daemon.codecs import get_codec
+from edgeline.daemon.codecs import example_payload, get_codec
 from edgeline.daemon.config import DaemonConfig
 from edgeline.daemon.guards import check_topics, check_window
 from edgeline.daemon.health import Metrics, MetricsServer, SystemdNotifier
@@ -38,6 +38,7 @@ from edgeline.daemon.mqtt import MqttConnection, MqttSink, MqttSource
 from edgeline.daemon.outbox import MemoryOutbox, Outbox, Pending
 from edgeline.daemon.processor import Processor
 from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull
+from edgeline.daemon.silence import SilenceWatch
 from edgeline.daemon.sources import Source, make_source
 from edgeline.daemon.state import StateLock, default_state_dir, instance_id
 from edgeline.daemon.supervisor import Supervisor
@@ -130,6 +131,11 @@ class Daemon:
             made = make_source(config.source, filters=self.filters, max_payload_bytes=config.input.max_payload_bytes)
             assert made is not None
             self.source = made
+        self.expected_payload = example_payload(codec.name, self.model.inputs, window)
+        """What a message for this model looks like (values abbreviated): logged at start and when silent."""
+        silence_s = config.input.silence_warning_s
+        watched = isinstance(self.source, MqttSource) and silence_s > 0
+        self.silence = SilenceWatch(self.filters, silence_s) if watched else None
         self._metrics_server: MetricsServer | None = None
         self._publisher_wake = threading.Event()
         self._publisher_stop = threading.Event()
@@ -154,6 +160,22 @@ class Daemon:
         if self.echo is not None:
             sinks.append("answers to stdout")
         return f"reading {self.source.description}; {'; '.join(sinks)}; instance {self.instance}"
+
+    @property
+    def expectation(self) -> str:
+        where = ""
+        if isinstance(self.source, MqttSource):
+            where = f" on {', '.join(f.pattern for f in self.filters)} (the device is the first + level)"
+        return f"expecting {self.config.input.codec} messages{where}, e.g. {self.expected_payload}"
+
+    def _warn_silent(self) -> None:
+        assert self.silence is not None
+        for pattern in self.silence.newly_silent():
+            log.warning(
+                "nothing received on %s for %g s: is anything publishing there? %s messages for this model look like "
+                "%s ([input] silence_warning_s sets this delay; 0: no warning)",
+                pattern, self.silence.after_s, self.config.input.codec, self.expected_payload,
+            )  # fmt: skip
 
     # -- sinks -------------------------------------------------------------------------------------------------
     def _echo(self, answer: Answer) -> None:
@@ -292,6 +314,8 @@ class Daemon:
 
     def _read_source(self) -> None:
         def submit(message: Message) -> None:
+            if self.silence is not None:
+                self.silence.heard(message.topic)
             while not self.stopping.is_set():  # block policy: wait for room, but not past a stop
                 try:
                     self._submit(message, timeout=0.5)
@@ -476,9 +500,11 @@ class Daemon:
                 "edgeline run: %s v%d (%s) %s; %s", self.model.name, self.model.version, self.model.backend,
                 self.description, self.model.batching,
             )  # fmt: skip
+            log.info("%s", self.expectation)
             failed = self.supervisor.failed
             while not self.stopping.wait(0.2) and not self.source_done.is_set() and not failed.is_set():
-                pass
+                if self.silence is not None:
+                    self._warn_silent()
             self.stop()
         finally:
             for sig, handler in previous.items():

@@ -16,6 +16,8 @@ from edgeline.errors import EdgelineError
 
 __all__ = [
     "MAX_TOPIC_BYTES",
+    "SENSOR_SUBSCRIPTION",
+    "SENSOR_TOPIC",
     "TopicFilter",
     "overlapping",
     "render_topic",
@@ -27,6 +29,10 @@ TEMPLATE_FIELDS = ("device", "name", "instance")
 MAX_TOPIC_BYTES = 65535
 """MQTT's limit on a topic's UTF-8 length (a two-byte length prefix)."""
 SHARE_PREFIX = "$share/"
+SENSOR_TOPIC = "sensors/{device}/{sensor}"
+"""The default topic scheme of sensor messages: where ``edgeline sim`` publishes (and a sensor should)."""
+SENSOR_SUBSCRIPTION = "sensors/+/+"
+"""What ``edgeline run`` subscribes to by default: every topic of ``SENSOR_TOPIC``, the device from the first +."""
 
 
 @dataclass(frozen=True)

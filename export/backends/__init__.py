@@ -57,6 +57,7 @@ class ExportedModel:
 
 class Exporter(Protocol):
     name: str
+    runtime_backend: str  # the runtime registry name of what it writes (edgeline.backends.RUNTIME_BACKENDS)
     precisions: tuple[Precision, ...]
 
     def export(self, request: ExportRequest) -> ExportedModel: ...

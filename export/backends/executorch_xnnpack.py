@@ -51,6 +51,7 @@ def _placement(graph_module: Any) -> Placement:
 
 class XnnpackExporter:
     name = "executorch-xnnpack"
+    runtime_backend = "executorch"
     precisions = (Precision.FP32, Precision.INT8_DYNAMIC, Precision.INT8_STATIC)
 
     def export(self, request: ExportRequest) -> ExportedModel:
@@ -71,7 +72,7 @@ class XnnpackExporter:
         (request.out_dir / MODEL_FILE).write_bytes(executorch_program.buffer)
         return ExportedModel(
             model_file=MODEL_FILE,
-            runtime_backend="executorch",
+            runtime_backend=self.runtime_backend,
             runtime=RuntimeRequirement(package="executorch", min_version=version("executorch")),
             input_names=request.input_names,
             placement=placement,

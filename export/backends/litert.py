@@ -63,6 +63,7 @@ def _input_names_in_forward_order(path: str) -> tuple[str, ...]:
 
 class LiteRTExporter:
     name = "litert"
+    runtime_backend = "litert"
     precisions = (Precision.FP32, Precision.FP16, Precision.INT8_DYNAMIC, Precision.INT8_STATIC)
 
     def export(self, request: ExportRequest) -> ExportedModel:
@@ -80,7 +81,7 @@ class LiteRTExporter:
             _cast_weights_to_fp16(path)
         return ExportedModel(
             model_file=MODEL_FILE,
-            runtime_backend="litert",
+            runtime_backend=self.runtime_backend,
             runtime=RuntimeRequirement(package="ai-edge-litert", min_version="2.0"),
             input_names=_input_names_in_forward_order(path),
             tool_versions={

@@ -16,6 +16,7 @@ from typing import Any
 
 from edgeline.arguments import bounded_int
 from edgeline.errors import EdgelineError
+from edgeline.export.errors import require_export_extra
 from edgeline.export.progress import Progress
 from edgeline.export.reference.preparation import find_prepared, prepare
 from edgeline.export.reference.registry import CATALOGUE, REFERENCE_MODELS, resolve_names
@@ -83,6 +84,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    require_export_extra("sklearn")
     names = resolve_names(args.names)
     out: Path = args.out
     if out.exists() and not out.is_dir():

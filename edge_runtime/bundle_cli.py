@@ -1,0 +1,195 @@
+"""``edgeline bundle show``: what a bundle holds and promises, read from its verified manifest (no model is run).
+
+Inputs and outputs, an example payload for ``edgeline run``, postprocessing, fidelity, placement, size and signature
+status; ``--json`` prints the same as one JSON document. Torch-free: this is also a device's command, and
+registering it imports nothing heavy (``edgeline --help`` stays light).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edgeline.bundle import Bundle
+    from edgeline.manifest import Placement, TensorSpec
+
+__all__ = ["describe_bundle", "register"]
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bundle",
+        help="inspect a bundle",
+        description="Inspect a bundle: its files are verified against the manifest first.",
+    )
+    actions = parser.add_subparsers(dest="bundle_action", metavar="ACTION", required=True)
+    show = actions.add_parser(
+        "show",
+        help="inputs, outputs, example payload, postprocessing, fidelity, placement, size and signature",
+        description="Show what a bundle holds: inputs and outputs, an example payload for `edgeline run`, "
+        "postprocessing, fidelity against the float model, placement, size and signature status.",
+    )
+    show.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory")
+    show.add_argument("--json", action="store_true", help="print one JSON document")
+    show.set_defaults(func=run_show)
+
+
+def _tensor(spec: TensorSpec) -> dict[str, Any]:
+    quantization = spec.quantization
+    return {
+        "name": spec.name,
+        "dtype": spec.dtype,
+        "shape": list(spec.shape),
+        "values": spec.size,
+        "quantization": None if quantization is None else quantization.model_dump(),
+    }
+
+
+def _placement(placement: Placement | None) -> dict[str, Any] | None:
+    if placement is None:
+        return None
+    return {
+        "delegate": placement.delegate,
+        "delegated_ops": sum(placement.delegated.values()),
+        "cpu_ops": sum(placement.not_delegated.values()),
+        "delegated": dict(placement.delegated),
+        "not_delegated": dict(placement.not_delegated),
+    }
+
+
+def describe_bundle(bundle: Bundle) -> dict[str, Any]:
+    """The facts ``bundle show`` prints, as plain data (numbers as numbers)."""
+    from edgeline.backends import BASE_INSTALL_BACKENDS
+    from edgeline.bundle import MANIFEST_FILE, SIGNATURE_FILE
+    from edgeline.daemon.codecs import example_payload, payload_fields
+
+    manifest = bundle.manifest
+    sizes = {entry.path: entry.size for entry in manifest.files}
+    manifest_bytes = bundle.file(MANIFEST_FILE).stat().st_size
+    signature = bundle.file(SIGNATURE_FILE)
+    signature_bytes = signature.stat().st_size if signature.is_file() else 0
+    post = manifest.postprocess
+    return {
+        "bundle": str(bundle.path),
+        "name": manifest.name,
+        "version": manifest.version,
+        "created": manifest.created,
+        "profile": manifest.profile,
+        "backend": manifest.backend,
+        "base_install_runs_it": manifest.backend in BASE_INSTALL_BACKENDS,
+        "precision": manifest.precision,
+        "threads": manifest.threads,
+        "runtime": manifest.runtime.model_dump(),
+        "inputs": [_tensor(spec) for spec in manifest.inputs],
+        "outputs": [_tensor(spec) for spec in manifest.outputs],
+        "window": None if manifest.window is None else manifest.window.model_dump(),
+        "payload": {
+            "codec": "json",
+            "example": example_payload("json", manifest.inputs, manifest.window),
+            "values": payload_fields(manifest.inputs, manifest.window),
+        },
+        "preprocess": None if manifest.preprocess is None else manifest.preprocess.model_dump(),
+        "postprocess": {
+            "kind": post.kind,
+            "labels": None if post.labels is None else list(post.labels),
+            "score": post.score if post.kind == "classify" else None,
+            "anomaly_score": post.anomaly_score if post.kind == "anomaly" else None,
+            "threshold": post.threshold,
+        },
+        "fidelity": manifest.fidelity.model_dump(),
+        "placement": _placement(manifest.placement),
+        "size": {
+            "model_bytes": sizes[manifest.model],
+            "bundle_bytes": sum(sizes.values()) + manifest_bytes + signature_bytes,
+            "files": len(sizes) + 1 + bool(signature_bytes),
+            "max_model_bytes": manifest.budgets.max_model_bytes,
+        },
+        # Signing is not implemented yet: a manifest.sig is reported, never taken as verified.
+        "signature": {"present": signature.is_file(), "verified": False},
+    }
+
+
+def _shape(tensor: dict[str, Any]) -> str:
+    text = f"{tensor['name']}  {tensor['dtype']}{tensor['shape']}"
+    quantization = tensor["quantization"]
+    if quantization is not None:
+        text += f"  quantized: scale {quantization['scale']:.6g}, zero point {quantization['zero_point']}"
+    return text
+
+
+def _fidelity_line(fidelity: dict[str, Any]) -> str:
+    if fidelity["status"] != "measured":
+        return f"not measured: {fidelity['reason']}"
+    parts = [f"against {fidelity['reference']} on {fidelity['samples']} samples"]
+    if fidelity["max_abs_error"] is not None:
+        parts.append(f"max |error| {fidelity['max_abs_error']:.3g}, mean {fidelity['mean_abs_error']:.3g}")
+    if fidelity["cosine_min"] is not None:
+        parts.append(f"min cosine {fidelity['cosine_min']:.4f}")
+    if fidelity["top1_agreement"] is not None:
+        parts.append(f"top-1 agreement {fidelity['top1_agreement'] * 100:.2f}%")
+    if fidelity["accuracy"] is not None:
+        float_accuracy = fidelity["accuracy_float"]
+        versus = "" if float_accuracy is None else f" (float model {float_accuracy * 100:.2f}%)"
+        parts.append(f"accuracy {fidelity['accuracy'] * 100:.2f}%{versus}")
+    if fidelity["anomaly_agreement"] is not None:
+        parts.append(f"anomaly agreement {fidelity['anomaly_agreement'] * 100:.2f}%")
+    return "; ".join(parts) + (f" (measured with {fidelity['measured_with']})" if fidelity["measured_with"] else "")
+
+
+def _placement_line(placement: dict[str, Any] | None) -> str:
+    if placement is None:
+        return "not recorded by the exporter"
+    cpu = ", ".join(f"{op} x{count}" for op, count in sorted(placement["not_delegated"].items()))
+    return (
+        f"{placement['delegated_ops']} ops delegated to {placement['delegate'] or 'no delegate'}, "
+        f"{placement['cpu_ops']} on the CPU" + (f" ({cpu})" if cpu else "")
+    )
+
+
+def _postprocess_line(post: dict[str, Any]) -> str:
+    line = post["kind"]
+    if post["kind"] == "classify":
+        labels = post["labels"]
+        line += f" ({post['score']}); labels: " + ("none (class indexes)" if labels is None else ", ".join(labels))
+    elif post["kind"] == "anomaly":
+        line += f" (score: {post['anomaly_score']}); anomaly when score > {post['threshold']:g}"
+    return line
+
+
+def format_description(info: dict[str, Any]) -> str:
+    package = info["runtime"]["package"]
+    runs = "in the base install" if info["base_install_runs_it"] else f"{package} is not part of the base install"
+    size = info["size"]
+    budget = "" if size["max_model_bytes"] is None else f" (profile budget {size['max_model_bytes']:,})"
+    signature = info["signature"]
+    lines = [
+        f"{info['name']} v{info['version']}  {info['bundle']}  (created {info['created']})",
+        f"target:       {info['profile']}, {info['backend']} {info['precision']}, {info['threads']} thread(s); "
+        f"runtime {package} >= {info['runtime']['min_version']} ({runs})",
+        *(f"input:        {_shape(tensor)}" for tensor in info["inputs"]),
+        *(f"output:       {_shape(tensor)}" for tensor in info["outputs"]),
+        f"payload:      {info['payload']['example']}  (edgeline run, codec json)",
+        f"postprocess:  {_postprocess_line(info['postprocess'])}",
+        f"fidelity:     {_fidelity_line(info['fidelity'])}",
+        f"placement:    {_placement_line(info['placement'])}",
+        f"size:         model {size['model_bytes']:,} bytes{budget}; bundle {size['bundle_bytes']:,} bytes "
+        f"in {size['files']} files (sizes and sha256 verified)",
+        "signature:    "
+        + ("manifest.sig present, not verified (this runtime does not check signatures yet)"
+           if signature["present"] else "unsigned (no manifest.sig)"),
+    ]  # fmt: skip
+    if info["window"] is not None:
+        window = info["window"]
+        lines.insert(4, f"window:       {window['size']} steps of {window['channels']} channels, hop {window['hop']}")
+    return "\n".join(lines)
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from edgeline.bundle import read_bundle
+
+    info = describe_bundle(read_bundle(args.bundle))
+    print(json.dumps(info, indent=2) if args.json else format_description(info))
+    return 0
