@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from edgeline.daemon.config import BrokerAddress
@@ -45,6 +45,8 @@ __all__ = [
 DEFAULT_TOPIC = SENSOR_TOPIC
 TOPIC_FIELDS = ("device", "sensor")
 CONNECT_TIMEOUT_S = 5.0
+QUEUE_FULL_WAIT_S = 0.005
+"""How long to wait before offering a message again when the client's queue is full (a burst at --rate 0)."""
 MAX_COUNT = 10_000_000
 MAX_RATE_HZ = 100_000.0
 
@@ -207,96 +209,75 @@ def record(sensors: Sequence[Sensor], out: str, options: PublishOptions) -> Publ
     )
 
 
-@dataclass
-class _Tracker:
-    """Connection state and acknowledgements, updated by paho's network thread."""
-
-    connected: threading.Event = field(default_factory=threading.Event)
-    connack: str | None = None
-    done: threading.Condition = field(default_factory=threading.Condition)
-    acknowledged: int = 0
-
-    def on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
-        self.connack = str(reason_code)
-        if not reason_code.is_failure:
-            self.connected.set()
-
-    def on_disconnect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
-        self.connected.clear()
-
-    def on_publish(self, client: Any, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
-        with self.done:
-            self.acknowledged += 1
-            self.done.notify_all()
-
-    def wait_for_acks(self, expected: int, timeout: float) -> int:
-        with self.done:
-            self.done.wait_for(lambda: self.acknowledged >= expected, timeout)
-            return self.acknowledged
-
-
 def publish(sensors: Sequence[Sensor], broker: BrokerAddress, options: PublishOptions) -> PublishReport:
-    """Publish ``options.count`` messages of every sensor (one sensor per device) and report what happened."""
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import CallbackAPIVersion
+    """Publish ``options.count`` messages of every sensor (one sensor per device) and report what happened.
+
+    The connection is the daemon's own (``edgeline.daemon.mqtt.MqttConnection``): one connect path, so `run` and
+    `sim` fail the same way, in the same words, and reconnect the same way. A publisher keeps no session.
+    """
+    from edgeline.daemon.config import BrokerConfig
+    from edgeline.daemon.mqtt import MqttConnection
 
     if not sensors:
         raise EdgelineError("no sensors to publish")
     devices = tuple(sensor.device for sensor in sensors)
     if len(set(devices)) != len(devices):
         raise EdgelineError(f"device ids must be unique, got {', '.join(devices)}")
-    kind = sensors[0].name
-    tracker = _Tracker()
     client_id = options.client_id or f"edgeline-sim-{devices[0]}-{os.getpid()}"
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id)
-    client.on_connect = tracker.on_connect
-    client.on_disconnect = tracker.on_disconnect
-    client.on_publish = tracker.on_publish
-    client.reconnect_delay_set(min_delay=1, max_delay=4)
+    config = BrokerConfig(
+        host=broker.host, port=broker.port, session_expiry_s=0, connect_timeout_s=CONNECT_TIMEOUT_S, keepalive_s=30
+    )
+    connection = MqttConnection(config, client_id=client_id)
+    connection.start(_start_thread)
     try:
-        client.connect(broker.host, broker.port, keepalive=30)
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        raise EdgelineError(f"cannot reach the MQTT broker at {broker}: {reason}") from exc
-    client.loop_start()
-    try:
-        if not tracker.connected.wait(CONNECT_TIMEOUT_S):
-            why = f"it refused the connection ({tracker.connack})" if tracker.connack else "no answer"
-            raise EdgelineError(f"MQTT broker at {broker}: {why} within {CONNECT_TIMEOUT_S:g} s")
-        return _run(client, tracker, sensors, broker, options, kind)
+        return _run(connection, sensors, broker, options, sensors[0].name)
     finally:
-        client.disconnect()
-        client.loop_stop()
+        connection.close()
+
+
+def _start_thread(target: Callable[[], None]) -> threading.Thread:
+    thread = threading.Thread(target=target, name="edgeline-sim-mqtt", daemon=True)
+    thread.start()
+    return thread
 
 
 def _run(
-    client: Any,
-    tracker: _Tracker,
-    sensors: Sequence[Sensor],
-    broker: BrokerAddress,
-    options: PublishOptions,
-    kind: str,
+    connection: Any, sensors: Sequence[Sensor], broker: BrokerAddress, options: PublishOptions, kind: str
 ) -> PublishReport:
-    import paho.mqtt.client as mqtt
-
     per_device = {sensor.device: 0 for sensor in sensors}
+    done = threading.Condition()
+    acknowledged = 0
+
+    def on_done(ok: bool, reason: str | None) -> None:
+        nonlocal acknowledged
+        with done:
+            acknowledged += ok
+            done.notify_all()
+
     start = time.monotonic()
     published = dropped = 0
     pacing = Pacing(options.rate_hz, len(sensors), options.time_limit_s)
     for message in pacing.paced(fleet_messages(sensors, options.count, options.topic)):
-        info = client.publish(message.topic, message.payload, qos=options.qos)
-        # QoS 1 while disconnected: paho keeps the message and sends it on reconnection.
-        kept = info.rc == mqtt.MQTT_ERR_SUCCESS or (options.qos == 1 and info.rc == mqtt.MQTT_ERR_NO_CONN)
-        if kept:
-            published += 1
-            per_device[message.device] += 1
-        else:
-            dropped += 1
-    acknowledged = tracker.wait_for_acks(published, options.ack_timeout_s)
+        if options.qos == 0 and not connection.connected.is_set():
+            dropped += 1  # at most once, and the link is down: gone, as from a real sensor
+            continue
+        deadline = time.monotonic() + options.ack_timeout_s
+        while not connection.publish(message.topic, message.payload, qos=options.qos, done=on_done):
+            if time.monotonic() > deadline:  # the client's queue stayed full: the broker takes nothing
+                raise EdgelineError(
+                    f"MQTT broker at {broker}: took nothing for {options.ack_timeout_s:g} s "
+                    f"({published} messages published)"
+                )
+            time.sleep(QUEUE_FULL_WAIT_S)
+        published += 1
+        per_device[message.device] += 1
+    with done:
+        done.wait_for(lambda: acknowledged >= published, options.ack_timeout_s)
+        count = acknowledged
     elapsed = time.monotonic() - start
-    if options.qos == 1 and acknowledged < published:
+    if options.qos == 1 and count < published:
         raise EdgelineError(
-            f"MQTT broker at {broker}: acknowledged {acknowledged} of {published} QoS 1 messages "
+            f"MQTT broker at {broker}: acknowledged {count} of {published} QoS 1 messages "
             f"within {options.ack_timeout_s:g} s"
         )
     return PublishReport(
@@ -306,7 +287,7 @@ def _run(
         qos=options.qos,
         published=published,
         dropped=dropped,
-        acknowledged=acknowledged,
+        acknowledged=count,
         per_device=per_device,
         elapsed_s=elapsed,
         stopped_by=pacing.stopped_by,

@@ -335,7 +335,8 @@ def test_sim_imports_neither_torch_nor_export() -> None:
         (["sim", "digits", "--data", "{prepared}", "--count", "0"], "--count must be between 1"),
         (["sim", "digits", "--data", "{prepared}", "--devices", "0"], "--devices must be 1 or more"),
         (["sim", "digits", "--data", "{prepared}", "--device", "a/b"], "device id 'a/b'"),
-        (["sim", "digits", "--data", "{prepared}", "--broker", "127.0.0.1:{port}"], "cannot reach the MQTT broker"),
+        # the daemon's connect path, so the daemon's words: see test_run_and_sim_fail_alike_on_a_refused_broker
+        (["sim", "digits", "--data", "{prepared}", "--broker", "127.0.0.1:{port}"], ": connection refused (is the"),
     ],
 )
 def test_user_errors(
@@ -352,3 +353,21 @@ def test_user_errors(
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("edgeline sim: error: "), err
     assert expected in lines[0]
+
+
+def test_run_and_sim_fail_alike_on_a_refused_broker(built_litert_bundle: Path, prepared: Path) -> None:
+    """One MQTT connect path: the daemon and the simulator refuse a dead broker in the same words, exit 2."""
+    address = f"127.0.0.1:{free_port()}"
+    runs = [
+        [sys.executable, "-m", "edgeline.cli", "run", str(built_litert_bundle), "--broker", address],
+        [sys.executable, "-m", "edgeline.cli", "sim", "digits", "--data", str(prepared), "--broker", address],
+    ]
+    errors = []
+    for argv in runs:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 2, done.stderr
+        (line,) = [line for line in done.stderr.splitlines() if ": error: " in line]
+        errors.append(line.split(": error: ", 1)[1])
+    assert (
+        errors[0] == errors[1] == f"broker {address}: connection refused (is the broker running and listening there?)"
+    )
