@@ -11,7 +11,7 @@ import numpy as np
 from edgeline.errors import PayloadError
 from edgeline.manifest import TensorSpec
 
-__all__ = ["LABELS_KEY", "SampleSet", "check_sample_counts", "match_inputs", "read_npz", "sample_set"]
+__all__ = ["LABELS_KEY", "SampleSet", "check_sample_counts", "class_indices", "match_inputs", "read_npz", "sample_set"]
 
 LABELS_KEY = "labels"
 
@@ -81,7 +81,28 @@ def match_inputs(
             f"but {taker} takes {len(names)} ({', '.join(names)})"
         )
     keys = list(names) if names is not None and set(data) == set(names) else list(data)
-    return keys, [data[key] for key in keys], labels
+    return keys, [data[key] for key in keys], class_indices(labels, source)
+
+
+def class_indices(labels: np.ndarray | None, source: str) -> np.ndarray | None:
+    """``labels`` as int64 class indices. Floats that hold whole numbers (as numpy and pandas often store them) are
+    indices too; anything else is refused, never ignored."""
+    if labels is None:
+        return None
+    where = f"{source}[labels]"
+    if labels.dtype.kind in "biu":
+        return labels.astype(np.int64, copy=False)
+    if labels.dtype.kind != "f":
+        raise PayloadError(f"{where}: dtype {labels.dtype}; labels are class indices (whole numbers)")
+    flat = labels.reshape(-1)
+    bad = ~np.isfinite(flat)
+    bad[~bad] = (flat[~bad] != np.round(flat[~bad])) | (np.abs(flat[~bad]) >= 2**53)
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise PayloadError(
+            f"{where}: labels are class indices (whole numbers); found {float(flat[index])} at index {index}"
+        )
+    return labels.astype(np.int64)
 
 
 def check_sample_counts(inputs: Sequence[np.ndarray], labels: np.ndarray | None, source: str) -> None:

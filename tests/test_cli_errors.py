@@ -6,6 +6,7 @@ cannot lower needs a real conversion; it and the out-of-range labels test ask fo
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -375,3 +376,27 @@ def test_infer_with_nan_in_the_inputs(user_error: RunError, litert_bundle: Path,
 def test_profiles_show_an_unknown_id(user_error: RunError) -> None:
     message = user_error("profiles", "show", "nope")
     assert "unknown profile 'nope'; valid profiles: jetson-orin-nano, rpi-zero-2w, rpi4, rpi5, x86-64" in message
+
+
+def test_validation_labels_that_are_not_whole_numbers_are_refused(
+    user_error: RunError, export_args: list[str | Path], tmp_path: Path
+) -> None:
+    path = tmp_path / "validation.npz"
+    np.savez(path, image=np.zeros((4, *IMAGE_SHAPE), np.float32), labels=np.array([0.0, 1.0, 2.5, 3.0]))
+    message = user_error(*export_args, "--validation", path)
+    assert f"{path}[labels]: labels are class indices (whole numbers); found 2.5 at index 2" in message
+
+
+def test_labels_stored_as_whole_floats_count_as_classes(
+    export_args: list[str | Path], sample_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """numpy and pandas often store class indices as floats: they are classes (accuracy measured), never ignored."""
+    with np.load(sample_files["validation"]) as data:
+        image, labels = data["image"], data["labels"]
+    path = tmp_path / "validation.npz"
+    np.savez(path, image=image, labels=labels.astype(np.float64))
+    args = [*_replace(export_args, "--out", tmp_path / "floats"), "--validation", path, "--backend", "litert",
+            "--precision", "fp32", "--json"]  # fmt: skip
+    assert main([str(arg) for arg in args]) == 0
+    (target,) = json.loads(capsys.readouterr().out)["targets"]
+    assert target["fidelity"]["accuracy"] is not None and target["fidelity"]["accuracy_float"] is not None

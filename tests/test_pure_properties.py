@@ -492,3 +492,37 @@ def test_non_real_dtypes_are_refused_naming_the_array(array: np.ndarray) -> None
     specs = [TensorSpec(name="image", dtype="float32", shape=(1, 2))]
     with pytest.raises(PayloadError, match=r"x.npz\[image\]: dtype .* is not a real number type"):
         sample_set({"image": array}, specs, "x.npz")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# labels
+
+
+@PROPERTY
+@given(
+    dtype=st.sampled_from([np.float32, np.float64, np.int32, np.uint8, np.int64]),
+    values=st.lists(st.integers(0, 200), min_size=1, max_size=20),
+)
+def test_labels_holding_whole_numbers_are_class_indices_whatever_their_dtype(dtype: type, values: list[int]) -> None:
+    image = np.zeros((len(values), 3), np.float32)
+    spec = TensorSpec(name="x", dtype="float32", shape=(1, 3))
+    samples = sample_set({"x": image, "labels": np.asarray(values, dtype=dtype)}, [spec], "v.npz")
+    assert samples.labels is not None and samples.labels.dtype == np.int64
+    assert samples.labels.tolist() == values
+
+
+@pytest.mark.parametrize(
+    ("labels", "found"),
+    [
+        (np.array([0.0, 1.5, 2.0]), "found 1.5 at index 1"),
+        (np.array([0.0, np.nan, 2.0]), "found nan at index 1"),
+        (np.array([np.inf, 1.0, 2.0]), "found inf at index 0"),
+        (np.array(["a", "b", "c"]), "dtype <U1"),
+    ],
+)
+def test_labels_that_are_not_class_indices_are_refused(labels: np.ndarray, found: str) -> None:
+    image = np.zeros((3, 3), np.float32)
+    spec = TensorSpec(name="x", dtype="float32", shape=(1, 3))
+    with pytest.raises(PayloadError, match=r"v\.npz\[labels\]: ") as refused:
+        sample_set({"x": image, "labels": labels}, [spec], "v.npz")
+    assert found in str(refused.value)
