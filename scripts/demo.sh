@@ -45,13 +45,13 @@ while time.monotonic() < deadline:
 sys.exit("mosquitto did not start: see artifacts/demo/mosquitto.log")
 PY
 : > "$work/results.jsonl"
-edgeline run "$work/bundles/digits" --broker "127.0.0.1:$port" --subscribe 'sensors/+/digits' \
-    --publish 'results/{device}' --stdout > "$work/results.jsonl" 2> "$work/daemon.log" & daemon=$!; pids+=($daemon)
-mosquitto_sub -h 127.0.0.1 -p "$port" -t 'sensors/+/digits' -q 1 > "$work/sent.jsonl" & pids+=($!)
+# No topic flags: run and sim meet on sensors/{device}/{sensor} at QoS 1 by default.
+edgeline run "$work/bundles/digits" --broker "127.0.0.1:$port" --publish 'results/{device}' --stdout > "$work/results.jsonl" 2> "$work/daemon.log" & daemon=$!; pids+=($daemon)
+mosquitto_sub -h 127.0.0.1 -p "$port" -t 'sensors/+/+' -q 1 > "$work/sent.jsonl" & pids+=($!)
 for _ in $(seq 100); do grep -q "subscribed to" "$work/daemon.log" && break; sleep 0.1; done
 grep -q "subscribed to" "$work/daemon.log" || { cat "$work/daemon.log" >&2; exit 1; }
 sleep 0.3  # mosquitto_sub's own subscription
-edgeline sim digits --broker "127.0.0.1:$port" --data "$work" --devices 3 --device camera --count 8 --rate 20 --qos 1
+edgeline sim digits --broker "127.0.0.1:$port" --data "$work" --devices 3 --device camera --count 8 --rate 20
 sleep 1  # let the last answers arrive
 kill -TERM "$daemon" && wait "$daemon" || { cat "$work/daemon.log" >&2; exit 1; }
 python scripts/stream_summary.py "$work/sent.jsonl" "$work/results.jsonl"
