@@ -109,8 +109,8 @@ def _check_infer_flags(args: argparse.Namespace, model: Model) -> None:
     """Ranges that depend on the model and the machine: refused with the valid range, never quietly narrowed."""
     from edgeline.model import usable_threads
 
-    if args.threads is not None and usable_threads(args.threads) < args.threads:
-        cpus = usable_threads(args.threads)
+    cpus = usable_threads(args.threads) if args.threads is not None else None
+    if cpus is not None and cpus < args.threads:
         raise EdgelineError(f"--threads {args.threads}: this process may use {cpus} CPUs here; valid: 1 to {cpus}")
     if args.top_k == 1:
         return
@@ -123,15 +123,20 @@ def _check_infer_flags(args: argparse.Namespace, model: Model) -> None:
         raise EdgelineError(f"--top-k {args.top_k}: {model.name} has {classes} classes; valid: 1 to {classes}")
 
 
-def _summary(answer: dict[str, Any], outputs: list[Any]) -> str:
+ANSWER_FIELDS = ("label", "class_index", "score", "top_k", "anomaly_score", "anomaly")
+"""What ``Interpretation.as_dict`` gives, in an infer result or a daemon's answer record."""
+
+
+def _summary(answer: dict[str, Any], output_shapes: list[list[int]]) -> str:
+    """One text line of an answer: its interpretation, or the output shapes of a model that has none."""
     fields = ", ".join(
         f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
         for key, value in answer.items()
-        if key != "top_k"
+        if key in ANSWER_FIELDS and key != "top_k"
     )
     if "top_k" in answer:
         fields += "; top " + ", ".join(f"{entry['label']} {entry['score']:.4g}" for entry in answer["top_k"])
-    return fields or f"outputs={[list(output.shape) for output in outputs]}"
+    return fields or f"outputs={output_shapes}"
 
 
 def run_infer(args: argparse.Namespace) -> int:
@@ -165,7 +170,7 @@ def run_infer(args: argparse.Namespace) -> int:
                 record["expected"] = expected
             print(json.dumps(record))
         elif index < args.show:
-            summary = _summary(answer, outputs)
+            summary = _summary(answer, [list(output.shape) for output in outputs])
             print(f"sample {index}: {summary}" + ("" if expected is None else f" (expected {expected})"))
     if args.json:
         return 0
@@ -204,6 +209,8 @@ def _payloads(path: Path) -> list[tuple[int, bytes]]:
 def infer_payloads(model: Model, path: Path, *, top_k: int = 1, as_json: bool = False, show: int = 5) -> int:
     """Answer each message of ``path`` as ``edgeline run`` would (its json codec and processor): a result or a coded
     error per input. Exit code 1 when any input got an error."""
+    import numpy as np
+
     from edgeline.daemon.codecs import get_codec
     from edgeline.daemon.health import Metrics
     from edgeline.daemon.messages import Message
@@ -231,7 +238,8 @@ def infer_payloads(model: Model, path: Path, *, top_k: int = 1, as_json: bool = 
             if answer.is_error:
                 print(f"line {line} ({record['id']}): error {record['error']['code']}: {record['error']['message']}")
             else:
-                print(f"line {line} ({record['id']}): {_answer_summary(record)}")
+                shapes = [list(np.shape(output)) for output in record["outputs"]]
+                print(f"line {line} ({record['id']}): {_summary(record, shapes)}")
     if not as_json:
         if printed > show:
             print(f"... {printed - show} more answers")
@@ -241,16 +249,6 @@ def infer_payloads(model: Model, path: Path, *, top_k: int = 1, as_json: bool = 
             + f" from {model.name} v{model.version} ({model.backend}, {model.manifest.precision})"
         )  # fmt: skip
     return 1 if errors else 0
-
-
-def _answer_summary(record: dict[str, Any]) -> str:
-    keys = ("label", "class_index", "score", "anomaly", "anomaly_score")
-    shown = [
-        f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}" for k in keys if k in record
-    ]
-    if "top_k" in record:
-        shown.append("top-k: " + ", ".join(f"{entry['label']} {entry['score']:.4g}" for entry in record["top_k"]))
-    return ", ".join(shown) or f"outputs={[len(output) for output in record['outputs']]}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ __all__ = ["Model", "load", "usable_threads"]
 
 Converter = Callable[[np.ndarray], np.ndarray]
 _F32 = np.dtype(np.float32)
-_vdot = np.vdot
 
 
 def _input_converter(index: int, spec: TensorSpec, manifest: Manifest) -> Converter:

@@ -335,7 +335,7 @@ def test_infer_takes_one_json_message_and_refuses_an_empty_file(
     assert main(["infer", str(COMMITTED_BUNDLE), "--input", str(message), "--top-k", "3"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("line 1 (7): label=")
-    assert text.count("top-k: ") == 1 and len(text.split("top-k: ")[1].split("\n")[0].split(", ")) == 3
+    assert text.count("; top ") == 1 and len(text.split("; top ")[1].split("\n")[0].split(", ")) == 3  # as for .npz
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n", encoding="utf-8")
     assert main(["infer", str(COMMITTED_BUNDLE), "--input", str(empty)]) == 2

@@ -43,7 +43,7 @@ log = logging.getLogger("edgeline.source")
 
 Submit = Callable[[Message], None]
 SOURCES = {"sim": "edgeline.sim.source:SimSource"}
-"""Sources that live outside edgeline, by name: imported only when a configuration asks for them."""
+"""Sources from other folders (sim: ``edgeline.sim``), by name: imported only when a configuration asks for them."""
 READ_CHUNK = 65536
 
 
