@@ -15,13 +15,14 @@ from pydantic_core import PydanticCustomError
 
 from edgeline.device_profiles.precision import Precision
 
-__all__ = ["ID_PATTERN", "Budgets", "Cpu", "Precision", "Profile", "Target"]
+__all__ = ["ID_PATTERN", "Budgets", "CoreML", "Cpu", "EthosU", "OnnxRuntime", "Precision", "Profile", "Qnn", "Target"]
 
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
 
 PositiveInt = Annotated[int, Strict(), Field(gt=0)]
 PositiveFloat = Annotated[float, Strict(), Field(gt=0)]
 Name = Annotated[str, Field(min_length=1)]
+Share = Annotated[float, Strict(), Field(ge=0, le=1)]
 
 
 class _Frozen(BaseModel):
@@ -32,7 +33,9 @@ class Cpu(_Frozen):
     """The device's CPU, as far as export decisions need it."""
 
     name: Name = Field(description="Core name, e.g. 'Cortex-A76'.")
-    arch: Literal["aarch64", "armv7l", "x86_64"] = Field(description="Machine architecture (uname -m).")
+    arch: Literal["aarch64", "armv7l", "x86_64", "armv8.1-m"] = Field(
+        description="Machine architecture (uname -m; 'armv8.1-m' for a Cortex-M55 class microcontroller)."
+    )
     cores: PositiveInt
     isa_features: tuple[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._]*$")], ...] = Field(
         description="Instruction-set features kernels may use, e.g. ['neon', 'dotprod']."
@@ -68,6 +71,51 @@ class Budgets(_Frozen):
         "verification, never by timing on the host.",
     )
     max_memory_mb: PositiveInt | None = None
+    min_accelerator_share: Share | None = Field(
+        default=None,
+        description="Smallest accepted share of the model's operators on the target's accelerator (0-1); "
+        "applies to targets whose bundle names an accelerator.",
+    )
+    min_quantized_share: Share | None = Field(
+        default=None,
+        description="Smallest accepted share of the model's operators computing in the declared integer "
+        "precision (0-1); applies to integer precisions (int8-*).",
+    )
+
+
+class CoreML(_Frozen):
+    """Apple Core ML: what the exported package asks of the device."""
+
+    compute_units: Literal["ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY"] = Field(
+        description="coremltools.ComputeUnit the package is saved for ('ALL' lets Core ML use the Neural Engine)."
+    )
+    minimum_deployment_target: Annotated[str, Field(pattern=r"^(iOS|macOS)[0-9]+$")] = Field(
+        description="coremltools.target name, e.g. 'iOS17' or 'macOS14'."
+    )
+
+
+class Qnn(_Frozen):
+    """Qualcomm Hexagon NPU through ONNX Runtime's QNN execution provider (HTP backend)."""
+
+    soc_model: PositiveInt = Field(description="QNN SoC model id (onnxruntime-qnn provider option soc_model).")
+    htp_arch: PositiveInt = Field(description="Hexagon HTP architecture version, e.g. 75 for V75.")
+
+
+class EthosU(_Frozen):
+    """Arm Ethos-U NPU, compiled by vela with the profile's configuration (never vela's defaults)."""
+
+    accelerator_config: Annotated[str, Field(pattern=r"^ethos-u(55|65|85)-[0-9]+$")] = Field(
+        description="vela --accelerator-config, e.g. 'ethos-u55-128'."
+    )
+    system_config: Name = Field(description="vela --system-config (a section of the vela configuration file).")
+    memory_mode: Name = Field(description="vela --memory-mode (a section of the vela configuration file).")
+    clock_mhz: PositiveInt = Field(description="NPU core clock the estimates are given at.")
+
+
+class OnnxRuntime(_Frozen):
+    """ONNX Runtime on the device: the execution providers to try, in order, the CPU provider last."""
+
+    providers: tuple[Name, ...] = Field(min_length=1, description="e.g. ['CUDAExecutionProvider', 'CPU...'].")
 
 
 class Profile(_Frozen):
@@ -81,6 +129,15 @@ class Profile(_Frozen):
     os: Name = Field(description="Operating system, e.g. 'Raspberry Pi OS bookworm 64-bit'.")
     targets: tuple[Target, ...] = Field(min_length=1, description="Export targets, tried first to last.")
     budgets: Budgets
+    daemon: bool = Field(
+        default=True,
+        description="Whether edgeline's daemon runs on the device (false for phones and microcontrollers, where "
+        "the bundle goes into an app or firmware).",
+    )
+    coreml: CoreML | None = None
+    qnn: Qnn | None = None
+    ethos_u: EthosU | None = None
+    onnxruntime: OnnxRuntime | None = None
     # Set by the loader to the file the profile came from; not part of the file format.
     source: SkipJsonSchema[str] = Field(default="", exclude=True)
 

@@ -51,13 +51,12 @@ def _tensor(spec: TensorSpec) -> dict[str, Any]:
 def _placement(placement: Placement | None) -> dict[str, Any] | None:
     if placement is None:
         return None
-    return {
-        "delegate": placement.delegate,
-        "delegated_ops": sum(placement.delegated.values()),
-        "cpu_ops": sum(placement.not_delegated.values()),
-        "delegated": dict(placement.delegated),
-        "not_delegated": dict(placement.not_delegated),
-    }
+    return dict(
+        placement.model_dump(),
+        accelerator_share=placement.accelerator_share,
+        quantized_share=placement.quantized_share,
+        summary=placement.describe(),
+    )
 
 
 def describe_bundle(bundle: Bundle) -> dict[str, Any]:
@@ -101,6 +100,7 @@ def describe_bundle(bundle: Bundle) -> dict[str, Any]:
         },
         "fidelity": manifest.fidelity.model_dump(),
         "placement": _placement(manifest.placement),
+        "estimates": None if manifest.estimates is None else manifest.estimates.model_dump(),
         "size": {
             "model_bytes": sizes[manifest.model],
             "bundle_bytes": sum(sizes.values()) + manifest_bytes + signature_bytes,
@@ -140,13 +140,20 @@ def _fidelity_line(fidelity: dict[str, Any]) -> str:
 
 
 def _placement_line(placement: dict[str, Any] | None) -> str:
-    if placement is None:
-        return "not recorded by the exporter"
-    cpu = ", ".join(f"{op} x{count}" for op, count in sorted(placement["not_delegated"].items()))
-    return (
-        f"{placement['delegated_ops']} ops delegated to {placement['delegate'] or 'no delegate'}, "
-        f"{placement['cpu_ops']} on the CPU" + (f" ({cpu})" if cpu else "")
-    )
+    return "not recorded by the exporter" if placement is None else str(placement["summary"])
+
+
+def _estimates_line(estimates: dict[str, Any]) -> str:
+    clock = f" at {estimates['clock_mhz']:g} MHz" if estimates["clock_mhz"] else ""
+    figures = [
+        f"{estimates['cycles']:,} cycles" if estimates["cycles"] is not None else None,
+        f"{estimates['inference_ms']:.3g} ms{clock}" if estimates["inference_ms"] is not None else None,
+        f"SRAM {estimates['sram_bytes']:,} B" if estimates["sram_bytes"] is not None else None,
+        f"flash {estimates['flash_bytes']:,} B" if estimates["flash_bytes"] is not None else None,
+        f"DRAM {estimates['dram_bytes']:,} B" if estimates["dram_bytes"] is not None else None,
+    ]
+    shown = ", ".join(f for f in figures if f)
+    return f"{shown} (estimated by {estimates['tool']} for {estimates['target']}; not measured)"
 
 
 def _postprocess_line(post: dict[str, Any]) -> str:
@@ -181,6 +188,9 @@ def format_description(info: dict[str, Any]) -> str:
         + ("manifest.sig present, not verified (this runtime does not check signatures yet)"
            if signature["present"] else "unsigned (no manifest.sig)"),
     ]  # fmt: skip
+    if info["estimates"] is not None:
+        lines.insert(lines.index(f"placement:    {_placement_line(info['placement'])}") + 1,
+                     f"estimates:    {_estimates_line(info['estimates'])}")  # fmt: skip
     if info["window"] is not None:
         window = info["window"]
         lines.insert(4, f"window:       {window['size']} steps of {window['channels']} channels, hop {window['hop']}")

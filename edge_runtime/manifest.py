@@ -16,6 +16,7 @@ from edgeline.device_profiles.schema import Budgets
 __all__ = [
     "SCHEMA_VERSION",
     "Budgets",
+    "Estimates",
     "Fidelity",
     "FileEntry",
     "Golden",
@@ -159,11 +160,94 @@ class RuntimeRequirement(_Frozen):
 
 
 class Placement(_Frozen):
-    """Where the converted graph's operators run: per delegate, how many of each operator."""
+    """How much of the model runs where and in what precision, as the converted model file says.
 
-    delegated: dict[str, int] = Field(default_factory=dict)
-    not_delegated: dict[str, int] = Field(default_factory=dict)
-    delegate: str | None = None
+    ``ops`` counts the model's operators, leaving out the quantize/dequantize conversions at its edges and around
+    quantized operators. ``fallback`` names the operators left on the CPU (when there is an accelerator) or in
+    float (when the precision is an integer one), with their counts. A figure that cannot be known is null and
+    ``unknown`` says why, keyed by the field's name.
+    """
+
+    accelerator: str | None = None
+    ops: int | None = Field(default=None, ge=0)
+    accelerator_ops: int | None = Field(default=None, ge=0)
+    quantized_ops: int | None = Field(default=None, ge=0)
+    fallback: dict[str, int] = Field(default_factory=dict)
+    unknown: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_first_layout(cls, data: object) -> object:
+        """Bundles written before schema 1 gained these fields said delegate/delegated/not_delegated."""
+        if isinstance(data, dict) and "delegated" in data:
+            delegated = dict(data.get("delegated") or {})
+            other = dict(data.get("not_delegated") or {})
+            return {
+                "accelerator": data.get("delegate"),
+                "ops": sum(delegated.values()) + sum(other.values()),
+                "accelerator_ops": sum(delegated.values()),
+                "fallback": other,
+                "unknown": {"quantized_ops": "written by an older edgeline that did not count them"},
+            }
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Placement:
+        for key in ("accelerator_ops", "quantized_ops"):
+            value = getattr(self, key)
+            if value is not None and self.ops is not None and value > self.ops:
+                raise ValueError(f"{key} ({value}) is more than ops ({self.ops})")
+        return self
+
+    @property
+    def accelerator_share(self) -> float | None:
+        if self.accelerator is None or self.accelerator_ops is None or not self.ops:
+            return None
+        return self.accelerator_ops / self.ops
+
+    @property
+    def quantized_share(self) -> float | None:
+        if self.quantized_ops is None or not self.ops:
+            return None
+        return self.quantized_ops / self.ops
+
+    def describe(self) -> str:
+        """One line: the shares, the fallback, and why any figure is unknown."""
+
+        def share(count: int | None, key: str, what: str) -> str:
+            if count is None:
+                return f"{what} unknown ({self.unknown.get(key, 'not recorded')})"
+            return f"{what} {count}/{self.ops}" + (f" ({count / self.ops:.0%})" if self.ops else "")
+
+        if self.ops is None:
+            parts = [f"operators unknown ({self.unknown.get('ops', 'not recorded')})"]
+        else:
+            parts = [f"{self.ops} ops"]
+            if self.accelerator is None:
+                parts.append("no accelerator (the CPU runs them)")
+            else:
+                parts.append(share(self.accelerator_ops, "accelerator_ops", f"on {self.accelerator}"))
+            if self.quantized_ops is not None or "quantized_ops" in self.unknown:
+                parts.append(share(self.quantized_ops, "quantized_ops", "quantized"))
+        if self.fallback:
+            items = sorted(self.fallback.items(), key=lambda item: (-item[1], item[0]))
+            shown = ", ".join(f"{op} x{count}" for op, count in items[:8])
+            parts.append(f"fallback: {shown}" + (f" and {len(items) - 8} more" if len(items) > 8 else ""))
+        return "; ".join(parts)
+
+
+class Estimates(_Frozen):
+    """Figures a compiler estimated for hardware that is not here (vela for Ethos-U): never measurements."""
+
+    tool: str  # e.g. "ethos-u-vela 5.2.0"
+    target: str  # e.g. "ethos-u55-128, system config Ethos_U55_High_End_Embedded, memory mode Shared_Sram"
+    clock_mhz: float | None = None
+    cycles: int | None = Field(default=None, ge=0)
+    inference_ms: float | None = Field(default=None, ge=0)
+    sram_bytes: int | None = Field(default=None, ge=0)
+    flash_bytes: int | None = Field(default=None, ge=0)
+    dram_bytes: int | None = Field(default=None, ge=0)
+    macs: int | None = Field(default=None, ge=0)
 
 
 class Manifest(_Frozen):
@@ -188,6 +272,7 @@ class Manifest(_Frozen):
     """The profile's budgets (one class with the profiles'), so the device can check its own share (latency)."""
     runtime: RuntimeRequirement
     placement: Placement | None = None
+    estimates: Estimates | None = None
     export: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")

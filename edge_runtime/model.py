@@ -145,6 +145,21 @@ class Model:
         return self.manifest.name
 
     @property
+    def accelerator(self) -> str | None:
+        """What really runs the model here (None: the CPU)."""
+        return self._session.accelerator
+
+    @property
+    def accelerator_fallback(self) -> str | None:
+        """Why the model does not run on the accelerator its bundle was built for, or None when it does."""
+        wanted = self.manifest.placement.accelerator if self.manifest.placement else None
+        if wanted is None or self._session.accelerator == wanted:
+            return None
+        found = self._session.accelerator or "the CPU"
+        reason = getattr(self._session, "fallback_reason", None)
+        return f"built for {wanted} but running on {found}" + (f": {reason}" if reason else "")
+
+    @property
     def version(self) -> int:
         return self.manifest.version
 
@@ -253,16 +268,29 @@ def usable_threads(wanted: int) -> int:
     return max(1, min(wanted, available))
 
 
-def load(path: str | os.PathLike[str], *, backend: str | None = None, threads: int | None = None) -> Model:
-    """Verify the bundle at ``path`` and open it; ``backend`` overrides the manifest's runtime backend."""
+def load(
+    path: str | os.PathLike[str],
+    *,
+    backend: str | None = None,
+    threads: int | None = None,
+    model_file: str | None = None,
+) -> Model:
+    """Verify the bundle at ``path`` and open it; ``backend`` overrides the manifest's runtime backend and
+    ``model_file`` (a file the manifest lists) its model, as export does to measure a model it cannot run here."""
     bundle = read_bundle(Path(path))
     manifest = bundle.manifest
     name = backend or manifest.backend
+    model_path = bundle.model_path
+    if model_file is not None:
+        if model_file not in {entry.path for entry in manifest.files}:
+            raise BundleError(f"{bundle.path}: {model_file} is not a file of the bundle")
+        model_path = bundle.file(model_file)
     session = open_session(
         name,
-        bundle.model_path,
+        model_path,
         threads=usable_threads(threads or manifest.threads),
         input_names=[spec.tensor or spec.name for spec in manifest.inputs],
+        accelerator=manifest.placement.accelerator if manifest.placement else None,
     )
     found = session.input_specs()
     for declared, actual in zip(manifest.inputs, found, strict=True):

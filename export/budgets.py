@@ -5,17 +5,24 @@ Host timings are never held against a device budget: latency is checked on the d
 
 from __future__ import annotations
 
-from edgeline.device_profiles import Budgets
-from edgeline.manifest import Fidelity
+from edgeline.device_profiles import Budgets, Precision
+from edgeline.manifest import Fidelity, Placement
 
 __all__ = ["budget_violations"]
 
 
-def budget_violations(budgets: Budgets, size_bytes: int, fidelity: Fidelity) -> list[str]:
+def budget_violations(
+    budgets: Budgets,
+    size_bytes: int,
+    fidelity: Fidelity,
+    placement: Placement | None = None,
+    precision: Precision | None = None,
+) -> list[str]:
     """Plain-language reasons this target misses the budgets; empty when it meets them."""
     found = []
     if budgets.max_model_bytes is not None and size_bytes > budgets.max_model_bytes:
         found.append(f"model size {size_bytes} B > budget {budgets.max_model_bytes} B")
+    found.extend(_placement_violations(budgets, placement, precision))
     if fidelity.status != "measured":
         return found
     # The most meaningful measure available decides: accuracy against labels, else agreement with the float
@@ -39,4 +46,40 @@ def budget_violations(budgets: Budgets, size_bytes: int, fidelity: Fidelity) -> 
         budgets.min_cosine is not None and fidelity.cosine_min is not None and fidelity.cosine_min < budgets.min_cosine
     ):
         found.append(f"minimum cosine similarity {fidelity.cosine_min:.4f} < budget {budgets.min_cosine:g}")
+    return found
+
+
+def _fallback(placement: Placement) -> str:
+    items = sorted(placement.fallback.items(), key=lambda item: (-item[1], item[0]))
+    shown = ", ".join(f"{op} x{count}" for op, count in items[:6])
+    return f" (fell back: {shown}{f' and {len(items) - 6} more' if len(items) > 6 else ''})" if items else ""
+
+
+def _placement_violations(budgets: Budgets, placement: Placement | None, precision: Precision | None) -> list[str]:
+    """The accelerator and quantized shares against the profile's minimums. An unknown share never passes a
+    budget that asks for one: it is named as unknown, with the reason."""
+    found = []
+    wanted = budgets.min_accelerator_share
+    if wanted is not None and placement is not None and placement.accelerator is not None:
+        share = placement.accelerator_share
+        if share is None:
+            why = placement.unknown.get("accelerator_ops", "not recorded")
+            found.append(f"share on {placement.accelerator} unknown ({why}); budget >= {wanted:.0%}")
+        elif share < wanted:
+            found.append(
+                f"{placement.accelerator_ops}/{placement.ops} ops on {placement.accelerator} ({share:.0%}) "
+                f"< budget {wanted:.0%}{_fallback(placement)}"
+            )
+    wanted = budgets.min_quantized_share
+    if wanted is not None and precision is not None and precision.integer:
+        share = placement.quantized_share if placement is not None else None
+        if share is None:
+            why = placement.unknown.get("quantized_ops", "not recorded") if placement else "placement not recorded"
+            found.append(f"quantized share unknown ({why}); budget >= {wanted:.0%}")
+        elif share < wanted:
+            assert placement is not None
+            found.append(
+                f"{placement.quantized_ops}/{placement.ops} ops in {precision.value} ({share:.0%}) "
+                f"< budget {wanted:.0%}{_fallback(placement)}"
+            )
     return found

@@ -22,7 +22,7 @@ from edgeline import bundle as bundle_io
 from edgeline.backends import open_session
 from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
-from edgeline.export.backends import EXPORT_BACKENDS, ExportRequest
+from edgeline.export.backends import EXPORT_BACKENDS, ExportRequest, Verification
 from edgeline.export.budgets import budget_violations
 from edgeline.export.calibration import check_model_runs, load_model_samples
 from edgeline.export.conversion import convert, with_alternatives
@@ -183,12 +183,19 @@ def _try_target(
         precision=target.precision,
         out_dir=staging,
         input_names=loaded.forward_parameters or tuple(f"input_{i}" for i in range(len(calibration.inputs))),
+        profile=profile,
     )
     progress(f"{target.backend} {target.precision.value}: converting")
     exported = convert(request, target)
-    session = open_session(
-        exported.runtime_backend, staging / exported.model_file, threads=1, input_names=exported.input_names
-    )
+    check = exported.verification or Verification(backend=exported.runtime_backend)
+    measured_file = check.model_file or exported.model_file
+    inputs, outputs = exported.inputs, exported.outputs
+    if check.backend is not None:
+        session = open_session(check.backend, staging / measured_file, threads=1, input_names=exported.input_names)
+        inputs, outputs = inputs or tuple(session.input_specs()), outputs or tuple(session.output_specs())
+        del session
+    if inputs is None or outputs is None:
+        raise ExportError(f"{target.backend}: nothing here opens {exported.model_file}, and the exporter gave no specs")
     fields = dict(
         common,
         backend=exported.runtime_backend,
@@ -197,32 +204,43 @@ def _try_target(
         model=exported.model_file,
         inputs=tuple(
             spec.model_copy(update={"name": name, "tensor": spec.name if spec.name != name else None})
-            for spec, name in zip(session.input_specs(), request.input_names, strict=True)
+            for spec, name in zip(inputs, request.input_names, strict=True)
         ),
         outputs=tuple(
             spec.model_copy(update={"name": f"output_{j}", "tensor": spec.name if spec.name != f"output_{j}" else None})
-            for j, spec in enumerate(session.output_specs())
+            for j, spec in enumerate(outputs)
         ),
         runtime=exported.runtime,
         placement=exported.placement,
+        estimates=exported.estimates,
         export=dict(common["export"], backend=target.backend, **exported.tool_versions),
         fidelity=Fidelity(status="not-measured", reason="export in progress", reference=REFERENCE),
     )
-    del session
     write_bundle(staging, exported, fields)
-    progress(f"{target.backend} {target.precision.value}: checking fidelity on {len(validation)} samples")
-    model = load(staging, threads=1)
-    fidelity = measure_fidelity(model, reference, validation, fields["postprocess"], progress)
-    latency = median_latency_ms(model, validation.sample(0))
-    golden = write_golden(staging, model, validation)
-    manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
-    load(staging, threads=1)  # the final bundle must verify exactly as a device will read it
+    if check.backend is None:  # nothing here runs it: say so, never a number
+        fidelity = Fidelity(status="not-measured", reason=check.reason or "no runtime here", reference=REFERENCE)
+        manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity))
+        bundle_io.read_bundle(staging)  # sizes and hashes, as a device checks them
+        latency = None
+    else:
+        how = {"backend": check.backend, "model_file": check.model_file, "threads": 1}
+        progress(f"{target.backend} {target.precision.value}: checking fidelity on {len(validation)} samples")
+        model = load(staging, **how)
+        fidelity = measure_fidelity(model, reference, validation, fields["postprocess"], progress)
+        if check.measured_with:
+            fidelity = fidelity.model_copy(update={"measured_with": check.measured_with})
+        latency = median_latency_ms(model, validation.sample(0)) if exported.verification is None else None
+        golden = write_golden(staging, model, validation)
+        manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
+        load(staging, **how)  # the final bundle must verify exactly as a device will read it
     size = sum(entry.size for entry in manifest.files if entry.path != "golden.npz")
     outcome.size_bytes = size
     outcome.fidelity = fidelity
+    outcome.placement = exported.placement
+    outcome.estimates = exported.estimates
     outcome.host_latency_ms = latency
     outcome.seconds = time.perf_counter() - start
-    violations = budget_violations(profile.budgets, size, fidelity)
+    violations = budget_violations(profile.budgets, size, fidelity, exported.placement, target.precision)
     if violations:
         outcome.status = "rejected"
         outcome.reason = "; ".join(violations)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from edgeline.manifest import Fidelity
+from edgeline.manifest import Estimates, Fidelity, Placement
 
 __all__ = ["ExportReport", "TargetOutcome", "format_report"]
 
@@ -22,6 +22,8 @@ class TargetOutcome:
     size_bytes: int | None = None
     fidelity: Fidelity | None = None
     host_latency_ms: float | None = None
+    placement: Placement | None = None
+    estimates: Estimates | None = None
     seconds: float | None = None
     bundle: Path | None = None
 
@@ -35,6 +37,10 @@ class TargetOutcome:
             "size_bytes": self.size_bytes,
             "fidelity": self.fidelity.model_dump(mode="json") if self.fidelity else None,
             "host_latency_ms": self.host_latency_ms,
+            "placement": self.placement.model_dump(mode="json") if self.placement else None,
+            "accelerator_share": self.placement.accelerator_share if self.placement else None,
+            "quantized_share": self.placement.quantized_share if self.placement else None,
+            "estimates": self.estimates.model_dump(mode="json") if self.estimates else None,
             "export_seconds": self.seconds,
             "bundle": str(self.bundle) if self.bundle is not None else None,
         }
@@ -90,15 +96,40 @@ def _fidelity(outcome: TargetOutcome) -> str:
     return f"cos min {fid.cosine_min:.4f}"
 
 
+def _share(value: float | None, known: bool) -> str:
+    return f"{value:.0%}" if value is not None else ("?" if known else "-")
+
+
+def _shares(outcome: TargetOutcome) -> tuple[str, str]:
+    """The accelerator and quantized shares: "-" where there is no accelerator or no integer precision, "?" where
+    the share exists but cannot be known (the manifest says why)."""
+    placement = outcome.placement
+    if placement is None:
+        return "-", "-"
+    accelerator = _share(placement.accelerator_share, placement.accelerator is not None)
+    if placement.accelerator is not None and placement.accelerator_share is not None:
+        accelerator = f"{accelerator} {placement.accelerator}"
+    quantized = _share(placement.quantized_share, "quantized_ops" in placement.unknown)
+    return accelerator, quantized
+
+
+def _latency(outcome: TargetOutcome) -> str:
+    estimates = outcome.estimates
+    if outcome.host_latency_ms is not None:
+        return f"{outcome.host_latency_ms:.3f} ms"
+    if estimates is not None and estimates.inference_ms is not None:
+        return f"~{estimates.inference_ms:.3g} ms (est.)"
+    return "-"
+
+
 def format_report(report: ExportReport) -> str:
-    header = ("backend", "precision", "status", "size", "fidelity", "host latency", "bundle / reason")
+    header = ("backend", "precision", "status", "size", "fidelity", "accel.", "quant.", "latency", "bundle / reason")
     rows = [header]
     for o in report.outcomes:
-        latency = f"{o.host_latency_ms:.3f} ms" if o.host_latency_ms is not None else "-"
         where = str(o.bundle) if o.bundle is not None else (o.reason or "")
         if o.status == "selected" and any(other.status == "passed" for other in report.outcomes):
             where += "  <- the profile's order picks this one"
-        rows.append((o.backend, o.precision, o.status, _size(o), _fidelity(o), latency, where))
+        rows.append((o.backend, o.precision, o.status, _size(o), _fidelity(o), *_shares(o), _latency(o), where))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
@@ -107,9 +138,26 @@ def format_report(report: ExportReport) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(header[-1]))
     lines.append("")
     lines.append(
-        "host latency: median on this machine, 1 thread; the device's latency is checked by "
-        "`edgeline verify` on the device."
+        "accel./quant.: share of the model's operators on the accelerator / in the integer precision ('-' none, "
+        "'?' unknown: see the manifest's placement); latency: median on this machine, 1 thread, for CPU targets, or "
+        "the compiler's estimate for the device (est.); the device's latency is checked by `edgeline verify` on it."
     )
+    for o in report.outcomes:
+        if o.estimates is not None and o.status in ("selected", "passed"):
+            e = o.estimates
+            lines.append(
+                f"{o.backend} {o.precision}: estimated by {e.tool} for {e.target}: "
+                + ", ".join(
+                    f
+                    for f in (
+                        f"{e.cycles:,} cycles" if e.cycles is not None else "",
+                        f"SRAM {e.sram_bytes:,} B" if e.sram_bytes is not None else "",
+                        f"flash {e.flash_bytes:,} B" if e.flash_bytes is not None else "",
+                        f"DRAM {e.dram_bytes:,} B" if e.dram_bytes is not None else "",
+                    )
+                    if f
+                )
+            )
     selected = report.selected
     if selected is None:
         lines.append(f"no target met the {report.profile} budgets; nothing was written.")

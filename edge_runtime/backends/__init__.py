@@ -35,6 +35,10 @@ dependency of the base install and needs no torch. ``executorch`` needs torch (t
 class Session(Protocol):
     """An opened model, ready to run."""
 
+    accelerator: str | None
+    """What really runs the model here: the accelerator asked for, or None when the CPU runs it (a fallback when
+    an accelerator was asked for: the model says so loudly)."""
+
     def input_specs(self) -> list[TensorSpec]: ...
 
     def output_specs(self) -> list[TensorSpec]: ...
@@ -45,14 +49,23 @@ class Session(Protocol):
 class SessionFactory(Protocol):
     file_suffixes: tuple[str, ...]
 
-    def __call__(self, model_path: Path, *, threads: int, input_names: Sequence[str] | None) -> Session: ...
+    def __call__(
+        self, model_path: Path, *, threads: int, input_names: Sequence[str] | None, accelerator: str | None = None
+    ) -> Session: ...
 
 
-def open_session(name: str, model_path: Path, *, threads: int = 1, input_names: Sequence[str] | None = None) -> Session:
-    """Open ``model_path`` with the runtime backend called ``name``."""
+def open_session(
+    name: str,
+    model_path: Path,
+    *,
+    threads: int = 1,
+    input_names: Sequence[str] | None = None,
+    accelerator: str | None = None,
+) -> Session:
+    """Open ``model_path`` with the runtime backend called ``name``, on ``accelerator`` where it can."""
     factory: SessionFactory = resolve(RUNTIME_BACKENDS, name, "runtime backend", BundleError)
     if model_path.suffix not in factory.file_suffixes:
         raise BundleError(
             f"runtime backend {name!r} runs {', '.join(factory.file_suffixes)} models, not {model_path.name}"
         )
-    return factory(model_path, threads=threads, input_names=input_names)
+    return factory(model_path, threads=threads, input_names=input_names, accelerator=accelerator)

@@ -29,7 +29,16 @@ _SCALAR_TYPES = {
 class ExecuTorchSession:
     file_suffixes: ClassVar[tuple[str, ...]] = (".pte",)
 
-    def __init__(self, model_path: Path, *, threads: int = 1, input_names: Sequence[str] | None = None):
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        threads: int = 1,
+        input_names: Sequence[str] | None = None,
+        accelerator: str | None = None,
+    ):
+        # Delegated parts are compiled into the program: they run on what they were lowered for, or not at all.
+        self.accelerator = accelerator
         try:
             import torch
             from executorch.extension.pybindings import portable_lib

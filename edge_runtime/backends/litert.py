@@ -35,8 +35,15 @@ class _InterpreterSession:
     file_suffixes: ClassVar[tuple[str, ...]] = (".tflite",)
 
     def __init__(
-        self, model_path: Path, *, threads: int = 1, input_names: Sequence[str] | None = None, batch_size: int = 1
+        self,
+        model_path: Path,
+        *,
+        threads: int = 1,
+        input_names: Sequence[str] | None = None,
+        batch_size: int = 1,
+        accelerator: str | None = None,
     ):
+        self.accelerator: str | None = None  # the CPU (LiteRT's kernels or XNNPACK) runs every operator
         try:
             interpreter_module = importlib.import_module(self.module)
         except ImportError as exc:

@@ -16,14 +16,15 @@ from edgeline.export.errors import ExportError
 from edgeline.registry import resolve
 
 if TYPE_CHECKING:  # the registry is read by `edgeline export --help` (choices of --backend): nothing heavy for that
-    from edgeline.device_profiles import Precision
-    from edgeline.manifest import Placement, RuntimeRequirement
+    from edgeline.device_profiles import Precision, Profile
+    from edgeline.manifest import Estimates, Placement, RuntimeRequirement, TensorSpec
 
 __all__ = [
     "EXPORT_BACKENDS",
     "ExportRequest",
     "ExportedModel",
     "Exporter",
+    "Verification",
     "get_exporter",
     "operators_named_in",
 ]
@@ -31,6 +32,11 @@ __all__ = [
 EXPORT_BACKENDS: dict[str, str] = {
     "executorch-xnnpack": "edgeline.export.backends.executorch_xnnpack:XnnpackExporter",
     "litert": "edgeline.export.backends.litert:LiteRTExporter",
+    "onnxruntime": "edgeline.export.backends.onnxruntime:OnnxRuntimeExporter",
+    "qnn-htp": "edgeline.export.backends.qnn:QnnHtpExporter",
+    "ethos-u": "edgeline.export.backends.ethos_u:EthosUExporter",
+    "coreml": "edgeline.export.backends.coreml:CoreMLExporter",
+    "executorch-coreml": "edgeline.export.backends.executorch_coreml:ExecuTorchCoreMLExporter",
 }
 
 
@@ -42,6 +48,23 @@ class ExportRequest:
     precision: Precision
     out_dir: Path
     input_names: tuple[str, ...]
+    profile: Profile | None = None  # the device's profile: its accelerator section (coreml, qnn, ethos_u, ...)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """How the export checks fidelity when not by running the bundle's model file with its own runtime backend.
+
+    ``backend`` None means nothing on this machine can run the model: the manifest's fidelity is "not measured"
+    with ``reason`` (e.g. "Core ML runs on macOS only"), never a number. Otherwise ``backend`` runs
+    ``model_file`` (a file of the bundle; default the bundle's model) and ``measured_with`` says on what (e.g.
+    the HTP emulator, or TFLite Micro's reference kernels on the int8 model vela compiled).
+    """
+
+    backend: str | None = None
+    model_file: str | None = None
+    measured_with: str | None = None
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +76,11 @@ class ExportedModel:
     extra_files: tuple[str, ...] = ()  # e.g. a compiled context binary
     placement: Placement | None = None
     tool_versions: dict[str, str] = field(default_factory=dict)
+    verification: Verification | None = None  # None: the bundle's model on its runtime backend, here
+    # The model file's inputs and outputs, when no runtime here can open it to read them (Core ML on Linux).
+    inputs: tuple[TensorSpec, ...] | None = None
+    outputs: tuple[TensorSpec, ...] | None = None
+    estimates: Estimates | None = None
 
 
 class Exporter(Protocol):
