@@ -93,6 +93,8 @@ def _describe(profile: Profile) -> list[str]:
         f"           features: {', '.join(cpu.isa_features) or 'none listed'}",
         f"memory:    {_megabytes(profile.memory_mb)}",
         f"os:        {profile.os}",
+        f"daemon:    {'runs edgeline run' if profile.daemon else 'no (the bundle goes into an app or firmware)'}",
+        *_accelerators(profile),
         "targets (tried in this order):",
     ]
     backend_width = max(len(target.backend) for target in profile.targets)
@@ -110,7 +112,27 @@ def _describe(profile: Profile) -> list[str]:
         f"  max latency:        {_or_none(budgets.max_latency_ms, ' ms')} "
         "on the device (checked by on-device verification, not host timing)",
         f"  max memory:         {_or_none(budgets.max_memory_mb, ' MB')}",
+        f"  min on accelerator: {_share(budgets.min_accelerator_share, 'of operators on the accelerator')}",
+        f"  min quantized:      {_share(budgets.min_quantized_share, 'of operators in int8 (int8 targets)')}",
     ]
+    return lines
+
+
+def _share(value: float | None, what: str) -> str:
+    return "none" if value is None else f"{value:.0%} {what}"
+
+
+def _accelerators(profile: Profile) -> list[str]:
+    """One line per accelerator section: what the exporters are told about the device's NPU, GPU or Core ML."""
+    lines = []
+    for key in ("coreml", "qnn", "ethos_u", "onnxruntime"):
+        section = getattr(profile, key)
+        if section is not None:
+            fields = ", ".join(
+                f"{name}={'/'.join(value) if isinstance(value, tuple) else value}"
+                for name, value in section.model_dump().items()
+            )
+            lines.append(f"{key + ':':<10} {fields}")
     return lines
 
 

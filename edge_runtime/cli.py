@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage mistake (already printed in one line)
         return exc.code if isinstance(exc.code, int) else 0
+    args.from_process_argv = argv is None  # the command line of this process (a command may re-run it)
     try:
         with _logging_to_stderr(args.log_level):
             code: int = args.func(args)

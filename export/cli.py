@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +94,26 @@ def _read_labels(path: Path | None) -> tuple[str, ...] | None:
     return labels
 
 
+HASH_SEED = "0"
+
+
+def pin_hash_seed() -> None:
+    """Re-run this command with a fixed ``PYTHONHASHSEED`` unless it already has it.
+
+    Converters iterate sets and dicts keyed by strings (torchao's prepare step, for one); with Python's per-process
+    random string hashing, one model can convert in one run and fail in the next, and the automatic choice then
+    picks another target. One seed makes the same command give the same bundle every run.
+    """
+    if os.environ.get("PYTHONHASHSEED") == HASH_SEED or not sys.orig_argv:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(os.environ, PYTHONHASHSEED=HASH_SEED))
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "from_process_argv", False):
+        pin_hash_seed()
     require_export_extra()
     from edgeline.export.pipeline import ExportOptions, run_export
     from edgeline.export.progress import Progress

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edgeline.device_profiles import Precision, Target
 from edgeline.errors import EdgelineError
@@ -14,16 +17,85 @@ from edgeline.export.loading import LoadedModel
 from edgeline.native_output import capture_native_output
 from edgeline.samples import SampleSet
 
-__all__ = ["convert", "with_alternatives"]
+__all__ = ["Culprit", "convert", "find_culprit", "with_alternatives"]
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Culprit:
+    """The graph node a converter was working on when it failed: its operator and, when known, the model's line."""
+
+    operator: str
+    module: str | None = None  # the submodule's path in the model, e.g. "encoder.gru"
+    source: str | None = None  # "file.py:42: code", the model's own line that made the node
+
+
+def _source_line(stack_trace: str | None) -> str | None:
+    """The innermost frame of a node's stack trace that is the user's code, not torch's or a converter's."""
+    if not stack_trace:
+        return None
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', stack_trace)
+    for path, line, code in reversed(frames):
+        if not any(part in path for part in ("site-packages", "dist-packages", "/torch/", "<")):
+            return f"{path}:{line}: {code.strip()}"
+    return None
+
+
+def _node_culprit(node: Any, operator: str | None = None) -> Culprit:
+    meta = getattr(node, "meta", {}) or {}
+    modules = meta.get("nn_module_stack") or {}
+    module = None
+    if modules:
+        path, _ = list(modules.values())[-1]
+        module = re.sub(r"^L\['self'\]\.|^L__self___?", "", str(path)).replace("_", ".") if path else None
+    target = getattr(node, "target", None)
+    name = operator or str(getattr(target, "__name__", target))
+    return Culprit(operator=name.replace("::", "."), module=module, source=_source_line(meta.get("stack_trace")))
+
+
+def find_culprit(exc: BaseException) -> Culprit | None:
+    """Walks the failing call's frames, innermost first, for the torch.fx node (or source partition, e.g. the
+    nodes of one nn.GRU) the converter held when it failed."""
+    import torch.fx
+
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            source = getattr(value, "source", None)
+            nodes = getattr(value, "nodes", None)
+            if source is not None and isinstance(nodes, list) and nodes and isinstance(nodes[0], torch.fx.Node):
+                qualified = f"{getattr(source, '__module__', '')}.{getattr(source, '__qualname__', source)}"
+                return _node_culprit(
+                    nodes[0], operator=qualified.lstrip(".").replace("torch.nn.modules.rnn", "torch.nn")
+                )
+        for value in frame.f_locals.values():
+            if isinstance(value, torch.fx.Node) and value.op == "call_function":
+                return _node_culprit(value)
+    return None
+
+
+def describe_culprit(culprit: Culprit) -> str:
+    where = f" in {culprit.module}" if culprit.module else ""
+    line = f" ({culprit.source})" if culprit.source else ""
+    return f"{culprit.operator}{where}{line}"
+
+
 def lowering_error(target: Target, exc: BaseException, log: str) -> LoweringError:
     text = f"{exc}\n{log}"
+    culprit = find_culprit(exc)
     operators = operators_named_in(text)
+    if culprit is not None:
+        operators = (culprit.operator, *(op for op in operators if op != culprit.operator))
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    named = f" (operators named: {', '.join(operators[:5])})" if operators else ""
+    if culprit is not None:
+        named = f" at {describe_culprit(culprit)}"
+    else:
+        named = f" (operators named: {', '.join(operators[:5])})" if operators else ""
     return LoweringError(
         f"{target.backend} could not convert the model to {target.precision.value}{named}: "
         f"{type(exc).__name__}: {first_line[:300]}",
@@ -51,27 +123,57 @@ def convert(request: ExportRequest, target: Target) -> ExportedModel:
     return exported
 
 
-def with_alternatives(exc: LoweringError, failed: Target, loaded: LoadedModel, calibration: SampleSet) -> LoweringError:
-    """Name the backends that can convert this model (fp32), so the user knows where to go."""
+def _converts(backend: str, precision: Precision, loaded: LoadedModel, calibration: SampleSet, profile: Any) -> bool:
     import torch
 
-    can = []
-    for backend in sorted(EXPORT_BACKENDS):
-        if backend == failed.backend:
-            continue
-        with tempfile.TemporaryDirectory() as scratch:
-            request = ExportRequest(
-                module=loaded.module,
-                example_inputs=tuple(torch.from_numpy(a) for a in calibration.sample(0)),
-                calibration=[],
-                precision=Precision.FP32,
-                out_dir=Path(scratch),
-                input_names=loaded.forward_parameters or ("input_0",),
-            )
-            try:
-                convert(request, Target(backend=backend, precision=Precision.FP32, threads=1))
-                can.append(backend)
-            except EdgelineError:
-                pass
-    hint = f"; backends that can convert it: {', '.join(can)}" if can else "; no other backend can convert it either"
-    return LoweringError(f"{exc}{hint}", operators=exc.operators)
+    with tempfile.TemporaryDirectory() as scratch:
+        samples = [tuple(torch.from_numpy(a) for a in calibration.sample(i)) for i in range(min(8, len(calibration)))]
+        request = ExportRequest(
+            module=loaded.module,
+            example_inputs=samples[0],
+            calibration=samples,
+            precision=precision,
+            out_dir=Path(scratch),
+            input_names=loaded.forward_parameters or tuple(f"input_{i}" for i in range(len(calibration.inputs))),
+            profile=profile,
+        )
+        try:
+            convert(request, Target(backend=backend, precision=precision, threads=1))
+        except EdgelineError:
+            return False
+        return True
+
+
+def _precisions(backend: str) -> tuple[Precision, ...]:
+    try:
+        return tuple(get_exporter(backend).precisions)
+    except EdgelineError:  # its optional dependency is not installed here
+        return ()
+
+
+def with_alternatives(
+    exc: LoweringError, failed: Target, loaded: LoadedModel, calibration: SampleSet, profile: Any = None
+) -> LoweringError:
+    """Say where the user can go: the other backends that convert this model at the precision asked for, then the
+    other precisions of the same backend (a few calibration samples are enough to tell)."""
+    same = [
+        backend
+        for backend in sorted(EXPORT_BACKENDS)
+        if backend != failed.backend
+        and failed.precision in _precisions(backend)
+        and _converts(backend, failed.precision, loaded, calibration, profile)
+    ]
+    precision = failed.precision.value
+    hints = [
+        f"backends that convert it at {precision}: {', '.join(same)}"
+        if same
+        else f"no other backend converts it at {precision}"
+    ]
+    others = [
+        p.value
+        for p in _precisions(failed.backend)
+        if p is not failed.precision and _converts(failed.backend, p, loaded, calibration, profile)
+    ]
+    if others:
+        hints.append(f"{failed.backend} converts it at {', '.join(others)}")
+    return LoweringError(f"{exc}; {'; '.join(hints)}", operators=exc.operators)

@@ -8,10 +8,14 @@ The first target that passes is moved into place; the report says why each earli
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import logging
+import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +38,7 @@ from edgeline.export.report import ExportReport, TargetOutcome
 from edgeline.export.staging import write_bundle, write_golden
 from edgeline.manifest import NAME_PATTERN, Fidelity, Postprocess
 from edgeline.model import load
+from edgeline.native_output import capture_native_output
 from edgeline.postprocess import interpret
 from edgeline.samples import SampleSet
 from edgeline.timing import median_latency_ms
@@ -42,6 +47,7 @@ __all__ = ["ExportOptions", "ExportReport", "TargetOutcome", "run_export"]
 
 Task = Literal["classify", "regress", "anomaly", "raw"]
 ANOMALY_PERCENTILE = 99.0
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,8 @@ def _try_target(
     measured_file = check.model_file or exported.model_file
     inputs, outputs = exported.inputs, exported.outputs
     if check.backend is not None:
-        session = open_session(check.backend, staging / measured_file, threads=1, input_names=exported.input_names)
+        with _runtime_quiet():
+            session = open_session(check.backend, staging / measured_file, threads=1, input_names=exported.input_names)
         inputs, outputs = inputs or tuple(session.input_specs()), outputs or tuple(session.output_specs())
         del session
     if inputs is None or outputs is None:
@@ -223,16 +230,18 @@ def _try_target(
         bundle_io.read_bundle(staging)  # sizes and hashes, as a device checks them
         latency = None
     else:
-        how = {"backend": check.backend, "model_file": check.model_file, "threads": 1}
+        how: dict[str, Any] = {"backend": check.backend, "model_file": check.model_file, "threads": 1}
         progress(f"{target.backend} {target.precision.value}: checking fidelity on {len(validation)} samples")
-        model = load(staging, **how)
+        with _runtime_quiet():
+            model = load(staging, **how)
         fidelity = measure_fidelity(model, reference, validation, fields["postprocess"], progress)
         if check.measured_with:
             fidelity = fidelity.model_copy(update={"measured_with": check.measured_with})
         latency = median_latency_ms(model, validation.sample(0)) if exported.verification is None else None
         golden = write_golden(staging, model, validation)
         manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
-        load(staging, **how)  # the final bundle must verify exactly as a device will read it
+        with _runtime_quiet():
+            load(staging, **how)  # the final bundle must verify exactly as a device will read it
     size = sum(entry.size for entry in manifest.files if entry.path != "golden.npz")
     outcome.size_bytes = size
     outcome.fidelity = fidelity
@@ -284,7 +293,12 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
         "profile": profile.id,
         "postprocess": post,
         "budgets": profile.budgets,
-        "export": {"source": loaded.source, "edgeline": _edgeline_version()},
+        # PYTHONHASHSEED: "0" from the command line (which pins it); other values when called as a library
+        "export": {
+            "source": loaded.source,
+            "edgeline": _edgeline_version(),
+            "python_hash_seed": os.environ.get("PYTHONHASHSEED", "random"),
+        },
     }
     staging = out.parent / f".{out.name}.staging"
     explicit = options.backend is not None and options.precision is not None
@@ -308,7 +322,7 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
                 )
             except LoweringError as exc:
                 if explicit:
-                    raise with_alternatives(exc, target, loaded, calibration) from exc
+                    raise with_alternatives(exc, target, loaded, calibration, profile) from exc
                 outcome.status, outcome.reason = "failed", str(exc)
             except ExportError as exc:
                 if explicit:
@@ -342,6 +356,16 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
             f"{report.outcomes[0].reason}"
         )
     return report
+
+
+@contextlib.contextmanager
+def _runtime_quiet() -> Iterator[None]:
+    """What a runtime prints on the descriptors while loading (ExecuTorch's cpuinfo and threadpool lines, LiteRT's
+    delegate line) goes to the debug log (-v), not between the progress lines."""
+    with capture_native_output() as captured:
+        yield
+    if captured.text.strip():
+        logger.debug("the runtime printed while loading:\n%s", captured.text.strip())
 
 
 def _edgeline_version() -> str:

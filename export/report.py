@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from edgeline.manifest import Estimates, Fidelity, Placement
 
-__all__ = ["ExportReport", "TargetOutcome", "format_report"]
+__all__ = ["ExportReport", "TargetOutcome", "format_report", "shares"]
 
 
 @dataclass
@@ -100,7 +100,7 @@ def _share(value: float | None, known: bool) -> str:
     return f"{value:.0%}" if value is not None else ("?" if known else "-")
 
 
-def _shares(outcome: TargetOutcome) -> tuple[str, str]:
+def shares(outcome: TargetOutcome) -> tuple[str, str]:
     """The accelerator and quantized shares: "-" where there is no accelerator or no integer precision, "?" where
     the share exists but cannot be known (the manifest says why)."""
     placement = outcome.placement
@@ -129,7 +129,7 @@ def format_report(report: ExportReport) -> str:
         where = str(o.bundle) if o.bundle is not None else (o.reason or "")
         if o.status == "selected" and any(other.status == "passed" for other in report.outcomes):
             where += "  <- the profile's order picks this one"
-        rows.append((o.backend, o.precision, o.status, _size(o), _fidelity(o), *_shares(o), _latency(o), where))
+        rows.append((o.backend, o.precision, o.status, _size(o), _fidelity(o), *shares(o), _latency(o), where))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from edgeline.device_profiles import Budgets
+import pytest
+from pydantic import ValidationError
+
+from edgeline.device_profiles import Budgets, Precision
 from edgeline.export.budgets import budget_violations
-from edgeline.manifest import Fidelity
+from edgeline.manifest import Fidelity, Placement
 
 BUDGETS = Budgets(max_model_bytes=1000, max_accuracy_drop=1.0, min_cosine=0.99)
 
@@ -43,3 +46,56 @@ def test_not_measured_fidelity_checks_only_what_was_measured() -> None:
     fidelity = Fidelity(status="not-measured", reason="Core ML runs only on macOS", reference="torch")
     assert budget_violations(BUDGETS, 10, fidelity) == []
     assert len(budget_violations(BUDGETS, 5000, fidelity)) == 1
+
+
+# Placement: the accelerator and quantized shares
+
+
+def placed(**fields: object) -> Placement:
+    return Placement.model_validate(fields)
+
+
+SHARES = Budgets(max_accuracy_drop=1.0, min_accelerator_share=0.9, min_quantized_share=0.8)
+
+
+def test_shares_within_budget_pass() -> None:
+    placement = placed(accelerator="npu", ops=10, accelerator_ops=9, quantized_ops=8, fallback={"TANH": 1})
+    assert budget_violations(SHARES, 10, measured(cosine_min=1.0), placement, Precision.INT8_STATIC) == []
+
+
+def test_accelerator_share_below_budget_names_what_fell_back() -> None:
+    placement = placed(accelerator="npu", ops=10, accelerator_ops=6, quantized_ops=10, fallback={"TANH": 3, "EXP": 1})
+    (reason,) = budget_violations(SHARES, 10, measured(cosine_min=1.0), placement, Precision.INT8_STATIC)
+    assert reason == "6/10 ops on npu (60%) < budget 90% (fell back: TANH x3, EXP x1)"
+
+
+def test_quantized_share_applies_to_integer_precisions_only() -> None:
+    placement = placed(ops=100, quantized_ops=3, fallback={"LOGISTIC": 60, "TANH": 37})
+    (reason,) = budget_violations(SHARES, 10, measured(cosine_min=1.0), placement, Precision.INT8_STATIC)
+    assert reason.startswith("3/100 ops in int8-static (3%) < budget 80% (fell back: LOGISTIC x60, TANH x37")
+    float_placement = placed(ops=100)
+    assert budget_violations(SHARES, 10, measured(cosine_min=1.0), float_placement, Precision.FP16) == []
+
+
+def test_an_unknown_share_never_passes_a_budget_that_asks_for_it() -> None:
+    placement = placed(
+        accelerator="neural-engine",
+        ops=12,
+        unknown={"accelerator_ops": "decided when the model loads on the device"},
+    )
+    (reason,) = budget_violations(SHARES, 10, measured(cosine_min=1.0), placement, Precision.FP16)
+    assert reason == "share on neural-engine unknown (decided when the model loads on the device); budget >= 90%"
+    (reason,) = budget_violations(SHARES, 10, measured(cosine_min=1.0), None, Precision.INT8_STATIC)
+    assert reason == "quantized share unknown (placement not recorded); budget >= 80%"
+
+
+def test_placement_written_by_an_older_edgeline_still_reads() -> None:
+    old = placed(delegate="xnnpack", delegated={"aten.convolution.default": 3}, not_delegated={"aten.mean.dim": 1})
+    assert (old.accelerator, old.ops, old.accelerator_ops, old.quantized_ops) == ("xnnpack", 4, 3, None)
+    assert old.fallback == {"aten.mean.dim": 1}
+    assert "quantized_ops" in old.unknown
+
+
+def test_placement_refuses_more_placed_operators_than_there_are() -> None:
+    with pytest.raises(ValidationError, match="accelerator_ops"):
+        placed(accelerator="npu", ops=3, accelerator_ops=4)

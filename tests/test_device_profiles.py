@@ -129,7 +129,14 @@ def test_public_api_is_listed() -> None:
         "profile_json_schema",
         "ProfileError",
     }
-    assert [precision.value for precision in Precision] == ["fp32", "fp16", "int8-dynamic", "int8-static"]
+    assert [precision.value for precision in Precision] == [
+        "fp32",
+        "fp16",
+        "int8-dynamic",
+        "int8-static",
+        "int8-weights",
+    ]
+    assert [p.value for p in Precision if p.integer] == ["int8-dynamic", "int8-static", "int8-weights"]
 
 
 # Loading and its errors

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from importlib.metadata import version
 from typing import Any
 
 from edgeline.device_profiles import Precision
 from edgeline.export.backends import ExportedModel, ExportRequest
 from edgeline.export.errors import ExportError
-from edgeline.manifest import Placement, RuntimeRequirement
+from edgeline.export.placement import executorch_placement
+from edgeline.manifest import RuntimeRequirement
 
 __all__ = ["XnnpackExporter"]
 
@@ -35,20 +35,6 @@ def _quantized(request: ExportRequest, *, dynamic: bool) -> Any:
     return convert_pt2e(prepared)
 
 
-def _placement(graph_module: Any) -> Placement:
-    from executorch.devtools.backend_debug import get_delegation_info
-
-    info = get_delegation_info(graph_module)
-    delegated: Counter[str] = Counter()
-    other: Counter[str] = Counter()
-    for op, breakdown in info.delegation_by_operator.items():
-        if breakdown.delegated:
-            delegated[op] += breakdown.delegated
-        if breakdown.non_delegated:
-            other[op] += breakdown.non_delegated
-    return Placement(delegate="xnnpack", delegated=dict(delegated), not_delegated=dict(other))
-
-
 class XnnpackExporter:
     name = "executorch-xnnpack"
     runtime_backend = "executorch"
@@ -67,7 +53,7 @@ class XnnpackExporter:
             module = _quantized(request, dynamic=request.precision is Precision.INT8_DYNAMIC)
         program = torch.export.export(module, request.example_inputs)
         edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
-        placement = _placement(edge.exported_program().graph_module)
+        placement = executorch_placement(edge.exported_program().graph_module, request.precision, "xnnpack")
         executorch_program = edge.to_executorch()
         (request.out_dir / MODEL_FILE).write_bytes(executorch_program.buffer)
         return ExportedModel(

@@ -9,6 +9,7 @@ from typing import Any
 from edgeline.device_profiles import Precision
 from edgeline.export.backends import ExportedModel, ExportRequest
 from edgeline.export.errors import ExportError
+from edgeline.export.placement import tflite_placement
 from edgeline.manifest import RuntimeRequirement
 
 __all__ = ["LiteRTExporter"]
@@ -84,6 +85,7 @@ class LiteRTExporter:
             runtime_backend=self.runtime_backend,
             runtime=RuntimeRequirement(package="ai-edge-litert", min_version="2.0"),
             input_names=_input_names_in_forward_order(path),
+            placement=tflite_placement(request.out_dir / MODEL_FILE, request.precision),
             tool_versions={
                 "litert-torch": version("litert-torch"),
                 "ai-edge-quantizer": version("ai-edge-quantizer"),
