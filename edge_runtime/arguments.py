@@ -9,6 +9,7 @@ imported here: ``edgeline --help`` reads this module.
 from __future__ import annotations
 
 import argparse
+import textwrap
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -18,10 +19,19 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "info"
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, but a name with hyphens (``executorch-xnnpack``, ``int8-static``) is never split
+    across lines."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 class CommandParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose mistakes are one line (exit 2), carrying the logging flags at every level."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
         # The innermost parser's name is the one a command's error line starts with: `edgeline profiles show: ...`
         self.set_defaults(command_prog=self.prog)

@@ -157,7 +157,11 @@ def test_bash_offers_the_commands_options_and_choices(bash_script: Path) -> None
     assert _complete_in_bash(bash_script, "profiles", "") == ["list", "show", "schema"]
     assert _complete_in_bash(bash_script, "-v", "infer", "--backend", "") == sorted(RUNTIME_BACKENDS)
     assert _complete_in_bash(bash_script, "export", "--backend", "") == sorted(EXPORT_BACKENDS)
-    assert _complete_in_bash(bash_script, "export", "--precision", "int8") == ["int8-dynamic", "int8-static"]
+    assert _complete_in_bash(bash_script, "export", "--precision", "int8") == [
+        "int8-dynamic",
+        "int8-static",
+        "int8-weights",
+    ]
     assert _complete_in_bash(bash_script, "sim", "") == list(SENSORS)
     assert "--top-k" in _complete_in_bash(bash_script, "infer", "BUNDLE", "--")
     assert "--log-level" in _complete_in_bash(bash_script, "profiles", "show", "--")
