@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from edgeline.backends import ethos_u
+from edgeline.backends.ethos_u import ETHOS_U
 from edgeline.errors import BackendUnavailableError, BundleError
 from edgeline.manifest import Quantization, TensorSpec
 
@@ -44,14 +46,22 @@ class _InterpreterSession:
         accelerator: str | None = None,
     ):
         self.accelerator: str | None = None  # the CPU (LiteRT's kernels or XNNPACK) runs every operator
+        self.fallback_reason: str | None = None
         try:
             interpreter_module = importlib.import_module(self.module)
         except ImportError as exc:
             raise BackendUnavailableError(
                 f"this bundle needs {self.package}, which is not installed: {self.extra}"
             ) from exc
+        self._model_path = model_path
+        self._wanted = accelerator
+        delegates: list[Any] = []
+        if accelerator == ETHOS_U:
+            model_path, delegates = self._on_ethos_u(interpreter_module, model_path)
         try:
-            self._interpreter = interpreter_module.Interpreter(model_path=str(model_path), num_threads=threads)
+            self._interpreter = interpreter_module.Interpreter(
+                model_path=str(model_path), num_threads=threads, experimental_delegates=delegates or None
+            )
             if batch_size != 1:  # before the calls are bound: resizing needs the interpreter unreferenced
                 for detail in self._interpreter.get_input_details():
                     self._interpreter.resize_tensor_input(detail["index"], [batch_size, *detail["shape"][1:]])
@@ -75,7 +85,6 @@ class _InterpreterSession:
                     f"{model_path}: model inputs {sorted(by_name)} differ from the manifest's {list(input_names)}"
                 )
             inputs = [by_name[name] for name in input_names]
-        self._model_path = model_path
         self._threads = threads
         self._input_names = input_names
         self._input_details = inputs
@@ -83,6 +92,23 @@ class _InterpreterSession:
         self._input_indices = [detail["index"] for detail in inputs]
         self._output_indices = [detail["index"] for detail in outputs]
         self._bind_calls()
+
+    def _on_ethos_u(self, interpreter_module: Any, model_path: Path) -> tuple[Path, list[Any]]:
+        """A vela model runs through the Ethos-U external delegate (an i.MX 93's NPU); without it, the bundle's int8
+        model runs on the CPU, loudly (see ``edgeline.backends.ethos_u``). A plain int8 model is the CPU's."""
+        if not ethos_u.is_vela_model(model_path):
+            return model_path, []
+        library, why = ethos_u.find_delegate()
+        if library is not None:
+            try:
+                delegate = interpreter_module.load_delegate(str(library))
+            except (ValueError, RuntimeError, OSError) as exc:
+                why = f"the Ethos-U delegate {library} did not load ({exc})"
+            else:
+                self.accelerator = ETHOS_U
+                return model_path, [delegate]
+        self.fallback_reason = f"{why}; running {ethos_u.CPU_MODEL} on the CPU"
+        return ethos_u.cpu_model_for(model_path, why), []
 
     def _bind_calls(self) -> None:
         """Bind the interpreter's native calls once, skipping the Python wrapper's per-call checks.
@@ -117,7 +143,13 @@ class _InterpreterSession:
         """The same model taking ``size`` samples per call (every input's first dimension resized), or None when
         the model cannot: a graph that reshapes to a fixed batch of 1 fails to prepare at the new size."""
         try:
-            return type(self)(self._model_path, threads=self._threads, input_names=self._input_names, batch_size=size)
+            return type(self)(
+                self._model_path,
+                threads=self._threads,
+                input_names=self._input_names,
+                batch_size=size,
+                accelerator=self._wanted,
+            )
         except BundleError:
             return None
 

@@ -35,6 +35,7 @@ EXPORT_BACKENDS: dict[str, str] = {
     "onnxruntime": "edgeline.export.backends.onnxruntime:OnnxRuntimeExporter",
     "qnn-htp": "edgeline.export.backends.qnn:QnnHtpExporter",
     "ethos-u": "edgeline.export.backends.ethos_u:EthosUExporter",
+    "tflite-micro": "edgeline.export.backends.tflite_micro:TFLiteMicroExporter",
     "coreml": "edgeline.export.backends.coreml:CoreMLExporter",
     "executorch-coreml": "edgeline.export.backends.executorch_coreml:ExecuTorchCoreMLExporter",
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 from edgeline.device_profiles import Precision
@@ -12,7 +13,7 @@ from edgeline.export.errors import ExportError
 from edgeline.export.placement import tflite_placement
 from edgeline.manifest import RuntimeRequirement
 
-__all__ = ["LiteRTExporter"]
+__all__ = ["MODEL_FILE", "LiteRTExporter", "tool_versions", "write_tflite"]
 
 MODEL_FILE = "model.tflite"
 
@@ -68,26 +69,35 @@ class LiteRTExporter:
     precisions = (Precision.FP32, Precision.FP16, Precision.INT8_DYNAMIC, Precision.INT8_STATIC)
 
     def export(self, request: ExportRequest) -> ExportedModel:
-        import litert_torch
-
-        module = request.module
-        config = None
-        if request.precision in (Precision.INT8_STATIC, Precision.INT8_DYNAMIC):
-            module, config = _pt2e(request, dynamic=request.precision is Precision.INT8_DYNAMIC)
-        elif request.precision not in self.precisions:
+        if request.precision not in self.precisions:
             raise ExportError(f"litert cannot export {request.precision.value}")
-        path = str(request.out_dir / MODEL_FILE)
-        litert_torch.convert(module, request.example_inputs, quant_config=config).export(path)
-        if request.precision is Precision.FP16:
-            _cast_weights_to_fp16(path)
+        input_names = write_tflite(request, request.out_dir / MODEL_FILE)
         return ExportedModel(
             model_file=MODEL_FILE,
             runtime_backend=self.runtime_backend,
             runtime=RuntimeRequirement(package="ai-edge-litert", min_version="2.0"),
-            input_names=_input_names_in_forward_order(path),
+            input_names=input_names,
             placement=tflite_placement(request.out_dir / MODEL_FILE, request.precision),
-            tool_versions={
-                "litert-torch": version("litert-torch"),
-                "ai-edge-quantizer": version("ai-edge-quantizer"),
-            },
+            tool_versions=tool_versions(),
         )
+
+
+def tool_versions() -> dict[str, str]:
+    """The converter versions a LiteRT model depends on, for the manifest's ``export``."""
+    return {"litert-torch": version("litert-torch"), "ai-edge-quantizer": version("ai-edge-quantizer")}
+
+
+def write_tflite(request: ExportRequest, path: Path) -> tuple[str, ...]:
+    """Convert ``request.module`` at ``request.precision`` into the LiteRT model ``path``; its input tensor names in
+    forward()'s order. int8-static is full-integer: int8 inputs and outputs (what TFLite Micro and vela take).
+    Shared by the exporters that start from a LiteRT model (ethos-u, tflite-micro)."""
+    import litert_torch
+
+    module = request.module
+    config = None
+    if request.precision in (Precision.INT8_STATIC, Precision.INT8_DYNAMIC):
+        module, config = _pt2e(request, dynamic=request.precision is Precision.INT8_DYNAMIC)
+    litert_torch.convert(module, request.example_inputs, quant_config=config).export(str(path))
+    if request.precision is Precision.FP16:
+        _cast_weights_to_fp16(str(path))
+    return _input_names_in_forward_order(str(path))

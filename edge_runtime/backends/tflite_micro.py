@@ -1,0 +1,130 @@
+"""TensorFlow Lite Micro (``tflite-micro``): the microcontroller interpreter, with its reference kernels, on this host.
+
+It runs what a Cortex-M's firmware would (an int8 model, in a fixed tensor arena), so export measures an MCU target's
+fidelity with it. TFLite Micro's Python API gives neither tensor names nor per-tensor quantization the way LiteRT does:
+those are read from the same file with LiteRT's interpreter, without preparing it. A vela model's ``ethos-u``
+operators need the NPU: without it, the bundle's int8 model runs instead, and the session says so.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edgeline.backends import ethos_u
+from edgeline.backends.litert import _spec
+from edgeline.errors import BackendUnavailableError, BundleError
+from edgeline.manifest import TensorSpec
+from edgeline.native_output import capture_native_output
+
+__all__ = ["MAX_ARENA_BYTES", "MIN_ARENA_BYTES", "TFLiteMicroSession"]
+
+MIN_ARENA_BYTES = 16 * 1024
+MAX_ARENA_BYTES = 64 * 1024 * 1024
+"""The arena grows from MIN to at most MAX: past 64 MiB the model is no
+microcontroller's."""
+
+_MISSING = re.compile(r"missing: (\d+)")
+
+
+def _interpreter_module() -> Any:
+    try:
+        from tflite_micro import runtime
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "this bundle needs tflite-micro, which is not installed: pip install 'edgeline[ethos-u]' "
+            "(or pip install tflite-micro)"
+        ) from exc
+    return runtime
+
+
+def _details(model_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The model's input and output tensors (name, dtype, shape, quantization), read with LiteRT's interpreter."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    try:
+        reader = Interpreter(model_path=str(model_path))
+        return reader.get_input_details(), reader.get_output_details()
+    except (ValueError, RuntimeError) as exc:
+        raise BundleError(f"{model_path}: not a readable LiteRT model: {exc}") from exc
+
+
+class TFLiteMicroSession:
+    file_suffixes: ClassVar[tuple[str, ...]] = (".tflite",)
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        threads: int = 1,
+        input_names: Sequence[str] | None = None,
+        accelerator: str | None = None,
+    ):
+        del threads  # TFLite Micro runs on one core
+        self.accelerator: str | None = None  # this host's CPU, with TFLite Micro's reference kernels
+        self.fallback_reason: str | None = None
+        if accelerator is not None:
+            self.fallback_reason = f"{accelerator} is not here: TFLite Micro's reference kernels run on this CPU"
+        runtime = _interpreter_module()
+        if ethos_u.is_vela_model(model_path):
+            why = "the Ethos-U NPU is not here (TFLite Micro without its Ethos-U driver)"
+            model_path = ethos_u.cpu_model_for(model_path, why)
+            self.fallback_reason = f"{why}; running {ethos_u.CPU_MODEL} on the CPU"
+        inputs, outputs = _details(model_path)
+        for detail in [*inputs, *outputs]:
+            try:
+                _spec(detail, detail["name"])
+            except BundleError as exc:
+                raise BundleError(f"{model_path}: {exc}") from exc
+        positions = {detail["index"]: position for position, detail in enumerate(inputs)}
+        if input_names is not None:
+            by_name = {detail["name"]: detail for detail in inputs}
+            if sorted(by_name) != sorted(input_names):
+                raise BundleError(
+                    f"{model_path}: model inputs {sorted(by_name)} differ from the manifest's {list(input_names)}"
+                )
+            inputs = [by_name[name] for name in input_names]
+        self._positions = [positions[detail["index"]] for detail in inputs]
+        self._inputs = inputs
+        self._outputs = outputs
+        self.model_path = model_path
+        self._interpreter, self.arena_bytes = self._open(runtime, model_path)
+
+    @staticmethod
+    def _open(runtime: Any, model_path: Path) -> tuple[Any, int]:
+        """Open with an arena grown until the model fits (by what TFLite Micro says is missing, else doubled): about
+        the figure a firmware would reserve, recorded as ``arena_bytes``."""
+        size = MIN_ARENA_BYTES
+        while True:
+            with capture_native_output() as captured:  # TFLite Micro reports on the C-level stderr
+                try:
+                    return runtime.Interpreter.from_file(str(model_path), arena_size=size), size
+                except RuntimeError as exc:
+                    error: RuntimeError = exc
+            text = f"{error}\n{captured.text}"
+            if "registration" in text or "available" not in text:  # an operator it lacks, or a broken model
+                lines = [line.strip() for line in captured.text.splitlines() if line.strip()] or [str(error)]
+                raise BundleError(f"{model_path}: TFLite Micro could not load the model: {lines[0]}") from error
+            if size >= MAX_ARENA_BYTES:
+                raise BundleError(
+                    f"{model_path}: TFLite Micro could not fit the model in a {MAX_ARENA_BYTES // 2**20} MiB arena"
+                ) from error
+            missing = [int(n) for n in _MISSING.findall(text)]
+            grown = size + -(-max(missing) // 1024) * 1024 if missing else 2 * size
+            size = min(MAX_ARENA_BYTES, grown)
+
+    def input_specs(self) -> list[TensorSpec]:
+        return [_spec(detail, detail["name"]) for detail in self._inputs]
+
+    def output_specs(self) -> list[TensorSpec]:
+        return [_spec(detail, detail["name"]) for detail in self._outputs]
+
+    def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        for position, array in zip(self._positions, inputs, strict=True):
+            self._interpreter.set_input(np.ascontiguousarray(array), position)
+        self._interpreter.invoke()
+        return [np.array(self._interpreter.get_output(j)) for j in range(len(self._outputs))]

@@ -1,0 +1,46 @@
+"""TensorFlow Lite Micro: the full-integer int8 LiteRT model a Cortex-M's firmware runs, without an NPU.
+
+The same model file LiteRT's int8-static writes, checked to be full-integer (int8 inputs and outputs, as TFLite Micro
+kernels and firmware expect), and measured here with TFLite Micro's reference kernels: a microcontroller's optimized
+kernels (CMSIS-NN) are not here, so no latency is measured on this host.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+from edgeline.device_profiles import Precision
+from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.backends.ethos_u import check_full_integer
+from edgeline.export.backends.litert import MODEL_FILE, tool_versions, write_tflite
+from edgeline.export.errors import ExportError
+from edgeline.export.placement import tflite_placement
+from edgeline.manifest import RuntimeRequirement
+
+__all__ = ["TFLiteMicroExporter"]
+
+
+class TFLiteMicroExporter:
+    name = "tflite-micro"
+    runtime_backend = "tflite-micro"
+    precisions = (Precision.INT8_STATIC,)
+
+    def export(self, request: ExportRequest) -> ExportedModel:
+        if request.precision not in self.precisions:
+            raise ExportError(f"tflite-micro exports int8-static only, not {request.precision.value}")
+        path = request.out_dir / MODEL_FILE
+        input_names = write_tflite(request, path)
+        check_full_integer(path, self.name)
+        tflm = version("tflite-micro")
+        return ExportedModel(
+            model_file=MODEL_FILE,
+            runtime_backend=self.runtime_backend,
+            runtime=RuntimeRequirement(package="tflite-micro", min_version=tflm),
+            input_names=input_names,
+            placement=tflite_placement(path, request.precision),
+            tool_versions={**tool_versions(), "tflite-micro": tflm},
+            verification=Verification(
+                backend=self.runtime_backend,
+                measured_with=f"TFLite Micro {tflm} reference kernels on this host (not the device's kernels)",
+            ),
+        )
