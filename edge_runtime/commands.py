@@ -316,7 +316,8 @@ def _describe(check: dict[str, Any]) -> str:
     if kind == "integrity":
         return f"integrity: {check['files']} files ({check['bytes']} bytes) match their sizes and sha256"
     if kind == "load":
-        return f"load: {check['backend']} opened {check['model']}"
+        fallback = check.get("accelerator_fallback")
+        return f"load: {check['backend']} opened {check['model']}" + (f" (WARNING: {fallback})" if fallback else "")
     if kind == "golden":
         if check["ok"] is None:
             return "golden self-test: not verified: the bundle has no golden.npz"
@@ -350,7 +351,13 @@ def run_verify(args: argparse.Namespace) -> int:
         model = load(args.bundle, backend=args.backend)
         checks = [
             integrity,
-            {"check": "load", "ok": True, "backend": model.backend, "model": manifest.model},
+            {
+                "check": "load",
+                "ok": True,
+                "backend": model.backend,
+                "model": manifest.model,
+                "accelerator_fallback": model.accelerator_fallback,
+            },
             _golden_check(model),
             _latency_check(model),
         ]

@@ -61,8 +61,10 @@ def find_delegate() -> tuple[Path | None, str]:
     for candidate in candidates:
         if candidate.is_file():
             return candidate, ""
-    looked = f"{DELEGATE_ENV}={configured}" if configured else f"{', '.join(map(str, DELEGATE_PATHS))} ({DELEGATE_ENV} unset)"
-    return None, f"no Ethos-U delegate at {looked}"
+    if configured:
+        return None, f"no Ethos-U delegate at {DELEGATE_ENV}={configured}"
+    looked = ", ".join(map(str, DELEGATE_PATHS))
+    return None, f"no Ethos-U delegate at {looked} ({DELEGATE_ENV} unset)"
 
 
 def cpu_model_for(model_path: Path, why: str) -> Path:
