@@ -42,13 +42,18 @@ def _interpreter_module() -> Any:
     return runtime
 
 
-def _details(model_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _tensor_bytes(reader: Any) -> int:
+    details = reader.get_tensor_details()
+    return sum(int(np.prod(d["shape"])) * np.dtype(d["dtype"]).itemsize for d in details if len(d["shape"]))
+
+
+def _details(model_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
     """The model's input and output tensors (name, dtype, shape, quantization), read with LiteRT's interpreter."""
     from ai_edge_litert.interpreter import Interpreter
 
     try:
         reader = Interpreter(model_path=str(model_path))
-        return reader.get_input_details(), reader.get_output_details()
+        return reader.get_input_details(), reader.get_output_details(), _tensor_bytes(reader)
     except (ValueError, RuntimeError) as exc:
         raise BundleError(f"{model_path}: not a readable LiteRT model: {exc}") from exc
 
@@ -74,7 +79,7 @@ class TFLiteMicroSession:
             why = "the Ethos-U NPU is not here (TFLite Micro without its Ethos-U driver)"
             model_path = ethos_u.cpu_model_for(model_path, why)
             self.fallback_reason = f"{why}; running {ethos_u.CPU_MODEL} on the CPU"
-        inputs, outputs = _details(model_path)
+        inputs, outputs, tensor_bytes = _details(model_path)
         for detail in [*inputs, *outputs]:
             try:
                 _spec(detail, detail["name"])
@@ -92,13 +97,15 @@ class TFLiteMicroSession:
         self._inputs = inputs
         self._outputs = outputs
         self.model_path = model_path
-        self._interpreter, self.arena_bytes = self._open(runtime, model_path)
+        self._interpreter, self.arena_bytes = self._open(runtime, model_path, tensor_bytes)
 
     @staticmethod
-    def _open(runtime: Any, model_path: Path) -> tuple[Any, int]:
+    def _open(runtime: Any, model_path: Path, tensor_bytes: int) -> tuple[Any, int]:
         """Open with an arena grown until the model fits (by what TFLite Micro says is missing, else doubled): about
         the figure a firmware would reserve, recorded as ``arena_bytes``."""
-        size = MIN_ARENA_BYTES
+        # Start above every tensor's size (weights included): TFLite Micro 0.dev2026 crashes (SIGSEGV) instead of
+        # failing cleanly on some models given a far too small arena (seen on the VWW and autoencoder references).
+        size = min(MAX_ARENA_BYTES, max(MIN_ARENA_BYTES, 2 * tensor_bytes + MIN_ARENA_BYTES))
         while True:
             with capture_native_output() as captured:  # TFLite Micro reports on the C-level stderr
                 try:
