@@ -280,7 +280,11 @@ class Manifest(_Frozen):
         listed = {entry.path for entry in self.files}
         if len(listed) != len(self.files):
             raise ValueError("files lists a path twice")
-        missing = [p for p in (self.model, self.golden.path if self.golden else None) if p and p not in listed]
+        # A directory model (a Core ML .mlpackage) is covered by the files listed inside it.
+        model_covered = self.model in listed or any(path.startswith(f"{self.model}/") for path in listed)
+        missing = [self.model] if not model_covered else []
+        if self.golden is not None and self.golden.path not in listed:
+            missing.append(self.golden.path)
         if missing:
             raise ValueError(f"files does not cover {', '.join(missing)}")
         if self.postprocess.labels is not None and self.postprocess.kind == "classify":

@@ -19,7 +19,7 @@ GOLDEN_SAMPLES = 8
 
 
 def write_bundle(staging: Path, exported: ExportedModel, manifest_fields: dict[str, Any]) -> Manifest:
-    files = [bundle_io.file_entry(staging, p) for p in (exported.model_file, *exported.extra_files)]
+    files = [e for p in (exported.model_file, *exported.extra_files) for e in bundle_io.file_entries(staging, p)]
     if (staging / "golden.npz").exists():
         files.append(bundle_io.file_entry(staging, "golden.npz"))
     manifest = Manifest(files=tuple(files), **manifest_fields)

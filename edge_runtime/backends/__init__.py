@@ -25,6 +25,7 @@ RUNTIME_BACKENDS: dict[str, str] = {
     "litert": "edgeline.backends.litert:LiteRTSession",
     "tflite-runtime": "edgeline.backends.litert:TFLiteRuntimeSession",
     "executorch": "edgeline.backends.executorch:ExecuTorchSession",
+    "coreml": "edgeline.backends.coreml:CoreMLSession",
 }
 BASE_INSTALL_BACKENDS: frozenset[str] = frozenset({"litert"})
 """The runtime backends that ``pip install edgeline`` (no extras, what a device runs) can run: their runtime is a
