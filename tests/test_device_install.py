@@ -71,8 +71,8 @@ def test_export_side_commands_refuse_in_one_line_naming_the_extra(command: list[
     assert not out.exists()
 
 
-@pytest.mark.parametrize("profile_id", profile_ids())
-def test_a_profiles_first_target_runs_on_its_own_device_install(profile_id: str) -> None:
+@pytest.mark.parametrize("profile_id", [p for p in profile_ids() if load_profile(p).daemon])
+def test_a_daemon_profiles_first_target_runs_on_its_own_device_install(profile_id: str) -> None:
     from edgeline.export.backends import EXPORT_BACKENDS
     from edgeline.export.errors import ExportError
 
