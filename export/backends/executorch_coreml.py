@@ -84,7 +84,7 @@ class ExecuTorchCoreMLExporter:
         edge = to_edge_transform_and_lower(program, partitioner=[partitioner])
         placement = _placement(edge.exported_program().graph_module)
         (request.out_dir / MODEL_FILE).write_bytes(edge.to_executorch().buffer)
-        inputs, outputs = program_specs(request.out_dir / MODEL_FILE, request.input_names)
+        inputs, outputs = program_specs(request.out_dir / MODEL_FILE, request.input_names)  # read from the file
         return ExportedModel(
             model_file=MODEL_FILE,
             runtime_backend=self.runtime_backend,
@@ -97,6 +97,6 @@ class ExecuTorchCoreMLExporter:
                 "torch": version("torch"),
             },
             verification=Verification(backend=None, reason=NOT_HERE),
-            inputs=inputs,
-            outputs=outputs,
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
         )
