@@ -11,7 +11,9 @@ import dataclasses
 import importlib.util
 import json
 import platform
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,16 @@ from coremltools.converters.mil.mil import types as mil_types
 
 import edgeline
 from edgeline import bundle as bundle_io
+from edgeline import device_profiles
 from edgeline.backends import open_session
 from edgeline.cli import main
+from edgeline.device_profiles import Precision
+from edgeline.device_profiles.schema import CoreML
 from edgeline.errors import BackendUnavailableError, IntegrityError
-from edgeline.export.backends import Verification
+from edgeline.export.backends import ExportRequest, Verification
+from edgeline.export.backends.coreml import check_package, read_spec
 from edgeline.export.backends.litert import LiteRTExporter
+from edgeline.export.errors import ExportError
 from edgeline.export.pipeline import ExportOptions, run_export
 from edgeline.export.report import ExportReport, format_report
 from edgeline.manifest import Manifest
@@ -64,6 +71,10 @@ def exported(
             all_targets=True,
         )
     )
+
+
+def device_profiles_dir() -> Path:
+    return Path(device_profiles.__file__).parent / "profiles"
 
 
 def _bundle(report: ExportReport, name: str) -> Path:
@@ -315,3 +326,60 @@ def test_verify_fails_a_bundle_that_disagrees_with_the_float_reference(
 
 def _manifest_unchecked(bundle: Path) -> Manifest:
     return Manifest.model_validate_json((bundle / "manifest.json").read_text())
+
+
+# --- what the exporter refuses ---------------------------------------------------------------------------------------
+
+
+def _request(module: Any, names: tuple[str, ...] = ("image",)) -> ExportRequest:
+    return ExportRequest(
+        module=module,
+        example_inputs=(torch.zeros(1, 1, 8, 8),),
+        calibration=[],
+        precision=Precision.FP16,
+        out_dir=Path("unused"),
+        input_names=names,
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "names", "message"),
+    [
+        (CoreML(compute_units="ALL", minimum_deployment_target="iOS16"), ("image",), "version 8, but iOS16"),
+        (CoreML(compute_units="CPU_ONLY", minimum_deployment_target="iOS17"), ("image",), "asks for 'CPU_ONLY'"),
+        (CoreML(compute_units="ALL", minimum_deployment_target="iOS17"), ("pixels",), "do not match the torch model"),
+    ],
+)
+def test_a_package_that_is_not_what_the_profile_or_the_model_asks_is_refused(
+    settings: CoreML, names: tuple[str, ...], message: str, exported: ExportReport, tiny_model_file: Path
+) -> None:
+    package = _bundle(exported, "coreml-fp16") / "model.mlpackage"
+    spec = read_spec(package)
+    with pytest.raises(ExportError, match=re.escape(message)):
+        check_package(spec, _request(_float_model(tiny_model_file), names), settings, package)
+
+
+def test_a_coreml_target_without_a_coreml_section_is_refused_in_one_line(
+    tiny_model_file: Path, sample_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (device_profiles_dir() / "iphone-15-pro.toml").read_text()
+    start, end = text.index("[coreml]"), text.index("# Tried first to last.")
+    board = tmp_path / "board.toml"
+    board.write_text((text[:start] + text[end:]).replace('id = "iphone-15-pro"', 'id = "board"'))
+    code = main(
+        ["export", f"{tiny_model_file}:model", "--profile", str(board), "--backend", "coreml", "--precision", "fp16",
+         "--calibration", str(sample_files["calibration"]), "--out", str(tmp_path / "out")]
+    )  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.endswith("has no [coreml] section: a coreml target needs compute_units and minimum_deployment_target")
+    assert "Traceback" not in err
+
+
+def test_the_runtime_side_imports_neither_torch_nor_coremltools() -> None:
+    code = (
+        "import sys, edgeline.backends.coreml\n"
+        "print(sorted(m for m in ('torch', 'coremltools', 'edgeline.export') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
