@@ -107,6 +107,7 @@ def test_export_for_the_iphone_picks_coreml_fp16_and_says_fidelity_was_not_measu
     row = next(line for line in table.splitlines() if line.startswith("coreml"))
     assert row.split()[:3] == ["coreml", "fp16", "selected"]
     assert f"not measured: {NOT_HERE}" in row
+    assert f"next: edgeline verify {out}  (on the device: {NOT_HERE})" in table
     data = json.loads((out / "manifest.json").read_text())
     assert (data["backend"], data["precision"], data["model"]) == ("coreml", "fp16", "model.mlpackage")
     fidelity = data["fidelity"]
