@@ -17,6 +17,7 @@ from edgeline.manifest import FileEntry, Manifest
 __all__ = [
     "MANIFEST_FILE",
     "Bundle",
+    "file_entries",
     "file_entry",
     "read_bundle",
     "write_manifest",
@@ -59,6 +60,18 @@ def file_entry(bundle_dir: Path, relative: str) -> FileEntry:
     return FileEntry(path=relative, size=path.stat().st_size, sha256=sha256_of(path))
 
 
+def file_entries(bundle_dir: Path, relative: str) -> list[FileEntry]:
+    """One entry for a file, or one per file inside a directory model (a Core ML ``.mlpackage``), in a stable order:
+    the hashes then cover every byte a runtime will parse."""
+    path = bundle_dir / relative
+    if not path.is_dir():
+        return [file_entry(bundle_dir, relative)]
+    inside = sorted(p.relative_to(bundle_dir).as_posix() for p in path.rglob("*") if not p.is_dir())
+    if not inside:
+        raise BundleError(f"{path}: an empty directory cannot be a bundle's model")
+    return [file_entry(bundle_dir, p) for p in inside]
+
+
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> Path:
     path = bundle_dir / MANIFEST_FILE
     tmp = path.with_suffix(".json.tmp")
@@ -95,6 +108,22 @@ def verify_files(bundle_dir: Path, manifest: Manifest) -> None:
             _verify_file(bundle_dir, root, entry)
         except (OSError, ValueError, RuntimeError) as exc:  # a NUL or lone surrogate, a name too long, a symlink loop
             raise IntegrityError(f"{bundle_dir}: file {entry.path!r} cannot be checked: {exc}") from exc
+    _verify_model_directory(bundle_dir, manifest)
+
+
+def _verify_model_directory(bundle_dir: Path, manifest: Manifest) -> None:
+    """A directory model (``.mlpackage``) must hold exactly the files the manifest lists: a file added to it would
+    reach the runtime's parser unchecked."""
+    model_dir = bundle_dir / manifest.model
+    if not model_dir.is_dir() or model_dir.is_symlink():
+        return
+    listed = {entry.path for entry in manifest.files}
+    for path in sorted(model_dir.rglob("*")):
+        relative = path.relative_to(bundle_dir).as_posix()
+        if path.is_symlink() or (not path.is_dir() and relative not in listed):
+            raise IntegrityError(
+                f"{bundle_dir}: {relative!r} is inside the model {manifest.model} but not listed in the manifest"
+            )
 
 
 def _verify_file(bundle_dir: Path, root: Path, entry: FileEntry) -> None:

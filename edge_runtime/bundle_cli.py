@@ -102,7 +102,7 @@ def describe_bundle(bundle: Bundle) -> dict[str, Any]:
         "placement": _placement(manifest.placement),
         "estimates": None if manifest.estimates is None else manifest.estimates.model_dump(),
         "size": {
-            "model_bytes": sizes[manifest.model],
+            "model_bytes": sum(entry.size for entry in manifest.model_entries),
             "bundle_bytes": sum(sizes.values()) + manifest_bytes + signature_bytes,
             "files": len(sizes) + 1 + bool(signature_bytes),
             "max_model_bytes": manifest.budgets.max_model_bytes,

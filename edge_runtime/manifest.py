@@ -119,12 +119,25 @@ class Window(_Frozen):
 
 
 class Golden(_Frozen):
-    """The self-test in golden.npz: arrays ``input_<i>`` and ``output_<j>``, first axis = samples."""
+    """The self-test in golden.npz: arrays ``input_<i>`` and ``output_<j>``, first axis = samples.
+
+    ``reference`` says whose outputs they are. "bundle": this bundle's model where it was exported, so a device
+    must reproduce them within ``atol``/``rtol``. "float": the float torch model's, shipped when nothing at export
+    could run the bundle (Core ML on Linux): ``edgeline verify`` on the device then measures fidelity against them,
+    judged by the manifest's budgets (``atol`` is empty: there is no bundle output to be close to).
+    """
 
     path: str = "golden.npz"
     samples: int = Field(ge=1)
-    atol: tuple[float, ...]
+    reference: Literal["bundle", "float"] = "bundle"
+    atol: tuple[float, ...] = ()
     rtol: float = 1e-3
+
+    @model_validator(mode="after")
+    def _tolerance_for_bundle_outputs(self) -> Golden:
+        if self.reference == "bundle" and not self.atol:
+            raise ValueError("a golden of the bundle's own outputs needs atol (one per output)")
+        return self
 
 
 class Fidelity(_Frozen):
@@ -275,12 +288,20 @@ class Manifest(_Frozen):
     estimates: Estimates | None = None
     export: dict[str, str] = Field(default_factory=dict)
 
+    @property
+    def model_entries(self) -> tuple[FileEntry, ...]:
+        """The files of the model: one, or every file inside a directory model (a Core ML .mlpackage)."""
+        return tuple(e for e in self.files if e.path == self.model or e.path.startswith(f"{self.model}/"))
+
     @model_validator(mode="after")
     def _files_cover_model(self) -> Manifest:
         listed = {entry.path for entry in self.files}
         if len(listed) != len(self.files):
             raise ValueError("files lists a path twice")
-        missing = [p for p in (self.model, self.golden.path if self.golden else None) if p and p not in listed]
+        # A directory model (a Core ML .mlpackage) is covered by the files listed inside it.
+        missing = [self.model] if not self.model_entries else []
+        if self.golden is not None and self.golden.path not in listed:
+            missing.append(self.golden.path)
         if missing:
             raise ValueError(f"files does not cover {', '.join(missing)}")
         if self.postprocess.labels is not None and self.postprocess.kind == "classify":

@@ -35,7 +35,7 @@ from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity
 from edgeline.export.loading import LoadedModel, load_model
 from edgeline.export.progress import Progress, Silent
 from edgeline.export.report import ExportReport, TargetOutcome
-from edgeline.export.staging import write_bundle, write_golden
+from edgeline.export.staging import write_bundle, write_float_golden, write_golden
 from edgeline.manifest import NAME_PATTERN, Fidelity, Postprocess
 from edgeline.model import load
 from edgeline.native_output import capture_native_output
@@ -224,9 +224,10 @@ def _try_target(
         fidelity=Fidelity(status="not-measured", reason="export in progress", reference=REFERENCE),
     )
     write_bundle(staging, exported, fields)
-    if check.backend is None:  # nothing here runs it: say so, never a number
+    if check.backend is None:  # nothing here runs it: say so, never a number; the device measures it (verify)
         fidelity = Fidelity(status="not-measured", reason=check.reason or "no runtime here", reference=REFERENCE)
-        manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity))
+        golden = write_float_golden(staging, validation, reference.outputs)
+        manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
         bundle_io.read_bundle(staging)  # sizes and hashes, as a device checks them
         latency = None
     else:

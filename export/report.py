@@ -60,6 +60,10 @@ class ExportReport:
         return next((o for o in self.outcomes if o.status == "selected"), None)
 
     def next_command(self) -> str:
+        selected = self.selected
+        if selected is not None and selected.fidelity is not None and selected.fidelity.status == "not-measured":
+            # Nothing here ran it (Core ML on Linux): the fidelity check waits for the device.
+            return f"edgeline verify {self.out}  (on the device: {selected.fidelity.reason})"
         samples = self.validation or "SAMPLES.npz"
         return f"edgeline infer {self.out} --input {samples}"
 

@@ -13,13 +13,15 @@ from edgeline.manifest import Golden, Manifest
 from edgeline.model import Model
 from edgeline.samples import SampleSet
 
-__all__ = ["GOLDEN_SAMPLES", "write_bundle", "write_golden"]
+__all__ = ["FLOAT_GOLDEN_SAMPLES", "GOLDEN_SAMPLES", "write_bundle", "write_float_golden", "write_golden"]
 
 GOLDEN_SAMPLES = 8
+FLOAT_GOLDEN_SAMPLES = 32
+"""Samples of a float-reference golden: it carries the bundle's whole fidelity check, so more than a self-test."""
 
 
 def write_bundle(staging: Path, exported: ExportedModel, manifest_fields: dict[str, Any]) -> Manifest:
-    files = [bundle_io.file_entry(staging, p) for p in (exported.model_file, *exported.extra_files)]
+    files = [e for p in (exported.model_file, *exported.extra_files) for e in bundle_io.file_entries(staging, p)]
     if (staging / "golden.npz").exists():
         files.append(bundle_io.file_entry(staging, "golden.npz"))
     manifest = Manifest(files=tuple(files), **manifest_fields)
@@ -44,3 +46,14 @@ def write_golden(staging: Path, model: Model, samples: SampleSet) -> Golden:
         inside = 0.01 * (1.0 + magnitude) if quantized_inside else 0.0
         atol.append(max(step, inside, 1e-4 * (1.0 + magnitude)))
     return Golden(samples=count, atol=tuple(atol))
+
+
+def write_float_golden(staging: Path, samples: SampleSet, float_outputs: list[list[np.ndarray]]) -> Golden:
+    """golden.npz with the float model's outputs, for a bundle nothing here can run: ``edgeline verify`` measures
+    its fidelity on the device (``reference="float"``)."""
+    count = min(FLOAT_GOLDEN_SAMPLES, len(samples))
+    arrays: dict[str, Any] = {f"input_{i}": samples.inputs[i][:count] for i in range(len(samples.inputs))}
+    for j in range(len(float_outputs[0])):
+        arrays[f"output_{j}"] = np.concatenate([float_outputs[i][j] for i in range(count)])
+    np.savez(staging / "golden.npz", allow_pickle=False, **arrays)
+    return Golden(samples=count, reference="float")

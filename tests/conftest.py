@@ -33,6 +33,7 @@ collect_ignore = [
         ("test_reference_models.py", "torch"),
         ("test_float_reference.py", "torch"),
         ("test_health.py", "prometheus_client"),
+        ("test_backend_coreml.py", "coremltools"),
     )
     if importlib.util.find_spec(needs) is None
 ]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from edgeline.cli import main
+from edgeline.device_profiles import profile_ids
 
 from .conftest import CLASSES, IMAGE_SHAPE
 
@@ -380,7 +381,7 @@ def test_infer_with_nan_in_the_inputs(user_error: RunError, litert_bundle: Path,
 
 def test_profiles_show_an_unknown_id(user_error: RunError) -> None:
     message = user_error("profiles", "show", "nope")
-    assert "unknown profile 'nope'; valid profiles: jetson-orin-nano, rpi-zero-2w, rpi4, rpi5, x86-64" in message
+    assert f"unknown profile 'nope'; valid profiles: {', '.join(profile_ids())}" in message
 
 
 def test_validation_labels_that_are_not_whole_numbers_are_refused(

@@ -72,9 +72,7 @@ def test_export_side_commands_refuse_in_one_line_naming_the_extra(command: list[
 
 
 @pytest.mark.parametrize("profile_id", [p for p in profile_ids() if load_profile(p).daemon])
-def test_a_profiles_first_target_runs_on_its_own_device_install(profile_id: str) -> None:
-    """For the devices that run edgeline's daemon (``daemon = true``); a phone or a microcontroller runs the bundle
-    in an app or firmware, not through the base install."""
+def test_a_daemon_profiles_first_target_runs_on_its_own_device_install(profile_id: str) -> None:
     from edgeline.export.backends import EXPORT_BACKENDS
     from edgeline.export.errors import ExportError
 

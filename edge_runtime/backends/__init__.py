@@ -26,6 +26,7 @@ RUNTIME_BACKENDS: dict[str, str] = {
     "tflite-runtime": "edgeline.backends.litert:TFLiteRuntimeSession",
     "executorch": "edgeline.backends.executorch:ExecuTorchSession",
     "tflite-micro": "edgeline.backends.tflite_micro:TFLiteMicroSession",
+    "coreml": "edgeline.backends.coreml:CoreMLSession",
 }
 BASE_INSTALL_BACKENDS: frozenset[str] = frozenset({"litert"})
 """The runtime backends that ``pip install edgeline`` (no extras, what a device runs) can run: their runtime is a

@@ -1,0 +1,102 @@
+"""ExecuTorch programs (.pte) whose supported parts are lowered to Core ML by ExecuTorch's CoreMLPartitioner.
+
+The delegated parts are Core ML programs compiled for the profile's compute units and deployment target; the rest
+runs on ExecuTorch's portable CPU kernels. Only ExecuTorch built for Apple's OSes has the Core ML delegate, so nothing
+here can run the program: the fidelity check is left to a device, and the manifest says so.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from importlib.metadata import version
+from typing import Any
+
+from edgeline.backends.executorch import program_specs
+from edgeline.device_profiles import Precision
+from edgeline.device_profiles.schema import CoreML
+from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.errors import ExportError
+from edgeline.manifest import Placement, RuntimeRequirement
+
+__all__ = ["NOT_HERE", "ExecuTorchCoreMLExporter"]
+
+MODEL_FILE = "model.pte"
+NOT_HERE = "the Core ML delegate runs on Apple devices only"
+NOT_OPERATORS = frozenset({"getitem"})
+"""Tuple unpacking of a delegate's outputs: get_delegation_info lists it as a node kept out, but it computes nothing."""
+
+
+def _compile_specs(settings: CoreML, precision: Precision) -> list[Any]:
+    import coremltools as ct
+    from executorch.backends.apple.coreml.compiler import CoreMLBackend
+
+    return list(
+        CoreMLBackend.generate_compile_specs(
+            compute_unit=ct.ComputeUnit[settings.compute_units],
+            minimum_deployment_target=ct.target[settings.minimum_deployment_target],
+            compute_precision=ct.precision.FLOAT16 if precision is Precision.FP16 else ct.precision.FLOAT32,
+        )
+    )
+
+
+def _placement(graph_module: Any) -> Placement:
+    from executorch.devtools.backend_debug import get_delegation_info
+
+    info = get_delegation_info(graph_module)
+    delegated = 0
+    other: Counter[str] = Counter()
+    for op, breakdown in info.delegation_by_operator.items():
+        if op in NOT_OPERATORS:
+            continue
+        delegated += breakdown.delegated
+        if breakdown.non_delegated:
+            other[op] += breakdown.non_delegated
+    return Placement(
+        accelerator="coreml",
+        ops=delegated + sum(other.values()),
+        accelerator_ops=delegated,
+        fallback=dict(other),
+    )
+
+
+class ExecuTorchCoreMLExporter:
+    name = "executorch-coreml"
+    runtime_backend = "executorch"
+    precisions = (Precision.FP16, Precision.FP32)
+
+    def export(self, request: ExportRequest) -> ExportedModel:
+        import torch
+        from executorch.backends.apple.coreml.partition import CoreMLPartitioner
+        from executorch.exir import to_edge_transform_and_lower
+
+        if request.precision not in self.precisions:
+            valid = ", ".join(p.value for p in self.precisions)
+            raise ExportError(f"executorch-coreml cannot export {request.precision.value}; valid: {valid}")
+        profile = request.profile
+        if profile is None or profile.coreml is None:
+            where = f"profile {profile.id}" if profile is not None else "this export (no profile)"
+            raise ExportError(
+                f"{where} has no [coreml] section: an executorch-coreml target needs compute_units and "
+                "minimum_deployment_target"
+            )
+        partitioner = CoreMLPartitioner(compile_specs=_compile_specs(profile.coreml, request.precision))
+        program = torch.export.export(request.module, request.example_inputs)
+        edge = to_edge_transform_and_lower(program, partitioner=[partitioner])
+        placement = _placement(edge.exported_program().graph_module)
+        (request.out_dir / MODEL_FILE).write_bytes(edge.to_executorch().buffer)
+        inputs, outputs = program_specs(request.out_dir / MODEL_FILE, request.input_names)  # read from the file
+        return ExportedModel(
+            model_file=MODEL_FILE,
+            runtime_backend=self.runtime_backend,
+            runtime=RuntimeRequirement(package="executorch", min_version=version("executorch")),
+            input_names=request.input_names,
+            placement=placement,
+            tool_versions={
+                "executorch": version("executorch"),
+                "coremltools": version("coremltools"),
+                "torch": version("torch"),
+            },
+            verification=Verification(backend=None, reason=NOT_HERE),
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+        )
