@@ -190,8 +190,11 @@ def _try_target(
     check = exported.verification or Verification(backend=exported.runtime_backend)
     measured_file = check.model_file or exported.model_file
     inputs, outputs = exported.inputs, exported.outputs
+    accelerator = exported.placement.accelerator if exported.placement else None
     if check.backend is not None:
-        session = open_session(check.backend, staging / measured_file, threads=1, input_names=exported.input_names)
+        session = open_session(
+            check.backend, staging / measured_file, threads=1, input_names=exported.input_names, accelerator=accelerator
+        )
         inputs, outputs = inputs or tuple(session.input_specs()), outputs or tuple(session.output_specs())
         del session
     if inputs is None or outputs is None:
@@ -226,6 +229,11 @@ def _try_target(
         how = {"backend": check.backend, "model_file": check.model_file, "threads": 1}
         progress(f"{target.backend} {target.precision.value}: checking fidelity on {len(validation)} samples")
         model = load(staging, **how)
+        if exported.verification is not None and model.accelerator_fallback is not None:
+            # measured_with names the accelerator (or its emulator): a CPU run must not be passed off as one
+            raise ExportError(
+                f"{target.backend}: the fidelity check would not run where it says: {model.accelerator_fallback}"
+            )
         fidelity = measure_fidelity(model, reference, validation, fields["postprocess"], progress)
         if check.measured_with:
             fidelity = fidelity.model_copy(update={"measured_with": check.measured_with})
