@@ -105,6 +105,13 @@ def _runtime_output() -> Iterator[_Outcome]:
             log.log(logging.WARNING if outcome.failed else logging.DEBUG, "the runtime printed:\n%s", text)
 
 
+def warn_accelerator_fallback(model: Model) -> None:
+    """One warning line when the model does not run on the accelerator its bundle was built for: a CPU run of an
+    accelerator bundle is slower by design, never a silent surprise."""
+    if model.accelerator_fallback is not None:
+        log.warning("%s: %s", model.name, model.accelerator_fallback)
+
+
 def _check_infer_flags(args: argparse.Namespace, model: Model) -> None:
     """Ranges that depend on the model and the machine: refused with the valid range, never quietly narrowed."""
     from edgeline.model import usable_threads
@@ -145,6 +152,7 @@ def run_infer(args: argparse.Namespace) -> int:
 
     with _runtime_output():
         model = load(args.bundle, backend=args.backend, threads=args.threads)
+    warn_accelerator_fallback(model)
     _check_infer_flags(args, model)
     if args.input.suffix in PAYLOAD_SUFFIXES:
         return infer_payloads(model, args.input, top_k=args.top_k, as_json=args.json, show=args.show)
@@ -316,7 +324,11 @@ def _describe(check: dict[str, Any]) -> str:
     if kind == "integrity":
         return f"integrity: {check['files']} files ({check['bytes']} bytes) match their sizes and sha256"
     if kind == "load":
-        return f"load: {check['backend']} opened {check['model']}"
+        where = f" on {check['accelerator']}" if check.get("accelerator") else ""
+        fallback = (
+            f" (accelerator fallback: {check['accelerator_fallback']})" if check.get("accelerator_fallback") else ""
+        )
+        return f"load: {check['backend']} opened {check['model']}{where}{fallback}"
     if kind == "golden":
         if check["ok"] is None:
             return "golden self-test: not verified: the bundle has no golden.npz"
@@ -350,12 +362,20 @@ def run_verify(args: argparse.Namespace) -> int:
         model = load(args.bundle, backend=args.backend)
         checks = [
             integrity,
-            {"check": "load", "ok": True, "backend": model.backend, "model": manifest.model},
+            {
+                "check": "load",
+                "ok": True,
+                "backend": model.backend,
+                "model": manifest.model,
+                "accelerator": model.accelerator,
+                "accelerator_fallback": model.accelerator_fallback,
+            },
             _golden_check(model),
             _latency_check(model),
         ]
         passed = all(check["ok"] is not False for check in checks)
         outcome.failed = not passed
+    warn_accelerator_fallback(model)
     if args.json:
         report = {
             "bundle": str(args.bundle),

@@ -221,4 +221,9 @@ def _session(ort: Any, model_path: Path, options: Any, on: str, providers: list[
     try:
         return ort.InferenceSession(str(model_path), options, providers=providers)
     except Exception as exc:  # onnxruntime's errors derive from Exception only
+        if "EPContext" in str(exc):
+            raise BundleError(
+                f"{model_path}: a compiled EP-context model (a QNN context binary for Qualcomm's HTP) cannot run on "
+                f"{on}; open it with accelerator {QNN_HTP!r} where onnxruntime-qnn is installed"
+            ) from exc
         raise BundleError(f"{model_path}: onnxruntime could not open the model on {on}: {exc}") from exc
