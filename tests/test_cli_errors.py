@@ -375,7 +375,10 @@ def test_infer_with_nan_in_the_inputs(user_error: RunError, litert_bundle: Path,
 
 def test_profiles_show_an_unknown_id(user_error: RunError) -> None:
     message = user_error("profiles", "show", "nope")
-    assert "unknown profile 'nope'; valid profiles: jetson-orin-nano, rpi-zero-2w, rpi4, rpi5, x86-64" in message
+    assert (
+        "unknown profile 'nope'; valid profiles: jetson-orin-nano, qcs6490, rpi-zero-2w, rpi4, rpi5, "
+        "snapdragon-8-gen-3, x86-64" in message
+    )
 
 
 def test_validation_labels_that_are_not_whole_numbers_are_refused(
