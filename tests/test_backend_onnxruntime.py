@@ -111,6 +111,8 @@ def test_a_gpu_bundle_names_its_provider_and_why_its_share_is_unknown(bundles: d
     assert placement["accelerator"] == GPU
     assert placement["accelerator_ops"] is None
     assert "not on this machine" in placement["unknown"]["accelerator_ops"]
+    measured_with = manifest(bundles["gpu"])["fidelity"]["measured_with"]
+    assert "CPU provider" in measured_with and f"built for {GPU}, which was not measured" in measured_with
 
 
 def test_a_gpu_bundle_runs_on_the_cpu_here_and_says_so(bundles: dict[str, Path]) -> None:

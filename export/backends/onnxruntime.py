@@ -15,7 +15,7 @@ from typing import Any
 
 from edgeline.backends.onnxruntime import CPU
 from edgeline.device_profiles import Precision, Profile
-from edgeline.export.backends import ExportedModel, ExportRequest
+from edgeline.export.backends import ExportedModel, ExportRequest, Verification
 from edgeline.export.errors import ExportError
 from edgeline.manifest import Placement, RuntimeRequirement
 
@@ -94,7 +94,8 @@ def quantized_nodes(graph: Any) -> tuple[list[Any], list[Any]]:
     for node in graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
-    quantized, left_in_float = [], []
+    quantized: list[Any] = []
+    left_in_float: list[Any] = []
     for node in graph.node:
         if node.op_type in CONVERSIONS:
             continue
@@ -162,11 +163,13 @@ class OnnxRuntimeExporter:
                 _quantize_for_cpu(request, float_path, path)
         accelerator = profile_accelerator(request.profile)
         unknown = {}
+        verification = None
         if accelerator is not None:
             unknown["accelerator_ops"] = (
                 f"onnxruntime splits the graph between {accelerator} and the CPU when the session opens on the "
                 "device; that provider is not on this machine"
             )
+            verification = _verification_without(accelerator)
         return ExportedModel(
             model_file=MODEL_FILE,
             runtime_backend=self.runtime_backend,
@@ -174,4 +177,19 @@ class OnnxRuntimeExporter:
             input_names=tuple(request.input_names),
             placement=onnx_placement(path, request.precision, accelerator=accelerator, unknown=unknown),
             tool_versions={"torch": version("torch"), "onnx": version("onnx"), "onnxruntime": version("onnxruntime")},
+            verification=verification,
         )
+
+
+def _verification_without(accelerator: str) -> Verification:
+    """Fidelity measured on the CPU provider, said so: a GPU bundle's numbers here are the CPU's, and its host
+    latency is not taken at all (it would be read as the GPU's)."""
+    import platform
+
+    return Verification(
+        backend="onnxruntime",
+        measured_with=(
+            f"onnxruntime {version('onnxruntime')} CPU provider on this {platform.machine()} machine; the bundle "
+            f"is built for {accelerator}, which was not measured"
+        ),
+    )
