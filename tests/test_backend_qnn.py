@@ -201,3 +201,13 @@ def test_qnn_exports_int8_static_only(tmp_path: Path) -> None:
     target = Target(backend="qnn-htp", precision=Precision.FP32, threads=1)
     with pytest.raises(ExportError, match="valid: int8-static"):
         convert(_request(tmp_path, PROFILE, Precision.FP32), target)
+
+
+def test_verify_never_holds_the_emulators_speed_against_the_device_budget(
+    bundles: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--json", str(bundles["ds_cnn"])]) == 0
+    report = json.loads(capsys.readouterr().out)
+    latency = next(check for check in report["checks"] if check["check"] == "latency")
+    assert latency["ok"] is None and "HTP emulator" in latency["emulator"]
+    assert latency["budget_ms"] is not None  # the profile has one: it is the device's, checked on the device

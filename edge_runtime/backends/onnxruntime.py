@@ -14,6 +14,7 @@ export keeps its QDQ model beside it (``<model>.qdq.onnx``) for the CPU.
 from __future__ import annotations
 
 import functools
+import platform
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -67,7 +68,7 @@ def import_onnxruntime() -> Any:
         import onnxruntime
     except ImportError as exc:
         raise BackendUnavailableError(
-            "this bundle needs onnxruntime, which is not installed: pip install 'edgeline[onnx]'"
+            "onnxruntime is not installed (the onnxruntime backend's bundles need it): pip install 'edgeline[onnx]'"
         ) from exc
     return onnxruntime
 
@@ -152,6 +153,8 @@ class OnnxRuntimeSession:
         ort = import_onnxruntime()
         self.accelerator: str | None = None
         self.fallback_reason: str | None = None
+        self.emulator: str | None = None
+        """Set when the accelerator is emulated here: the x86-64 QNN wheel's HTP backend is an emulator."""
         if accelerator == QNN_HTP:
             session = self._open_qnn(ort, model_path, threads)
         else:
@@ -175,6 +178,8 @@ class OnnxRuntimeSession:
         missing = qnn_unavailable()
         if missing is None:
             self.accelerator = QNN_HTP
+            if platform.machine().lower() in ("x86_64", "amd64"):
+                self.emulator = "the QNN HTP emulator (x86-64)"
             return _session(ort, model_path, qnn_session_options(threads), "the QNN HTP provider (CPU fallback off)")
         copy = cpu_copy_of(model_path)
         if copy.is_file():

@@ -13,7 +13,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from edgeline.backends.onnxruntime import CPU
+from edgeline.backends.onnxruntime import CPU, import_onnxruntime
 from edgeline.device_profiles import Precision, Profile
 from edgeline.export.backends import ExportedModel, ExportRequest, Verification
 from edgeline.export.errors import ExportError
@@ -22,6 +22,7 @@ from edgeline.manifest import Placement, RuntimeRequirement
 __all__ = [
     "OnnxRuntimeExporter",
     "calibration_reader",
+    "check_export_tools",
     "onnx_placement",
     "profile_accelerator",
     "quantized_nodes",
@@ -34,6 +35,16 @@ CONVERSIONS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 INTEGER_OPS = frozenset(
     {"QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger", "QLinearAdd", "QLinearMul", "QGemm"}
 )
+
+
+def check_export_tools() -> None:
+    """onnxruntime, onnx and onnxscript (the dynamo exporter's), or one error naming the extra that installs them."""
+    import importlib.util
+
+    import_onnxruntime()
+    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ExportError(f"exporting to ONNX needs {' and '.join(missing)}: pip install 'edgeline[export]'")
 
 
 def torch_to_onnx(request: ExportRequest, path: Path) -> None:
@@ -153,6 +164,7 @@ class OnnxRuntimeExporter:
 
         if request.precision not in self.precisions:
             raise ExportError(f"onnxruntime cannot export {request.precision.value}")
+        check_export_tools()
         path = request.out_dir / MODEL_FILE
         if request.precision is Precision.FP32:
             torch_to_onnx(request, path)

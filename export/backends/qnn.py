@@ -30,7 +30,13 @@ from edgeline.backends.onnxruntime import (
 from edgeline.device_profiles import Precision
 from edgeline.device_profiles.schema import Qnn
 from edgeline.export.backends import ExportedModel, ExportRequest, Verification
-from edgeline.export.backends.onnxruntime import CONVERSIONS, calibration_reader, onnx_placement, torch_to_onnx
+from edgeline.export.backends.onnxruntime import (
+    CONVERSIONS,
+    calibration_reader,
+    check_export_tools,
+    onnx_placement,
+    torch_to_onnx,
+)
 from edgeline.export.errors import ExportError, LoweringError
 from edgeline.manifest import Placement, RuntimeRequirement
 
@@ -134,6 +140,7 @@ class QnnHtpExporter:
             raise ExportError(
                 f"qnn-htp needs the device profile's [qnn] section (soc_model, htp_arch); {where} has none"
             )
+        check_export_tools()
         missing = qnn_unavailable()
         if missing is not None:
             raise ExportError(f"qnn-htp: the QNN HTP provider is not usable here: {missing}")
