@@ -235,7 +235,7 @@ def test_an_unknown_runtime_backend_lists_the_valid_ones(litert_bundle: Path) ->
     data["backend"] = "tensorrt"
     _write_manifest(litert_bundle, data)
     with pytest.raises(
-        BundleError, match=r"unknown runtime backend 'tensorrt'; valid: executorch, litert, tflite-runtime"
+        BundleError, match=r"unknown runtime backend 'tensorrt'; valid: executorch, litert, onnxruntime, tflite-runtime"
     ):
         edgeline.load(litert_bundle)
     with pytest.raises(BundleError, match=r"unknown runtime backend 'nope'; valid: "):
