@@ -198,3 +198,16 @@ def test_a_missing_onnxruntime_names_the_extra(bundles: dict[str, Path]) -> None
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert "onnxruntime" in done.stderr and "pip install 'edgeline[onnx]'" in done.stderr
+
+
+def test_running_an_onnxruntime_bundle_never_imports_torch(bundles: dict[str, Path]) -> None:
+    code = (
+        "import sys, numpy as np, edgeline\n"
+        "model = edgeline.load(sys.argv[1])\n"
+        "model.predict(np.zeros(model.inputs[0].shape, np.float32))\n"
+        "sys.exit('torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(bundles["int8"])], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr or "torch was imported"
