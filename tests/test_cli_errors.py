@@ -318,7 +318,7 @@ def test_an_operator_litert_cannot_lower_names_it_and_the_backend_that_can(
     message = user_error(*args, "--backend", "litert", "--precision", "fp32")
     assert message.startswith("litert could not convert the model to fp32")
     assert "aten._upsample_bilinear2d_aa" in message
-    assert message.endswith("backends that can convert it: executorch-xnnpack")
+    assert message.endswith("backends that can convert it: executorch-xnnpack, onnxruntime")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir()), "nothing may be left behind"
 
 
