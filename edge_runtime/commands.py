@@ -105,6 +105,13 @@ def _runtime_output() -> Iterator[_Outcome]:
             log.log(logging.WARNING if outcome.failed else logging.DEBUG, "the runtime printed:\n%s", text)
 
 
+def warn_accelerator_fallback(model: Model) -> None:
+    """One warning line when the model does not run on the accelerator its bundle was built for: a CPU run of an
+    accelerator bundle is slower by design, never a silent surprise."""
+    if model.accelerator_fallback is not None:
+        log.warning("%s: %s", model.name, model.accelerator_fallback)
+
+
 def _check_infer_flags(args: argparse.Namespace, model: Model) -> None:
     """Ranges that depend on the model and the machine: refused with the valid range, never quietly narrowed."""
     from edgeline.model import usable_threads
@@ -145,6 +152,7 @@ def run_infer(args: argparse.Namespace) -> int:
 
     with _runtime_output():
         model = load(args.bundle, backend=args.backend, threads=args.threads)
+    warn_accelerator_fallback(model)
     _check_infer_flags(args, model)
     if args.input.suffix in PAYLOAD_SUFFIXES:
         return infer_payloads(model, args.input, top_k=args.top_k, as_json=args.json, show=args.show)
@@ -180,6 +188,7 @@ def run_infer(args: argparse.Namespace) -> int:
     print(
         f"{len(samples)} samples through {model.name} v{model.version} ({model.backend}, "
         f"{model.manifest.precision}), median {median:.3f} ms per sample on this machine"
+        + (f" ({model.emulator}: not the device's speed)" if model.emulator else "")
     )
     fidelity = model.manifest.fidelity
     if labels is not None and post.kind in ("classify", "anomaly"):
@@ -337,7 +346,9 @@ def _latency_check(model: Model) -> dict[str, Any]:
     budget = model.manifest.budgets.max_latency_ms
     return {
         "check": "latency",
-        "ok": None if budget is None else median <= budget,
+        # an emulator's speed says nothing about the device's: measured, shown, never held against the budget
+        "ok": None if budget is None or model.emulator is not None else median <= budget,
+        "emulator": model.emulator,
         "median_ms": median,
         "budget_ms": budget,
         "profile": model.manifest.profile,
@@ -353,8 +364,13 @@ def _describe(check: dict[str, Any]) -> str:
     if kind == "integrity":
         return f"integrity: {check['files']} files ({check['bytes']} bytes) match their sizes and sha256"
     if kind == "load":
-        fallback = check.get("accelerator_fallback")
-        return f"load: {check['backend']} opened {check['model']}" + (f" (WARNING: {fallback})" if fallback else "")
+        where = f" on {check['accelerator']}" if check.get("accelerator") else ""
+        fallback = (
+            f" (WARNING: accelerator fallback: {check['accelerator_fallback']})"
+            if check.get("accelerator_fallback")
+            else ""
+        )
+        return f"load: {check['backend']} opened {check['model']}{where}{fallback}"
     if kind == "fidelity":
         agreement = f", top-1 agreement {check['top1_agreement']:.1%}" if check["top1_agreement"] is not None else ""
         judged = f"budget {check['budget']}" if "budget" in check else "no budget applies (raw outputs, no min_cosine)"
@@ -374,6 +390,8 @@ def _describe(check: dict[str, Any]) -> str:
         f"latency: median {check['median_ms']:.3f} ms on this machine ({check['machine']}, {check['threads']} "
         f"thread(s), the bundle asks for {check['manifest_threads']})"
     )
+    if check.get("emulator"):
+        return f"{where} on {check['emulator']}: not the device's speed, not checked against the budget"
     if check["budget_ms"] is None:
         return f"{where}; the profile sets no latency budget"
     return f"{where}; {check['profile']} budget {check['budget_ms']:g} ms"
@@ -405,6 +423,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 "ok": True,
                 "backend": model.backend,
                 "model": manifest.model,
+                "accelerator": model.accelerator,
                 "accelerator_fallback": model.accelerator_fallback,
             },
             _golden_check(model),
@@ -412,6 +431,7 @@ def run_verify(args: argparse.Namespace) -> int:
         ]
         passed = all(check["ok"] is not False for check in checks)
         outcome.failed = not passed
+    warn_accelerator_fallback(model)
     if args.json:
         report = {
             "bundle": str(args.bundle),

@@ -160,6 +160,12 @@ class Model:
         return f"built for {wanted} but running on {found}" + (f": {reason}" if reason else "")
 
     @property
+    def emulator(self) -> str | None:
+        """What emulates the accelerator here (e.g. the QNN HTP emulator on x86-64), or None: its timings say
+        nothing about the device."""
+        return getattr(self._session, "emulator", None)
+
+    @property
     def version(self) -> int:
         return self.manifest.version
 

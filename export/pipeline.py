@@ -196,9 +196,16 @@ def _try_target(
     check = exported.verification or Verification(backend=exported.runtime_backend)
     measured_file = check.model_file or exported.model_file
     inputs, outputs = exported.inputs, exported.outputs
+    accelerator = exported.placement.accelerator if exported.placement else None
     if check.backend is not None:
         with _runtime_quiet():
-            session = open_session(check.backend, staging / measured_file, threads=1, input_names=exported.input_names)
+            session = open_session(
+                check.backend,
+                staging / measured_file,
+                threads=1,
+                input_names=exported.input_names,
+                accelerator=accelerator,
+            )
         inputs, outputs = inputs or tuple(session.input_specs()), outputs or tuple(session.output_specs())
         del session
     if inputs is None or outputs is None:
@@ -231,18 +238,17 @@ def _try_target(
         bundle_io.read_bundle(staging)  # sizes and hashes, as a device checks them
         latency = None
     else:
-        how: dict[str, Any] = {"backend": check.backend, "model_file": check.model_file, "threads": 1}
         progress(f"{target.backend} {target.precision.value}: checking fidelity on {len(validation)} samples")
         with _runtime_quiet():
-            model = load(staging, **how)
+            model = load(staging, backend=check.backend, model_file=check.model_file, threads=1)
         fidelity = measure_fidelity(model, reference, validation, fields["postprocess"], progress)
         if check.measured_with:
             fidelity = fidelity.model_copy(update={"measured_with": check.measured_with})
         latency = median_latency_ms(model, validation.sample(0)) if exported.verification is None else None
         golden = write_golden(staging, model, validation)
         manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
-        with _runtime_quiet():
-            load(staging, **how)  # the final bundle must verify exactly as a device will read it
+        with _runtime_quiet():  # the final bundle must verify exactly as a device will read it
+            load(staging, backend=check.backend, model_file=check.model_file, threads=1)
     size = sum(entry.size for entry in manifest.files if entry.path != "golden.npz")
     outcome.size_bytes = size
     outcome.fidelity = fidelity

@@ -34,6 +34,9 @@ collect_ignore = [
         ("test_float_reference.py", "torch"),
         ("test_health.py", "prometheus_client"),
         ("test_backend_coreml.py", "coremltools"),
+        ("test_backend_onnxruntime.py", "torch"),
+        ("test_backend_qnn.py", "torch"),
+        ("test_backend_qnn.py", "onnxruntime_qnn"),  # no wheel for macOS
     )
     if importlib.util.find_spec(needs) is None
 ]

@@ -71,14 +71,26 @@ def test_export_side_commands_refuse_in_one_line_naming_the_extra(command: list[
     assert not out.exists()
 
 
-@pytest.mark.parametrize("profile_id", [p for p in profile_ids() if load_profile(p).daemon])
-def test_a_daemon_profiles_first_target_runs_on_its_own_device_install(profile_id: str) -> None:
+ACCELERATOR_EXTRAS = {"qnn-htp": "qnn"}
+"""First targets that need an extra on the device by design: the accelerator is what the profile is for."""
+
+
+@pytest.mark.parametrize("profile_id", profile_ids())
+def test_a_profiles_first_target_runs_on_its_own_device_install(profile_id: str) -> None:
     from edgeline.export.backends import EXPORT_BACKENDS
     from edgeline.export.errors import ExportError
 
-    target = load_profile(profile_id).targets[0]
+    profile = load_profile(profile_id)
+    target = profile.targets[0]
     exporter = resolve(EXPORT_BACKENDS, target.backend, "export backend", ExportError)
     assert exporter.runtime_backend in RUNTIME_BACKENDS
+    if not profile.daemon:
+        return  # a phone or a microcontroller: the bundle goes into an app or firmware, not into edgeline's install
+    if target.backend in ACCELERATOR_EXTRAS:
+        # The profile is for the accelerator: its device installs the extra the accelerator needs (the profile's
+        # comment says which), and the runtime names it when it is missing.
+        assert f"edgeline[{ACCELERATOR_EXTRAS[target.backend]}]" in Path(profile.source).read_text(encoding="utf-8")
+        return
     assert exporter.runtime_backend in BASE_INSTALL_BACKENDS, (
         f"{profile_id}: its first target, {target.backend} {target.precision.value}, writes bundles for the "
         f"{exporter.runtime_backend} runtime, which the base install cannot run"

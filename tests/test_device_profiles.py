@@ -26,7 +26,7 @@ from edgeline.export.backends import EXPORT_BACKENDS
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
 
-REQUIRED_IDS = ["jetson-orin-nano", "rpi-zero-2w", "rpi4", "rpi5", "x86-64"]
+REQUIRED_IDS = ["jetson-orin-nano", "qcs6490", "rpi-zero-2w", "rpi4", "rpi5", "snapdragon-8-gen-3", "x86-64"]
 
 VALID_TOML = """\
 id = "my-board"
@@ -107,6 +107,31 @@ def test_bundled_cpu_facts(
     assert (profile.cpu.name, profile.cpu.cores, profile.cpu.max_freq_mhz) == (cpu, cores, mhz)
     assert features <= set(profile.cpu.isa_features)
     assert not absent & set(profile.cpu.isa_features)
+
+
+@pytest.mark.parametrize(
+    ("profile_id", "soc_model", "htp_arch", "daemon"),
+    [("snapdragon-8-gen-3", 57, 75, False), ("qcs6490", 93, 68, True)],
+)
+def test_qualcomm_profiles_put_the_npu_first_and_the_cpu_last(
+    profile_id: str, soc_model: int, htp_arch: int, daemon: bool
+) -> None:
+    profile = load_profile(profile_id)
+    assert profile.qnn is not None
+    assert (profile.qnn.soc_model, profile.qnn.htp_arch, profile.daemon) == (soc_model, htp_arch, daemon)
+    assert (profile.targets[0].backend, profile.targets[0].precision) == ("qnn-htp", Precision.INT8_STATIC)
+    assert profile.targets[-1].backend == "litert"
+    assert profile.budgets.min_accelerator_share == 1.0
+    assert profile.budgets.min_quantized_share is not None
+
+
+def test_the_jetson_has_a_gpu_target_behind_a_base_install_one() -> None:
+    jetson = load_profile("jetson-orin-nano")
+    assert jetson.onnxruntime is not None
+    assert jetson.onnxruntime.providers[0] == "TensorrtExecutionProvider"
+    assert jetson.onnxruntime.providers[-1] == "CPUExecutionProvider"
+    backends = [target.backend for target in jetson.targets]
+    assert backends[0] == "litert" and "onnxruntime" in backends
 
 
 def test_small_device_has_int8_targets_and_a_tight_size_budget() -> None:

@@ -27,11 +27,13 @@ RUNTIME_BACKENDS: dict[str, str] = {
     "executorch": "edgeline.backends.executorch:ExecuTorchSession",
     "tflite-micro": "edgeline.backends.tflite_micro:TFLiteMicroSession",
     "coreml": "edgeline.backends.coreml:CoreMLSession",
+    "onnxruntime": "edgeline.backends.onnxruntime:OnnxRuntimeSession",
 }
 BASE_INSTALL_BACKENDS: frozenset[str] = frozenset({"litert"})
 """The runtime backends that ``pip install edgeline`` (no extras, what a device runs) can run: their runtime is a
-dependency of the base install and needs no torch. ``executorch`` needs torch (the ``executorch`` extra) and
-``tflite-runtime`` a package of its own. A device profile's first target must export for one of these."""
+dependency of the base install and needs no torch. ``executorch`` needs torch (the ``executorch`` extra),
+``tflite-runtime`` a package of its own and ``onnxruntime`` the ``onnx`` extra. A device profile's first target must
+export for one of these."""
 
 
 class Session(Protocol):

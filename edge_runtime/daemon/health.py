@@ -93,6 +93,9 @@ class Metrics:
         self._providers: list[GaugeProvider] = []
         self._failed_providers: set[int] = set()
         self._registry: CollectorRegistry | None = None
+        self.accelerator: Mapping[str, str | None] | None = None
+        """``{"wanted", "in_use", "fallback"}`` when the bundle was built for an accelerator (the daemon sets it),
+        exposed as the ``edgeline_accelerator_fallback`` gauge; None for a CPU bundle."""
 
     # -- hot path ----------------------------------------------------------------------------------------------
     def count(self, name: str, n: int = 1) -> None:
@@ -227,6 +230,18 @@ class Metrics:
         _claim(taken, "edgeline_errors", _COUNTER_SUFFIXES)
         _claim(taken, "edgeline_latency_seconds", _HISTOGRAM_SUFFIXES)
         _claim(taken, "edgeline_uptime_seconds", ("",))
+        _claim(taken, "edgeline_accelerator_fallback", ("",))
+
+        if self.accelerator is not None:
+            fallback = GaugeMetricFamily(
+                "edgeline_accelerator_fallback",
+                "1 when the model does not run on the accelerator its bundle was built for (0 when it does).",
+                labels=[*_LABELS, "wanted", "in_use"],
+            )
+            state = self.accelerator
+            in_use = state.get("in_use") or "cpu"
+            fallback.add_metric([*labels, str(state.get("wanted")), in_use], 1.0 if state.get("fallback") else 0.0)
+            yield fallback
 
         # "errors" is the sum over codes, so it is exposed once, by code; errors counted without one are "uncoded".
         family = CounterMetricFamily("edgeline_errors", "Coded error answers.", labels=[*_LABELS, "code"])

@@ -91,6 +91,7 @@ class Daemon:
 
         self.model.enable_batching(config.queue.max_batch)
         self.metrics = Metrics(model=name, version=self.model.version, instance=self.instance)
+        self.metrics.accelerator = self.accelerator
         self.processor = Processor(
             self.model,
             codec,
@@ -150,6 +151,19 @@ class Daemon:
         self._publisher: threading.Thread | None = None
         self._source_failed = False
         self.metrics.gauges(self._gauges)
+
+    @property
+    def accelerator(self) -> dict[str, str | None] | None:
+        """What the bundle was built for and what runs it here, for the status message and the metrics; None for
+        a bundle built for the CPU."""
+        placement = self.model.manifest.placement
+        if placement is None or placement.accelerator is None:
+            return None
+        return {
+            "wanted": placement.accelerator,
+            "in_use": self.model.accelerator,
+            "fallback": self.model.accelerator_fallback,
+        }
 
     @property
     def description(self) -> str:
@@ -397,7 +411,10 @@ class Daemon:
         return gauges
 
     def status(self) -> dict[str, Any]:
-        return self.metrics.snapshot({"queue_policy": self.queue.policy.value, "client_id": self.client_id})
+        extra: dict[str, Any] = {"queue_policy": self.queue.policy.value, "client_id": self.client_id}
+        if self.metrics.accelerator is not None:
+            extra["accelerator"] = dict(self.metrics.accelerator)
+        return self.metrics.snapshot(extra)
 
     def _report(self) -> None:
         interval = self.config.health.status_interval_s
@@ -413,6 +430,8 @@ class Daemon:
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.model.accelerator_fallback is not None:  # loud: slower by design, never a silent surprise
+            log.warning("%s: %s", self.model.name, self.model.accelerator_fallback)
         self.source.open()
         if self.connection is not None:
             self._lock = StateLock(self.state_dir)

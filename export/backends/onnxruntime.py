@@ -1,0 +1,207 @@
+"""ONNX Runtime (.onnx): torch.export program -> ONNX (the dynamo exporter), fp32 or int8 QDQ calibrated on our samples.
+
+The bundle's placement comes from the ONNX graph itself: which nodes compute between a DequantizeLinear and a
+QuantizeLinear (quantized), which are left in float, and, for a GPU accelerator named by the profile, that the
+split between the GPU and the CPU is decided by onnxruntime on the device (unknown here, and said so).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from edgeline.backends.onnxruntime import CPU, import_onnxruntime
+from edgeline.device_profiles import Precision, Profile
+from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.errors import ExportError
+from edgeline.manifest import Placement, RuntimeRequirement
+
+__all__ = [
+    "OnnxRuntimeExporter",
+    "calibration_reader",
+    "check_export_tools",
+    "onnx_placement",
+    "profile_accelerator",
+    "quantized_nodes",
+    "torch_to_onnx",
+]
+
+MODEL_FILE = "model.onnx"
+CONVERSIONS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+# Operators that compute on integers themselves (the QOperator format), counted as quantized wherever they are.
+INTEGER_OPS = frozenset(
+    {"QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger", "QLinearAdd", "QLinearMul", "QGemm"}
+)
+
+
+def check_export_tools() -> None:
+    """onnxruntime, onnx and onnxscript (the dynamo exporter's), or one error naming the extra that installs them."""
+    import importlib.util
+
+    import_onnxruntime()
+    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ExportError(f"exporting to ONNX needs {' and '.join(missing)}: pip install 'edgeline[export]'")
+
+
+def torch_to_onnx(request: ExportRequest, path: Path) -> None:
+    """The dynamo exporter on a torch.export program (the legacy exporter cannot take ``ep.module()``); inputs are
+    named like forward()'s parameters so the manifest and the model agree without a mapping."""
+    import torch
+
+    program = torch.export.export(request.module, request.example_inputs)
+    onnx_program = torch.onnx.export(
+        program, request.example_inputs, dynamo=True, input_names=list(request.input_names), verbose=False
+    )
+    if onnx_program is None:  # only the legacy exporter returns nothing
+        raise ExportError("torch.onnx.export returned no program")
+    onnx_program.save(str(path))
+
+
+def calibration_reader(request: ExportRequest, input_names: Sequence[str]) -> Any:
+    """Our calibration samples as onnxruntime's CalibrationDataReader: one batch-1 feed per sample."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class _Samples(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self._feeds: Iterator[dict[str, Any]] = iter(
+                {name: tensor.numpy() for name, tensor in zip(input_names, sample, strict=True)}
+                for sample in request.calibration
+            )
+
+        def get_next(self) -> dict[str, Any] | None:
+            return next(self._feeds, None)
+
+    return _Samples()
+
+
+def _quantize_for_cpu(request: ExportRequest, float_path: Path, out_path: Path) -> None:
+    """QDQ with uint8 activations and per-channel int8 weights: what onnxruntime's CPU kernels run fastest."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    quantize_static(
+        str(float_path),
+        str(out_path),
+        calibration_reader(request, request.input_names),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=CalibrationMethod.MinMax,
+    )
+
+
+def quantized_nodes(graph: Any) -> tuple[list[Any], list[Any]]:
+    """(quantized, float) compute nodes of an ONNX graph, leaving out the Q/DQ conversions.
+
+    Quantized: an integer operator, or a node whose first (activation) input is a DequantizeLinear's output and
+    whose outputs all go to QuantizeLinear nodes: the pattern a QDQ runtime fuses into an integer kernel.
+    """
+    producer = {output: node for node in graph.node for output in node.output}
+    consumers: dict[str, list[Any]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    quantized: list[Any] = []
+    left_in_float: list[Any] = []
+    for node in graph.node:
+        if node.op_type in CONVERSIONS:
+            continue
+        source = producer.get(node.input[0]) if node.input else None
+        users = [user for output in node.output for user in consumers.get(output, [])]
+        in_qdq = (
+            source is not None
+            and source.op_type == "DequantizeLinear"
+            and bool(users)
+            and all(user.op_type == "QuantizeLinear" for user in users)
+        )
+        (quantized if in_qdq or node.op_type in INTEGER_OPS else left_in_float).append(node)
+    return quantized, left_in_float
+
+
+def profile_accelerator(profile: Profile | None) -> str | None:
+    """The profile's first onnxruntime provider that is not the CPU's, or None."""
+    if profile is None or profile.onnxruntime is None:
+        return None
+    return next((name for name in profile.onnxruntime.providers if name != CPU), None)
+
+
+def onnx_placement(
+    model_path: Path,
+    precision: Precision,
+    *,
+    accelerator: str | None = None,
+    accelerator_ops: int | None = None,
+    unknown: dict[str, str] | None = None,
+) -> Placement:
+    """Placement read from the ONNX graph at ``model_path``. ``fallback`` lists the nodes left in float (integer
+    precisions only: in fp32 nothing is meant to be quantized)."""
+    import onnx
+
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    quantized, left_in_float = quantized_nodes(graph)
+    fallback = Counter(node.op_type for node in left_in_float) if precision.integer else Counter()
+    return Placement(
+        accelerator=accelerator,
+        ops=len(quantized) + len(left_in_float),
+        accelerator_ops=accelerator_ops,
+        quantized_ops=len(quantized),
+        fallback=dict(sorted(fallback.items())),
+        unknown=unknown or {},
+    )
+
+
+class OnnxRuntimeExporter:
+    name = "onnxruntime"
+    runtime_backend = "onnxruntime"
+    precisions = (Precision.FP32, Precision.INT8_STATIC)
+
+    def export(self, request: ExportRequest) -> ExportedModel:
+        import tempfile
+
+        if request.precision not in self.precisions:
+            raise ExportError(f"onnxruntime cannot export {request.precision.value}")
+        check_export_tools()
+        path = request.out_dir / MODEL_FILE
+        if request.precision is Precision.FP32:
+            torch_to_onnx(request, path)
+        else:
+            with tempfile.TemporaryDirectory() as scratch:
+                float_path = Path(scratch) / "float.onnx"
+                torch_to_onnx(request, float_path)
+                _quantize_for_cpu(request, float_path, path)
+        accelerator = profile_accelerator(request.profile)
+        unknown = {}
+        verification = None
+        if accelerator is not None:
+            unknown["accelerator_ops"] = (
+                f"onnxruntime splits the graph between {accelerator} and the CPU when the session opens on the "
+                "device; that provider is not on this machine"
+            )
+            verification = _verification_without(accelerator)
+        return ExportedModel(
+            model_file=MODEL_FILE,
+            runtime_backend=self.runtime_backend,
+            runtime=RuntimeRequirement(package="onnxruntime", min_version="1.17"),  # opset 20 (the dynamo exporter's)
+            input_names=tuple(request.input_names),
+            placement=onnx_placement(path, request.precision, accelerator=accelerator, unknown=unknown),
+            tool_versions={"torch": version("torch"), "onnx": version("onnx"), "onnxruntime": version("onnxruntime")},
+            verification=verification,
+        )
+
+
+def _verification_without(accelerator: str) -> Verification:
+    """Fidelity measured on the CPU provider, said so: a GPU bundle's numbers here are the CPU's, and its host
+    latency is not taken at all (it would be read as the GPU's)."""
+    import platform
+
+    return Verification(
+        backend="onnxruntime",
+        measured_with=(
+            f"onnxruntime {version('onnxruntime')} CPU provider on this {platform.machine()} machine; the bundle "
+            f"is built for {accelerator}, which was not measured"
+        ),
+    )

@@ -1,0 +1,190 @@
+"""Qualcomm Hexagon NPU (HTP) through onnxruntime-qnn: int8 QDQ with QNN's quantization configuration, compiled to
+an EP-context model (the QNN context binary for the profile's SoC) that a Snapdragon device loads without compiling.
+
+The bundle holds ``model.onnx`` (one EPContext node pointing at ``model_qnn.bin``), the context binary, and the QDQ
+model it was compiled from (``model.qdq.onnx``): a device whose onnxruntime has no QNN provider runs that copy on
+its CPU provider, loudly, instead of refusing the bundle.
+
+Fidelity runs the context binary on the wheel's HTP backend: on x86-64 an emulator of the NPU, which says nothing
+about the device's speed. CPU fallback is disabled there, so an operator QNN refuses fails the export, by name.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import tempfile
+from collections import Counter
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from edgeline.backends.onnxruntime import (
+    CPU_COPY_SUFFIX,
+    QNN_EP,
+    QNN_HTP,
+    import_onnxruntime,
+    qnn_session_options,
+    qnn_unavailable,
+)
+from edgeline.device_profiles import Precision
+from edgeline.device_profiles.schema import Qnn
+from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.backends.onnxruntime import (
+    CONVERSIONS,
+    calibration_reader,
+    check_export_tools,
+    onnx_placement,
+    torch_to_onnx,
+)
+from edgeline.export.errors import ExportError, LoweringError
+from edgeline.manifest import Placement, RuntimeRequirement
+
+__all__ = ["QnnHtpExporter", "refused_operators"]
+
+MODEL_FILE = "model.onnx"
+QDQ_FILE = MODEL_FILE.removesuffix(".onnx") + CPU_COPY_SUFFIX
+
+
+def _quantize_for_qnn(request: ExportRequest, float_path: Path, out_path: Path) -> None:
+    """uint8 activations and weights, per tensor: QNN's own QDQ configuration for the HTP."""
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    config = get_qnn_qdq_config(
+        str(float_path),
+        calibration_reader(request, request.input_names),
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QUInt8,
+    )
+    quantize(str(float_path), str(out_path), config)
+
+
+def _compile_options(qnn: Qnn, context_path: Path) -> Any:
+    options = qnn_session_options(1, soc_model=str(qnn.soc_model), htp_arch=str(qnn.htp_arch))
+    options.add_session_config_entry("ep.context_enable", "1")
+    options.add_session_config_entry("ep.context_file_path", str(context_path))
+    options.add_session_config_entry("ep.context_embed_mode", "0")  # the binary beside the model, not inside it
+    return options
+
+
+def refused_operators(qdq_path: Path) -> Counter[str]:
+    """Operator type -> count of the nodes QNN leaves to the CPU, found by opening the model once more with CPU
+    fallback allowed and reading onnxruntime's record of which provider took which node."""
+    ort = import_onnxruntime()
+    options = qnn_session_options(1)
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "0")
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    session = ort.InferenceSession(str(qdq_path), options)
+    return Counter(
+        node.op_type
+        for subgraph in session.get_provider_graph_assignment_info()
+        if subgraph.ep_name != QNN_EP
+        for node in subgraph.get_nodes()
+        if node.op_type not in CONVERSIONS  # graph I/O (de)quantization QNN leaves to the CPU on purpose
+    )
+
+
+def _check_whole_model_on_htp(qdq_path: Path) -> None:
+    """Open the QDQ model on the HTP with CPU fallback disabled: success means every node is on QNN."""
+    ort = import_onnxruntime()
+    try:
+        ort.InferenceSession(str(qdq_path), qnn_session_options(1))
+    except Exception as exc:  # onnxruntime's errors derive from Exception only
+        try:
+            refused = refused_operators(qdq_path)
+        except Exception:  # the diagnosis is a courtesy: the first error is the one to report
+            refused = Counter()
+        named = ", ".join(f"{op} x{count}" for op, count in sorted(refused.items()))
+        raise LoweringError(
+            f"qnn-htp: QNN's HTP backend refused {named or 'part of the model'} (CPU fallback is disabled, so the "
+            f"whole model must run on the NPU): {str(exc).strip().splitlines()[0][:300]}",
+            operators=tuple(sorted(refused)),
+        ) from exc
+
+
+def _context_binary(context_path: Path) -> str:
+    """The file name of the context binary the EP-context model points at (its EPContext node's attribute)."""
+    import onnx
+
+    for node in onnx.load(str(context_path)).graph.node:
+        if node.op_type == "EPContext":
+            for attribute in node.attribute:
+                if attribute.name == "ep_cache_context":
+                    return attribute.s.decode()
+    raise ExportError(f"qnn-htp: {context_path.name} has no EPContext node pointing at a context binary")
+
+
+def _measured_with(qnn: Qnn) -> str:
+    from onnxruntime_qnn.build_and_package_info import qnn_version
+
+    machine = platform.machine()
+    where = f"HTP emulator ({machine} QNN {qnn_version})" if machine in ("x86_64", "AMD64") else f"HTP ({machine})"
+    return (
+        f"onnxruntime-qnn {version('onnxruntime-qnn')} {where}, context binary for soc_model {qnn.soc_model} "
+        f"(HTP v{qnn.htp_arch}), CPU fallback disabled"
+    )
+
+
+class QnnHtpExporter:
+    name = "qnn-htp"
+    runtime_backend = "onnxruntime"
+    precisions = (Precision.INT8_STATIC,)
+
+    def export(self, request: ExportRequest) -> ExportedModel:
+        if request.precision not in self.precisions:
+            raise ExportError(f"qnn-htp exports int8-static only, not {request.precision.value}")
+        profile = request.profile
+        if profile is None or profile.qnn is None:
+            where = f"profile {profile.id}" if profile is not None else "the export (no profile given)"
+            raise ExportError(
+                f"qnn-htp needs the device profile's [qnn] section (soc_model, htp_arch); {where} has none"
+            )
+        check_export_tools()
+        missing = qnn_unavailable()
+        if missing is not None:
+            raise ExportError(f"qnn-htp: the QNN HTP provider is not usable here: {missing}")
+        out = request.out_dir
+        qdq_path, context_path = out / QDQ_FILE, out / MODEL_FILE
+        with tempfile.TemporaryDirectory() as scratch:
+            float_path = Path(scratch) / "float.onnx"
+            torch_to_onnx(request, float_path)
+            _quantize_for_qnn(request, float_path, qdq_path)
+        _check_whole_model_on_htp(qdq_path)
+        # The context is compiled in a scratch folder: onnxruntime refuses to overwrite, and leaves nothing half-made.
+        with tempfile.TemporaryDirectory() as scratch:
+            compiled = Path(scratch) / MODEL_FILE
+            ort = import_onnxruntime()
+            try:
+                ort.InferenceSession(str(qdq_path), _compile_options(profile.qnn, compiled))
+            except Exception as exc:  # onnxruntime's errors derive from Exception only
+                raise ExportError(
+                    f"qnn-htp: compiling the context binary for soc_model {profile.qnn.soc_model} "
+                    f"(HTP v{profile.qnn.htp_arch}) failed: {str(exc).strip().splitlines()[0][:300]}"
+                ) from exc
+            binary = _context_binary(compiled)
+            shutil.move(compiled, context_path)
+            shutil.move(Path(scratch) / binary, out / binary)
+        counted = onnx_placement(qdq_path, request.precision)
+        # The session above had CPU fallback disabled and opened: QNN took every node of the QDQ model.
+        placement = Placement(
+            accelerator=QNN_HTP,
+            ops=counted.ops,
+            accelerator_ops=counted.ops,
+            quantized_ops=counted.quantized_ops,
+            fallback=counted.fallback,
+        )
+        return ExportedModel(
+            model_file=MODEL_FILE,
+            runtime_backend=self.runtime_backend,
+            runtime=RuntimeRequirement(package="onnxruntime-qnn", min_version="2.7"),
+            input_names=tuple(request.input_names),
+            extra_files=(binary, QDQ_FILE),
+            placement=placement,
+            tool_versions={
+                "torch": version("torch"),
+                "onnxruntime": version("onnxruntime"),
+                "onnxruntime-qnn": version("onnxruntime-qnn"),
+            },
+            verification=Verification(backend="onnxruntime", measured_with=_measured_with(profile.qnn)),
+        )
