@@ -245,7 +245,7 @@ def _try_target(
         if check.measured_with:
             fidelity = fidelity.model_copy(update={"measured_with": check.measured_with})
         latency = median_latency_ms(model, validation.sample(0)) if exported.verification is None else None
-        golden = write_golden(staging, model, validation)
+        golden = write_golden(staging, model, validation, exported.output_steps)
         manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
         with _runtime_quiet():  # the final bundle must verify exactly as a device will read it
             load(staging, backend=check.backend, model_file=check.model_file, threads=1)

@@ -82,6 +82,9 @@ class ExportedModel:
     inputs: tuple[TensorSpec, ...] | None = None
     outputs: tuple[TensorSpec, ...] | None = None
     estimates: Estimates | None = None
+    # Per output: the step of an integer tensor dequantized to the float output inside the model (QDQ). Another
+    # runtime or CPU may land one step apart: golden.npz's tolerance allows two (see export/staging.py).
+    output_steps: tuple[float, ...] = ()
 
 
 class Exporter(Protocol):

@@ -122,6 +122,25 @@ def quantized_nodes(graph: Any) -> tuple[list[Any], list[Any]]:
     return quantized, left_in_float
 
 
+def qdq_output_steps(path: Path) -> tuple[float, ...]:
+    """Per graph output, the largest scale of the DequantizeLinear that makes it (0 where none does)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    producers = {output: node for node in graph.node for output in node.output}
+    steps = []
+    for output in graph.output:
+        node = producers.get(output.name)
+        scale = None
+        if node is not None and node.op_type == "DequantizeLinear" and node.input[1] in initializers:
+            scale = float(numpy_helper.to_array(initializers[node.input[1]]).max())
+        steps.append(scale or 0.0)
+    return tuple(steps)
+
+
 def profile_accelerator(profile: Profile | None) -> str | None:
     """The profile's first onnxruntime provider that is not the CPU's, or None."""
     if profile is None or profile.onnxruntime is None:
@@ -190,6 +209,7 @@ class OnnxRuntimeExporter:
             placement=onnx_placement(path, request.precision, accelerator=accelerator, unknown=unknown),
             tool_versions={"torch": version("torch"), "onnx": version("onnx"), "onnxruntime": version("onnxruntime")},
             verification=verification,
+            output_steps=qdq_output_steps(path) if request.precision is Precision.INT8_STATIC else (),
         )
 
 

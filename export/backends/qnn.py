@@ -35,6 +35,7 @@ from edgeline.export.backends.onnxruntime import (
     calibration_reader,
     check_export_tools,
     onnx_placement,
+    qdq_output_steps,
     torch_to_onnx,
 )
 from edgeline.export.errors import ExportError, LoweringError
@@ -187,4 +188,5 @@ class QnnHtpExporter:
                 "onnxruntime-qnn": version("onnxruntime-qnn"),
             },
             verification=Verification(backend="onnxruntime", measured_with=_measured_with(profile.qnn)),
+            output_steps=qdq_output_steps(qdq_path),
         )
