@@ -118,10 +118,12 @@ def _placement(ops: ProgramOps, compute_units: str, precision: Precision) -> Pla
     fallback: dict[str, int] = {}
     for op_type in ops.float_weights:
         fallback[op_type] = fallback.get(op_type, 0) + 1
+    # int8-weights declares the weights' precision only (export/placement.py's rule for weight precisions): an
+    # operation without weights has nothing to quantize and is not held against the share.
     return Placement(
         accelerator=accelerator,
         ops=len(ops.types),
-        quantized_ops=len(ops.compressed),
+        quantized_ops=len(ops.types) - len(ops.float_weights),
         fallback=fallback,
         unknown=unknown,
     )

@@ -167,7 +167,7 @@ def onnx_placement(
         accelerator=accelerator,
         ops=len(quantized) + len(left_in_float),
         accelerator_ops=accelerator_ops,
-        quantized_ops=len(quantized),
+        quantized_ops=len(quantized) if precision.integer else None,  # a float precision declares no integer ops
         fallback=dict(sorted(fallback.items())),
         unknown=unknown or {},
     )
