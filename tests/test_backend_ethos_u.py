@@ -294,7 +294,7 @@ def test_verify_warns_when_the_npu_bundle_runs_on_the_cpu(
 ) -> None:
     assert main(["verify", str(imx93_bundle)]) == 0
     out = capsys.readouterr().out
-    assert "WARNING: built for ethos-u but running on the CPU" in out
+    assert "WARNING: accelerator fallback: built for ethos-u but running on the CPU" in out
 
 
 def test_a_vela_model_without_the_int8_model_is_refused_naming_the_file(
