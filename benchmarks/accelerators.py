@@ -49,23 +49,15 @@ def single_target_profile(profile_id: str, backend: str, precision: str, work: P
 
 
 def fidelity_cell(outcome: object) -> str:
-    fid = getattr(outcome, "fidelity", None)
-    if fid is None:
-        return "-"
-    if fid.status != "measured":
-        return f"not measured ({fid.reason})"
-    if fid.accuracy is not None and fid.accuracy_float is not None:
-        figure = f"acc {fid.accuracy * 100:.1f}% (float {fid.accuracy_float * 100:.1f}%)"
-    elif fid.top1_agreement is not None:
-        figure = f"top-1 agree {fid.top1_agreement * 100:.1f}%"
-    elif fid.anomaly_agreement is not None:
-        figure = f"flags agree {fid.anomaly_agreement * 100:.1f}%"
-    else:
-        figure = f"cos min {fid.cosine_min:.4f}"
-    where = fid.measured_with or ""
-    if "HTP emulator" in where:
+    """The export table's fidelity, tagged with where it was measured when that was not the bundle's own runtime."""
+    from edgeline.export.report import TargetOutcome, fidelity_summary
+
+    assert isinstance(outcome, TargetOutcome)
+    figure = fidelity_summary(outcome)
+    where = outcome.fidelity.measured_with if outcome.fidelity is not None else None
+    if where and "HTP emulator" in where:
         figure += " [HTP emulator]"
-    elif "TFLite Micro" in where:
+    elif where and "TFLite Micro" in where:
         figure += " [TFLM, int8 model]"
     return figure
 

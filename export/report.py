@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from edgeline.manifest import Estimates, Fidelity, Placement
 
-__all__ = ["ExportReport", "TargetOutcome", "format_report", "shares"]
+__all__ = ["ExportReport", "TargetOutcome", "fidelity_summary", "format_report", "shares"]
 
 
 @dataclass
@@ -85,7 +85,7 @@ def _size(outcome: TargetOutcome) -> str:
     return f"{kib:.1f} KiB" if kib < 1024 else f"{kib / 1024:.2f} MiB"
 
 
-def _fidelity(outcome: TargetOutcome) -> str:
+def fidelity_summary(outcome: TargetOutcome) -> str:
     fid = outcome.fidelity
     if fid is None:
         return "-"
@@ -133,7 +133,7 @@ def format_report(report: ExportReport) -> str:
         where = str(o.bundle) if o.bundle is not None else (o.reason or "")
         if o.status == "selected" and any(other.status == "passed" for other in report.outcomes):
             where += "  <- the profile's order picks this one"
-        rows.append((o.backend, o.precision, o.status, _size(o), _fidelity(o), *shares(o), _latency(o), where))
+        rows.append((o.backend, o.precision, o.status, _size(o), fidelity_summary(o), *shares(o), _latency(o), where))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
