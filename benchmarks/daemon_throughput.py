@@ -1,12 +1,17 @@
 """`edgeline run` throughput and latency at QoS 1 through a local Mosquitto, against its two rooflines, side by side.
 
-Per bundle, the same N JSON messages (default 2000) are sent as fast as one publisher can (a backlog forms) to:
+Per bundle and codec, the same N messages (default 2000) are sent as fast as one publisher can (a backlog forms) to:
 
 - ``edgeline run`` as configured by default (outbox on: every answer committed to SQLite before its input is
   acknowledged), and with ``[outbox] enabled = false`` (answers handed straight to the MQTT client);
 - the transport roofline: a paho-mqtt program with no model that subscribes at QoS 1, takes the ``id`` out of each
   payload and publishes ``{"id": ...}`` at QoS 1, all on paho's network thread (MQTT 5, receive maximum 65535);
-- the hand-written baseline (paho subscribe -> json -> LiteRT invoke -> publish, inference on the network thread).
+- the hand-written baseline (paho subscribe -> decode -> LiteRT invoke -> publish, inference on the network thread).
+
+Codecs (``--codec``): ``json`` sends ``{"id": "m1", "data": [0.1234, ...]}`` (values with 4 decimals, as a sensor
+that rounds its readings sends them); ``msgpack`` sends ``{"id": "m1", "data": <float32 bytes>}``, the binary form
+``edgeline run --codec msgpack`` takes without building a Python float per value. Every consumer answers in the
+codec it was sent (the transport roofline's answer is only the id).
 
 Each consumer is a separate process; a fresh daemon gets a fresh ``--state-dir`` and a unique ``--instance``.
 The model roofline is ``edgeline.load(bundle)`` called in this process on the same inputs (already decoded):
@@ -17,7 +22,7 @@ faster of the calls the daemon can make. Rounds are interleaved; each number is 
     python benchmarks/daemon_throughput.py --write benchmarks/results/daemon_throughput.md \
         --bundle artifacts/bench/bundles/ds_cnn-litert-int8-static artifacts/bench/bundles/resnet8-litert-int8-static
 
-A smoke run: add ``--messages 300 --rounds 1``. Full scale takes about 5 minutes on a quiet 2-core machine.
+A smoke run: add ``--messages 300 --rounds 1 --codec json``. Full scale takes about 5 minutes on a quiet 2-core machine.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import paho.mqtt.client as mqtt
 
@@ -52,12 +58,15 @@ STOP_TIMEOUT_S = 30.0
 # The baseline a user would write in ~30 lines: inference on paho's network thread, no checks, no queue.
 BASELINE = """
 import json, sys
+import msgpack
+import msgpack
 import numpy as np
 import paho.mqtt.client as mqtt
 from ai_edge_litert.interpreter import Interpreter
 
-model, host, port, topic_in, topic_out, qos, client_id = sys.argv[1:8]
+model, host, port, topic_in, topic_out, qos, client_id, codec = sys.argv[1:9]
 port, qos = int(port), int(qos)
+loads, dumps = (json.loads, lambda r: json.dumps(r).encode()) if codec == "json" else (msgpack.unpackb, msgpack.packb)
 it = Interpreter(model_path=model, num_threads=1)
 it.allocate_tensors()
 inp, out = it.get_input_details()[0], it.get_output_details()[0]
@@ -65,8 +74,9 @@ in_scale, in_zero = inp["quantization"]
 out_scale, out_zero = out["quantization"]
 
 def on_message(client, userdata, msg):
-    message = json.loads(msg.payload)
-    x = np.asarray(message["data"], dtype=np.float32).reshape(inp["shape"])
+    message = loads(msg.payload)
+    data = message["data"]
+    x = (np.frombuffer(data, "<f4") if isinstance(data, bytes) else np.asarray(data, np.float32)).reshape(inp["shape"])
     if inp["dtype"] == np.int8:
         x = np.clip(np.round(x / in_scale) + in_zero, -128, 127).astype(np.int8)
     it.set_tensor(inp["index"], x)
@@ -75,7 +85,7 @@ def on_message(client, userdata, msg):
     if out["dtype"] == np.int8:
         y = (y.astype(np.float32) - out_zero) * out_scale
     result = {"id": message.get("id"), "outputs": y.tolist(), "label": int(np.argmax(y))}
-    client.publish(topic_out, json.dumps(result), qos=qos)
+    client.publish(topic_out, dumps(result), qos=qos)
 
 client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id)
 client.on_connect = lambda c, *a: c.subscribe(topic_in, qos=qos)
@@ -85,23 +95,28 @@ client.loop_forever()
 """
 
 # The transport roofline: what MQTT alone costs per message, as a careful paho program does it. Everything runs
-# on the network thread (no hand-off), only the id is taken out of the payload (a regex on the first bytes, no
-# JSON decoding of the data), and nothing limits the number of messages in flight either way.
+# on the network thread (no hand-off), only the id is taken out of the payload (JSON: a regex on the first bytes,
+# no decoding of the data; MessagePack: unpacking, which leaves the data as one bytes object), and nothing limits
+# the number of messages in flight either way.
 TRANSPORT = """
 import re, sys
+import msgpack
 import orjson
 import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-host, port, topic_in, topic_out, qos, client_id = sys.argv[1:7]
+host, port, topic_in, topic_out, qos, client_id, codec = sys.argv[1:8]
 port, qos = int(port), int(qos)
 ID = re.compile(rb'"id"\\s*:\\s*"([^"]*)"')
 
 def on_message(client, userdata, msg):
-    found = ID.search(msg.payload)
-    identity = found.group(1).decode() if found else None
-    client.publish(topic_out, orjson.dumps({"id": identity}), qos=qos)
+    if codec == "json":
+        found = ID.search(msg.payload)
+        identity = found.group(1).decode() if found else None
+        client.publish(topic_out, orjson.dumps({"id": identity}), qos=qos)
+    else:
+        client.publish(topic_out, msgpack.packb({"id": msgpack.unpackb(msg.payload)["id"]}), qos=qos)
 
 client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
 client.max_inflight_messages_set(65535)
@@ -135,7 +150,7 @@ class Run:
     """The consumer process's CPU time (user + system) per message sent, over the run."""
 
 
-def drive(broker: Broker, topic: str, payloads: list[bytes], timeout: float) -> Run:
+def drive(broker: Broker, topic: str, payloads: list[bytes], timeout: float, codec: str = "json") -> Run:
     """Send every payload as fast as one publisher can; collect answers; throughput and send-to-answer latency.
 
     Throughput is answers over the time from the first publish to the last answer; the sending rate is messages
@@ -149,9 +164,11 @@ def drive(broker: Broker, topic: str, payloads: list[bytes], timeout: float) -> 
     done = threading.Event()
     lock = threading.Lock()
 
+    loads = json.loads if codec == "json" else msgpack.unpackb
+
     def on_message(client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         now = time.perf_counter()
-        record = json.loads(msg.payload)
+        record = loads(msg.payload)
         identity = record.get("id")
         with lock:
             if "error" in record:
@@ -225,17 +242,17 @@ def wait_ready(broker: Broker, process: subprocess.Popen[bytes], client_id: str,
 
 def consumer_command(
     name: str, bundle: Path, broker: Broker, topic: str, client_id: str, scripts: dict[str, Path], state: Path,
-    instance: str,
+    instance: str, codec: str,
 ) -> list[str]:  # fmt: skip
     if name == BASELINE_ROW:
         return [sys.executable, str(scripts["baseline"]), str(bundle / "model.tflite"), broker.host, str(broker.port),
-                f"{topic}/in/+", f"{topic}/out/dev", str(QOS), client_id]  # fmt: skip
+                f"{topic}/in/+", f"{topic}/out/dev", str(QOS), client_id, codec]  # fmt: skip
     if name == TRANSPORT_ROW:
         return [sys.executable, str(scripts["transport"]), broker.host, str(broker.port), f"{topic}/in/+",
-                f"{topic}/out/dev", str(QOS), client_id]  # fmt: skip
+                f"{topic}/out/dev", str(QOS), client_id, codec]  # fmt: skip
     command = [sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--broker", broker.address,
                "--subscribe", f"{topic}/in/+", "--publish", f"{topic}/out/{{device}}", "--qos", str(QOS),
-               "--state-dir", str(state), "--instance", instance]  # fmt: skip
+               "--state-dir", str(state), "--instance", instance, "--codec", codec]  # fmt: skip
     if name == OUTBOX_OFF:
         command += ["--config", str(scripts["outbox_off"])]
     return command
@@ -247,9 +264,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def processor_cost(bundle: Path, payloads: list[bytes]) -> float:
+def processor_cost(bundle: Path, payloads: list[bytes], codec: str) -> float:
     """Microseconds per message of the daemon's own work, in-process and without MQTT: ``Processor.process``
-    (size check, JSON decode with its checks, model call, interpretation, JSON encode, metrics)."""
+    (size check, decode with its checks, model call, interpretation, encode, metrics)."""
     import edgeline
     from edgeline.daemon.codecs import get_codec
     from edgeline.daemon.health import Metrics
@@ -257,7 +274,7 @@ def processor_cost(bundle: Path, payloads: list[bytes]) -> float:
     from edgeline.daemon.processor import Processor
 
     model = edgeline.load(bundle)
-    processor = Processor(model, get_codec("json"), Metrics(model=model.name, version=1), publish="out/{device}")
+    processor = Processor(model, get_codec(codec), Metrics(model=model.name, version=1), publish="out/{device}")
     messages = [Message("in/dev", payload, "dev") for payload in payloads]
     for message in messages[:50]:  # warm-up
         processor.process(message)
@@ -269,21 +286,21 @@ def processor_cost(bundle: Path, payloads: list[bytes]) -> float:
 
 def run_consumer(
     name: str, bundle: Path, model_name: str, broker: Broker, payloads: list[bytes], scratch: Path,
-    scripts: dict[str, Path], tag: str,
+    scripts: dict[str, Path], tag: str, codec: str,
 ) -> Run:  # fmt: skip
     topic = f"bench/{tag}"
     unique = uuid.uuid4().hex[:10]
     daemon = name in (OUTBOX_ON, OUTBOX_OFF)
     client_id = f"edgeline-{model_name}-bench-{unique}" if daemon else f"bench-{unique}"
     state = Path(tempfile.mkdtemp(prefix="state-", dir=scratch))
-    command = consumer_command(name, bundle, broker, topic, client_id, scripts, state, f"bench-{unique}")
+    command = consumer_command(name, bundle, broker, topic, client_id, scripts, state, f"bench-{unique}", codec)
     since = broker.log_size()
     with open(scratch / f"{unique}.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_ready(broker, process, client_id, f"{topic}/in/+", since)
             before = cpu_seconds(process.pid)
-            run = drive(broker, topic, payloads, timeout=max(60.0, len(payloads) / 20))
+            run = drive(broker, topic, payloads, timeout=max(60.0, len(payloads) / 20), codec=codec)
             run.cpu_us = (cpu_seconds(process.pid) - before) / len(payloads) * 1e6
             return run
         finally:
@@ -318,18 +335,25 @@ def model_rooflines(bundle: Path, arrays: list[np.ndarray], max_batch: int) -> t
     return single, batched, f"the daemon batches up to {size}"
 
 
+def make_payloads(data: list[np.ndarray], codec: str) -> list[bytes]:
+    if codec == "json":  # float64 values with 4 decimals print as "0.1234"
+        return [json.dumps({"id": f"m{i}", "data": d.tolist()}).encode() for i, d in enumerate(data)]
+    return [msgpack.packb({"id": f"m{i}", "data": d.astype("<f4").tobytes()}) for i, d in enumerate(data)]
+
+
 def measure_bundle(
-    broker: Broker, bundle: Path, scratch: Path, scripts: dict[str, Path], messages: int, rounds: int, max_batch: int
-) -> str:
+    broker: Broker, bundle: Path, scratch: Path, scripts: dict[str, Path], messages: int, rounds: int, max_batch: int,
+    codec: str,
+) -> str:  # fmt: skip
     import edgeline
 
     manifest = edgeline.read_bundle(bundle).manifest
     spec = manifest.inputs[0]
     rng = np.random.default_rng(0)
     count = int(np.prod(spec.shape))
-    data = [rng.random(count, dtype=np.float32).round(4) for _ in range(messages)]
-    payloads = [json.dumps({"id": f"m{i}", "data": d.tolist()}).encode() for i, d in enumerate(data)]
-    arrays = [np.asarray(d.tolist(), dtype=np.float32).reshape(spec.shape) for d in data]
+    data = [np.round(rng.random(count), 4) for _ in range(messages)]
+    payloads = make_payloads(data, codec)
+    arrays = [d.astype(np.float32).reshape(spec.shape) for d in data]
     runs: dict[str, list[Run]] = {name: [] for name in CONSUMERS}
     singles: list[float] = []
     costs: list[float] = []
@@ -338,11 +362,11 @@ def measure_bundle(
     for round_index in range(rounds):  # interleaved; the order turns each round
         order = CONSUMERS[round_index % len(CONSUMERS) :] + CONSUMERS[: round_index % len(CONSUMERS)]
         for number, name in enumerate(order):
-            tag = f"{bundle.name}/{round_index}/{number}"
-            print(f"[{bundle.name}] round {round_index + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
-            runs[name].append(run_consumer(name, bundle, manifest.name, broker, payloads, scratch, scripts, tag))
+            tag = f"{bundle.name}/{codec}/{round_index}/{number}"
+            print(f"[{bundle.name} {codec}] round {round_index + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
+            runs[name].append(run_consumer(name, bundle, manifest.name, broker, payloads, scratch, scripts, tag, codec))
         single, batched, batching = model_rooflines(bundle, arrays, max_batch)
-        costs.append(processor_cost(bundle, payloads))
+        costs.append(processor_cost(bundle, payloads, codec))
         singles.append(single)
         if batched is not None:
             batches.append(batched)
@@ -350,8 +374,9 @@ def measure_bundle(
     def median(name: str, field: str) -> float:
         return statistics.median(getattr(r, field) for r in runs[name])
 
+    size = statistics.median(len(p) for p in payloads)
     lines = [
-        f"### `{bundle.name}` ({batching})",
+        f"### `{bundle.name}`, {codec} ({size:.0f}-byte messages; {batching})",
         "",
         "| consumer | answered / sent | errors | sent msg/s | throughput msg/s | latency p50 ms | latency p99 ms "
         "| CPU µs/msg |",
@@ -404,6 +429,7 @@ def main() -> int:
     parser.add_argument(
         "--bundle", type=Path, nargs="+", default=[Path("artifacts/bench/bundles/ds_cnn-litert-int8-static")]
     )
+    parser.add_argument("--codec", nargs="+", choices=["json", "msgpack"], default=["json", "msgpack"])
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--write", type=Path)
@@ -425,12 +451,16 @@ def main() -> int:
         scripts["outbox_off"] = scratch / "outbox_off.toml"
         scripts["outbox_off"].write_text("[outbox]\nenabled = false\n")
         for bundle in args.bundle:
-            tables.append(measure_bundle(broker, bundle, scratch, scripts, args.messages, args.rounds, max_batch))
+            for codec in args.codec:
+                tables.append(
+                    measure_bundle(broker, bundle, scratch, scripts, args.messages, args.rounds, max_batch, codec)
+                )
     publish(
         "\n\n".join(tables),
         script=__file__,
         title="Daemon throughput at QoS 1 against its rooflines",
-        intro=f"{args.messages} JSON messages per run at QoS 1, sent as fast as one publisher can through a local "
+        intro=f"{args.messages} messages per run at QoS 1 ({' and '.join(args.codec)}), sent as fast as one "
+        "publisher can through a local "
         "Mosquitto (`sent msg/s`: from the first publish to the last PUBACK); "
         f"median of {args.rounds} interleaved rounds. Latency is from publish to the "
         "answer's arrival at a subscriber, so under this backlog it is mostly queueing. The daemon runs with every "

@@ -301,22 +301,26 @@ def test_binary_codecs_and_the_error_topic_through_the_broker(
             process.communicate(timeout=10)
 
 
-def gated_daemon(broker: Broker, bundle: Path, topic: str, policy: str, capacity: int) -> tuple[Any, Any, Any]:
+def gated_daemon(
+    broker: Broker, bundle: Path, topic: str, policy: str, capacity: int, sections: dict[str, Any] | None = None
+) -> tuple[Any, Any, Any]:
     """A daemon in this process whose worker waits at a gate before its first inference: a consumer slower than
-    the stream, made deterministic. Broker, client, queue and model are the real ones."""
+    the stream, made deterministic. Broker, client, queue and model are the real ones. ``sections`` add to the
+    configuration's sections."""
     from edgeline.daemon.config import DaemonConfig
     from edgeline.daemon.service import Daemon
     from tests.mqtt_broker import free_port
 
-    config = DaemonConfig.model_validate(
-        {
-            "broker": {"host": broker.host, "port": broker.port, "client_id": f"gated-{policy}"},
-            "input": {"subscribe": [f"{topic}/in/+"]},
-            "output": {"publish": f"{topic}/out/{{device}}"},
-            "queue": {"capacity": capacity, "policy": policy},
-            "health": {"status_topic": f"{topic}/status", "status_interval_s": 0.2, "prometheus_port": free_port()},
-        }
-    )
+    settings: dict[str, dict[str, Any]] = {
+        "broker": {"host": broker.host, "port": broker.port, "client_id": f"gated-{policy}"},
+        "input": {"subscribe": [f"{topic}/in/+"]},
+        "output": {"publish": f"{topic}/out/{{device}}"},
+        "queue": {"capacity": capacity, "policy": policy},
+        "health": {"status_topic": f"{topic}/status", "status_interval_s": 0.2, "prometheus_port": free_port()},
+    }
+    for name, values in (sections or {}).items():
+        settings[name] = {**settings.get(name, {}), **values}
+    config = DaemonConfig.model_validate(settings)
     daemon = Daemon(bundle, config)
     gate, entered = threading.Event(), threading.Event()
     process = daemon.processor.process
@@ -410,6 +414,41 @@ def test_a_full_block_queue_holds_the_stream_back_and_loses_nothing(
         assert sorted(a["id"] for a in answers) == sorted(f"m{i}" for i in range(8))
         assert all("error" not in a for a in answers)
         assert daemon.queue.stats().dropped == 0
+        results.close()
+    finally:
+        gate.set()
+        daemon.stop()
+
+
+@pytest.mark.workstation  # its daemon serves metrics: prometheus-client (metrics extra)
+@pytest.mark.parametrize("on_disk", [True, False], ids=["outbox", "memory-outbox"])
+def test_answers_the_client_cannot_take_wait_in_the_outbox_and_leave_in_order(
+    broker: Broker, built_litert_bundle: Path, unique_topic: str, tmp_path: Path, on_disk: bool
+) -> None:
+    """40 answers at once against a client that holds 4 publishes: the rest wait in the outbox, are read back as
+    PUBACKs make room, and reach the subscriber in the order they were answered, each once."""
+    daemon, gate, entered = gated_daemon(
+        broker, built_litert_bundle, unique_topic, "block", capacity=64,
+        sections={
+            "broker": {"max_queued": 4, "max_inflight": 16, "client_id": f"spill-{on_disk}"},
+            "outbox": {"enabled": on_disk},
+            "daemon": {"state_dir": str(tmp_path / "state")},
+        },
+    )  # fmt: skip
+    try:
+        results = Collector(broker, f"{unique_topic}/out/#")
+        payloads = [json.dumps({"id": f"m{i}", "data": [i / 100] * 64}).encode() for i in range(40)]
+        publish_behind_a_busy_worker(broker, f"{unique_topic}/in/cam", payloads, entered)
+        assert wait_until(lambda: daemon.queue.stats().enqueued == 40)
+        gate.set()
+        answers = [json.loads(p) for _, p, _ in results.wait_for(40)]
+        time.sleep(0.5)  # anything extra would arrive now
+        assert len(results.messages) == 40
+        assert all("error" not in a for a in answers)
+        assert [a["seq"] for a in answers] == list(range(1, 41))  # the order they were answered in
+        assert sorted(a["id"] for a in answers) == sorted(f"m{i}" for i in range(40))
+        assert wait_until(lambda: daemon.outbox is not None and daemon.outbox.depth == 0)
+        assert daemon.status()["counts"]["outbox_read_back"] >= 30  # the client took 4 at most: the rest came back
         results.close()
     finally:
         gate.set()

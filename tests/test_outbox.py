@@ -1,6 +1,7 @@
 """The outbox's contract, on disk (SQLite) and in memory (``[outbox] enabled = false``): oldest first, bounded by
 count and bytes (the oldest go, counted), a time to live (expired answers are dropped and counted, never handed
-out), removal on PUBACK, rewind after a lost connection; and on disk, what was committed survives a new process."""
+out), removal on PUBACK, batched with the next commit, reading back from any seq; and on disk, what was committed
+survives a new process."""
 
 from __future__ import annotations
 
@@ -34,19 +35,30 @@ def answers(count: int, start: int = 0, size: int = 10) -> list[tuple[str, bytes
     return [(f"results/d{i}", bytes([i % 256]) * size, time.time()) for i in range(start, start + count)]
 
 
-def test_answers_come_out_oldest_first_once_and_leave_on_removal(make: MakeBox) -> None:
+def test_answers_come_out_oldest_first_and_leave_on_removal(make: MakeBox) -> None:
     box = make()
-    box.add(answers(5))
+    added = box.add(answers(5))
+    assert [p.topic for p in added] == [f"results/d{i}" for i in range(5)]
+    assert [p.seq for p in added] == sorted({p.seq for p in added})  # committed seqs, handed back in order
     first = box.take(3)
-    assert [p.topic for p in first] == ["results/d0", "results/d1", "results/d2"]
-    assert [p.topic for p in box.take(10)] == ["results/d3", "results/d4"]
-    assert box.take(10) == []  # taken answers are not offered again until a rewind
+    assert first == added[:3]
+    assert [p.topic for p in box.take(10, after=first[-1].seq)] == ["results/d3", "results/d4"]
+    assert box.take(10, after=added[-1].seq) == []
     box.remove([p.seq for p in first])
     assert box.depth == 2
-    box.rewind()  # the connection was lost: what was taken and not acknowledged is offered again
-    assert [p.topic for p in box.take(10)] == ["results/d3", "results/d4"]
+    assert [p.topic for p in box.take(10)] == ["results/d3", "results/d4"]  # what is left, from the start
     stats = box.stats()
     assert (stats.added, stats.removed, stats.depth, stats.bytes) == (5, 3, 2, 20)
+
+
+def test_acknowledged_answers_leave_in_the_next_commit(make: MakeBox) -> None:
+    box = make()
+    first = box.add(answers(600))  # past one DELETE statement's worth of seqs
+    second = box.add(answers(2, start=600), remove=[p.seq for p in first])
+    assert box.depth == 2 and box.take(10) == second
+    stats = box.stats()
+    assert (stats.added, stats.removed, stats.bytes) == (602, 600, 20)
+    assert box.add([], remove=[second[0].seq]) == [] and [p.topic for p in box.take(10)] == ["results/d601"]
 
 
 def test_past_the_count_cap_the_oldest_are_dropped_and_counted(make: MakeBox) -> None:
@@ -55,6 +67,7 @@ def test_past_the_count_cap_the_oldest_are_dropped_and_counted(make: MakeBox) ->
     box.add(answers(3, start=3))
     assert [p.topic for p in box.take(10)] == ["results/d2", "results/d3", "results/d4", "results/d5"]
     assert box.stats().overflowed == 2
+    assert [p.topic for p in box.add(answers(6, start=6))] == ["results/d8", "results/d9", "results/d10", "results/d11"]
 
 
 def test_past_the_byte_cap_the_oldest_are_dropped_and_counted(make: MakeBox) -> None:
@@ -69,6 +82,7 @@ def test_expired_answers_are_dropped_never_handed_out(make: MakeBox) -> None:
     time.sleep(0.3)
     box.add(answers(1, start=3))
     assert [p.topic for p in box.take(10)] == ["results/d3"]
+    assert box.expire() == 3
     stats = box.stats()
     assert stats.expired == 3 and stats.depth == 1
     assert stats.oldest_age_s is not None and stats.oldest_age_s < 0.2

@@ -8,19 +8,29 @@
     MqttSink         answers → publishes whose ``on_done`` fires on the broker's PUBACK (or its refusal)
 
 paho's objects (``MQTTMessage``, reason codes, properties) are converted here into our own values; nothing past
-this module imports paho. A failure to connect at start (refused, bad credentials, untrusted certificate) raises an
-``EdgelineError`` naming the cause within seconds; once running, the connection retries for ever.
+this module imports paho.
+
+Only the network thread touches the paho client. It runs our own select loop over paho's external-loop API
+(``loop_read``, ``loop_write``, ``loop_misc``), so that other threads never write to the socket (over TLS that
+corrupts the session) and never wake the loop once per packet: they hand it work with ``call_soon``, one closure
+for a whole batch of publishes and acknowledgements, and one wake-up.
+
+A failure to connect at start (refused, bad credentials, untrusted certificate) raises an ``EdgelineError``
+naming the cause within seconds; once running, the connection retries for ever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
+import select
 import socket
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -162,11 +172,8 @@ class MqttConnection:
         paho_log.propagate = False
         paho_log.addHandler(_LastError(self))
         client.enable_logger(paho_log)
-        # Only our network thread may touch the socket. Without loop_start() (no paho thread) and without this
-        # callback, paho's publish() and ack() write to the socket at once from the calling thread (worker,
-        # publisher, status), concurrently with our loop(): over TLS that corrupts the session (OpenSSL's
-        # "decryption failed or bad record mac", then a reconnection and redelivered inputs). With it, they only
-        # queue the packet and wake loop() through paho's socket pair; loop() writes it.
+        # Only our network thread touches the client (see the module's docstring). With this callback set and no
+        # loop_start(), paho's publish() and ack() only queue the packet, and our loop writes it.
         client.on_socket_register_write = lambda *_: None
         self._client = client
         self.connected = threading.Event()
@@ -185,12 +192,25 @@ class MqttConnection:
         self._last_error: str | None = None
         self._lost_at: float | None = None
         self._thread: threading.Thread | None = None
+        self._thread_id: int | None = None
+        self._posted: deque[Callable[[], None]] = deque()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._wake_pending = False
+        self._tick: Callable[[], None] | None = None
+        self._expiry: tuple[int, Any] = (0, None)  # the last MessageExpiryInterval's Properties, reused
 
     # -- configuration, before start -----------------------------------------------------------------------
     def subscribe(self, filters: Sequence[TopicFilter], qos: int, on_input: OnMessage) -> None:
         """Subscribe on every connect; ``on_input(topic, payload, ack)`` runs on the network thread."""
         self._subscriptions = [(f.pattern, qos) for f in filters]
         self._on_input = on_input
+
+    def on_tick(self, tick: Callable[[], None]) -> None:
+        """Run ``tick()`` on the network thread at every turn of its loop (at least every ``LOOP_TICK_S``), connected
+        or not: the daemon refills the client from its outbox there. It must be cheap when it has nothing to do."""
+        self._tick = tick
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self, run: Callable[[Callable[[], None]], threading.Thread]) -> None:
@@ -221,17 +241,28 @@ class MqttConnection:
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect cleanly (MQTT 5: the session stays for its expiry interval) and stop the network thread."""
         was_connected = self.connected.is_set()
-        self._closing.set()
-        if was_connected:
-            try:
-                self._client.disconnect()
-            except Exception as exc:  # pragma: no cover - a socket error while leaving
-                log.debug("disconnect: %s", exc)
-        if self._thread is not None and self._thread is not threading.current_thread():
+
+        def leave() -> None:
+            self._closing.set()
+            if was_connected:
+                try:
+                    self._client.disconnect()
+                except Exception as exc:  # pragma: no cover - a socket error while leaving
+                    log.debug("disconnect: %s", exc)
+
+        if self._thread is None or not self._thread.is_alive() or self._thread is threading.current_thread():
+            leave()
+        else:
+            self.call_soon(leave)
             self._thread.join(timeout + LOOP_TICK_S * 2)
+            self._closing.set()  # the thread may have died before it ran ``leave``
+        if self._thread is None or not self._thread.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
 
     def _network(self) -> None:
         """Our loop instead of paho's: its back-off has no jitter and its log says nothing per attempt."""
+        self._thread_id = threading.get_ident()
         attempt = 0
         while not self._closing.is_set():
             try:
@@ -244,18 +275,11 @@ class MqttConnection:
                 attempt += 1
                 delay = self._backoff(attempt)
                 log.debug("broker %s: %s; attempt %d, next in %.1f s", self.address, self._last_error, attempt, delay)
-                self._closing.wait(delay)
+                self._wait(delay)
                 continue
             generation = self.generation
-            while not self._closing.is_set():
-                rc = self._client.loop(LOOP_TICK_S)
-                if rc != self._mqtt.MQTT_ERR_SUCCESS:
-                    break
+            self._serve()
             if self._closing.is_set():
-                # let a DISCONNECT written by close() leave before the socket goes
-                for _ in range(5):
-                    if self._client.loop(0.05) != self._mqtt.MQTT_ERR_SUCCESS:
-                        break
                 return
             if not self._outcome.is_set():  # lost before the CONNACK: TLS alerts, a refused client certificate
                 self._fail(self._lost_before_connack())
@@ -265,7 +289,79 @@ class MqttConnection:
             self.connected.clear()
             delay = self._backoff(attempt)
             log.debug("broker %s: reconnecting in %.1f s (attempt %d)", self.address, delay, attempt)
-            self._closing.wait(delay)
+            self._wait(delay)
+
+    def _serve(self) -> None:
+        """One connection's life: what other threads posted, then paho's reads, writes and keepalive, until the
+        connection ends. After ``close`` it only lets the DISCONNECT leave (a short grace)."""
+        client, success = self._client, self._mqtt.MQTT_ERR_SUCCESS
+        wake = self._wake_r
+        grace: float | None = None
+        while True:
+            sock = client.socket()
+            if sock is None:
+                return
+            if self._closing.is_set():
+                if grace is None:
+                    grace = time.monotonic() + 0.25
+                elif time.monotonic() > grace:
+                    return
+            self._run_posted()
+            buffered = sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
+            try:
+                readable, _, _ = select.select(
+                    [sock, wake], [sock] if client.want_write() else [], [], 0.0 if buffered else LOOP_TICK_S
+                )
+            except (OSError, ValueError):  # the socket went away under us
+                return
+            if wake in readable:
+                self._drain_wake()
+            if (sock in readable or buffered) and (client.loop_read() != success or client.socket() is None):
+                return
+            if client.want_write() and client.loop_write() != success:
+                return
+            if client.loop_misc() != success:
+                return
+
+    def _wait(self, delay: float) -> None:
+        """Between connection attempts: still run what other threads post (they may be waiting on it)."""
+        end = time.monotonic() + delay
+        while not self._closing.is_set() and (left := end - time.monotonic()) > 0:
+            select.select([self._wake_r], [], [], min(left, LOOP_TICK_S))
+            self._drain_wake()
+            self._run_posted()
+
+    def _drain_wake(self) -> None:
+        self._wake_pending = False  # before reading: a post after this point wakes the next select
+        with contextlib.suppress(OSError):  # BlockingIOError: nothing more to read
+            while self._wake_r.recv(4096):
+                pass
+
+    def _run_posted(self) -> None:
+        posted = self._posted
+        while posted:
+            try:
+                posted.popleft()()
+            except Exception:
+                log.exception("a task on the network thread failed")
+        if self._tick is not None:
+            try:
+                self._tick()
+            except Exception:
+                log.exception("the network thread's tick failed")
+
+    def call_soon(self, task: Callable[[], None]) -> None:
+        """Run ``task()`` on the network thread, soon, in the order posted (any thread; one wake-up however many
+        tasks are waiting). Tasks that publish or acknowledge do it there, without another hand-off."""
+        self._posted.append(task)
+        if not self._wake_pending:
+            self._wake_pending = True
+            with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed (we are done)
+                self._wake_w.send(b"\0")
+
+    @property
+    def on_network_thread(self) -> bool:
+        return threading.get_ident() == self._thread_id
 
     def _lost_before_connack(self) -> str:
         """The cause of a connection the broker ended before its CONNACK. Over TLS that is how mosquitto refuses a
@@ -348,7 +444,9 @@ class MqttConnection:
             log.exception("handling a message from %s failed", getattr(message, "topic", "?"))
 
     def _ack(self, generation: int, mid: int, qos: int) -> None:
-        if generation == self.generation and self.connected.is_set():
+        if not self.on_network_thread:
+            self.call_soon(lambda: self._ack(generation, mid, qos))
+        elif generation == self.generation and self.connected.is_set():
             self._client.ack(mid, qos)
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, properties: Any) -> None:
@@ -383,11 +481,27 @@ class MqttConnection:
         done: PublishDone | None = None,
     ) -> bool:
         """Hand one message to the client; False when it could not take it (its queue is full: try later).
-        ``done`` fires when the broker acknowledges (QoS 1) or the message is written (QoS 0)."""
+        ``done`` fires when the broker acknowledges (QoS 1) or the message is written (QoS 0).
+
+        From another thread than the network thread, the publish is posted there (``call_soon``) and this returns
+        True: fine for status and availability messages; a stream of answers is posted in batches instead."""
+        if not self.on_network_thread:
+            self.call_soon(
+                lambda: (
+                    None
+                    if self.publish(topic, payload, qos=qos, retain=retain, expiry_s=expiry_s, done=done)
+                    else self._finish(done, False, "the MQTT client's queue is full")
+                )
+            )
+            return True
         properties = None
         if self.v5 and expiry_s is not None:
-            properties = self._Properties(self._PacketTypes.PUBLISH)
-            properties.MessageExpiryInterval = max(1, int(expiry_s))
+            seconds = max(1, int(expiry_s))
+            if self._expiry[0] != seconds:  # within one second, every answer gets the same one: build it once
+                properties = self._Properties(self._PacketTypes.PUBLISH)
+                properties.MessageExpiryInterval = seconds
+                self._expiry = (seconds, properties)
+            properties = self._expiry[1]
         try:
             info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
         except ValueError as exc:  # an invalid topic: checked before, so a bug of ours if it happens
@@ -409,8 +523,13 @@ class MqttConnection:
 
     @property
     def in_flight(self) -> int:
+        """Publishes handed to the client and not yet acknowledged (or written, at QoS 0)."""
         with self._publish_lock:
             return len(self._pending)
+
+    @property
+    def max_queued(self) -> int:
+        return self.config.max_queued
 
 
 class MqttSource:

@@ -1,7 +1,9 @@
 """The durable outbox: answers wait here, on disk, until the broker has acknowledged them.
 
-    worker ──add(answers) + commit──► outbox.sqlite (WAL) ──take()──► MQTT publish, QoS 1 ──PUBACK──► remove()
-                └─► only then the inputs' PUBACKs go to the broker (the MQTT source's ``Message.ack``)
+    committer ──add(answers, remove=acknowledged) + commit──► outbox.sqlite (WAL)
+        └─► only then: the committed answers go to the MQTT client (QoS 1), the inputs' PUBACKs to the broker
+    MQTT client ──PUBACK──► acknowledged, removed by the next commit
+    after an outage or a restart: take(after=seq) reads back what the client was not handed
 
 So at every instant an input is either unacknowledged at the broker (which redelivers it to the next run) or its
 answer is committed here: a SIGKILL, a power cut (``synchronous = "full"``: every commit is fsync'ed) or a broker
@@ -14,8 +16,12 @@ ones, and the alternative, refusing new answers, would stall the stream behind a
 An answer older than ``ttl_s`` is dropped without being sent (counted as ``ttl_expired``), never delivered late;
 at the broker, MQTT 5's message expiry carries the rest of its time to live.
 
-One SQLite connection, used under a lock from the worker (add), the publisher (take, remove) and the status thread
-(stats): every operation is a short transaction.
+``add`` returns what it committed, seqs included, so the answers go to the client straight from memory; the table
+is read back only for what the client could not take at once (it was disconnected, or its queue was full), and
+after a restart. Removals are batched: the acknowledged answers of a whole stretch go in the next commit.
+
+One SQLite connection, used under a lock from the committer (add, remove, expire), the network thread (take, on
+refills) and the status thread (stats): every operation is a short transaction.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ import logging
 import sqlite3
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +51,10 @@ CREATE TABLE IF NOT EXISTS answers (
     received REAL NOT NULL
 )
 """
+
+
+DELETE_CHUNK = 500
+"""Seqs per DELETE statement (SQLite's oldest limit on parameters is 999)."""
 
 
 @dataclass(frozen=True)
@@ -98,23 +108,28 @@ class Outbox:
             raise EdgelineError(f"outbox {path}: {exc}") from exc
         self._depth, self._bytes = int(depth), int(size)
         self._added = self._removed = self._expired = self._overflowed = 0
-        self._last_taken = 0
-        self._next_expiry = 0.0
+        self._floor = 0
+        """The highest seq the bounds dropped."""
 
     # -- worker ----------------------------------------------------------------------------------------------
-    def add(self, answers: Sequence[tuple[str, bytes, float]]) -> None:
-        """Commit ``(topic, payload, received)`` answers in one transaction; returns once they are on disk."""
+    def add(self, answers: Sequence[tuple[str, bytes, float]], *, remove: Sequence[int] = ()) -> list[Pending]:
+        """Commit ``(topic, payload, received)`` answers, and forget the acknowledged ``remove``, in one
+        transaction; return once they are on disk, with what was committed (oldest first; without those the
+        bounds dropped at once)."""
         if not answers:
-            return
+            self.remove(remove)
+            return []
         now = time.time()
         rows = [(topic, payload, now, received) for topic, payload, received in answers]
         size = sum(len(payload) for _, payload, _ in answers)
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                gone = self._delete_seqs(remove)
                 self._db.executemany(
                     "INSERT INTO answers (topic, payload, created, received) VALUES (?, ?, ?, ?)", rows
                 )
+                (last,) = self._db.execute("SELECT last_insert_rowid()").fetchone()
                 self._depth += len(rows)
                 self._bytes += size
                 self._make_room()
@@ -124,6 +139,13 @@ class Outbox:
                 self._depth, self._bytes = self._count()
                 raise
             self._added += len(rows)
+            self._removed += gone
+        first = int(last) - len(rows) + 1  # one writer, inside one transaction: consecutive seqs
+        return [
+            Pending(first + i, topic, payload, now, received)
+            for i, (topic, payload, _, received) in enumerate(rows)
+            if first + i > self._floor
+        ]
 
     def _make_room(self) -> None:
         """Inside a transaction: drop the oldest answers until both bounds hold again."""
@@ -135,6 +157,7 @@ class Outbox:
             if not victims:
                 return
             self._db.execute("DELETE FROM answers WHERE seq <= ?", (victims[-1][0],))
+            self._floor = max(self._floor, int(victims[-1][0]))
             self._depth -= len(victims)
             self._bytes -= sum(length for _, length in victims)
             self._overflowed += len(victims)
@@ -143,39 +166,35 @@ class Outbox:
                 self.max_bytes, len(victims),
             )  # fmt: skip
 
-    # -- publisher ---------------------------------------------------------------------------------------------
-    def take(self, limit: int) -> list[Pending]:
-        """Up to ``limit`` answers not taken before (by this process), oldest first. Expired ones are dropped
-        (checked at most once a second: a scan of the table)."""
-        if time.monotonic() >= self._next_expiry:
-            self._next_expiry = time.monotonic() + 1.0
-            self.expire()
+    # -- the network thread, on refills ------------------------------------------------------------------------
+    def take(self, limit: int, *, after: int = 0) -> list[Pending]:
+        """Up to ``limit`` answers with a seq above ``after``, oldest first, leaving out those past their time to
+        live (``expire`` drops and counts them)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT seq, topic, payload, created, received FROM answers WHERE seq > ? ORDER BY seq LIMIT ?",
-                (self._last_taken, limit),
+                "SELECT seq, topic, payload, created, received FROM answers WHERE seq > ? AND created >= ? "
+                "ORDER BY seq LIMIT ?",
+                (after, time.time() - self.ttl_s, limit),
             ).fetchall()
-        if rows:
-            self._last_taken = rows[-1][0]
         return [
             Pending(int(seq), topic, bytes(payload), created, received)
             for seq, topic, payload, created, received in rows
         ]
 
-    def remove(self, seqs: Iterable[int]) -> None:
-        """The broker has these: forget them.
+    # -- the committer -----------------------------------------------------------------------------------------
+    def remove(self, seqs: Sequence[int]) -> None:
+        """The broker has these: forget them (when no answer is waiting to be added along).
 
         Not fsync'ed (``synchronous=NORMAL`` for this commit only; the next ``add`` syncs it along): a power cut
         can undo a removal, which delivers that answer twice, never loses one, and a commit costs no fsync.
         """
-        keys = list(seqs)
-        if not keys:
+        if not seqs:
             return
         with self._lock:
             self._db.execute("PRAGMA synchronous=NORMAL")
             try:
                 self._db.execute("BEGIN IMMEDIATE")
-                gone = self._delete("seq = ?", [(seq,) for seq in keys])
+                gone = self._delete_seqs(seqs)
                 self._db.execute("COMMIT")
             finally:
                 self._db.execute(f"PRAGMA synchronous={self._synchronous}")
@@ -199,11 +218,22 @@ class Outbox:
         with self._lock:
             self._expired += self._delete("seq = ?", [(seq,)])
 
-    def rewind(self) -> None:
-        """Offer every waiting answer again on the next ``take`` (after the client lost what it held)."""
-        self._last_taken = 0
-
     # -- anyone ------------------------------------------------------------------------------------------------
+    def _delete_seqs(self, seqs: Sequence[int]) -> int:
+        """Under the lock, in a transaction: delete these rows, many per statement; how many went."""
+        gone = size = 0
+        for start in range(0, len(seqs), DELETE_CHUNK):
+            chunk = seqs[start : start + DELETE_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            for (length,) in self._db.execute(
+                f"DELETE FROM answers WHERE seq IN ({marks}) RETURNING LENGTH(payload)", tuple(chunk)
+            ):
+                gone += 1
+                size += length
+        self._depth -= gone
+        self._bytes -= size
+        return gone
+
     def _delete(self, where: str, parameters: list[tuple[float | int]]) -> int:
         """Under the lock: delete the matching rows, keep the depth and byte counts; how many rows went."""
         gone = size = 0
@@ -258,18 +288,19 @@ class MemoryOutbox:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._rows: OrderedDict[int, Pending] = OrderedDict()
-        self._untaken: deque[int] = deque()
-        self._seq = self._bytes = 0
+        self._seq = self._bytes = self._floor = 0
         self._added = self._removed = self._expired = self._overflowed = 0
-        self._next_expiry = 0.0
 
-    def add(self, answers: Sequence[tuple[str, bytes, float]]) -> None:
+    def add(self, answers: Sequence[tuple[str, bytes, float]], *, remove: Sequence[int] = ()) -> list[Pending]:
+        self.remove(remove)
         now = time.time()
+        added: list[Pending] = []
         with self._lock:
             for topic, payload, received in answers:
                 self._seq += 1
-                self._rows[self._seq] = Pending(self._seq, topic, payload, now, received)
-                self._untaken.append(self._seq)
+                pending = Pending(self._seq, topic, payload, now, received)
+                self._rows[self._seq] = pending
+                added.append(pending)
                 self._bytes += len(payload)
             self._added += len(answers)
             dropped = 0
@@ -277,24 +308,25 @@ class MemoryOutbox:
                 _, oldest = self._rows.popitem(last=False)
                 self._bytes -= len(oldest.payload)
                 dropped += 1
+                self._floor = oldest.seq
             self._overflowed += dropped
         if dropped:
             log.warning("outbox full (%d answers, %d bytes at most): dropped the %d oldest", self.max_answers,
                         self.max_bytes, dropped)  # fmt: skip
+        return [p for p in added if p.seq > self._floor]
 
-    def take(self, limit: int) -> list[Pending]:
-        if time.monotonic() >= self._next_expiry:
-            self._next_expiry = time.monotonic() + 1.0
-            self.expire()
+    def take(self, limit: int, *, after: int = 0) -> list[Pending]:
+        alive = time.time() - self.ttl_s
         taken: list[Pending] = []
         with self._lock:
-            while self._untaken and len(taken) < limit:
-                pending = self._rows.get(self._untaken.popleft())
-                if pending is not None:
+            for pending in self._rows.values():  # oldest first; those before ``after`` are the client's, unacknowledged
+                if pending.seq > after and pending.created >= alive:
                     taken.append(pending)
+                    if len(taken) >= limit:
+                        break
         return taken
 
-    def remove(self, seqs: Iterable[int]) -> None:
+    def remove(self, seqs: Sequence[int]) -> None:
         with self._lock:
             for seq in seqs:
                 pending = self._rows.pop(seq, None)
@@ -325,10 +357,6 @@ class MemoryOutbox:
             if pending is not None:
                 self._bytes -= len(pending.payload)
                 self._expired += 1
-
-    def rewind(self) -> None:
-        with self._lock:
-            self._untaken = deque(self._rows)
 
     @property
     def depth(self) -> int:
