@@ -148,6 +148,10 @@ class Run:
     """Coded error answers by code."""
     cpu_us: float = float("nan")
     """The consumer process's CPU time (user + system) per message sent, over the run."""
+    idle: float = float("nan")
+    """The machine's idle share over the run (all cores): near 0, the whole machine was the limit."""
+    steal: float = float("nan")
+    """The share of the run's CPU time the hypervisor gave to other guests (a virtual machine's noise)."""
 
 
 def drive(broker: Broker, topic: str, payloads: list[bytes], timeout: float, codec: str = "json") -> Run:
@@ -204,11 +208,12 @@ def drive(broker: Broker, topic: str, payloads: list[bytes], timeout: float, cod
     try:
         if not subscribed.wait(10):
             raise RuntimeError("the listener got no SUBACK")
-        start = time.perf_counter()
+        start, machine = time.perf_counter(), machine_times()
         for index, payload in enumerate(payloads):
             sent[f"m{index}"] = time.perf_counter()
             publisher.publish(f"{topic}/in/dev", payload, qos=QOS)
         done.wait(timeout)
+        spent = [after - was for after, was in zip(machine_times(), machine, strict=True)]
         all_acknowledged.wait(5)
     finally:
         publisher.loop_stop()
@@ -227,6 +232,8 @@ def drive(broker: Broker, topic: str, payloads: list[bytes], timeout: float, cod
         p50_ms=statistics.median(latencies) * 1000 if latencies else float("nan"),
         p99_ms=float(np.percentile(latencies, 99)) * 1000 if latencies else float("nan"),
         codes=codes,
+        idle=(spent[3] + spent[4]) / max(sum(spent), 1),
+        steal=spent[7] / max(sum(spent), 1),
     )
 
 
@@ -256,6 +263,12 @@ def consumer_command(
     if name == OUTBOX_OFF:
         command += ["--config", str(scripts["outbox_off"])]
     return command
+
+
+def machine_times() -> list[int]:
+    """The machine's CPU time counters (``/proc/stat``'s first line: user, nice, system, idle, iowait, irq,
+    softirq, steal)."""
+    return [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -379,27 +392,28 @@ def measure_bundle(
         f"### `{bundle.name}`, {codec} ({size:.0f}-byte messages; {batching})",
         "",
         "| consumer | answered / sent | errors | sent msg/s | throughput msg/s | latency p50 ms | latency p99 ms "
-        "| CPU µs/msg |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CPU µs/msg | machine idle | steal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in CONSUMERS:
         lines.append(
             f"| {name} | {median(name, 'answered'):.0f} / {messages} | {median(name, 'errors'):.0f} "
             f"| {median(name, 'sent_per_s'):.0f} | {median(name, 'throughput'):.0f} "
-            f"| {median(name, 'p50_ms'):.1f} | {median(name, 'p99_ms'):.1f} | {median(name, 'cpu_us'):.0f} |"
+            f"| {median(name, 'p50_ms'):.1f} | {median(name, 'p99_ms'):.1f} | {median(name, 'cpu_us'):.0f} "
+            f"| {median(name, 'idle'):.0%} | {median(name, 'steal'):.0%} |"
         )
     model_single = statistics.median(singles)
-    lines.append(f"| model roofline: `predict(x)`, 1 sample per call | | | | {model_single:.0f} | | | |")
+    lines.append(f"| model roofline: `predict(x)`, 1 sample per call | | | | {model_single:.0f} | | | | | |")
     model_best = model_single
     taken = "`predict(x)`: the daemon cannot batch this model"
     if batches:
         model_batched = statistics.median(batches)
-        lines.append(f"| model roofline: `predict_batch`, {max_batch} per call | | | | {model_batched:.0f} | | | |")
+        lines.append(f"| model roofline: `predict_batch`, {max_batch} per call | | | | {model_batched:.0f} | | | | | |")
         model_best = max(model_single, model_batched)
         taken = f"the faster of `predict(x)` and `predict_batch` by {max_batch} (both are calls the daemon makes)"
     lines.append(
         f"| the daemon's own work in-process, no MQTT (`Processor.process`) | | | | "
-        f"{1e6 / statistics.median(costs):.0f} | | | {statistics.median(costs):.0f} (wall) |"
+        f"{1e6 / statistics.median(costs):.0f} | | | {statistics.median(costs):.0f} (wall) | | |"
     )
     for name in CONSUMERS:
         codes = sum((r.codes for r in runs[name]), Counter())

@@ -18,7 +18,7 @@
            taken at once, and run as one batch when the model allows it; 1 = one sample per call)
 [outbox]   enabled (false: the same bounds in memory, lost with the process), max_answers, max_bytes, ttl_s,
            synchronous ("full": survives a power cut; "normal": a crash), commit_interval_s (group commit: at
-           most one fsync per interval, default 5 ms)
+           most one fsync per interval, default 20 ms)
 [health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off), prometheus_host (loopback)
 [window]   size, hop, channels (overrides the bundle's)
 """
@@ -209,7 +209,7 @@ class OutboxConfig(_Section):
     max_bytes: int = Field(default=64 << 20, ge=1024)
     ttl_s: float = Field(default=86400.0, gt=0)
     synchronous: Literal["full", "normal"] = "full"
-    commit_interval_s: float = Field(default=0.005, ge=0, le=1)
+    commit_interval_s: float = Field(default=0.02, ge=0, le=1)
     """Group commit: at most one commit (one fsync) per interval, for every answer that came meanwhile. 0: commit
     as soon as the disk is free."""
 

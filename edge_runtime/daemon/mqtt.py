@@ -152,7 +152,9 @@ class MqttConnection:
                 CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=False, protocol=mqtt.MQTTv311
             )
         client.manual_ack_set(True)
-        client.max_inflight_messages_set(config.max_inflight)
+        # The in-flight window is ours (``window``): paho's own walks every message it holds on each PUBACK, and
+        # it ignores the broker's Receive Maximum. paho's queue stays capped all the same.
+        client.max_inflight_messages_set(0)
         client.max_queued_messages_set(config.max_queued)
         if config.username is not None:
             client.username_pw_set(config.username, _password(config))
@@ -199,6 +201,9 @@ class MqttConnection:
         self._wake_w.setblocking(False)
         self._wake_pending = False
         self._tick: Callable[[], None] | None = None
+        self.window = config.max_inflight
+        """Answers in flight at most: ``[broker] max_inflight``, or less when the broker's Receive Maximum (MQTT 5
+        CONNACK) says so."""
         self._expiry: tuple[int, Any] = (0, None)  # the last MessageExpiryInterval's Properties, reused
 
     # -- configuration, before start -----------------------------------------------------------------------
@@ -394,6 +399,8 @@ class MqttConnection:
                     log.error("broker %s: %s", self.address, text)
                 return
             self.generation += 1
+            receive_maximum = getattr(properties, "ReceiveMaximum", None)
+            self.window = min(self.config.max_inflight, receive_maximum or self.config.max_inflight)
             for pattern, qos in self._subscriptions:
                 client.subscribe(pattern, qos=qos)
             self.connected.set()
@@ -528,8 +535,9 @@ class MqttConnection:
             return len(self._pending)
 
     @property
-    def max_queued(self) -> int:
-        return self.config.max_queued
+    def room(self) -> int:
+        """How many more publishes the window takes now."""
+        return self.window - self.in_flight
 
 
 class MqttSource:

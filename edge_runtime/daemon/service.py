@@ -58,7 +58,7 @@ COMMIT_BACKLOG = 32
 REMOVE_EVERY_S = 0.1
 """With nothing to commit, the committer still removes what the broker acknowledged this often."""
 REFILL = 256
-"""Answers read back from the outbox at a time, when the client could not take them as they came."""
+"""Answers read back from the outbox at a time, when they could not be held in memory as they came."""
 
 
 class Daemon:
@@ -145,11 +145,14 @@ class Daemon:
         self._metrics_server: MetricsServer | None = None
         self._acknowledged: deque[int] = deque()
         """Outbox seqs the broker has (their PUBACK came): the committer removes them with its next commit."""
+        self._ready: deque[Pending] = deque()
+        """Network thread: committed answers waiting for room in the in-flight window, oldest first (at most
+        ``[broker] max_queued``)."""
         self._handed = 0
-        """Network thread: the highest outbox seq handed to the client (or found expired)."""
+        """Network thread: the highest outbox seq taken into ``_ready``."""
         self._spilled = False
-        """Network thread: answers wait in the outbox that the client was not handed (disconnected, or its queue
-        was full): the tick reads them back, in order, when the client has room."""
+        """Network thread: answers wait in the outbox that were never taken into ``_ready`` (it was full, or the
+        last run left them): the tick reads them back, in order, as it empties."""
         self._next_expiry = 0.0
         self._evicted: list[tuple[Message, list[Answer]]] = []
         self._evicted_lock = threading.Lock()
@@ -254,14 +257,10 @@ class Daemon:
                 items = [commits.get(timeout=REMOVE_EVERY_S)]
             except queue.Empty:
                 items = []
-            # group commit: gather what comes until the interval since the last commit is over (fewer fsyncs,
-            # less CPU and flash wear per answer), unless the worker is about to wait for room
-            while items and items[-1] is not None and not commits.full():
-                left = last_commit + interval - time.monotonic()
-                try:
-                    items.append(commits.get(timeout=left) if left > 0 else commits.get_nowait())
-                except queue.Empty:
-                    break
+            # group commit: let what comes gather until the interval since the last commit is over (fewer fsyncs,
+            # less CPU and flash wear per answer, and one wake-up per interval however fast the stream)
+            if items and items[0] is not None and (left := last_commit + interval - time.monotonic()) > 0:
+                time.sleep(left)
             while True:
                 try:
                     items.append(commits.get_nowait())
@@ -299,51 +298,58 @@ class Daemon:
 
     def _handed_over(self, pending: list[Pending], acks: list[Callable[[], None]]) -> None:
         _call_each(acks)
-        if self._spilled:
-            return  # older answers wait in the outbox: the tick sends these after them, in order
-        for answer in pending:
-            if not self._send(answer):
-                self._spilled = True
-                return
+        if not self._spilled:
+            ready, limit = self._ready, self.config.broker.max_queued
+            for answer in pending:
+                if len(ready) >= limit:
+                    self._spilled = True  # the rest wait in the outbox: the tick reads them back, in order
+                    break
+                if answer.seq > self._handed:
+                    ready.append(answer)
+                    self._handed = answer.seq
+        self._pump()
 
     def _tick(self) -> None:
-        """Every turn of the network loop: while answers wait in the outbox that the client was not handed, read
-        them back as the client has room. Cheap otherwise."""
-        assert self.outbox is not None and self.connection is not None and self.sink is not None
+        """Every turn of the network loop: fill the in-flight window from the answers ready, and those from the
+        outbox when some wait there that were never handed over. Cheap when there is nothing to do."""
+        assert self.outbox is not None
         if isinstance(self.outbox, MemoryOutbox):
             self._expire()
-        if not self._spilled or not self.sink.ready:
-            return
-        capacity = self.connection.max_queued
-        room = capacity - self.connection.in_flight
-        if room < max(1, min(REFILL, capacity // 2)):
-            return
-        waiting = self.outbox.take(min(room, REFILL), after=self._handed)
-        if not waiting:
-            self._spilled = False  # what is committed from now on is handed over as it comes
-            return
-        self.metrics.count("outbox_read_back", len(waiting))
-        for answer in waiting:
-            if not self._send(answer):
-                return
+        limit = self.config.broker.max_queued
+        room = limit - len(self._ready)
+        if self._spilled and room >= max(1, min(REFILL, limit // 2)):
+            waiting = self.outbox.take(min(room, REFILL), after=self._handed)
+            if waiting:
+                self._ready.extend(waiting)
+                self._handed = waiting[-1].seq
+                self.metrics.count("outbox_read_back", len(waiting))
+            else:
+                self._spilled = False  # what is committed from now on is handed over as it comes
+        self._pump()
 
-    def _send(self, pending: Pending) -> bool:
-        """One answer to the client; False when it cannot take it now (disconnected, or its queue is full)."""
+    def _pump(self) -> None:
+        """Publish ready answers, oldest first, while the window has room (network thread)."""
+        assert self.connection is not None and self.sink is not None
+        ready = self._ready
+        if not ready or not self.sink.ready:
+            return
+        room = self.connection.room
+        while ready and room > 0:
+            answer = ready.popleft()
+            if not self._publish(answer):
+                ready.appendleft(answer)
+                return
+            room -= 1
+
+    def _publish(self, pending: Pending) -> bool:
+        """One answer to the client (or dropped, counted, past its time to live); False when it cannot take it."""
         assert self.outbox is not None and self.sink is not None
-        if pending.seq <= self._handed:
-            return True  # a refill has sent it already
-        if not self.sink.ready:
-            return False
         age = time.time() - pending.created
         if age > self.outbox.ttl_s:
             self.outbox.drop(pending.seq)
-            self._handed = pending.seq
             return True
         done = self._done_callback(pending.seq, pending.created, pending.received)
-        if not self.sink.publish(pending.topic, pending.payload, expiry_s=self.outbox.ttl_s - age, done=done):
-            return False
-        self._handed = pending.seq
-        return True
+        return self.sink.publish(pending.topic, pending.payload, expiry_s=self.outbox.ttl_s - age, done=done)
 
     def _done_callback(self, seq: int, created: float, received: float) -> Callable[[bool, str | None], None]:
         def done(ok: bool, reason: str | None) -> None:
