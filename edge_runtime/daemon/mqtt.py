@@ -48,10 +48,26 @@ PASSWORD_ENV = "EDGELINE_MQTT_PASSWORD"
 SESSION_TAKEN_OVER = 142
 """MQTT 5 DISCONNECT reason: another client connected with the same client id."""
 LOOP_TICK_S = 0.2
+DEVICE_CACHE = 10_000
 
 PublishDone = Callable[[bool, str | None], None]
 """Called once per publish: (accepted by the broker, the reason when not)."""
 OnMessage = Callable[[str, bytes, "Callable[[], None] | None"], None]
+
+
+def _packed_once() -> type:
+    """paho's ``Properties`` that packs itself once: one is shared by every answer published in the same second."""
+    from paho.mqtt.properties import Properties
+
+    class PackedOnce(Properties):
+        def pack(self) -> bytes:
+            packed: bytes | None = self.__dict__.get("_packed")
+            if packed is None:
+                packed = super().pack()
+                object.__setattr__(self, "_packed", packed)  # Properties' own __setattr__ takes property names only
+            return packed
+
+    return PackedOnce
 
 
 class BrokerRefused(EdgelineError):
@@ -144,6 +160,7 @@ class MqttConnection:
         self._waiting = waiting
         self._mqtt = mqtt
         self._Properties = Properties
+        self._PackedOnce = _packed_once()
         self._PacketTypes = PacketTypes
         if self.v5:
             client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
@@ -505,7 +522,7 @@ class MqttConnection:
         if self.v5 and expiry_s is not None:
             seconds = max(1, int(expiry_s))
             if self._expiry[0] != seconds:  # within one second, every answer gets the same one: build it once
-                properties = self._Properties(self._PacketTypes.PUBLISH)
+                properties = self._PackedOnce(self._PacketTypes.PUBLISH)
                 properties.MessageExpiryInterval = seconds
                 self._expiry = (seconds, properties)
             properties = self._expiry[1]
@@ -557,6 +574,7 @@ class MqttSource:
             f.pattern for f in self.filters
         )
         self._submit: Callable[[Message], None] | None = None
+        self._devices: dict[str, str] = {}  # topic -> device: a sensor publishes on the same topic every time
         self._stopping = threading.Event()
         self._bound = threading.Event()
         connection.subscribe(self.filters, qos, self._on_input)
@@ -576,7 +594,12 @@ class MqttSource:
                 return
         if self._stopping.is_set() or self._submit is None:
             return  # not acknowledged: the broker redelivers it to the next run
-        device = next((d for f in self.filters if (d := f.device(topic)) is not None), topic)
+        device = self._devices.get(topic)
+        if device is None:
+            device = next((d for f in self.filters if (d := f.device(topic)) is not None), topic)
+            if len(self._devices) >= DEVICE_CACHE:  # a flood of topics must not grow memory without bound
+                self._devices.clear()
+            self._devices[topic] = device
         self._submit(Message(topic=topic, payload=payload, device=device, ack=ack))
 
 
