@@ -203,8 +203,7 @@ class MqttConnection:
         self._subscriptions: list[tuple[str, int]] = []
         self._on_input: OnMessage | None = None
         self._pending: dict[int, PublishDone | None] = {}
-        self._early: dict[int, tuple[bool, str | None]] = {}
-        self._publish_lock = threading.Lock()
+        """QoS 1 publishes waiting for their PUBACK, by packet id (network thread only)."""
         self._closing = threading.Event()
         self._outcome = threading.Event()  # the first connection attempt has succeeded or failed
         self._failure: str | None = None
@@ -474,15 +473,10 @@ class MqttConnection:
             self._client.ack(mid, qos)
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, properties: Any) -> None:
+        if mid not in self._pending:
+            return  # a QoS 0 message written (its ``done`` fired when it was handed over)
         ok = not getattr(reason, "is_failure", False)
-        text = None if ok else str(reason)
-        with self._publish_lock:
-            if mid in self._pending:
-                done = self._pending.pop(mid)
-            else:
-                self._early[mid] = (ok, text)
-                return
-        self._finish(done, ok, text)
+        self._finish(self._pending.pop(mid), ok, None if ok else str(reason))
 
     def _finish(self, done: PublishDone | None, ok: bool, text: str | None) -> None:
         if not ok:
@@ -505,7 +499,8 @@ class MqttConnection:
         done: PublishDone | None = None,
     ) -> bool:
         """Hand one message to the client; False when it could not take it (its queue is full: try later).
-        ``done`` fires when the broker acknowledges (QoS 1) or the message is written (QoS 0).
+        ``done`` fires when the broker acknowledges (QoS 1), or at once (QoS 0: nothing to wait for; a QoS 0
+        packet still in the client when the connection drops is gone, and paho says nothing about it).
 
         From another thread than the network thread, the publish is posted there (``call_soon``) and this returns
         True: fine for status and availability messages; a stream of answers is posted in batches instead."""
@@ -533,12 +528,10 @@ class MqttConnection:
             return True
         if info.rc == self._mqtt.MQTT_ERR_QUEUE_SIZE:
             return False
-        with self._publish_lock:
-            early = self._early.pop(info.mid, None)
-            if early is None:
-                self._pending[info.mid] = done
-        if early is not None:
-            self._finish(done, *early)
+        if qos == 0:
+            self._finish(done, True, None)
+        else:
+            self._pending[info.mid] = done  # on this thread: its PUBACK cannot have come yet
         return True
 
     @property
@@ -547,9 +540,8 @@ class MqttConnection:
 
     @property
     def in_flight(self) -> int:
-        """Publishes handed to the client and not yet acknowledged (or written, at QoS 0)."""
-        with self._publish_lock:
-            return len(self._pending)
+        """QoS 1 publishes handed to the client and not yet acknowledged."""
+        return len(self._pending)
 
     @property
     def room(self) -> int:
