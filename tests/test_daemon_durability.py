@@ -34,7 +34,7 @@ import edgeline
 from edgeline.daemon.config import DaemonConfig
 from edgeline.daemon.service import Daemon
 from tests.faults import BlackHoleProxy, DurableCollector, DurablePublisher, kill_and_restart
-from tests.mqtt_broker import Broker, BrokerFactory
+from tests.mqtt_broker import Broker, BrokerFactory, Collector
 
 TIMEOUT_S = 60.0
 INSTANCE = "durable"
@@ -361,6 +361,13 @@ def test_a_black_hole_is_noticed_within_two_keepalives_and_nothing_is_lost(
             # paho sends PINGREQ after one keepalive of silence and gives up one keepalive later; 1 s for the log
             assert noticed[0] <= 2 * keepalive_s + 1.0, f"noticed after {noticed[0]:.1f} s"
             assert daemon.logged_at("reconnected to"), daemon.log_text()[-3000:]
+            # the broker published our will ("offline") when the link went silent; back, the daemon says online
+            name = edgeline.read_bundle(built_litert_bundle).manifest.name
+            availability = Collector(durable_broker, f"edgeline/{name}/{INSTANCE}/availability")
+            try:
+                assert [p for _, p, _ in availability.wait_for(1)] == [b"online"], daemon.log_text()[-3000:]
+            finally:
+                availability.close()
             print(f"noticed after {noticed[0]:.1f} s; {report(answers, 600)}")
         finally:
             daemon.kill()

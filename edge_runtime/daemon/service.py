@@ -7,7 +7,8 @@
                                                                         │                            leaves the outbox
                                                                         └──► stdout JSON lines      after its PUBACK)
     status thread: status message, systemd WATCHDOG (only while the pipeline progresses); availability: retained
-    "online", "offline" as last will; a supervisor owns every thread (see ``edgeline.daemon.supervisor``)
+    "online" on every connection, "offline" as last will and at a clean stop; a supervisor owns every thread
+    (see ``edgeline.daemon.supervisor``)
 
 Every source is alike: MQTT is one (``edgeline.daemon.mqtt``), and so are serial, replay and sim. The broker
 is also the sink of answers whenever it is used; stdout is the other sink. Without a broker, answers go to stdout.
@@ -154,6 +155,8 @@ class Daemon:
         """Network thread: answers wait in the outbox that were never taken into ``_ready`` (it was full, or the
         last run left them): the tick reads them back, in order, as it empties."""
         self._next_expiry = 0.0
+        self._announced = 0
+        """Network thread: the connection (``MqttConnection.generation``) "online" was last published on."""
         self._evicted: list[tuple[Message, list[Answer]]] = []
         self._evicted_lock = threading.Lock()
         self._worker: threading.Thread | None = None
@@ -312,7 +315,12 @@ class Daemon:
     def _tick(self) -> None:
         """Every turn of the network loop: fill the in-flight window from the answers ready, and those from the
         outbox when some wait there that were never handed over. Cheap when there is nothing to do."""
-        assert self.outbox is not None
+        assert self.outbox is not None and self.connection is not None
+        connection = self.connection
+        if connection.generation != self._announced and connection.connected.is_set() and not self.stopping.is_set():
+            # on every connection, not only the first: after a lost link the broker has published our will
+            self._announced = connection.generation
+            connection.publish(self.availability_topic, b"online", qos=1, retain=True)
         if isinstance(self.outbox, MemoryOutbox):
             self._expire()
         limit = self.config.broker.max_queued
@@ -505,7 +513,6 @@ class Daemon:
             self._spilled = self.outbox.depth > 0  # left by the last run: read back first, in order
             self.connection.on_tick(self._tick)
             self.connection.start(lambda target: self.supervisor.spawn("edgeline-mqtt", target))
-            self.connection.publish(self.availability_topic, b"online", qos=1, retain=True)
         if self.config.health.prometheus_port:
             health = self.config.health
             self._metrics_server = MetricsServer(self.metrics, health.prometheus_port, health.prometheus_host).start()
