@@ -3,8 +3,10 @@ with ``call_soon``, and its in-flight window counts what waits for a PUBACK, not
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from types import TracebackType
 
 import pytest
 
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_devi
 TIMEOUT_S = 20.0
 
 
-def connected(broker: Broker, **settings: object) -> MqttConnection:
+def connected(broker: Broker | PubackDropper, **settings: object) -> MqttConnection:
     config = BrokerConfig.model_validate({"host": broker.host, "port": broker.port, **settings})
     connection = MqttConnection(config, client_id=f"conn-{time.monotonic_ns()}")
     connection.start(lambda target: _thread(target))
@@ -101,3 +103,107 @@ def test_publishes_from_other_threads_reach_the_broker_in_order(broker: Broker, 
     finally:
         connection.close()
         results.close()
+
+
+class PubackDropper:
+    """A loopback TCP proxy to a broker that forwards MQTT both ways, except that while ``dropping`` is set it
+    swallows the broker's PUBACKs (fixed-header type 4): a broker that takes publishes and never acknowledges
+    them, on a link that still answers its pings."""
+
+    host = "127.0.0.1"
+
+    def __init__(self, broker: Broker) -> None:
+        self.target = (broker.host, broker.port)
+        self.dropping = False
+        self.dropped = 0
+        self._listener = socket.create_server((self.host, 0))
+        self._listener.settimeout(0.1)
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def __enter__(self) -> PubackDropper:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self._closed.set()
+        self._listener.close()
+        for sock in self._sockets:
+            sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            upstream = socket.create_connection(self.target, timeout=10)
+            client.settimeout(None)
+            upstream.settimeout(None)
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._forward, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._forward, args=(upstream, client, True), daemon=True).start()
+
+    def _forward(self, source: socket.socket, sink: socket.socket, from_broker: bool) -> None:
+        try:
+            while True:
+                first = self._exactly(source, 1)
+                length, multiplier, header = 0, 1, first
+                while True:
+                    byte = self._exactly(source, 1)
+                    header += byte
+                    length += (byte[0] & 0x7F) * multiplier
+                    multiplier *= 128
+                    if not byte[0] & 0x80:
+                        break
+                packet = header + self._exactly(source, length)
+                if from_broker and self.dropping and first[0] >> 4 == 4:
+                    self.dropped += 1
+                    continue
+                sink.sendall(packet)
+        except OSError:
+            pass
+        finally:
+            source.close()
+            sink.close()
+
+    @staticmethod
+    def _exactly(sock: socket.socket, count: int) -> bytes:
+        data = b""
+        while len(data) < count:
+            chunk = sock.recv(count - len(data))
+            if not chunk:
+                raise OSError("closed")
+            data += chunk
+        return data
+
+
+def test_a_broker_that_stops_acknowledging_is_reconnected_and_what_was_in_flight_is_sent_again(
+    broker: Broker, unique_topic: str
+) -> None:
+    """Five publishes whose PUBACKs never come, on a link whose pings do: after ``stall_after_s`` (3 keepalives, at
+    least 5 s) the connection says so and reconnects; paho sends them again and they complete."""
+    with PubackDropper(broker) as proxy:
+        connection = connected(proxy, keepalive_s=2)
+        try:
+            assert connection.stall_after_s == 6.0
+            done: list[bool] = []
+            proxy.dropping = True
+
+            def publish() -> None:
+                for index in range(5):
+                    connection.publish(f"{unique_topic}/x", b"%d" % index, qos=1, done=lambda ok, _: done.append(ok))
+
+            on_network_thread(connection, publish)
+            deadline = time.monotonic() + TIMEOUT_S
+            while not connection.stalls and time.monotonic() < deadline:
+                time.sleep(0.02)
+            proxy.dropping = False
+            assert connection.stalls == 1 and proxy.dropped == 5 and done == []
+            while connection.in_flight and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert connection.in_flight == 0 and done == [True] * 5
+            assert connection.reconnects == 1
+        finally:
+            connection.close()

@@ -204,6 +204,11 @@ class MqttConnection:
         self._on_input: OnMessage | None = None
         self._pending: dict[int, PublishDone | None] = {}
         """QoS 1 publishes waiting for their PUBACK, by packet id (network thread only)."""
+        self._progress_at = time.monotonic()
+        """When a PUBACK last came, or the first publish went out after none was waiting."""
+        self.stall_after_s = max(3.0 * config.keepalive_s, 5.0)
+        """Publishes waiting this long with no PUBACK on a live link: reconnect (paho sends them again)."""
+        self.stalls = 0
         self._closing = threading.Event()
         self._outcome = threading.Event()  # the first connection attempt has succeeded or failed
         self._failure: str | None = None
@@ -328,6 +333,8 @@ class MqttConnection:
                 elif time.monotonic() > grace:
                     return
             self._run_posted()
+            if self._stalled():
+                return
             buffered = sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
             try:
                 readable, _, _ = select.select(
@@ -343,6 +350,28 @@ class MqttConnection:
                 return
             if client.loop_misc() != success:
                 return
+
+    def _stalled(self) -> bool:
+        """Answers in flight and no PUBACK for ``stall_after_s`` while the link answers its pings: a broker (or a
+        proxy) that takes publishes and never acknowledges them. Say so and drop the link: the reconnection sends
+        them again (DUP), and the window cannot stay shut unseen."""
+        if not self._pending or not self.connected.is_set():
+            return False
+        waited = time.monotonic() - self._progress_at
+        if waited < self.stall_after_s:
+            return False
+        self.stalls += 1
+        self._progress_at = time.monotonic()
+        log.error(
+            "broker %s: no PUBACK for %.0f s with %d publishes in flight; reconnecting to send them again",
+            self.address, waited, len(self._pending),
+        )  # fmt: skip
+        self._last_error = "no PUBACK"
+        self._client.disconnect()  # the session stays; the reconnection resends what is in flight
+        for _ in range(3):  # let the DISCONNECT leave
+            if self._client.socket() is None or self._client.loop_write() != self._mqtt.MQTT_ERR_SUCCESS:
+                break
+        return True
 
     def _wait(self, delay: float) -> None:
         """Between connection attempts: still run what other threads post (they may be waiting on it)."""
@@ -475,6 +504,7 @@ class MqttConnection:
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, properties: Any) -> None:
         if mid not in self._pending:
             return  # a QoS 0 message written (its ``done`` fired when it was handed over)
+        self._progress_at = time.monotonic()
         ok = not getattr(reason, "is_failure", False)
         self._finish(self._pending.pop(mid), ok, None if ok else str(reason))
 
@@ -531,6 +561,8 @@ class MqttConnection:
         if qos == 0:
             self._finish(done, True, None)
         else:
+            if not self._pending:
+                self._progress_at = time.monotonic()  # nothing was waiting: the stall clock starts now
             self._pending[info.mid] = done  # on this thread: its PUBACK cannot have come yet
         return True
 

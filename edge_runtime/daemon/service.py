@@ -461,6 +461,7 @@ class Daemon:
         if self.connection is not None:
             gauges["connected"] = self.connection.connected.is_set()
             gauges["reconnects"] = self.connection.reconnects
+            gauges["publish_stalls"] = self.connection.stalls
         if self.outbox is not None:
             box = self.outbox.stats()
             gauges.update(
