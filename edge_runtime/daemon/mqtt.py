@@ -444,6 +444,7 @@ class MqttConnection:
                     log.error("broker %s: %s", self.address, text)
                 return
             self.generation += 1
+            self._progress_at = time.monotonic()  # what is resent now has the whole stall delay for its PUBACK
             receive_maximum = getattr(properties, "ReceiveMaximum", None)
             self.window = min(self.config.max_inflight, receive_maximum or self.config.max_inflight)
             for pattern, qos in self._subscriptions:
