@@ -374,7 +374,9 @@ def test_a_coreml_target_without_a_coreml_section_is_refused_in_one_line(
     )  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert code == 2
-    assert err.endswith("has no [coreml] section: a coreml target needs compute_units and minimum_deployment_target")
+    assert err.endswith(
+        "coreml: profile board has no [coreml] section; it needs compute_units and minimum_deployment_target"
+    )
     assert "Traceback" not in err
 
 

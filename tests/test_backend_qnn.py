@@ -197,7 +197,9 @@ def test_an_operator_qnn_refuses_fails_the_export_by_name(tmp_path: Path) -> Non
 
 def test_a_profile_without_a_qnn_section_is_refused(tmp_path: Path) -> None:
     target = Target(backend="qnn-htp", precision=Precision.INT8_STATIC, threads=1)
-    with pytest.raises(ExportError, match=r"\[qnn\] section .* profile x86-64 has none"):
+    with pytest.raises(
+        ExportError, match=r"qnn-htp: profile x86-64 has no \[qnn\] section; it needs soc_model, htp_arch"
+    ):
         convert(_request(tmp_path, "x86-64"), target)
 
 

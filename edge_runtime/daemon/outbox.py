@@ -210,9 +210,6 @@ class Outbox:
                         self.ttl_s)  # fmt: skip
         return gone
 
-    def expired(self, pending: Pending, now: float | None = None) -> bool:
-        return (now if now is not None else time.time()) - pending.created > self.ttl_s
-
     def drop(self, seq: int) -> None:
         """An answer taken but found expired before it was sent: gone, counted as expired."""
         with self._lock:

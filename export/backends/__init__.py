@@ -51,6 +51,15 @@ class ExportRequest:
     input_names: tuple[str, ...]
     profile: Profile | None = None  # the device's profile: its accelerator section (coreml, qnn, ethos_u, ...)
 
+    def profile_section(self, name: str, backend: str, needs: str) -> Any:
+        """The profile's ``[name]`` section, which ``backend`` cannot export without (``needs`` says what it takes
+        from it); an ``ExportError`` naming the profile when it has none."""
+        section = getattr(self.profile, name, None) if self.profile is not None else None
+        if section is None:
+            where = f"profile {self.profile.id}" if self.profile is not None else "this export (no profile)"
+            raise ExportError(f"{backend}: {where} has no [{name}] section; it needs {needs}")
+        return section
+
 
 @dataclass(frozen=True)
 class Verification:

@@ -130,13 +130,8 @@ def _placement(ops: ProgramOps, compute_units: str, precision: Precision) -> Pla
 
 
 def _settings(request: ExportRequest) -> CoreML:
-    profile = request.profile
-    if profile is None or profile.coreml is None:
-        where = f"profile {profile.id}" if profile is not None else "this export (no profile)"
-        raise ExportError(
-            f"{where} has no [coreml] section: a coreml target needs compute_units and minimum_deployment_target"
-        )
-    return profile.coreml
+    settings: CoreML = request.profile_section("coreml", "coreml", "compute_units and minimum_deployment_target")
+    return settings
 
 
 def _tensor_specs(features: Any, what: str) -> tuple[TensorSpec, ...]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeline.backends.ethos_u import CPU_MODEL, ETHOS_U, operator_names
-from edgeline.device_profiles import Precision, Profile
+from edgeline.device_profiles import Precision
 from edgeline.device_profiles.schema import EthosU
 from edgeline.export.backends import ExportedModel, ExportRequest, Verification
 from edgeline.export.backends.litert import tool_versions, write_tflite
@@ -44,13 +44,6 @@ def vela_config() -> Path:
     from edgeline import device_profiles
 
     return Path(device_profiles.__file__).resolve().parent / "vela.ini"
-
-
-def _settings(profile: Profile | None) -> EthosU:
-    if profile is None or profile.ethos_u is None:
-        where = f"profile {profile.id}" if profile is not None else "this export"
-        raise ExportError(f"ethos-u: {where} has no [ethos_u] section (accelerator_config, system_config, ...)")
-    return profile.ethos_u
 
 
 def core_clock_mhz(config: Path, settings: EthosU) -> float:
@@ -160,7 +153,7 @@ class EthosUExporter:
     def export(self, request: ExportRequest) -> ExportedModel:
         if request.precision not in self.precisions:
             raise ExportError(f"ethos-u exports int8-static only, not {request.precision.value}")
-        settings = _settings(request.profile)
+        settings: EthosU = request.profile_section("ethos_u", "ethos-u", "accelerator_config, system_config, ...")
         config = vela_config()
         clock = core_clock_mhz(config, settings)
         int8_model = request.out_dir / CPU_MODEL

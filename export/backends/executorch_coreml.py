@@ -72,14 +72,8 @@ class ExecuTorchCoreMLExporter:
         if request.precision not in self.precisions:
             valid = ", ".join(p.value for p in self.precisions)
             raise ExportError(f"executorch-coreml cannot export {request.precision.value}; valid: {valid}")
-        profile = request.profile
-        if profile is None or profile.coreml is None:
-            where = f"profile {profile.id}" if profile is not None else "this export (no profile)"
-            raise ExportError(
-                f"{where} has no [coreml] section: an executorch-coreml target needs compute_units and "
-                "minimum_deployment_target"
-            )
-        partitioner = CoreMLPartitioner(compile_specs=_compile_specs(profile.coreml, request.precision))
+        settings = request.profile_section("coreml", "executorch-coreml", "compute_units and minimum_deployment_target")
+        partitioner = CoreMLPartitioner(compile_specs=_compile_specs(settings, request.precision))
         program = torch.export.export(request.module, request.example_inputs)
         edge = to_edge_transform_and_lower(program, partitioner=[partitioner])
         placement = _placement(edge.exported_program().graph_module)

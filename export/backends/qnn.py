@@ -135,12 +135,7 @@ class QnnHtpExporter:
     def export(self, request: ExportRequest) -> ExportedModel:
         if request.precision not in self.precisions:
             raise ExportError(f"qnn-htp exports int8-static only, not {request.precision.value}")
-        profile = request.profile
-        if profile is None or profile.qnn is None:
-            where = f"profile {profile.id}" if profile is not None else "the export (no profile given)"
-            raise ExportError(
-                f"qnn-htp needs the device profile's [qnn] section (soc_model, htp_arch); {where} has none"
-            )
+        qnn = request.profile_section("qnn", "qnn-htp", "soc_model, htp_arch")
         check_export_tools()
         missing = qnn_unavailable()
         if missing is not None:
@@ -157,11 +152,11 @@ class QnnHtpExporter:
             compiled = Path(scratch) / MODEL_FILE
             ort = import_onnxruntime()
             try:
-                ort.InferenceSession(str(qdq_path), _compile_options(profile.qnn, compiled))
+                ort.InferenceSession(str(qdq_path), _compile_options(qnn, compiled))
             except Exception as exc:  # onnxruntime's errors derive from Exception only
                 raise ExportError(
-                    f"qnn-htp: compiling the context binary for soc_model {profile.qnn.soc_model} "
-                    f"(HTP v{profile.qnn.htp_arch}) failed: {str(exc).strip().splitlines()[0][:300]}"
+                    f"qnn-htp: compiling the context binary for soc_model {qnn.soc_model} "
+                    f"(HTP v{qnn.htp_arch}) failed: {str(exc).strip().splitlines()[0][:300]}"
                 ) from exc
             binary = _context_binary(compiled)
             shutil.move(compiled, context_path)
@@ -187,6 +182,6 @@ class QnnHtpExporter:
                 "onnxruntime": version("onnxruntime"),
                 "onnxruntime-qnn": version("onnxruntime-qnn"),
             },
-            verification=Verification(backend="onnxruntime", measured_with=_measured_with(profile.qnn)),
+            verification=Verification(backend="onnxruntime", measured_with=_measured_with(qnn)),
             output_steps=qdq_output_steps(qdq_path),
         )
