@@ -328,6 +328,35 @@ def test_arbitrary_structures_decode_or_raise_a_payload_error(codec: str, data: 
     assert decoded.arrays[0].tolist() == [[float(np.float32(v)) for v in np.ravel(data)]]
 
 
+# JSON's faster path (numpy reads the lists) must decide exactly as the checked one: same array, or same error.
+number_lists = st.recursive(
+    st.lists(st.sampled_from([0, 1, 0.0, 1.0, -2.5, True, False, 3]) | st.floats(width=32), max_size=6),
+    lambda children: st.lists(children, min_size=1, max_size=3),
+    max_leaves=24,
+)
+
+
+@settings(deadline=None, max_examples=400)
+@given(value=number_lists | json_values)
+def test_the_json_fast_path_decides_as_the_checked_path(value: Any) -> None:
+    from edgeline.daemon import codecs
+
+    try:
+        text = json.dumps({"id": "1", "data": value}, allow_nan=False).encode()
+    except ValueError:
+        return  # NaN or Infinity: not JSON, refused before any list is read
+    data = json.loads(text)["data"]
+
+    def outcome(**fast: bytes) -> Any:
+        try:
+            array = codecs._numbers(data, "data", len(text), **fast)
+        except PayloadError as error:
+            return error.code
+        return array.dtype, array.shape, array.tobytes()
+
+    assert outcome(json_text=text) == outcome()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # windowed streams
 

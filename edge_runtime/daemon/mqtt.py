@@ -614,9 +614,10 @@ class MqttSource:
         stopping.wait()
 
     def _on_input(self, topic: str, payload: bytes, ack: Callable[[], None] | None) -> None:
-        while not self._bound.wait(0.5):
-            if self.connection.closing:
-                return
+        if not self._bound.is_set():  # a plain read on every later message: wait() takes a lock
+            while not self._bound.wait(0.5):
+                if self.connection.closing:
+                    return
         if self._stopping.is_set() or self._submit is None:
             return  # not acknowledged: the broker redelivers it to the next run
         device = self._devices.get(topic)
