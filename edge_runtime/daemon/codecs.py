@@ -260,9 +260,9 @@ def _field(message: dict[Any, Any], specs: Sequence[TensorSpec], index: int) -> 
 def _numbers(value: Any, field: str, payload_bytes: int, json_text: bytes | None = None) -> np.ndarray:
     """A number, a (nested) list of numbers or a float32 byte string, as float32 in the nested shape.
 
-    Every value's type is checked (one C-level pass): numpy alone would turn true into 1.0, "1.5" into 1.5
-    and null into NaN without a word. ``payload_bytes``, the message's length, bounds the number of values.
-    ``json_text``: the JSON message the value came from, which allows a faster path (``_json_numbers``).
+    Every value's type is checked: numpy alone would turn true into 1.0, "1.5" into 1.5 and null into NaN without
+    a word. ``payload_bytes``, the message's length, bounds the number of values. ``json_text``: the JSON message
+    the value came from, which allows a faster conversion (``_json_floats``).
     """
     if isinstance(value, bytes):
         if len(value) % 4:
@@ -271,11 +271,12 @@ def _numbers(value: Any, field: str, payload_bytes: int, json_text: bytes | None
                 code="wrong-shape",
             )
         return np.frombuffer(value, _F32_LE)
-    if json_text is not None and isinstance(value, list):
-        found = _json_numbers(value, json_text)
-        if found is not None:
-            return found
     leaves, shape = _leaves(value, field, payload_bytes)
+    if json_text is not None:
+        found = _json_floats(leaves, json_text)
+        if found is not None:
+            return found.reshape(shape)
+    _check_numbers(leaves, field)
     try:
         with np.errstate(over="ignore"):  # beyond float32's range becomes Inf, refused as non-finite
             return np.fromiter(leaves, _F32, len(leaves)).reshape(shape)
@@ -283,37 +284,28 @@ def _numbers(value: Any, field: str, payload_bytes: int, json_text: bytes | None
         raise PayloadError(f"field {field!r} holds a number beyond float32's range", code="non-finite") from exc
 
 
-def _json_numbers(value: list[Any], json_text: bytes) -> np.ndarray | None:
-    """A regular (nested) list of JSON numbers as float32, read in one C pass (half the cost of the checked path);
-    None for anything else, which then takes the checked path and gets its precise error.
+def _json_floats(leaves: list[Any], json_text: bytes) -> np.ndarray | None:
+    """The flat values of a JSON message as float32 in one C loop, about twice as fast as checking each value's
+    type first; None when that cannot vouch for them, and the checked path decides.
 
-    A flat list goes through ``array.array("f")``, which takes only numbers (ints and floats) and raises on
-    anything else. A nested one goes to ``np.array``, which finds the shape and the types itself: numbers come out
-    as a float64 or int64 array; strings, null, ragged or too deep nesting and huge integers as another dtype or
-    an error. Only booleans would pass unseen (as 1 and 0): an array holding a 0 or a 1 is taken only from a
-    message without ``true`` and ``false``. JSON shares no values by reference, so the element count is bounded by
-    the message's length. ``test_the_json_fast_path_decides_as_the_checked_path`` holds the two paths together.
+    ``array.array("f")`` takes ints and floats and raises on anything else (a string, null, a list, a map, an
+    integer beyond float64), with one exception: booleans, which it reads as 1 and 0. So values holding a 0 or a
+    1 are taken only from a message without ``true`` and ``false``. Beyond float32's range becomes Inf, refused as
+    non-finite like on the checked path. ``test_the_json_fast_path_decides_as_the_checked_path`` holds the two
+    paths together.
     """
-    if not value:
-        return None
     try:
-        # flat, the common case: one C loop straight to float32 (a string, null or list inside raises)
-        flat = type(value[0]) is not list
-        found = np.frombuffer(array.array("f", value), _F32) if flat else np.array(value)
-    except (ValueError, TypeError, OverflowError):
-        return None
-    if found.dtype.kind not in "fi" or not found.size or found.ndim > _MAX_DEPTH:
+        found = np.frombuffer(array.array("f", leaves), _F32)
+    except (TypeError, OverflowError):
         return None
     if ((found == 0) | (found == 1)).any() and (b"true" in json_text or b"false" in json_text):
         return None
-    if found.dtype == _F32:
-        return found
-    with np.errstate(over="ignore"):  # beyond float32's range becomes Inf, refused as non-finite
-        return found.astype(_F32)
+    return found
 
 
 def _leaves(value: Any, field: str, payload_bytes: int) -> tuple[list[Any], tuple[int, ...]]:
-    """The flat values and nested shape of a regular list of lists of numbers, or the reason it is not one.
+    """The flat values and nested shape of a regular list of lists, or the reason it is not one; the values' types
+    are checked by ``_check_numbers`` (or vouched for by ``_json_floats``).
 
     Every value takes at least one byte of the message, unless the format repeats a list by reference (CBOR's
     shared values, tags 28/29): 200 bytes then nest one list into 2**30 values. Refused before flattening.
@@ -342,12 +334,16 @@ def _leaves(value: Any, field: str, payload_bytes: int) -> tuple[list[Any], tupl
                 code="malformed",
             )
         level = list(chain.from_iterable(level))
-    types = set(map(type, level))
+    return level, tuple(shape)
+
+
+def _check_numbers(leaves: list[Any], field: str) -> None:
+    """Every value an int or a float (one C-level pass), else the first odd one named."""
+    types = set(map(type, leaves))
     if not types <= _NUMBER_TYPES:
-        odd = next(item for item in level if type(item) not in _NUMBER_TYPES)
+        odd = next(item for item in leaves if type(item) not in _NUMBER_TYPES)
         code = "malformed" if isinstance(odd, list) else "wrong-dtype"
         raise PayloadError(f"field {field!r} holds {_describe(odd)} where a number belongs", code=code)
-    return level, tuple(shape)
 
 
 def _samples(array: np.ndarray, window: Window, field: str) -> np.ndarray:
