@@ -500,21 +500,25 @@ def _plain(value: Any) -> Any:
             raise _NonFinite
         return value
     if kind is dict:
-        plain = {}
-        for key, item in value.items():
-            if type(key) is not str:
-                raise TypeError(f"cannot encode a map key of type {type(key).__name__}")
-            item_kind = type(item)
-            if item_kind is str or item_kind is int or item is None:
-                plain[key] = item
-                continue
-            try:
-                plain[key] = _plain(item)
-            except _NonFinite as exc:
-                exc.path.insert(0, f".{key}")
-                raise
-        return plain
+        return _plain_map(value)
     return _plain_other(value)
+
+
+def _plain_map(value: Mapping[Any, Any]) -> dict[str, Any]:
+    plain = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise TypeError(f"cannot encode a map key of type {type(key).__name__}")
+        item_kind = type(item)
+        if item_kind is str or item_kind is int or item is None:
+            plain[key] = item
+            continue
+        try:
+            plain[key] = _plain(item)
+        except _NonFinite as exc:
+            exc.path.insert(0, f".{key}")
+            raise
+    return plain
 
 
 def _plain_other(value: Any) -> Any:
@@ -533,16 +537,7 @@ def _plain_other(value: Any) -> Any:
     if value is None or isinstance(value, str | int):
         return value
     if isinstance(value, Mapping):
-        plain = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"cannot encode a map key of type {type(key).__name__}")
-            try:
-                plain[key] = _plain(item)
-            except _NonFinite as exc:
-                exc.path.insert(0, f".{key}")
-                raise
-        return plain
+        return _plain_map(value)
     if isinstance(value, list | tuple):
         if value and set(map(type, value)) == {float}:  # a row of outputs: checked in one C-level pass
             if not all(map(math.isfinite, value)):
