@@ -435,7 +435,27 @@ def measure_bundle(
         if roof > 0
         else "- daemon / roofline: n/a",
     ]
+    lines += spread(runs, model_best)
     return "\n".join(lines)
+
+
+def spread(runs: dict[str, list[Run]], model_best: float) -> list[str]:
+    """Each round's outbox cost and daemon / roofline (that round's transport roofline), lowest to highest: how far
+    one round can be from the medians above on this machine."""
+    costs, ratios = [], []
+    for rnd in range(len(runs[OUTBOX_ON])):
+        on, off = runs[OUTBOX_ON][rnd].throughput, runs[OUTBOX_OFF][rnd].throughput
+        roof = min(runs[TRANSPORT_ROW][rnd].throughput, model_best)
+        if off > 0:
+            costs.append(1 - on / off)
+        if roof > 0:
+            ratios.append(on / roof)
+    if len(ratios) < 2:
+        return []
+    return [
+        f"- per round, lowest to highest: outbox cost {min(costs):.1%} to {max(costs):.1%}; "
+        f"daemon / roofline {min(ratios):.2f} to {max(ratios):.2f} ({len(ratios)} rounds)"
+    ]
 
 
 def main() -> int:
