@@ -12,8 +12,8 @@ restarts the service after ``WatchdogSec``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import ctypes.util
 import logging
 import sys
 import threading
@@ -95,8 +95,7 @@ def _name_os_thread(name: str) -> None:
     which of the daemon's threads uses the CPU. Python 3.11 names only its own thread objects."""
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):  # no libc to ask: the name is a convenience only
-        pass
+    # The process's own symbols, libc's among them (ctypes.util.find_library would run ldconfig per thread).
+    # No prctl to call: the name is a convenience only.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
