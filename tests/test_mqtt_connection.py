@@ -6,12 +6,18 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from edgeline.daemon.config import BrokerConfig
 from edgeline.daemon.mqtt import MqttConnection
+from edgeline.daemon.topics import TopicFilter
 from tests.mqtt_broker import Broker, Collector
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
@@ -207,3 +213,140 @@ def test_a_broker_that_stops_acknowledging_is_reconnected_and_what_was_in_flight
             assert connection.reconnects == 1
         finally:
             connection.close()
+
+
+def _publisher(broker: Broker) -> mqtt.Client:
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    return client
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_every_input_arrives_once_whole_on_the_lean_path_and_on_pahos_own(
+    broker: Broker, unique_topic: str, protocol: str
+) -> None:
+    """The lean client (``_lean_client``) serves paho's reads from chunks of the socket and takes plain QoS 0/1
+    PUBLISH packets without paho's decoding; anything with properties goes through paho's own code. Interleaved,
+    at both QoS, and with payloads larger than a chunk, every message arrives once, whole, in order, and each
+    path really took its share."""
+    connection = MqttConnection(
+        BrokerConfig.model_validate({"host": broker.host, "port": broker.port, "protocol": protocol}),
+        client_id=f"conn-{time.monotonic_ns()}",
+    )
+    arrived: list[tuple[str, bytes, bool]] = []
+    everything = threading.Event()
+    expected = 300
+    paths = {"lean": 0, "paho": 0}
+    lean, paho_path = connection._client.on_input_fast, connection._client.on_message
+
+    def count(path: str, call: Callable[..., None]) -> Callable[..., None]:
+        def counted(*args: Any) -> None:
+            topic = args[0] if path == "lean" else args[2].topic
+            if not topic.endswith("/probe"):
+                paths[path] += 1
+            call(*args)
+
+        return counted
+
+    connection._client.on_input_fast = count("lean", lean)
+    connection._client.on_message = count("paho", paho_path)
+
+    subscribed = threading.Event()
+
+    def on_input(topic: str, payload: bytes, ack: Callable[[], None] | None) -> None:
+        if topic.endswith("/probe"):  # the subscription is in place (its SUBACK comes after the CONNACK)
+            subscribed.set()
+            return
+        arrived.append((topic, payload, ack is not None))
+        if ack is not None:
+            ack()
+        if len(arrived) == expected:
+            everything.set()
+
+    connection.subscribe([TopicFilter(f"{unique_topic}/in/+")], 1, on_input)
+    connection.start(lambda target: _thread(target))
+    publisher = _publisher(broker)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not subscribed.is_set() and time.monotonic() < deadline:
+            publisher.publish(f"{unique_topic}/in/probe", b"", qos=0)
+            subscribed.wait(0.1)
+        sent = []
+        for index in range(expected):
+            size = 200_000 if index % 50 == 7 else 10 + index  # a few payloads span several chunks
+            payload = bytes([index % 256]) * size
+            qos = index % 2
+            properties = None
+            if index % 3 == 0:  # a user property: the broker forwards it, so paho decodes the packet
+                properties = Properties(PacketTypes.PUBLISH)
+                properties.UserProperty = ("k", str(index))
+            topic = f"{unique_topic}/in/d{index % 4}"
+            publisher.publish(topic, payload, qos=qos, properties=properties).wait_for_publish(TIMEOUT_S)
+            sent.append((topic, payload, qos == 1))
+        assert everything.wait(TIMEOUT_S), f"{len(arrived)} of {expected} arrived"
+        time.sleep(0.3)  # nothing more may come (a duplicate)
+        assert arrived == sent
+        if protocol == "5":
+            assert paths == {"lean": expected - expected // 3, "paho": expected // 3}
+        else:  # MQTT 3.1.1 carries no properties: every packet takes the lean path
+            assert paths == {"lean": expected, "paho": 0}
+    finally:
+        publisher.loop_stop()
+        publisher.disconnect()
+        connection.close()
+
+
+def test_pubacks_with_and_without_a_reason_code_complete_their_publishes(broker: Broker, unique_topic: str) -> None:
+    """Mosquitto acknowledges a QoS 1 publish nobody subscribed to with reason 16 (no matching subscribers: three
+    bytes, paho's own decoding) and one with a subscriber with two bytes (the lean path). Both complete, as
+    accepted, and the window empties."""
+    results = Collector(broker, f"{unique_topic}/heard/#")
+    connection = connected(broker)
+    try:
+        done: list[tuple[str, bool, str | None]] = []
+
+        def publish() -> None:
+            for index in range(40):
+                where = "heard" if index % 2 else "nobody"
+                connection.publish(
+                    f"{unique_topic}/{where}/x",
+                    b"%d" % index,
+                    qos=1,
+                    done=lambda ok, why, w=where: done.append((w, ok, why)),
+                )
+
+        on_network_thread(connection, publish)
+        results.wait_for(20)
+        deadline = time.monotonic() + TIMEOUT_S
+        while connection.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert connection.in_flight == 0
+        assert sorted(done) == sorted([("heard", True, None)] * 20 + [("nobody", True, None)] * 20)
+        assert connection.publish_refused == 0
+    finally:
+        connection.close()
+        results.close()
+
+
+def test_packets_written_together_arrive_whole_and_in_order_even_when_a_send_is_partial(
+    broker: Broker, unique_topic: str
+) -> None:
+    """The lean client writes the packets queued in one turn with one ``send``: with a small socket buffer, sends
+    end part-way through a packet, and the rest must follow from where they stopped."""
+    results = Collector(broker, f"{unique_topic}/#", timeout=60)
+    connection = connected(broker, max_queued=1000)
+    try:
+        payloads = [bytes([index % 256]) * (1 + (index * 7919) % 60_000) for index in range(400)]
+
+        def publish_all() -> None:
+            # a small send buffer: most sends stop part-way (the kernel doubles this, and keeps a floor)
+            connection._client.socket().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            for payload in payloads:
+                assert connection.publish(f"{unique_topic}/big", payload, qos=1)
+
+        on_network_thread(connection, publish_all)
+        assert [payload for _, payload, _ in results.wait_for(len(payloads))] == payloads
+    finally:
+        connection.close()
+        results.close()
