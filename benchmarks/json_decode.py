@@ -1,7 +1,7 @@
 """JSON number lists to float32, side by side in one run: the checked path (a type check over every value, then
-``np.fromiter``) against the fast path the JSON codec takes (``array.array("f")`` for a flat list, ``np.array`` for
-a nested one; booleans still refused), and the whole ``JsonCodec.decode``, whose first step, ``orjson.loads``, is
-shown alone for scale.
+``np.fromiter``) against the fast path the JSON codec takes (the values flattened, packed as float64 by
+``struct.pack`` in one C loop and narrowed to float32 by numpy; booleans still refused), and the whole
+``JsonCodec.decode``, whose first step, ``orjson.loads``, is shown alone for scale.
 
     python benchmarks/json_decode.py --write benchmarks/results/json_decode.md
 
