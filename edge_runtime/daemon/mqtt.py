@@ -88,7 +88,8 @@ def _lean_client() -> type:
       shared success reason.
 
     Anything else (properties, a topic alias, QoS 2, a refusal) goes to paho's own code. The overridden methods are
-    paho 2.2 internals (pinned in ``pyproject.toml``): ``tests/test_mqtt_connection.py`` runs both paths against Mosquitto.
+    paho 2.2 internals (pinned in ``pyproject.toml``): ``tests/test_mqtt_connection.py`` runs both paths against
+    Mosquitto.
     """
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import MQTTErrorCode
