@@ -22,6 +22,7 @@ naming the cause within seconds; once running, the connection retries for ever.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -57,6 +58,7 @@ PublishDone = Callable[[bool, str | None], None]
 OnMessage = Callable[[str, bytes, "Callable[[], None] | None"], None]
 
 
+@functools.cache
 def _packed_once() -> type:
     """paho's ``Properties`` that packs itself once: one is shared by every answer published in the same second."""
     from paho.mqtt.properties import Properties
@@ -72,6 +74,7 @@ def _packed_once() -> type:
     return PackedOnce
 
 
+@functools.cache
 def _lean_client() -> type:
     """paho's ``Client`` with a cheaper path for the packets of the stream, and the same behaviour.
 
@@ -313,7 +316,7 @@ class MqttConnection:
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
-        client.on_input_fast = self._on_input_fast
+        client.on_input_fast = self._input
         client.on_publish = self._on_publish
         client.on_subscribe = self._on_subscribe
         # paho's errors only, through a logger of our own: with on_log set, paho formats a line for every packet
@@ -621,9 +624,10 @@ class MqttConnection:
             if message.qos > 0:
                 client.ack(message.mid, message.qos)  # on the network thread: a poison message is not kept for ever
             return
-        self._on_input_fast(topic, bytes(message.payload), message.mid, message.qos)
+        self._input(topic, bytes(message.payload), message.mid, message.qos)
 
-    def _on_input_fast(self, topic: str, payload: bytes, mid: int, qos: int) -> None:
+    def _input(self, topic: str, payload: bytes, mid: int, qos: int) -> None:
+        """One input, from either path of the client (the lean one or paho's ``on_message``)."""
         handler = self._on_input
         if handler is None:
             return
