@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import re
 import subprocess
 import sys
@@ -355,6 +356,56 @@ def test_the_json_fast_path_decides_as_the_checked_path(value: Any) -> None:
         return array.dtype, array.shape, array.tobytes()
 
     assert outcome(json_text=text) == outcome()
+
+
+# simdjson reads the messages it can vouch for, orjson the rest: the two must decide alike, to the error's text.
+RAW_NUMBERS = ["1e400", "-1e400", "123456789012345678901234567890", "18446744073709551615", "-0.0", "1E-7", "3.5e38"]
+RAW_NUMBERS += ["NaN", "Infinity", "true", "null", '"["', "[1]", "[]"]
+json_value_texts = (number_lists | json_values).map(json.dumps) | st.lists(
+    st.sampled_from(RAW_NUMBERS) | finite_float32.map(repr), max_size=6
+).map(lambda items: "[" + ", ".join(items) + "]")
+json_messages = st.lists(st.tuples(st.sampled_from(["id", "data", "a", "b", "x["]), json_value_texts), max_size=4).map(
+    lambda fields: ("{" + ", ".join(f'"{key}": {value}' for key, value in fields) + "}").encode()
+)
+
+
+@settings(deadline=None, max_examples=400)
+@given(payload=json_messages | json_values.map(lambda value: json.dumps(value).encode()))
+@pytest.mark.parametrize(
+    ("specs", "window"),
+    [((TensorSpec(name="x", dtype="float32", shape=(1, 2)),), None), (PAIR, None), ((IMAGE,), WINDOW)],
+    ids=["one-input", "two-inputs", "window"],
+)
+def test_json_decodes_alike_with_and_without_simdjson(
+    payload: bytes, specs: tuple[TensorSpec, ...], window: Window | None
+) -> None:
+    from edgeline.daemon.codecs import JsonCodec
+
+    def outcome(codec: JsonCodec) -> Any:
+        try:
+            decoded = codec.decode(payload, specs, window=window)
+        except PayloadError as error:
+            return error.code, str(error)
+        return decoded.id, [(array.dtype, array.shape, array.tobytes()) for array in decoded.arrays]
+
+    assert outcome(JsonCodec()) == outcome(JsonCodec(simdjson=False))
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"), reason="pysimdjson has no wheel for this CPU"
+)
+def test_json_takes_the_simdjson_path_for_a_plain_message() -> None:
+    from edgeline.daemon import codecs
+
+    codec = codecs.JsonCodec()
+    assert codec._simdjson is not None, "pysimdjson is a dependency on this platform: is it installed?"
+    payload = json.dumps({"id": "m1", "data": [0.5, -1.25, 3.0]}).encode()
+    message = codecs._simd_message(codec._simdjson, payload)
+    assert message is not None and message["id"] == "m1"
+    np.testing.assert_array_equal(message["data"], np.array([0.5, -1.25, 3.0], np.float32))
+    # what it cannot vouch for goes to orjson's path
+    for refused in (b'{"data": [[1, 2]]}', b'{"data": [1, true]}', b'{"data": [1], "data": [2]}', b'{"id": [1]}'):
+        assert codecs._simd_message(codec._simdjson, refused) is None, refused
 
 
 # ---------------------------------------------------------------------------------------------------------------------
