@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +48,17 @@ def interpret(
     """Interpret one sample's float outputs (batch 1) according to the manifest's postprocess."""
     if post.kind == "classify":
         row = outputs[0].reshape(-1).astype(np.float64)
-        scores = softmax(row) if post.score == "softmax" else row
-        # the first of equal scores wins either way (argmax, or a stable sort); one class needs no sort
-        order = [int(np.argmax(scores))] if top_k <= 1 else np.argsort(-scores, kind="stable")[:top_k].tolist()
         labels = post.labels
+        if top_k <= 1:  # the common case, in three numpy calls: softmax's score of the best class is 1 / sum
+            best = int(row.argmax())
+            score = 1.0 / float(np.exp(row - row[best]).sum()) if post.score == "softmax" else float(row[best])
+            if math.isfinite(score):  # else (NaN or Inf outputs) the general path, and whatever it makes of them
+                label = labels[best] if labels else str(best)
+                return Interpretation(label=label, index=best, score=score, top_k=((label, score),))
+        scores = softmax(row) if post.score == "softmax" else row
+        # ranked by output (softmax keeps the order; its rounding could make near outputs equal scores): the first
+        # of equal outputs wins either way (argmax, or a stable sort); one class needs no sort
+        order = [int(np.argmax(row))] if top_k <= 1 else np.argsort(-row, kind="stable")[:top_k].tolist()
 
         def name(index: int) -> str:
             return labels[index] if labels else str(index)

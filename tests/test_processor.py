@@ -51,6 +51,8 @@ def test_a_good_message_gets_one_result_equal_to_predict(model: edgeline.Model) 
     assert record["class_index"] == int(np.argmax(expected))
     assert 0 < record["score"] <= 1
     assert record["latency_ms"] > 0 and record["timestamp"] > 0
+    # the processor encodes its records unchecked (plain=True): the checked walk must find nothing to change
+    assert answer.payload == get_codec("json").encode(answer.record)
 
 
 BAD = [
@@ -78,6 +80,8 @@ def test_bad_input_gets_one_coded_error_and_nothing_else_is_lost(
     assert record["seq"] == 2 and record["device"] == "cam-1"
     assert not first.is_error and not after.is_error
     assert json.loads(after.payload)["seq"] == 3
+    for answer in (first, error, after):
+        assert answer.payload == get_codec("json").encode(answer.record)
     status = proc.metrics.snapshot()
     assert status["errors"] == {code: 1}
     assert status["counts"]["results"] == 2

@@ -80,7 +80,11 @@ class Codec(Protocol):
 
     def decode(self, payload: bytes, specs: Sequence[TensorSpec], *, window: Window | None = None) -> Decoded: ...
 
-    def encode(self, record: Mapping[str, Any]) -> bytes: ...
+    def encode(self, record: Mapping[str, Any], *, plain: bool = False) -> bytes:
+        """The record as a payload; numpy values become lists and numbers, and NaN or Inf anywhere is refused
+        (``non-finite``). ``plain=True``: the caller vouches that the record holds only str, int, finite float,
+        bool and None, in dicts and lists (the processor's own records); the walk that checks it is skipped."""
+        ...
 
 
 def get_codec(name: str) -> Codec:
@@ -154,8 +158,8 @@ class JsonCodec:
             raise _json_failure(payload, exc) from exc
         return _decode_map(message, specs, window, "JSON", len(payload), json_text=payload)
 
-    def encode(self, record: Mapping[str, Any]) -> bytes:
-        encoded: bytes = self._dumps(_plain_record(record))
+    def encode(self, record: Mapping[str, Any], *, plain: bool = False) -> bytes:
+        encoded: bytes = self._dumps(record if plain else _plain_record(record))
         return encoded
 
 
@@ -227,8 +231,8 @@ class CborCodec:
             )
         return _decode_map(message, specs, window, "CBOR", len(payload))
 
-    def encode(self, record: Mapping[str, Any]) -> bytes:
-        encoded: bytes = self._dumps(_plain_record(record))
+    def encode(self, record: Mapping[str, Any], *, plain: bool = False) -> bytes:
+        encoded: bytes = self._dumps(record if plain else _plain_record(record))
         return encoded
 
 
@@ -248,8 +252,8 @@ class MsgpackCodec:
             raise PayloadError(f"not valid MessagePack: {exc}", code="malformed") from exc
         return _decode_map(message, specs, window, "MessagePack", len(payload))
 
-    def encode(self, record: Mapping[str, Any]) -> bytes:
-        encoded: bytes = self._packb(_plain_record(record), use_bin_type=True)
+    def encode(self, record: Mapping[str, Any], *, plain: bool = False) -> bytes:
+        encoded: bytes = self._packb(record if plain else _plain_record(record), use_bin_type=True)
         return encoded
 
 
@@ -535,7 +539,7 @@ class RawCodec:
             arrays.append(array)
         return Decoded(None, tuple(arrays))
 
-    def encode(self, record: Mapping[str, Any]) -> bytes:
+    def encode(self, record: Mapping[str, Any], *, plain: bool = False) -> bytes:
         raise EdgelineError("the raw codec decodes inputs only; results are published with json, cbor or msgpack")
 
 

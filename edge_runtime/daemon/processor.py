@@ -289,7 +289,7 @@ class Processor:
         if batch > 1:
             record["batch"] = batch
         record["timestamp"] = time.time()
-        payload = self.result_codec.encode(record)
+        payload = self.result_codec.encode(record, plain=True)
         self.metrics.observe("model", seconds)
         self.metrics.count("results")
         return Answer(topic, payload, record, is_error=False)
@@ -302,7 +302,7 @@ class Processor:
         record = self._record(message, sequence, identity)
         record["error"] = {"code": code, "message": text}
         record["timestamp"] = time.time()
-        payload = self.result_codec.encode(record)
+        payload = self.result_codec.encode(record, plain=True)
         topic = self._topic(self.publish, message.device)
         error_topic = self._topic(self.error_topic, message.device) if self.error_topic else None
         if topic_problem(topic) is None:
