@@ -1,6 +1,6 @@
 """`edgeline run` throughput and latency at QoS 1 through a local Mosquitto, against its two rooflines, side by side.
 
-Per bundle and codec, the same N messages (default 2000) are sent as fast as one publisher can (a backlog forms) to:
+Per bundle and codec, the same N messages (default 4000) are sent as fast as one publisher can (a backlog forms) to:
 
 - ``edgeline run`` as configured by default (outbox on: every answer committed to SQLite before its input is
   acknowledged), and with ``[outbox] enabled = false`` (answers handed straight to the MQTT client);
@@ -14,6 +14,8 @@ that rounds its readings sends them); ``msgpack`` sends ``{"id": "m1", "data": <
 codec it was sent (the transport roofline's answer is only the id).
 
 Each consumer is a separate process; a fresh daemon gets a fresh ``--state-dir`` and a unique ``--instance``.
+Each fresh process first answers ``--warmup`` messages (default 300), untimed: the figures are the steady state a
+daemon that runs for months is in, not its first half second (a cold interpreter, the outbox's first pages).
 The model roofline is ``edgeline.load(bundle)`` called in this process on the same inputs (already decoded):
 ``predict(x)`` one sample per call, and ``predict_batch`` at the batch size the daemon's default
 ``[queue] max_batch`` (16) gets from ``Model.enable_batching`` when the model allows batching. The roofline is the
@@ -22,7 +24,8 @@ faster of the calls the daemon can make. Rounds are interleaved; each number is 
     python benchmarks/daemon_throughput.py --write benchmarks/results/daemon_throughput.md \
         --bundle artifacts/bench/bundles/ds_cnn-litert-int8-static artifacts/bench/bundles/resnet8-litert-int8-static
 
-A smoke run: add ``--messages 300 --rounds 1 --codec json``. Full scale takes about 5 minutes on a quiet 2-core machine.
+A smoke run: add ``--messages 300 --warmup 50 --rounds 1 --codec json``. Full scale (5 rounds) takes about 8 minutes
+on a quiet 2-core machine.
 """
 
 from __future__ import annotations
@@ -300,7 +303,7 @@ def processor_cost(bundle: Path, payloads: list[bytes], codec: str) -> float:
 
 def run_consumer(
     name: str, bundle: Path, model_name: str, broker: Broker, payloads: list[bytes], scratch: Path,
-    scripts: dict[str, Path], tag: str, codec: str,
+    scripts: dict[str, Path], tag: str, codec: str, warmup: int,
 ) -> Run:  # fmt: skip
     topic = f"bench/{tag}"
     unique = uuid.uuid4().hex[:10]
@@ -313,6 +316,8 @@ def run_consumer(
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_ready(broker, process, client_id, f"{topic}/in/+", since)
+            if warmup:  # steady state: the first messages of a fresh process (caches, allocations) are not timed
+                drive(broker, topic, payloads[:warmup], timeout=60.0, codec=codec)
             before = cpu_seconds(process.pid)
             run = drive(broker, topic, payloads, timeout=max(60.0, len(payloads) / 20), codec=codec)
             run.cpu_us = (cpu_seconds(process.pid) - before) / len(payloads) * 1e6
@@ -357,7 +362,7 @@ def make_payloads(data: list[np.ndarray], codec: str) -> list[bytes]:
 
 def measure_bundle(
     broker: Broker, bundle: Path, scratch: Path, scripts: dict[str, Path], messages: int, rounds: int, max_batch: int,
-    codec: str,
+    codec: str, warmup: int,
 ) -> str:  # fmt: skip
     import edgeline
 
@@ -378,7 +383,9 @@ def measure_bundle(
         for number, name in enumerate(order):
             tag = f"{bundle.name}/{codec}/{round_index}/{number}"
             print(f"[{bundle.name} {codec}] round {round_index + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
-            runs[name].append(run_consumer(name, bundle, manifest.name, broker, payloads, scratch, scripts, tag, codec))
+            runs[name].append(
+                run_consumer(name, bundle, manifest.name, broker, payloads, scratch, scripts, tag, codec, warmup)
+            )
         single, batched, batching = model_rooflines(bundle, arrays, max_batch)
         costs.append(processor_cost(bundle, payloads, codec))
         singles.append(single)
@@ -465,8 +472,9 @@ def main() -> int:
         "--bundle", type=Path, nargs="+", default=[Path("artifacts/bench/bundles/ds_cnn-litert-int8-static")]
     )
     parser.add_argument("--codec", nargs="+", choices=["json", "msgpack"], default=["json", "msgpack"])
-    parser.add_argument("--messages", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--messages", type=int, default=4000)
+    parser.add_argument("--warmup", type=int, default=300, help="messages each consumer answers before the timed run")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--write", type=Path)
     args = parser.parse_args()
     from edgeline.daemon.config import QueueConfig
@@ -488,7 +496,9 @@ def main() -> int:
         for bundle in args.bundle:
             for codec in args.codec:
                 tables.append(
-                    measure_bundle(broker, bundle, scratch, scripts, args.messages, args.rounds, max_batch, codec)
+                    measure_bundle(
+                        broker, bundle, scratch, scripts, args.messages, args.rounds, max_batch, codec, args.warmup
+                    )
                 )
     publish(
         "\n\n".join(tables),
@@ -496,7 +506,8 @@ def main() -> int:
         title="Daemon throughput at QoS 1 against its rooflines",
         intro=f"{args.messages} messages per run at QoS 1 ({' and '.join(args.codec)}), sent as fast as one "
         "publisher can through a local "
-        "Mosquitto (`sent msg/s`: from the first publish to the last PUBACK); "
+        "Mosquitto (`sent msg/s`: from the first publish to the last PUBACK), after "
+        f"{args.warmup} untimed messages to each fresh consumer process (steady state, not start-up); "
         f"median of {args.rounds} interleaved rounds. Latency is from publish to the "
         "answer's arrival at a subscriber, so under this backlog it is mostly queueing. The daemon runs with every "
         "feature on (validation, coded errors, status, availability); the rooflines are described in "
