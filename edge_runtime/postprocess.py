@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,20 +48,18 @@ def interpret(
     if post.kind == "classify":
         row = outputs[0].reshape(-1).astype(np.float64)
         labels = post.labels
-        if top_k <= 1:  # the common case, in three numpy calls: softmax's score of the best class is 1 / sum
-            best = int(row.argmax())
-            score = 1.0 / float(np.exp(row - row[best]).sum()) if post.score == "softmax" else float(row[best])
-            if math.isfinite(score):  # else (NaN or Inf outputs) the general path, and whatever it makes of them
-                label = labels[best] if labels else str(best)
-                return Interpretation(label=label, index=best, score=score, top_k=((label, score),))
-        scores = softmax(row) if post.score == "softmax" else row
-        # ranked by output (softmax keeps the order; its rounding could make near outputs equal scores): the first
-        # of equal outputs wins either way (argmax, or a stable sort); one class needs no sort
-        order = [int(np.argmax(row))] if top_k <= 1 else np.argsort(-row, kind="stable")[:top_k].tolist()
 
         def name(index: int) -> str:
             return labels[index] if labels else str(index)
 
+        # Ranked by output (softmax keeps the order, but its rounding could give near outputs one score): the
+        # first of equal outputs wins, by argmax or a stable sort.
+        if top_k <= 1:  # softmax's score of the best class is 1 / sum(exp(row - best)): three numpy calls
+            best = int(row.argmax())
+            score = 1.0 / float(np.exp(row - row[best]).sum()) if post.score == "softmax" else float(row[best])
+            return Interpretation(label=name(best), index=best, score=score, top_k=((name(best), score),))
+        scores = softmax(row) if post.score == "softmax" else row
+        order = np.argsort(-row, kind="stable")[:top_k].tolist()
         best = order[0]
         return Interpretation(
             label=name(best),

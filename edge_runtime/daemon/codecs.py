@@ -187,8 +187,7 @@ def _simd_message(simdjson: Any, payload: bytes) -> dict[str, Any] | None:
             value = document[key]
             if isinstance(value, simdjson.Array) and key != "id":
                 lists += 1
-                with np.errstate(over="ignore"):  # beyond float32's range becomes Inf, refused as non-finite
-                    message[key] = np.frombuffer(value.as_buffer(of_type="d"), _F64).astype(_F32)
+                message[key] = _narrowed(value.as_buffer(of_type="d"))
             elif isinstance(value, simdjson.Array | simdjson.Object):
                 return None
             else:
@@ -371,11 +370,17 @@ def _json_floats(leaves: list[Any], json_text: bytes) -> np.ndarray | None:
         packed = struct.pack(f"{len(leaves)}d", *leaves)
     except (struct.error, TypeError, OverflowError):
         return None
-    with np.errstate(over="ignore"):  # beyond float32's range becomes Inf, refused as non-finite
-        found = np.frombuffer(packed, _F64).astype(_F32)
+    found = _narrowed(packed)
     if ((found == 0) | (found == 1)).any() and (b"true" in json_text or b"false" in json_text):
         return None
     return found
+
+
+def _narrowed(float64s: Any) -> np.ndarray:
+    """A buffer of float64 values as a float32 array, in one pass; beyond float32's range becomes Inf (refused as
+    non-finite later, like on the checked path)."""
+    with np.errstate(over="ignore"):
+        return np.frombuffer(float64s, _F64).astype(_F32)
 
 
 def _leaves(value: Any, field: str, payload_bytes: int) -> tuple[list[Any], tuple[int, ...]]:
