@@ -449,7 +449,8 @@ def measure_bundle(
 
 def spread(runs: dict[str, list[Run]], model_best: float) -> list[str]:
     """Each round's outbox cost and daemon / roofline (that round's transport roofline), lowest to highest: how far
-    one round can be from the medians above on this machine."""
+    one round can be from the medians above on this machine; and their medians, which pair each daemon run with the
+    roofline measured minutes from it (this machine's speed drifts between rounds)."""
     costs, ratios = [], []
     for rnd in range(len(runs[OUTBOX_ON])):
         on, off = runs[OUTBOX_ON][rnd].throughput, runs[OUTBOX_OFF][rnd].throughput
@@ -462,7 +463,9 @@ def spread(runs: dict[str, list[Run]], model_best: float) -> list[str]:
         return []
     return [
         f"- per round, lowest to highest: outbox cost {min(costs):.1%} to {max(costs):.1%}; "
-        f"daemon / roofline {min(ratios):.2f} to {max(ratios):.2f} ({len(ratios)} rounds)"
+        f"daemon / roofline {min(ratios):.2f} to {max(ratios):.2f} ({len(ratios)} rounds); "
+        f"median of the rounds' own: outbox cost {statistics.median(costs):.1%}, "
+        f"daemon / roofline **{statistics.median(ratios):.2f}**"
     ]
 
 

@@ -21,79 +21,83 @@ Converter = Callable[[np.ndarray], np.ndarray]
 _F32 = np.dtype(np.float32)
 
 
-def _input_converter(index: int, spec: TensorSpec, manifest: Manifest) -> Converter:
-    """Checks one caller array and turns it into what the model's input tensor holds.
+class _InputConverter:
+    """Checks caller arrays for one input and turns them into what the model's input tensor holds.
 
     The hot path: called once per input per inference, so everything that can be is computed here, once.
+    ``checked`` refuses what cannot be used (shape, dtype, NaN or Inf) and gives float32 at the input's shape;
+    ``convert`` quantizes (or preprocesses) checked floats of any batch size, so a batch of samples is converted in
+    one pass (``Model.predict_batch``) with the same arithmetic, element for element, as one sample.
     """
-    shape = spec.shape
-    sample_shape = shape[1:] if shape[0] == 1 else None
-    where = f"input {index} ({spec.name})"
-    pre = manifest.preprocess
-    dtype = np.dtype(spec.dtype)
-    params = spec.quantization
 
-    def coerce(x: np.ndarray) -> np.ndarray:
+    def __init__(self, index: int, spec: TensorSpec, manifest: Manifest):
+        self.shape = spec.shape
+        self._sample_shape = self.shape[1:] if self.shape[0] == 1 else None
+        self.where = f"input {index} ({spec.name})"
+        self.dtype = np.dtype(spec.dtype)
+        self._pre = manifest.preprocess
+        params = spec.quantization
+        self._quantized = params is not None and self.dtype.kind in "iu"
+        self.identity = not self._quantized and self._pre is None and self.dtype == _F32
+        """Checked floats are what the model takes: ``convert`` returns them as they are."""
+        if self._quantized:
+            assert params is not None
+            self._scale = np.float32(params.scale)
+            self._zero_point = np.float32(params.zero_point)
+            info = np.iinfo(self.dtype)
+            self._low, self._high = np.float32(info.min), np.float32(info.max)
+            self._pre_scale = np.float32(self._pre.scale) if self._pre else None
+            self._pre_offset = np.float32(self._pre.offset) if self._pre else np.float32(0.0)
+        self._scratch: dict[tuple[int, ...], np.ndarray] = {}
+        self._out = np.empty(self.shape, self.dtype)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """One sample, checked and converted (into a buffer reused by the next call)."""
+        return self.convert(self.checked(x), self._out)
+
+    def checked(self, x: np.ndarray) -> np.ndarray:
         if not isinstance(x, np.ndarray):
             x = np.asarray(x)
-        if x.shape != shape:
-            if x.shape != sample_shape:
-                raise PayloadError(f"{where}: shape {list(x.shape)}, expected {list(shape)}", code="wrong-shape")
-            x = x.reshape(shape)
+        if x.shape != self.shape:
+            if x.shape != self._sample_shape:
+                raise PayloadError(
+                    f"{self.where}: shape {list(x.shape)}, expected {list(self.shape)}", code="wrong-shape"
+                )
+            x = x.reshape(self.shape)
         if x.dtype != _F32:
             if x.dtype.kind not in "fiu":
-                raise PayloadError(f"{where}: dtype {x.dtype}, expected float32", code="wrong-dtype")
+                raise PayloadError(f"{self.where}: dtype {x.dtype}, expected float32", code="wrong-dtype")
             with np.errstate(over="ignore"):  # out-of-range values become Inf, refused just below
                 x = x.astype(_F32)
+        if not all_finite(x):
+            raise PayloadError(f"{self.where}: contains NaN or Inf", code="non-finite")
         return x
 
-    def check_finite(x: np.ndarray) -> None:
-        if not all_finite(x):
-            raise PayloadError(f"{where}: contains NaN or Inf", code="non-finite")
-
-    if params is not None and dtype.kind in "iu":
-        scale = np.float32(params.scale)
-        zero_point = np.float32(params.zero_point)
-        info = np.iinfo(dtype)
-        low, high = np.float32(info.min), np.float32(info.max)
-        scratch = np.empty(shape, _F32)
-        quantized = np.empty(shape, dtype)
-        pre_scale = np.float32(pre.scale) if pre else None
-        pre_offset = np.float32(pre.offset) if pre else np.float32(0.0)
-
-        def to_quantized(x: np.ndarray) -> np.ndarray:
-            x = coerce(x)
-            check_finite(x)
-            if pre_scale is not None:
-                np.multiply(x, pre_scale, out=scratch)
-                np.add(scratch, pre_offset, out=scratch)
-                np.divide(scratch, scale, out=scratch)
-            else:
-                np.divide(x, scale, out=scratch)
-            np.rint(scratch, out=scratch)
-            np.add(scratch, zero_point, out=scratch)
-            np.maximum(scratch, low, out=scratch)
-            np.minimum(scratch, high, out=scratch)
-            np.copyto(quantized, scratch, casting="unsafe")
-            return quantized
-
-        return to_quantized
-
-    if pre is not None:
-
-        def to_preprocessed(x: np.ndarray) -> np.ndarray:
-            x = coerce(x)
-            check_finite(x)
-            return (x * pre.scale + pre.offset).astype(dtype, copy=False)
-
-        return to_preprocessed
-
-    def to_float(x: np.ndarray) -> np.ndarray:
-        x = coerce(x)
-        check_finite(x)
-        return x if dtype == _F32 else x.astype(dtype)
-
-    return to_float
+    def convert(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``x`` (checked float32, any leading size) as the model's input, written to ``out`` of the same shape
+        (except when checked floats are the input already: then ``x`` itself)."""
+        if self.identity:
+            return x
+        if not self._quantized:
+            assert self._pre is not None or self.dtype != _F32
+            y = x * self._pre.scale + self._pre.offset if self._pre is not None else x
+            np.copyto(out, y, casting="unsafe")
+            return out
+        scratch = self._scratch.get(x.shape)
+        if scratch is None:
+            scratch = self._scratch[x.shape] = np.empty(x.shape, _F32)
+        if self._pre_scale is not None:
+            np.multiply(x, self._pre_scale, out=scratch)
+            np.add(scratch, self._pre_offset, out=scratch)
+            np.divide(scratch, self._scale, out=scratch)
+        else:
+            np.divide(x, self._scale, out=scratch)
+        np.rint(scratch, out=scratch)
+        np.add(scratch, self._zero_point, out=scratch)
+        np.maximum(scratch, self._low, out=scratch)
+        np.minimum(scratch, self._high, out=scratch)
+        np.copyto(out, scratch, casting="unsafe")
+        return out
 
 
 def _output_converter(spec: TensorSpec) -> Converter | None:
@@ -127,7 +131,7 @@ class Model:
         self._session = session
         self.inputs = self.manifest.inputs
         self.outputs = self.manifest.outputs
-        self._to_model = [_input_converter(i, spec, self.manifest) for i, spec in enumerate(self.inputs)]
+        self._to_model = [_InputConverter(i, spec, self.manifest) for i, spec in enumerate(self.inputs)]
         self._from_model = [_output_converter(spec) for spec in self.outputs]
         self._arity = len(self.inputs)
         self._single = len(self.inputs) == 1 and len(self.outputs) == 1
@@ -139,6 +143,7 @@ class Model:
         """Why ``batch_size`` is what it is, for logs and the daemon's start-up line."""
         self._batched: Session | None = None
         self._batch_inputs: list[np.ndarray] = []
+        self._batch_checked: list[np.ndarray] = []
 
     @property
     def name(self) -> str:
@@ -219,13 +224,17 @@ class Model:
         samples = [[np.asarray(a[i : i + 1], np.float32) for a in inputs] for i in picks]
         single = [self.predict(*sample) for sample in samples]
         self._batched, self.batch_size = batched, size
-        self._batch_inputs = [np.zeros((size, *spec.shape[1:]), spec.dtype) for spec in self.inputs]
+        self._batch_checked = [np.zeros((size, *spec.shape[1:]), _F32) for spec in self.inputs]
+        self._batch_inputs = [
+            checked if convert.identity else np.zeros(checked.shape, convert.dtype)
+            for checked, convert in zip(self._batch_checked, self._to_model, strict=True)
+        ]
         together = self.predict_batch(samples)
         for one, other in zip(single, together, strict=True):
             if isinstance(other, PayloadError) or not all(
                 np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(one, other, strict=True)
             ):
-                self._batched, self._batch_inputs, self.batch_size = None, [], 1
+                self._batched, self._batch_inputs, self._batch_checked, self.batch_size = None, [], [], 1
                 return "batched outputs differ from single ones on golden.npz"
         return None
 
@@ -244,15 +253,20 @@ class Model:
                     raise PayloadError(
                         f"{self.name} takes {self._arity} input(s), got {len(arrays)}", code="missing-input"
                     )
-                for buffer, convert, array in zip(self._batch_inputs, self._to_model, arrays, strict=True):
-                    buffer[row] = convert(array)[0]
+                checked = [convert.checked(array) for convert, array in zip(self._to_model, arrays, strict=True)]
             except PayloadError as exc:
                 answers.append(exc)
                 continue
+            for buffer, x in zip(self._batch_checked, checked, strict=True):
+                buffer[row] = x[0]
             answers.append([])
             good.append(row)
-        if good:  # rows past len(samples), or refused, hold stale inputs: their outputs are never read
-            raw = self._batched.run(self._batch_inputs)
+        if good:  # rows past len(samples), or refused, hold stale (checked) inputs: their outputs are never read
+            inputs = [
+                convert.convert(checked, out)
+                for convert, checked, out in zip(self._to_model, self._batch_checked, self._batch_inputs, strict=True)
+            ]
+            raw = self._batched.run(inputs)
             outputs = [y if convert is None else convert(y) for convert, y in zip(self._from_model, raw, strict=True)]
             for row in good:
                 answers[row] = [output[row : row + 1].copy() for output in outputs]

@@ -54,10 +54,15 @@ def interpret(
 
         # Ranked by output (softmax keeps the order, but its rounding could give near outputs one score): the
         # first of equal outputs wins, by argmax or a stable sort.
-        if top_k <= 1:  # softmax's score of the best class is 1 / sum(exp(row - best)): three numpy calls
+        if top_k <= 1:  # softmax's score of the best class is 1 / sum(exp(row - best)), in place
             best = int(row.argmax())
-            score = 1.0 / float(np.exp(row - row[best]).sum()) if post.score == "softmax" else float(row[best])
-            return Interpretation(label=name(best), index=best, score=score, top_k=((name(best), score),))
+            if post.score == "softmax":
+                np.subtract(row, row[best], out=row)
+                score = 1.0 / float(np.add.reduce(np.exp(row, out=row)))
+            else:
+                score = float(row[best])
+            label = name(best)
+            return Interpretation(label=label, index=best, score=score, top_k=((label, score),))
         scores = softmax(row) if post.score == "softmax" else row
         order = np.argsort(-row, kind="stable")[:top_k].tolist()
         best = order[0]

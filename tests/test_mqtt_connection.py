@@ -3,6 +3,7 @@ with ``call_soon``, and its in-flight window counts what waits for a PUBACK, not
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -12,11 +13,13 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edgeline.daemon.config import BrokerConfig
-from edgeline.daemon.mqtt import MqttConnection
+from edgeline.daemon.mqtt import MqttConnection, _lean_client
 from edgeline.daemon.topics import TopicFilter
 from tests.mqtt_broker import Broker, Collector
 
@@ -350,3 +353,123 @@ def test_packets_written_together_arrive_whole_and_in_order_even_when_a_send_is_
     finally:
         connection.close()
         results.close()
+
+
+@settings(deadline=None, max_examples=120)
+@given(
+    protocol=st.sampled_from([mqtt.MQTTv5, mqtt.MQTTv311]),
+    topic=st.text(st.characters(blacklist_characters="+#", blacklist_categories=("Cs",)), min_size=1, max_size=80),
+    size=st.sampled_from([0, 1, 100, 121, 122, 127, 128, 16_000, 16_376, 16_384, 70_000]),
+    expiry=st.one_of(st.none(), st.integers(1, 2**31 - 1)),
+    mid=st.integers(1, 65_535),
+)
+def test_a_lean_answer_is_the_packet_and_the_message_paho_would_make(
+    protocol: int, topic: str, size: int, expiry: int | None, mid: int
+) -> None:
+    """``publish_at_least_once`` (the daemon's answers) against paho's own ``publish(qos=1)``: the same bytes on
+    the wire and the same message kept for a resend, across the lengths where MQTT's length field grows."""
+    client = _lean_client()(mqtt.CallbackAPIVersion.VERSION2, client_id="c", protocol=protocol)
+    client._sock = socket.socket()  # "connected": paho builds the packet instead of keeping it for later
+    try:
+        properties = None
+        if expiry is not None and protocol == mqtt.MQTTv5:
+            properties = Properties(PacketTypes.PUBLISH)
+            properties.MessageExpiryInterval = expiry
+        payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        made = []
+        for publish in (
+            client.publish_at_least_once,
+            lambda *a: mqtt.Client.publish(client, a[0], a[1], 1, False, a[2]),
+        ):
+            client._last_mid = mid - 1
+            info = publish(topic, payload, properties)
+            assert info.rc == mqtt.MQTT_ERR_SUCCESS and info.mid == mid
+            (packet,) = client._out_packet
+            message = client._out_messages.pop(mid)
+            made.append(
+                (
+                    dict(packet, info=None),
+                    message.topic,
+                    message.payload,
+                    message.qos,
+                    message.retain,
+                    message.dup,
+                    message.state,
+                    message.properties,
+                    client._inflight_messages,
+                )
+            )
+            client._out_packet.clear()
+            client._inflight_messages = 0
+        assert made[0] == made[1]
+    finally:
+        client._sock.close()
+
+
+def _packet(header: int, body: bytes) -> bytes:
+    length, remaining = bytearray(), len(body)
+    while True:
+        remaining, digit = divmod(remaining, 128)
+        length.append(digit | 0x80 if remaining else digit)
+        if not remaining:
+            return bytes([header, *length]) + body
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    protocol=st.sampled_from([mqtt.MQTTv5, mqtt.MQTTv311]),
+    packets=st.lists(
+        st.tuples(
+            st.sampled_from(["publish", "puback"]), st.integers(0, 1), st.sampled_from([0, 1, 120, 20_000, 70_000])
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    cuts=st.lists(st.integers(1, 90_000), max_size=40),
+)
+def test_the_lean_reader_takes_packets_whole_or_cut_anywhere(
+    protocol: int, packets: list[tuple[str, int, int]], cuts: list[int]
+) -> None:
+    """The lean client takes a packet that its chunk holds whole in one go and leaves any other to paho: a stream
+    of PUBLISH and PUBACK packets, cut into reads at arbitrary points, comes out whole and in order."""
+    client = _lean_client()(mqtt.CallbackAPIVersion.VERSION2, client_id="c", protocol=protocol, manual_ack=True)
+    client.on_socket_register_write = lambda *_: None
+    arrived: list[tuple[str, object, int]] = []
+    client.on_input_fast = lambda topic, payload, mid, qos: arrived.append(("publish", (topic, payload), mid))
+    client.on_publish = lambda client, userdata, mid, reason, properties: arrived.append(("puback", None, mid))
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    client._sock = ours
+    client._state = mqtt._ConnectionState.MQTT_CS_CONNECTED
+    try:
+        stream, expected = bytearray(), []
+        for mid, (kind, qos, size) in enumerate(packets, start=1):
+            if kind == "puback":
+                client._out_messages[mid] = mqtt.MQTTMessage(mid, b"t")  # an answer waiting for its PUBACK
+                client._out_messages[mid].qos = 1
+                stream += _packet(0x40, mid.to_bytes(2, "big"))
+                expected.append(("puback", None, mid))
+                continue
+            topic, payload = f"in/d{mid}", bytes([mid % 256]) * size
+            body = len(topic).to_bytes(2, "big") + topic.encode() + (mid.to_bytes(2, "big") if qos else b"")
+            stream += _packet(0x30 | qos << 1, body + (b"\x00" if protocol == mqtt.MQTTv5 else b"") + payload)
+            expected.append(("publish", (topic, payload), mid if qos else 0))
+        theirs.setblocking(False)
+        at, reads = 0, 0
+        for cut in [*cuts, len(stream)]:
+            piece = memoryview(bytes(stream[at : at + cut]))
+            at += len(piece)
+            while piece:  # what the socket takes, then what the client reads of it: never blocks
+                with contextlib.suppress(BlockingIOError):
+                    piece = piece[theirs.send(piece) :]
+                for _ in range(len(packets) + 2):  # loop_read takes at most as many packets as paho holds messages
+                    client.loop_read()
+                reads += 1
+                assert reads < 10_000
+            if at >= len(stream):
+                break
+        assert arrived == expected
+        assert client.buffered == 0 and client._in_packet["command"] == 0
+    finally:
+        ours.close()
+        theirs.close()

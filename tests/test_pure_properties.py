@@ -17,8 +17,8 @@ from hypothesis.extra import numpy as hnp
 
 from edgeline.errors import PayloadError
 from edgeline.export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
-from edgeline.manifest import Postprocess, Quantization, TensorSpec
-from edgeline.model import _input_converter, _output_converter
+from edgeline.manifest import Postprocess, Preprocess, Quantization, TensorSpec
+from edgeline.model import _InputConverter, _output_converter
 from edgeline.postprocess import interpret, softmax
 from edgeline.quantization import dequantize, quantize
 from edgeline.samples import sample_set
@@ -39,7 +39,7 @@ class _NoPreprocess:
 def to_model(values: np.ndarray, params: Quantization, dtype: np.dtype) -> np.ndarray:
     """What an inference feeds the model for these float values: the input converter of an int input."""
     spec = TensorSpec(name="x", dtype=str(dtype), shape=(1, values.size), quantization=params)
-    convert = _input_converter(0, spec, _NoPreprocess())
+    convert = _InputConverter(0, spec, _NoPreprocess())
     return convert(np.asarray(values, dtype=np.float32).reshape(1, -1)).reshape(values.shape).copy()
 
 
@@ -152,6 +152,42 @@ def test_the_converters_agree_with_the_formulas_exactly(
     assert np.array_equal(to_model(values, quant, dtype), quantize(values, quant, dtype))
     codes = data.draw(hnp.arrays(dtype, st.integers(1, 32), elements=st.integers(int(info.min), int(info.max))))
     assert np.array_equal(from_model(codes, quant), dequantize(codes, quant))
+
+
+class _Scaled:
+    def __init__(self, scale: float, offset: float):
+        self.preprocess = Preprocess(scale=scale, offset=offset)
+
+
+@PROPERTY
+@given(
+    params=quantization_params(),
+    kind=st.sampled_from(["quantized", "quantized, preprocessed", "float, preprocessed", "float16"]),
+    pre=st.tuples(st.floats(-100, 100, width=32), st.floats(-100, 100, width=32)),
+    data=st.data(),
+)
+def test_a_batch_converts_as_its_samples_do_one_by_one(
+    params: tuple[Quantization, np.dtype], kind: str, pre: tuple[float, float], data: st.DataObject
+) -> None:
+    """``Model.predict_batch`` converts all its rows in one pass: bit for bit what ``predict`` feeds each one."""
+    quant, dtype = params
+    width, rows = data.draw(st.integers(1, 16)), data.draw(st.integers(2, 8))
+    quantized = kind.startswith("quantized")
+    spec = TensorSpec(
+        name="x",
+        dtype=str(dtype) if quantized else ("float16" if kind == "float16" else "float32"),
+        shape=(1, width),
+        quantization=quant if quantized else None,
+    )
+    manifest = _Scaled(*pre) if "preprocessed" in kind else _NoPreprocess()
+    values = data.draw(
+        hnp.arrays(np.float32, (rows, width), elements=st.floats(-1e4, 1e4, width=32, allow_subnormal=False))
+    )
+    convert = _InputConverter(0, spec, manifest)
+    one_by_one = np.concatenate([convert(values[row : row + 1]).copy() for row in range(rows)])
+    together = convert.convert(values, np.empty(values.shape, spec.dtype))
+    assert together.dtype == np.dtype(spec.dtype)
+    np.testing.assert_array_equal(together, one_by_one)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
