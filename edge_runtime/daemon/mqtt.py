@@ -210,7 +210,7 @@ def _lean_client() -> type:
                         packet["pos"], packet["to_process"] = sent, packet["to_process"] - sent
                         break
                     with self._msgtime_mutex:
-                        self._last_msg_out = mqtt.time_func()  # paho's keepalive clock
+                        self._last_msg_out = clock()  # paho's keepalive clock
             return super()._packet_write()
 
         def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int, info: Any = None) -> Any:
@@ -227,7 +227,10 @@ def _lean_client() -> type:
             if self._sock is None or not encoded:  # paho keeps it for the next connection; or a topic alias
                 return super().publish(topic, payload, qos=1, properties=properties)
             self._raise_for_invalid_topic(encoded)
-            mid = self._mid_generate()
+            packed = b"" if self._protocol != mqtt.MQTTv5 else b"\x00" if properties is None else properties.pack()
+            header = self._pack_remaining_length(bytearray(b"\x32"), 4 + len(encoded) + len(packed) + len(payload))
+            mid = self._mid_generate()  # a packet too large has raised above, before paho keeps anything
+            packet = b"".join((header, uint16.pack(len(encoded)), encoded, uint16.pack(mid), packed, payload))
             message = Message(mid, encoded)
             message.timestamp, message.payload, message.qos = clock(), payload, 1
             message.properties, message.state = properties, waiting_for_puback
@@ -237,17 +240,6 @@ def _lean_client() -> type:
                     return message.info
                 self._out_messages[mid] = message
                 self._inflight_messages += 1
-            packed = b"" if self._protocol != mqtt.MQTTv5 else b"\x00" if properties is None else properties.pack()
-            remaining = 4 + len(encoded) + len(packed) + len(payload)
-            if remaining > 268_435_455:
-                raise ValueError("Payload too large.")
-            length = bytearray()
-            while True:  # MQTT's variable-length integer
-                remaining, digit = divmod(remaining, 128)
-                length.append(digit | 0x80 if remaining else digit)
-                if not remaining:
-                    break
-            packet = b"".join((b"\x32", length, uint16.pack(len(encoded)), encoded, uint16.pack(mid), packed, payload))
             self._packet_queue(PUBLISH, packet, mid, 1, message.info)
             message.info.rc = success
             return message.info
