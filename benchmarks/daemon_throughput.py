@@ -42,7 +42,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -152,6 +152,8 @@ class Run:
     """Coded error answers by code."""
     cpu_us: float = float("nan")
     """The consumer process's CPU time (user + system) per message sent, over the run."""
+    threads: dict[str, float] = field(default_factory=dict)
+    """The same, by thread name (the daemon names its threads for the kernel: ``edgeline-worker``...)."""
     idle: float = float("nan")
     """The machine's idle share over the run (all cores): near 0, the whole machine was the limit."""
     steal: float = float("nan")
@@ -277,7 +279,22 @@ def machine_times() -> list[int]:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a live process so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return _stat_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def thread_seconds(pid: int) -> Counter[str]:
+    """User + system CPU time of each live thread of a process so far, summed by thread name."""
+    seconds: Counter[str] = Counter()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            seconds[(task / "comm").read_text().strip()] += _stat_seconds(task / "stat")
+        except OSError:  # the thread ended meanwhile
+            continue
+    return seconds
+
+
+def _stat_seconds(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -301,6 +318,31 @@ def processor_cost(bundle: Path, payloads: list[bytes], codec: str) -> float:
     return (time.perf_counter() - start) / len(messages) * 1e6
 
 
+def decode_cost(bundle: Path, payloads: list[bytes], codec: str) -> float:
+    """Microseconds per message to turn a payload into the model's float32 input with the daemon's own codec (its
+    checks included): work any consumer must add to the transport roofline's before it can run the model."""
+    import edgeline
+    from edgeline.daemon.codecs import get_codec
+
+    inputs = edgeline.read_bundle(bundle).manifest.inputs
+    decoder = get_codec(codec)
+    for payload in payloads[:50]:  # warm-up
+        decoder.decode(payload, inputs)
+    start = time.perf_counter()
+    for payload in payloads:
+        decoder.decode(payload, inputs)
+    return (time.perf_counter() - start) / len(payloads) * 1e6
+
+
+def ceiling(transport: Run, extra_us: float) -> tuple[float, float]:
+    """The machine's CPU per message under the transport roofline (all processes: broker, load, consumer, kernel),
+    and the daemon / roofline a consumer would reach that spends ``extra_us`` more per message and nothing else,
+    the machine as busy: ``C / (C + extra)``. Where the broker and the load share the consumer's cores, the model's
+    CPU adds to the transport's rather than overlapping it, as ``min(transport, model)`` assumes."""
+    machine_us = (os.cpu_count() or 1) * (1 - transport.idle) / transport.throughput * 1e6
+    return machine_us, machine_us / (machine_us + extra_us)
+
+
 def run_consumer(
     name: str, bundle: Path, model_name: str, broker: Broker, payloads: list[bytes], scratch: Path,
     scripts: dict[str, Path], tag: str, codec: str, warmup: int,
@@ -318,9 +360,12 @@ def run_consumer(
             wait_ready(broker, process, client_id, f"{topic}/in/+", since)
             if warmup:  # steady state: the first messages of a fresh process (caches, allocations) are not timed
                 drive(broker, topic, payloads[:warmup], timeout=60.0, codec=codec)
-            before = cpu_seconds(process.pid)
+            before, threads_before = cpu_seconds(process.pid), thread_seconds(process.pid)
             run = drive(broker, topic, payloads, timeout=max(60.0, len(payloads) / 20), codec=codec)
             run.cpu_us = (cpu_seconds(process.pid) - before) / len(payloads) * 1e6
+            spent = thread_seconds(process.pid)
+            spent.subtract(threads_before)
+            run.threads = {name: seconds / len(payloads) * 1e6 for name, seconds in spent.items()}
             return run
         finally:
             process.terminate()
@@ -376,6 +421,7 @@ def measure_bundle(
     runs: dict[str, list[Run]] = {name: [] for name in CONSUMERS}
     singles: list[float] = []
     costs: list[float] = []
+    decodes: list[float] = []
     batches: list[float] = []
     batching = ""
     for round_index in range(rounds):  # interleaved; the order turns each round
@@ -388,6 +434,7 @@ def measure_bundle(
             )
         single, batched, batching = model_rooflines(bundle, arrays, max_batch)
         costs.append(processor_cost(bundle, payloads, codec))
+        decodes.append(decode_cost(bundle, payloads, codec))
         singles.append(single)
         if batched is not None:
             batches.append(batched)
@@ -444,7 +491,43 @@ def measure_bundle(
         else "- daemon / roofline: n/a",
     ]
     lines += spread(runs, model_best)
+    lines += by_thread(runs)
+    extra = 1e6 / model_best + statistics.median(decodes)
+    ceilings = [ceiling(run, extra) for run in runs[TRANSPORT_ROW] if run.throughput > 0]
+    if ceilings and roof > 0:
+        machine_us = statistics.median(c for c, _ in ceilings)
+        best = statistics.median(r for _, r in ceilings)
+        lines.append(
+            f"- CPU estimate: a consumer that adds only the model ({1e6 / model_best:.0f} µs, the model roofline) and "
+            f"the data's decoding ({statistics.median(decodes):.0f} µs, the daemon's codec) to the transport "
+            f"roofline's work would reach about **{best:.2f}** of the roofline here (median of the rounds' own); the "
+            f"daemon reaches **{on / roof / best:.2f}** of that. Under the transport roofline the machine spends "
+            f"C = {machine_us:.0f} µs of CPU per message (all processes, {os.cpu_count()} cores), so C / (C + "
+            f"{extra:.0f}): a rough estimate from CPU accounting, as noisy as the rest"
+        )
     return "\n".join(lines)
+
+
+def by_thread(runs: dict[str, list[Run]]) -> list[str]:
+    """The daemon's CPU per message by thread (median over rounds), with the outbox on and off: where the CPU goes,
+    steadier on a shared machine than throughput is. Threads under 1 µs per message are summed as "others"."""
+    names = {name for row in (OUTBOX_ON, OUTBOX_OFF) for run in runs[row] for name in run.threads}
+    if not names:
+        return []
+
+    def spent(row: str, name: str) -> float:
+        return statistics.median(run.threads.get(name, 0.0) for run in runs[row])
+
+    main = sorted(
+        (n for n in names if max(spent(OUTBOX_ON, n), spent(OUTBOX_OFF, n)) >= 1), key=lambda n: -spent(OUTBOX_ON, n)
+    )
+    parts = [f"`{n}` {spent(OUTBOX_ON, n):.0f} / {spent(OUTBOX_OFF, n):.0f}" for n in main]
+    rest = [n for n in names if n not in main]
+    if rest:
+        parts.append(
+            f"others {sum(spent(OUTBOX_ON, n) for n in rest):.0f} / {sum(spent(OUTBOX_OFF, n) for n in rest):.0f}"
+        )
+    return ["- the daemon's CPU by thread, µs per message (outbox on / off, medians): " + ", ".join(parts)]
 
 
 def spread(runs: dict[str, list[Run]], model_best: float) -> list[str]:
