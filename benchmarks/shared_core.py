@@ -24,13 +24,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import daemon_throughput as throughput
 from report import publish
+
+if TYPE_CHECKING:
+    from edgeline.daemon.messages import Message
 
 CORE = 0
 NEIGHBOUR = """
@@ -45,10 +50,13 @@ while time.monotonic() < end:
 """
 
 
-def cpu_per_message(process_batch: object, batches: list[list[object]], count: int) -> float:
+def cpu_per_message(
+    process_batch: Callable[[list[Message]], object], batches: list[list[Message]], count: int
+) -> float:
+    """This process's CPU microseconds per message over ``batches`` (``count`` messages in all)."""
     start = time.process_time()
     for batch in batches:
-        process_batch(batch)  # type: ignore[operator]
+        process_batch(batch)
     return (time.process_time() - start) / count * 1e6
 
 
