@@ -24,6 +24,10 @@ faster of the calls the daemon can make. Rounds are interleaved; each number is 
     python benchmarks/daemon_throughput.py --write benchmarks/results/daemon_throughput.md \
         --bundle artifacts/bench/bundles/ds_cnn-litert-int8-static artifacts/bench/bundles/resnet8-litert-int8-static
 
+The last table sums up every bundle and codec in one row each. To see what the daemon reaches when the model costs
+nothing, add the bundles ``benchmarks/null_model.py`` makes (the reference model's input, output and int8 path, a
+model that only averages): ``results/daemon_null_model.md`` puts each beside its reference model, in one run.
+
 A smoke run: add ``--messages 300 --warmup 50 --rounds 1 --codec json``. Full scale (5 rounds) takes about 8 minutes
 on a quiet 2-core machine.
 """
@@ -412,7 +416,8 @@ def make_payloads(data: list[np.ndarray], codec: str) -> list[bytes]:
 def measure_bundle(
     broker: Broker, bundle: Path, scratch: Path, scripts: dict[str, Path], messages: int, rounds: int, max_batch: int,
     codec: str, warmup: int,
-) -> str:  # fmt: skip
+) -> tuple[str, str]:  # fmt: skip
+    """The bundle's table and notes, and its row of the summary (``SUMMARY_HEADER``)."""
     import edgeline
 
     manifest = edgeline.read_bundle(bundle).manifest
@@ -498,9 +503,16 @@ def measure_bundle(
     lines += by_thread(runs)
     extra = 1e6 / model_best + statistics.median(decodes)
     ceilings = [ceiling(run, extra) for run in runs[TRANSPORT_ROW] if run.throughput > 0]
+    best = statistics.median(r for _, r in ceilings) if ceilings else float("nan")
+    costs, ratios = per_round(runs, model_best)
+    nan = float("nan")
+    summary = (
+        f"| `{bundle.name}` | {codec} | {1e6 / model_best:.0f} | {median(OUTBOX_ON, 'cpu_us'):.0f} "
+        f"| {on / roof if roof > 0 else nan:.2f} | {statistics.median(ratios) if ratios else nan:.2f} "
+        f"| {statistics.median(costs) if costs else nan:.1%} | {best:.2f} |"
+    )
     if ceilings and roof > 0:
         machine_us = statistics.median(c for c, _ in ceilings)
-        best = statistics.median(r for _, r in ceilings)
         lines.append(
             f"- CPU estimate: a consumer that adds only the model ({1e6 / model_best:.0f} µs, the model roofline) and "
             f"the data's decoding ({statistics.median(decodes):.0f} µs, the daemon's codec) to the transport "
@@ -509,7 +521,15 @@ def measure_bundle(
             f"C = {machine_us:.0f} µs of CPU per message (all processes, {os.cpu_count()} cores), so C / (C + "
             f"{extra:.0f}): a rough estimate from CPU accounting, as noisy as the rest"
         )
-    return "\n".join(lines)
+    return "\n".join(lines), summary
+
+
+SUMMARY_HEADER = (
+    "| bundle | codec | model µs/sample | daemon CPU µs/msg | daemon / roofline | rounds' own "
+    "| outbox cost (rounds' own) | CPU estimate |\n|---|---|---|---|---|---|---|---|"
+)
+"""One row per table: the model roofline's time per sample, the daemon's CPU per message (outbox on), daemon /
+roofline (medians, and the median of the rounds' own), the outbox cost and the CPU estimate."""
 
 
 def by_thread(runs: dict[str, list[Run]]) -> list[str]:
@@ -536,10 +556,8 @@ def by_thread(runs: dict[str, list[Run]]) -> list[str]:
     return ["- the daemon's CPU by thread, µs per message (outbox on / off, medians): " + ", ".join(parts)]
 
 
-def spread(runs: dict[str, list[Run]], model_best: float) -> list[str]:
-    """Each round's outbox cost and daemon / roofline (that round's transport roofline), lowest to highest: how far
-    one round can be from the medians above on this machine; and their medians, which pair each daemon run with the
-    roofline measured minutes from it (this machine's speed drifts between rounds)."""
+def per_round(runs: dict[str, list[Run]], model_best: float) -> tuple[list[float], list[float]]:
+    """Each round's outbox cost and daemon / roofline (against that round's transport roofline)."""
     costs, ratios = [], []
     for rnd in range(len(runs[OUTBOX_ON])):
         on, off = runs[OUTBOX_ON][rnd].throughput, runs[OUTBOX_OFF][rnd].throughput
@@ -548,7 +566,15 @@ def spread(runs: dict[str, list[Run]], model_best: float) -> list[str]:
             costs.append(1 - on / off)
         if roof > 0:
             ratios.append(on / roof)
-    if len(ratios) < 2:
+    return costs, ratios
+
+
+def spread(runs: dict[str, list[Run]], model_best: float) -> list[str]:
+    """Each round's outbox cost and daemon / roofline, lowest to highest: how far one round can be from the medians
+    above on this machine; and their medians, which pair each daemon run with the roofline measured minutes from it
+    (this machine's speed drifts between rounds)."""
+    costs, ratios = per_round(runs, model_best)
+    if len(ratios) < 2 or not costs:
         return []
     return [
         f"- per round, lowest to highest: outbox cost {min(costs):.1%} to {max(costs):.1%}; "
@@ -577,7 +603,7 @@ def main() -> int:
         raise KeyboardInterrupt  # unwind: the running consumer and the broker are stopped on the way out
 
     signal.signal(signal.SIGTERM, interrupted)
-    tables = []
+    tables, rows = [], []
     with running_broker() as broker, tempfile.TemporaryDirectory(prefix="edgeline-bench-") as temporary:
         scratch = Path(temporary)
         scripts = {"baseline": scratch / "baseline.py", "transport": scratch / "transport.py"}
@@ -587,13 +613,13 @@ def main() -> int:
         scripts["outbox_off"].write_text("[outbox]\nenabled = false\n")
         for bundle in args.bundle:
             for codec in args.codec:
-                tables.append(
-                    measure_bundle(
-                        broker, bundle, scratch, scripts, args.messages, args.rounds, max_batch, codec, args.warmup
-                    )
+                table, row = measure_bundle(
+                    broker, bundle, scratch, scripts, args.messages, args.rounds, max_batch, codec, args.warmup
                 )
+                tables.append(table)
+                rows.append(row)
     publish(
-        "\n\n".join(tables),
+        "\n\n".join([*tables, "### Summary\n\n" + "\n".join([SUMMARY_HEADER, *rows])]),
         script=__file__,
         title="Daemon throughput at QoS 1 against its rooflines",
         intro=f"{args.messages} messages per run at QoS 1 ({' and '.join(args.codec)}), sent as fast as one "
