@@ -503,13 +503,13 @@ def measure_bundle(
     lines += by_thread(runs)
     extra = 1e6 / model_best + statistics.median(decodes)
     ceilings = [ceiling(run, extra) for run in runs[TRANSPORT_ROW] if run.throughput > 0]
-    best = statistics.median(r for _, r in ceilings) if ceilings else float("nan")
-    costs, ratios = per_round(runs, model_best)
     nan = float("nan")
+    best = statistics.median(r for _, r in ceilings) if ceilings else nan
+    outbox_costs, ratios = per_round(runs, model_best)
     summary = (
         f"| `{bundle.name}` | {codec} | {1e6 / model_best:.0f} | {median(OUTBOX_ON, 'cpu_us'):.0f} "
         f"| {on / roof if roof > 0 else nan:.2f} | {statistics.median(ratios) if ratios else nan:.2f} "
-        f"| {statistics.median(costs) if costs else nan:.1%} | {best:.2f} |"
+        f"| {statistics.median(outbox_costs) if outbox_costs else nan:.1%} | {best:.2f} |"
     )
     if ceilings and roof > 0:
         machine_us = statistics.median(c for c, _ in ceilings)
