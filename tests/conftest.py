@@ -1,9 +1,9 @@
-"""Shared fixtures: a tiny classifier written as a user would write it, its sample files, and one real bundle.
+"""Shared fixtures: a tiny classifier written as a user would write it, its sample files, and real bundles.
 
-The bundle is exported once per test session with the real LiteRT exporter (about 10 s on two cores); tests
-that change it work on their own copy (``litert_bundle``). Without torch (the device tier: scripts/test_device.sh
-runs the tests marked ``device`` but not ``workstation`` in the base install) it is the copy committed in tests/data
-(see ``tests.tiny_bundle``).
+Each bundle is exported once per test session with the real LiteRT exporter (about 10 s on two cores); tests
+that change one work on their own copy (``litert_bundle``). Without torch (the device tier: scripts/test_device.sh
+runs the tests marked ``device`` but not ``workstation`` in the base install) ``built_litert_bundle`` and
+``sqrt_bundle`` are the copies committed in tests/data (see ``tests.tiny_bundle``); the other bundles need torch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,16 @@ import numpy as np
 import pytest
 
 from edgeline.cli import main
-from tests.tiny_bundle import CLASSES, COMMITTED_BUNDLE, IMAGE_SHAPE, TINY_MODEL_SOURCE, export_tiny, write_samples
+from tests.tiny_bundle import (
+    CLASSES,
+    COMMITTED_BUNDLE,
+    COMMITTED_SQRT_BUNDLE,
+    IMAGE_SHAPE,
+    TINY_MODEL_SOURCE,
+    export_sqrt,
+    export_tiny,
+    write_samples,
+)
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 """False in the device tier: the base install, without the export extra."""
@@ -88,6 +97,17 @@ def built_litert_bundle(
         return COMMITTED_BUNDLE
     out = tmp_path_factory.mktemp("exported") / "tiny"
     assert export_tiny(tiny_model_file, sample_files, out) == 0, "exporting the tiny model for rpi5 failed"
+    return out
+
+
+@pytest.fixture(scope="session")
+def sqrt_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An fp32 LiteRT bundle of sqrt then linear, (1, 1, 4) in, any batch size: a negative input gives NaN outputs
+    (never modify it). Exported here with torch; without it (the device tier), the committed copy."""
+    if not HAVE_TORCH:
+        return COMMITTED_SQRT_BUNDLE
+    out = tmp_path_factory.mktemp("exported") / "sqrt"
+    assert export_sqrt(tmp_path_factory.mktemp("sqrt_model"), out) == 0, "exporting the sqrt model (litert fp32) failed"
     return out
 
 

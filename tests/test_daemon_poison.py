@@ -1,5 +1,8 @@
 """Messages and faults that used to silence the daemon for good: each one now costs one coded answer (or a
-clean non-zero exit), and what comes after it is still answered. Real broker, real bundles, real processes."""
+clean non-zero exit), and what comes after it is still answered. Real broker, real bundles, real processes.
+
+Device tier too (scripts/test_device.sh): the bundles are ``built_litert_bundle`` and ``sqrt_bundle`` (conftest),
+exported with torch on the workstation and the committed copies in tests/data without it."""
 
 from __future__ import annotations
 
@@ -19,12 +22,13 @@ import numpy as np
 import pytest
 
 import edgeline
-from edgeline.cli import main
 from edgeline.daemon.config import DaemonConfig
 from edgeline.daemon.health import SystemdNotifier
 from edgeline.daemon.messages import Message
 from edgeline.daemon.service import EXIT_FAILED, Daemon
 from tests.mqtt_broker import Broker, Collector
+
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
 
 TIMEOUT_S = 30.0
 LONG_DEVICE = "d" * 70_000
@@ -86,44 +90,6 @@ def test_devices_that_cannot_form_a_topic_are_answered_and_the_rest_goes_on(
     assert {topic for topic, _, _ in mirrored} == {f"{unique_topic}/errors/_invalid"}
     results.close()
     errors.close()
-
-
-SQRT_MODEL_SOURCE = '''\
-import torch
-from torch import nn
-
-
-class Sqrt(nn.Module):
-    """sqrt then linear: a negative input gives NaN outputs, a positive one finite outputs; any batch size."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.fc(torch.sqrt(x))
-
-
-def model():
-    return Sqrt()
-'''
-
-
-@pytest.fixture(scope="module")
-def sqrt_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("sqrt_model")
-    source = root / "sqrt.py"
-    source.write_text(SQRT_MODEL_SOURCE, encoding="utf-8")
-    rng = np.random.default_rng(3)
-    np.savez(root / "calibration.npz", x=rng.random((16, 1, 4), dtype=np.float32) + 0.1)
-    np.savez(root / "validation.npz", x=rng.random((8, 1, 4), dtype=np.float32) + 0.1)
-    out = tmp_path_factory.mktemp("exported") / "sqrt"
-    args = ["export", f"{source}:model", "--profile", "rpi5", "--calibration", str(root / "calibration.npz"),
-            "--validation", str(root / "validation.npz"), "--backend", "litert", "--precision", "fp32",
-            "--out", str(out)]  # fmt: skip
-    assert main(args) == 0, "exporting the sqrt model (litert fp32) failed"
-    return out
 
 
 def test_a_nan_output_inside_a_batch_costs_one_answer(sqrt_bundle: Path, tmp_path: Path) -> None:

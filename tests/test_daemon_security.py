@@ -32,6 +32,8 @@ import edgeline
 from tests.faults import DurablePublisher, Pki, make_pki
 from tests.mqtt_broker import Broker, BrokerFactory, Collector
 
+pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+
 TIMEOUT_S = 30.0
 EXIT_WITHIN_S = 15.0
 USER, PASSWORD = "edge", "correct horse battery"

@@ -29,7 +29,7 @@ from edgeline.device_profiles import load_profile, profile_ids
 from edgeline.manifest import TensorSpec, Window
 from edgeline.registry import resolve
 from tests.mqtt_broker import Broker, Collector
-from tests.tiny_bundle import COMMITTED_BUNDLE, write_samples
+from tests.tiny_bundle import COMMITTED_BUNDLE, COMMITTED_BUNDLES, COMMITTED_SQRT_BUNDLE, write_samples
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
 
@@ -119,19 +119,26 @@ def test_the_base_install_backends_run_a_bundle_without_torch(backend: str, tmp_
     assert all(0 <= record["class_index"] < 10 for record in records)
 
 
-def test_the_committed_bundle_is_valid_and_small(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["verify", str(COMMITTED_BUNDLE), "--json"]) == 0
+@pytest.mark.parametrize("committed", list(COMMITTED_BUNDLES.values()), ids=list(COMMITTED_BUNDLES))
+def test_the_committed_bundle_is_valid_and_small(committed: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(committed), "--json"]) == 0
     checks = {check["check"]: check["ok"] for check in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["integrity"] is True and checks["golden"] is True
-    assert sum(path.stat().st_size for path in COMMITTED_BUNDLE.iterdir()) < 32 * 1024
+    assert sum(path.stat().st_size for path in committed.iterdir()) < 32 * 1024
 
 
 @pytest.mark.workstation  # compares with a fresh export
-def test_the_committed_bundle_describes_what_the_exporter_writes_today(built_litert_bundle: Path) -> None:
-    """Workstation tier: a fresh export of the same model; regenerate with `python -m tests.tiny_bundle`."""
-    committed = edgeline.read_bundle(COMMITTED_BUNDLE).manifest
-    fresh = edgeline.read_bundle(built_litert_bundle).manifest
-    if built_litert_bundle == COMMITTED_BUNDLE:
+@pytest.mark.parametrize(
+    ("fixture", "committed"),
+    [("built_litert_bundle", COMMITTED_BUNDLE), ("sqrt_bundle", COMMITTED_SQRT_BUNDLE)],
+    ids=lambda value: value.name if isinstance(value, Path) else None,
+)
+def test_the_committed_bundle_describes_what_the_exporter_writes_today(
+    fixture: str, committed: Path, request: pytest.FixtureRequest
+) -> None:
+    """Workstation tier: a fresh export of the same model; regenerate with `python -m tests.tiny_bundle NAME`."""
+    exported: Path = request.getfixturevalue(fixture)
+    if exported == committed:
         pytest.fail("this test needs the workstation tier (a fresh export); it has no `device` marker")
 
     def shape(manifest: edgeline.Manifest) -> dict[str, object]:
@@ -145,7 +152,9 @@ def test_the_committed_bundle_describes_what_the_exporter_writes_today(built_lit
             "fidelity": sorted(manifest.fidelity.model_dump(exclude_none=True)),
         }
 
-    assert shape(committed) == shape(fresh), "tests/data/tiny-int8 is stale: python -m tests.tiny_bundle"
+    fresh = edgeline.read_bundle(exported).manifest
+    stale = f"tests/data/{committed.name} is stale: python -m tests.tiny_bundle {committed.name}"
+    assert shape(edgeline.read_bundle(committed).manifest) == shape(fresh), stale
 
 
 # -- run and sim meet on their defaults -------------------------------------------------------------------------------

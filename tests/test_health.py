@@ -29,7 +29,7 @@ from edgeline.daemon.health import (
 )
 from edgeline.errors import EdgelineError
 
-IDENTITY = {"model": "kws", "version": "3", "instance": "kitchen"}
+IDENTITY = {"model": "kws", "version": "3", "daemon": "kitchen"}
 
 
 def scrape(port: int) -> dict[str, Any]:

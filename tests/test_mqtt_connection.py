@@ -19,7 +19,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edgeline.daemon.config import BrokerConfig
-from edgeline.daemon.mqtt import MqttConnection, _lean_client
+from edgeline.daemon.mqtt import MqttConnection
+from edgeline.daemon.paho_lean import lean_client
 from edgeline.daemon.topics import TopicFilter
 from tests.mqtt_broker import Broker, Collector
 
@@ -229,7 +230,7 @@ def _publisher(broker: Broker) -> mqtt.Client:
 def test_every_input_arrives_once_whole_on_the_lean_path_and_on_pahos_own(
     broker: Broker, unique_topic: str, protocol: str
 ) -> None:
-    """The lean client (``_lean_client``) serves paho's reads from chunks of the socket and takes plain QoS 0/1
+    """The lean client (``lean_client``) serves paho's reads from chunks of the socket and takes plain QoS 0/1
     PUBLISH packets without paho's decoding; anything with properties goes through paho's own code. Interleaved,
     at both QoS, and with payloads larger than a chunk, every message arrives once, whole, in order, and each
     path really took its share."""
@@ -368,7 +369,7 @@ def test_a_lean_answer_is_the_packet_and_the_message_paho_would_make(
 ) -> None:
     """``publish_at_least_once`` (the daemon's answers) against paho's own ``publish(qos=1)``: the same bytes on
     the wire and the same message kept for a resend, across the lengths where MQTT's length field grows."""
-    client = _lean_client()(mqtt.CallbackAPIVersion.VERSION2, client_id="c", protocol=protocol)
+    client = lean_client()(mqtt.CallbackAPIVersion.VERSION2, client_id="c", protocol=protocol)
     client._sock = socket.socket()  # "connected": paho builds the packet instead of keeping it for later
     try:
         properties = None
@@ -432,7 +433,7 @@ def test_the_lean_reader_takes_packets_whole_or_cut_anywhere(
 ) -> None:
     """The lean client takes a packet that its chunk holds whole in one go and leaves any other to paho: a stream
     of PUBLISH and PUBACK packets, cut into reads at arbitrary points, comes out whole and in order."""
-    client = _lean_client()(mqtt.CallbackAPIVersion.VERSION2, client_id="c", protocol=protocol, manual_ack=True)
+    client = lean_client()(mqtt.CallbackAPIVersion.VERSION2, client_id="c", protocol=protocol, manual_ack=True)
     client.on_socket_register_write = lambda *_: None
     arrived: list[tuple[str, object, int]] = []
     client.on_input_fast = lambda topic, payload, mid, qos: arrived.append(("publish", (topic, payload), mid))

@@ -38,12 +38,14 @@ from edgeline.registry import resolve
 
 __all__ = [
     "CODECS",
+    "MAX_ID_CHARS",
     "CborCodec",
     "Codec",
     "Decoded",
     "JsonCodec",
     "MsgpackCodec",
     "RawCodec",
+    "answer_id",
     "example_payload",
     "get_codec",
     "payload_fields",
@@ -62,6 +64,19 @@ _F32_LE = np.dtype("<f4")
 _NUMBER_TYPES = frozenset({float, int})
 _DATA = "data"
 _MAX_DEPTH = 32  # deeper than any tensor shape; bounds the work a hostile payload can ask for
+_F32_MAX = float(np.finfo(np.float32).max)
+_ID_MIN, _ID_MAX = -(2**63), 2**64 - 1  # signed or unsigned 64-bit: what every map format carries natively
+
+MAX_ID_CHARS = 1024
+"""The longest ``id`` an answer echoes, the same for results and errors.
+
+An answer echoes its input's id, so without a cap one input could make every answer as large as itself (a 900 KB
+id, a 900 KB answer on every sink and in the outbox), and a result would carry a longer id than an error for the
+same input. A message whose text id is longer is refused (``invalid-input``) rather than answered under a cut
+id: a result always carries its id whole, so it can be matched to its input by plain equality. The refusal
+itself, like any error answer whose input's id is too long, carries the first ``MAX_ID_CHARS`` characters, so
+an answer's id is never longer than this and a cut one is always an error's.
+"""
 
 
 @dataclass(frozen=True)
@@ -303,11 +318,28 @@ def _check_windowed(specs: Sequence[TensorSpec]) -> None:
 
 
 def _identity(value: Any) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**64:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if len(value) <= MAX_ID_CHARS:  # the one check a valid message pays for the cap
+            return value
+        raise PayloadError(
+            f"field 'id' holds {len(value)} characters, more than the {MAX_ID_CHARS} an id may have",
+            code="invalid-input",
+        )
+    if isinstance(value, int) and not isinstance(value, bool) and _ID_MIN <= value <= _ID_MAX:
         return str(value)
     raise PayloadError(f"field 'id' must be a string or a 64-bit integer, got {_describe(value)}", code="invalid-input")
+
+
+def answer_id(value: Any) -> str | None:
+    """What an answer echoes of a message's ``id`` field ``value``, which may be anything: a string cut to
+    ``MAX_ID_CHARS``, a 64-bit integer as its digits, else None (no id). Never raises."""
+    if isinstance(value, str):
+        return value[:MAX_ID_CHARS]
+    if isinstance(value, int) and not isinstance(value, bool) and _ID_MIN <= value <= _ID_MAX:
+        return str(value)
+    return None
 
 
 def _field(message: dict[Any, Any], specs: Sequence[TensorSpec], index: int) -> tuple[str, Any]:
@@ -468,7 +500,8 @@ def _check_finite(array: np.ndarray, where: str) -> None:
 
 
 def _json_failure(payload: bytes, exc: ValueError) -> PayloadError:
-    """Why orjson refused: NaN, Infinity and overflowing numbers (which Python's json accepts) are non-finite."""
+    """Why orjson refused: NaN, Infinity and overflowing numbers, floats or integers (which Python's json
+    accepts), are non-finite. Nesting too deep for Python's json is malformed (it stops at its recursion limit)."""
     constants: list[str] = []
 
     def constant(word: str) -> float:
@@ -484,12 +517,17 @@ def _json_failure(payload: bytes, exc: ValueError) -> PayloadError:
     if culprit is None:
         return PayloadError(f"not valid JSON: {exc}", code="malformed")
     where = f"field {culprit!r}" if culprit else "the message"
-    return PayloadError(f"{where} holds NaN or Infinity, which are not JSON numbers", code="non-finite")
+    return PayloadError(
+        f"{where} holds NaN, Infinity or a number beyond float32's range (NaN and Infinity are not JSON numbers)",
+        code="non-finite",
+    )
 
 
 def _holds_non_finite(value: Any, depth: int) -> bool:
     if isinstance(value, float):
         return not math.isfinite(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not -_F32_MAX <= value <= _F32_MAX  # as the checked path decides (``_numbers``); exact for any int
     if depth < _MAX_DEPTH and isinstance(value, list | dict):
         items = value.values() if isinstance(value, dict) else value
         return any(_holds_non_finite(item, depth + 1) for item in items)

@@ -5,8 +5,9 @@
 [source]   kind = "mqtt" | "serial" | "replay" | "sim"; url, baudrate (serial); path, speed (replay); sim (the
            arguments of `edgeline sim`); device (the stream key of messages that carry no topic)
 [broker]   host, port, client_id (template with {name}, {instance}), keepalive_s, protocol ("5" or "3.1.1"),
-           session_expiry_s, reconnect_max_s, connect_timeout_s, max_inflight, max_queued; TLS: tls_ca_file,
-           tls_cert_file, tls_key_file, tls_insecure_skip_verify; username, password_file (or $EDGELINE_MQTT_PASSWORD)
+           session_expiry_s (7 days; 300 s with a shared subscription), reconnect_max_s, connect_timeout_s,
+           max_inflight, max_queued; TLS: tls_ca_file, tls_cert_file, tls_key_file, tls_insecure_skip_verify;
+           username, password_file (or $EDGELINE_MQTT_PASSWORD)
 [input]    subscribe (default ["sensors/+/+"]: where `edgeline sim` publishes, sensors/{device}/{sensor}; or e.g.
            "$share/GROUP/sensors/+/accel"), codec, qos, max_payload_bytes, max_streams (windowed models: streams
            kept at once; the least recently used is evicted, counted), silence_warning_s (warn once when a
@@ -48,6 +49,10 @@ CODEC_NAMES = ("json", "raw", "cbor", "msgpack")
 SOURCE_KINDS = ("mqtt", "serial", "replay", "sim")
 LOSSLESS_SOURCES = ("replay", "sim")
 DEFAULT_PORT = 1883
+SESSION_EXPIRY_S = 7 * 86400
+SHARED_SESSION_EXPIRY_S = 300
+"""Long enough for a restart or a reboot to find its session (and its share of the stream) again; short enough
+that the share of a member that died is not held back from the live members for days."""
 DEFAULT_QOS: Literal[0, 1] = 1
 """Of the daemon's subscriptions and answers, and of ``edgeline sim``: at least once on both sides."""
 
@@ -123,7 +128,10 @@ class BrokerConfig(_Section):
     # A dead link is noticed within two keepalives (a PINGREQ after one, no answer after the next): 20 s.
     keepalive_s: int = Field(default=10, ge=2, le=3600)
     protocol: Literal["5", "3.1.1"] = "5"
-    session_expiry_s: int = Field(default=7 * 86400, ge=0, le=0xFFFFFFFF)
+    session_expiry_s: int | None = Field(default=None, ge=0, le=0xFFFFFFFF)
+    """How long the broker keeps our session (and queues inputs for it) while we are away. Default: 7 days, or
+    ``SHARED_SESSION_EXPIRY_S`` when a subscription is shared (``$share/...``): a member that dies keeps its share
+    of the stream queued for it until its session expires, while the other members could answer it."""
     reconnect_max_s: float = Field(default=10.0, ge=0.1, le=3600)
     connect_timeout_s: float = Field(default=10.0, gt=0, le=600)
     max_inflight: int = Field(default=64, ge=1, le=65535)
@@ -151,6 +159,12 @@ class BrokerConfig(_Section):
         if self.password_file is not None and self.username is None:
             raise ValueError("password_file needs a username")
         return self
+
+    def session_expiry(self, shared: bool) -> int:
+        """The session expiry to ask for: the one set, else the default for shared subscriptions or others."""
+        if self.session_expiry_s is not None:
+            return self.session_expiry_s
+        return SHARED_SESSION_EXPIRY_S if shared else SESSION_EXPIRY_S
 
     @property
     def tls(self) -> bool:

@@ -53,7 +53,8 @@ MISSING_CLIENT = "the Prometheus endpoint needs prometheus-client: pip install '
 
 GaugeProvider = Callable[[], Mapping[str, float | int | bool | None]]
 
-_LABELS = ("model", "version", "instance")
+_LABELS = ("model", "version", "daemon")
+"""The daemon's id is the label ``daemon``: Prometheus owns ``instance`` (the scrape target) and would rename ours."""
 _INVALID_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -91,6 +92,7 @@ class Metrics:
         self._errors: Counter[str] = Counter()
         self._stages = {stage: _Stage() for stage in STAGES}
         self._providers: list[GaugeProvider] = []
+        self._counter_providers: list[GaugeProvider] = []
         self._failed_providers: set[int] = set()
         self._registry: CollectorRegistry | None = None
         self.accelerator: Mapping[str, str | None] | None = None
@@ -123,6 +125,18 @@ class Metrics:
             record.sum += seconds
             record.recent.append(seconds)
 
+    def declare(self, *names: str) -> None:
+        """Counters that exist from the start, at zero (a scrape before the first event sees them)."""
+        with self._lock:
+            for name in names:
+                self._counts.setdefault(name, 0)
+
+    def counters(self, provider: GaugeProvider) -> None:
+        """Register a callable of counters kept elsewhere (monotonic totals: the outbox's drops, reconnections),
+        read at snapshot/scrape time and exposed as counters (``_total``), in the status message's ``counts``."""
+        with self._lock:
+            self._counter_providers.append(provider)
+
     # -- gauges ------------------------------------------------------------------------------------------------
     def gauges(self, provider: GaugeProvider) -> None:
         """Register a callable read at snapshot/scrape time (queue depth, connected...); its None values are
@@ -130,11 +144,11 @@ class Metrics:
         with self._lock:
             self._providers.append(provider)
 
-    def _read_gauges(self) -> dict[str, float | int | bool]:
+    def _read_gauges(self, counters: bool = False) -> dict[str, float | int | bool]:
         """Every provider's current values; a provider that raises is skipped (and logged once) so that one broken
         gauge cannot take the status message or the whole scrape down."""
         with self._lock:
-            providers = list(self._providers)
+            providers = list(self._counter_providers if counters else self._providers)
         values: dict[str, float | int | bool] = {}
         for provider in providers:
             try:
@@ -169,6 +183,7 @@ class Metrics:
         with self._lock:
             counts = dict(self._counts)
             errors = dict(self._errors)
+        counts.update((name, int(value)) for name, value in self._read_gauges(counters=True).items())
         latency: dict[str, dict[str, Any]] = {}
         for stage in STAGES:
             window = self._window(stage)
@@ -194,9 +209,13 @@ class Metrics:
 
     def _state(self) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[list[int], float]]]:
         """A consistent copy of the counters and histograms, for the collector."""
+        kept_elsewhere = self._read_gauges(counters=True)
         with self._lock:
             histograms = {stage: (list(record.buckets), record.sum) for stage, record in self._stages.items()}
-            return dict(self._counts), dict(self._errors), histograms
+            counts = dict(self._counts)
+            errors = dict(self._errors)
+        counts.update((name, int(value)) for name, value in kept_elsewhere.items())
+        return counts, errors, histograms
 
     # -- Prometheus --------------------------------------------------------------------------------------------
     def registry(self) -> CollectorRegistry:

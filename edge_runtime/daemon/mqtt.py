@@ -24,21 +24,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import random
 import select
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from edgeline.daemon.config import BrokerAddress, BrokerConfig
 from edgeline.daemon.messages import Message
+from edgeline.daemon.paho_lean import lean_client_or_stock
 from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
 
@@ -50,8 +51,11 @@ PASSWORD_ENV = "EDGELINE_MQTT_PASSWORD"
 SESSION_TAKEN_OVER = 142
 """MQTT 5 DISCONNECT reason: another client connected with the same client id."""
 LOOP_TICK_S = 0.2
-RECV_CHUNK = 65536
-"""Bytes asked of the socket per read: paho's packets are served from them."""
+SHORT_LIVED_S = 5.0
+"""A connection the broker ends within this long after accepting it is short-lived."""
+TAKEOVER_AFTER = 3
+"""Short-lived connections in a row that say another client uses our client id (when no reason code says so)."""
+TAKEOVER_BACKOFF_S = 60.0
 DEVICE_CACHE = 10_000
 
 PublishDone = Callable[[bool, str | None], None]
@@ -60,222 +64,30 @@ OnMessage = Callable[[str, bytes, "Callable[[], None] | None"], None]
 
 
 @functools.cache
-def _packed_once() -> type:
-    """paho's ``Properties`` that packs itself once: one is shared by every answer published in the same second."""
-    from paho.mqtt.properties import Properties
-
-    class PackedOnce(Properties):
-        def pack(self) -> bytes:
-            packed: bytes | None = self.__dict__.get("_packed")
-            if packed is None:
-                packed = super().pack()
-                object.__setattr__(self, "_packed", packed)  # Properties' own __setattr__ takes property names only
-            return packed
-
-    return PackedOnce
-
-
-@functools.cache
-def _lean_client() -> type:
-    """paho's ``Client`` with a cheaper path for the packets of the stream, and the same behaviour.
-
-    Measured under load (``benchmarks/daemon_throughput.py``), paho spent more of the daemon's one core than the
-    model: each packet was read with three or four ``recv`` calls (one byte, the length byte by byte, the rest),
-    and every PUBLISH and PUBACK built MQTT 5 ``Properties`` and a ``ReasonCode`` (17-23 µs to decode a few bytes).
-    This subclass reads the socket in chunks of ``RECV_CHUNK`` and serves paho's small reads from them, writes
-    the packets queued in one turn of the loop with one ``send``, and takes the packets of the stream without
-    building objects nobody reads:
-
-    - a QoS 0 or 1 PUBLISH without properties goes straight to ``on_input_fast(topic, payload, mid, qos)``
-      (manual acknowledgement only: paho would not send its PUBACK either);
-    - a PUBACK of two bytes (success, no reason code, no properties) is paho's own ``_do_on_publish`` with one
-      shared success reason;
-    - an answer (``publish_at_least_once``: QoS 1, not retained) is paho's message, kept where paho keeps it for
-      a resend after a reconnection, with its packet built in one go (paho's ``publish`` took 18 µs);
-    - a packet already read whole is taken in one go (paho reads the type byte, then each byte of the length,
-      then the rest, one call each);
-    - a packet queued only joins the queue: paho also pokes the socket pair its own loop reads (ours never does),
-      a system call per packet.
-
-    Anything else (properties, a topic alias, QoS 2, a refusal) goes to paho's own code. The overridden methods are
-    paho 2.2 internals (pinned in ``pyproject.toml``): ``tests/test_mqtt_connection.py`` runs both paths against
-    Mosquitto.
-    """
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import MQTTErrorCode
-    from paho.mqtt.exception import MalformedPacket
+def _expiring_properties() -> type:
+    """paho's PUBLISH ``Properties`` whose Message Expiry Interval is what is left of an answer's time to live
+    when the packet is built. paho builds it again when it resends the message after a reconnection, so a resent
+    answer carries the time it has left, not its first interval (which made answers arrive up to twice their time
+    to live late). It packs itself once per second of difference; answers made in the same second share one."""
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
-    from paho.mqtt.reasoncodes import ReasonCode
 
-    success, queue_full = MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_QUEUE_SIZE
-    DISCONNECT, PUBLISH = mqtt.DISCONNECT, mqtt.PUBLISH
-    Message, waiting_for_puback, clock = mqtt.MQTTMessage, mqtt.mqtt_ms_wait_for_puback, mqtt.time_func
-    uint16 = struct.Struct("!H")
-    accepted, no_properties = ReasonCode(PacketTypes.PUBACK), Properties(PacketTypes.PUBACK)
+    class ExpiringProperties(Properties):
+        def __init__(self, expires_at: float):
+            super().__init__(PacketTypes.PUBLISH)
+            object.__setattr__(self, "expires_at", expires_at)  # Properties' own __setattr__ takes property names
+            object.__setattr__(self, "_packed", (0, b""))
 
-    class LeanClient(mqtt.Client):
-        def __init__(self, *args: Any, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self.on_input_fast: Callable[[str, bytes, int, int], None] | None = None
-            self._chunk, self._chunk_at = b"", 0
+        def pack(self) -> bytes:
+            left = max(1, math.ceil(self.__dict__["expires_at"] - time.time()))
+            seconds, packed = self.__dict__["_packed"]
+            if seconds != left:
+                self.MessageExpiryInterval = left
+                packed = super().pack()
+                object.__setattr__(self, "_packed", (left, packed))
+            return bytes(packed)
 
-        @property
-        def buffered(self) -> int:
-            """Bytes read from the socket that paho has not taken yet (select cannot see them)."""
-            return len(self._chunk) - self._chunk_at
-
-        def reconnect(self) -> Any:
-            self._chunk, self._chunk_at = b"", 0  # what the old socket left is not part of the new session
-            return super().reconnect()
-
-        def _sock_recv(self, bufsize: int) -> bytes:
-            chunk, at = self._chunk, self._chunk_at
-            if at >= len(chunk):
-                data: bytes = super()._sock_recv(RECV_CHUNK)  # BlockingIOError, OSError, b"" at EOF: as paho's
-                if len(data) <= bufsize:
-                    self._chunk, self._chunk_at = b"", 0
-                    return data
-                chunk, at = data, 0
-                self._chunk = chunk
-            data = chunk[at : at + bufsize]
-            self._chunk_at = at + len(data)
-            return data
-
-        def _packet_read(self) -> Any:
-            """A packet that the chunk read already holds whole is taken in one go; anything else (a packet cut
-            by the end of the chunk, one paho is part-way through) is read by paho, from the chunk."""
-            chunk, at, in_packet = self._chunk, self._chunk_at, self._in_packet
-            end = len(chunk)
-            if in_packet["command"] or end - at < 2:
-                return super()._packet_read()
-            length, shift, index = 0, 0, at + 1
-            while True:  # the remaining length: at most 4 bytes (paho refuses more)
-                if index >= end or shift > 21:
-                    return super()._packet_read()
-                digit = chunk[index]
-                index += 1
-                length |= (digit & 127) << shift
-                shift += 7
-                if digit < 128:
-                    break
-            if index + length > end:
-                return super()._packet_read()
-            self._chunk_at = index + length
-            in_packet["command"] = chunk[at]
-            in_packet["packet"] = chunk[index : index + length]  # type: ignore[typeddict-item]  # read only: bytes do
-            in_packet["have_remaining"], in_packet["remaining_length"] = 1, length
-            try:
-                rc = self._packet_handle()
-            except MalformedPacket as exc:
-                self._easy_log(mqtt.MQTT_LOG_DEBUG, "Received malformed packet: %s", exc)
-                rc = MQTTErrorCode.MQTT_ERR_PROTOCOL
-            self._in_packet = {
-                "command": 0, "have_remaining": 0, "remaining_count": [], "remaining_mult": 1, "remaining_length": 0,
-                "packet": bytearray(), "to_process": 0, "pos": 0,
-            }  # fmt: skip
-            with self._msgtime_mutex:
-                self._last_bytes_received = clock()  # paho's keepalive clock
-            return rc
-
-        def _packet_write(self) -> Any:
-            """Whole packets that need nothing once written (acknowledgements, QoS 1 publishes...) leave together
-            in one ``send``; paho writes the rest (a partly written packet, QoS 0 publishes, DISCONNECT)."""
-            out = self._out_packet
-            if len(out) > 1:
-                batch, size = [], 0
-                for packet in out:
-                    kind = packet["command"] & 0xF0
-                    if packet["pos"] or kind == DISCONNECT or (kind == PUBLISH and packet["qos"] == 0):
-                        break
-                    batch.append(packet)
-                    size += packet["to_process"]
-                    if size >= RECV_CHUNK:
-                        break
-                if len(batch) > 1:
-                    try:
-                        sent = self._sock_send(b"".join(packet["packet"] for packet in batch))
-                    except (AttributeError, ValueError):  # as paho: no socket any more
-                        return success
-                    except BlockingIOError:
-                        return MQTTErrorCode.MQTT_ERR_AGAIN
-                    except OSError as err:
-                        self._easy_log(mqtt.MQTT_LOG_ERR, "failed to send on socket: %s", err)
-                        return MQTTErrorCode.MQTT_ERR_CONN_LOST
-                    for packet in batch:
-                        if sent >= packet["to_process"]:
-                            sent -= packet["to_process"]
-                            out.popleft()
-                            continue
-                        packet["pos"], packet["to_process"] = sent, packet["to_process"] - sent
-                        break
-                    with self._msgtime_mutex:
-                        self._last_msg_out = clock()  # paho's keepalive clock
-            return super()._packet_write()
-
-        def _packet_queue(self, command: int, packet: bytes | bytearray, mid: int, qos: int, info: Any = None) -> Any:
-            self._out_packet.append(
-                {"command": command, "mid": mid, "qos": qos, "pos": 0, "to_process": len(packet), "packet": packet,
-                 "info": info}
-            )  # fmt: skip
-            return success
-
-        def publish_at_least_once(self, topic: str, payload: bytes, properties: Any = None) -> Any:
-            """paho's ``publish(topic, payload, qos=1, properties=properties)``, the same message kept the same
-            way (a reconnection sends it again), for less."""
-            encoded = topic.encode()
-            if self._sock is None or not encoded:  # paho keeps it for the next connection; or a topic alias
-                return super().publish(topic, payload, qos=1, properties=properties)
-            self._raise_for_invalid_topic(encoded)
-            packed = b"" if self._protocol != mqtt.MQTTv5 else b"\x00" if properties is None else properties.pack()
-            header = self._pack_remaining_length(bytearray(b"\x32"), 4 + len(encoded) + len(packed) + len(payload))
-            mid = self._mid_generate()  # a packet too large has raised above, before paho keeps anything
-            packet = b"".join((header, uint16.pack(len(encoded)), encoded, uint16.pack(mid), packed, payload))
-            message = Message(mid, encoded)
-            message.timestamp, message.payload, message.qos = clock(), payload, 1
-            message.properties, message.state = properties, waiting_for_puback
-            with self._out_message_mutex:
-                if 0 < self._max_queued_messages <= len(self._out_messages) or mid in self._out_messages:
-                    message.info.rc = queue_full
-                    return message.info
-                self._out_messages[mid] = message
-                self._inflight_messages += 1
-            self._packet_queue(PUBLISH, packet, mid, 1, message.info)
-            message.info.rc = success
-            return message.info
-
-        def _handle_publish(self) -> Any:
-            header, packet, hook = self._in_packet["command"], self._in_packet["packet"], self.on_input_fast
-            qos = (header >> 1) & 3
-            if hook is None or qos > 1 or not self._manual_ack or len(packet) < 3:
-                return super()._handle_publish()
-            topic_end = 2 + (packet[0] << 8 | packet[1])
-            start = topic_end + 2 * qos  # the packet id
-            if self._protocol == mqtt.MQTTv5:
-                if start >= len(packet) or packet[start] != 0:
-                    return super()._handle_publish()  # properties (or a topic alias): paho decodes them
-                start += 1
-            if topic_end == 2 or start > len(packet):
-                return super()._handle_publish()
-            try:
-                topic = packet[2:topic_end].decode()
-            except UnicodeDecodeError:
-                return super()._handle_publish()
-            mid = packet[topic_end] << 8 | packet[topic_end + 1] if qos else 0
-            hook(topic, bytes(packet[start:]), mid, qos)
-            return success
-
-        def _handle_pubackcomp(self, cmd: Literal["PUBACK", "PUBCOMP"]) -> Any:
-            packet = self._in_packet["packet"]
-            if cmd != "PUBACK" or len(packet) != 2:
-                return super()._handle_pubackcomp(cmd)
-            mid = packet[0] << 8 | packet[1]
-            with self._out_message_mutex:
-                if mid in self._out_messages:
-                    return self._do_on_publish(mid, accepted, no_properties)
-            return success
-
-    return LeanClient
+    return ExpiringProperties
 
 
 class BrokerRefused(EdgelineError):
@@ -368,9 +180,9 @@ class MqttConnection:
         self._waiting = waiting
         self._mqtt = mqtt
         self._Properties = Properties
-        self._PackedOnce = _packed_once()
+        self._Expiring = _expiring_properties()
         self._PacketTypes = PacketTypes
-        Client = _lean_client()
+        Client = lean_client_or_stock()  # paho's own when its internals are not what the lean one expects
         if self.v5:
             client = Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
         else:
@@ -435,7 +247,15 @@ class MqttConnection:
         self.window = config.max_inflight
         """Answers in flight at most: ``[broker] max_inflight``, or less when the broker's Receive Maximum (MQTT 5
         CONNACK) says so."""
-        self._expiry: tuple[int, Any] = (0, None)  # the last MessageExpiryInterval's Properties, reused
+        self._expiry: tuple[int, Any] = (0, None)  # the last expiry second's Properties, shared by its answers
+        self._expires: dict[int, float] = {}
+        """Wall-clock time past which a QoS 1 publish in flight must not be sent again, by packet id."""
+        self._connected_at = 0.0
+        self._short_lived = 0
+        """Connections in a row that the broker ended soon after accepting them."""
+        self.takeovers = 0
+        """Connections ended by the broker that look like another client with our client id (see ``_on_disconnect``)."""
+        self._takeover_said = False
 
     # -- configuration, before start -----------------------------------------------------------------------
     def subscribe(self, filters: Sequence[TopicFilter], qos: int, on_input: OnMessage) -> None:
@@ -458,11 +278,13 @@ class MqttConnection:
         kwargs: dict[str, Any] = {"keepalive": config.keepalive_s}
         if self.v5:
             properties = self._Properties(self._PacketTypes.CONNECT)
-            properties.SessionExpiryInterval = config.session_expiry_s
+            shared = any(pattern.startswith("$share/") for pattern, _ in self._subscriptions)
+            properties.SessionExpiryInterval = config.session_expiry(shared)
             properties.ReceiveMaximum = min(config.max_inflight * 4, 65535)
             kwargs.update(clean_start=False, properties=properties)
+        # TCP connect and TLS handshake; before connect_async: paho refuses a change once a connection is under way
+        self._client.connect_timeout = min(config.connect_timeout_s, 5.0)
         self._client.connect_async(config.host, config.port, **kwargs)
-        self._client._connect_timeout = min(config.connect_timeout_s, 5.0)  # TCP connect and TLS handshake
         self._thread = run(self._network)
         if not self._outcome.wait(config.connect_timeout_s):
             self.close(0)
@@ -520,8 +342,9 @@ class MqttConnection:
             if not self._outcome.is_set():  # lost before the CONNACK: TLS alerts, a refused client certificate
                 self._fail(self._lost_before_connack())
                 return
-            # a connection that was accepted starts the back-off afresh; one that never got a CONNACK goes on with it
-            attempt = 1 if self.generation != generation else attempt + 1
+            # a connection that was accepted starts the back-off afresh; one that never got a CONNACK, or that the
+            # broker keeps ending soon after accepting it (a session taken over), goes on with it
+            attempt = 1 if self.generation != generation and not self._short_lived else attempt + 1
             self.connected.clear()
             delay = self._backoff(attempt)
             log.debug("broker %s: reconnecting in %.1f s (attempt %d)", self.address, delay, attempt)
@@ -635,8 +458,10 @@ class MqttConnection:
         return f"TLS: {text}; did it refuse our client certificate? (is tls_cert_file signed by a CA it trusts?)"
 
     def _backoff(self, attempt: int) -> float:
-        """Full jitter (AWS architecture blog): uniform in [cap/2, cap] of the exponential step, capped."""
-        step = min(self.config.reconnect_max_s, 0.5 * 2 ** max(attempt - 1, 0))
+        """Full jitter (AWS architecture blog): uniform in [cap/2, cap] of the exponential step, capped (at a minute
+        at least while our session is being taken over, so that two clones do not take turns for ever)."""
+        cap = max(self.config.reconnect_max_s, TAKEOVER_BACKOFF_S) if self._short_lived else self.config.reconnect_max_s
+        step = min(cap, 0.5 * 2 ** max(attempt - 1, 0))
         return random.uniform(step / 2, step)
 
     def _fail(self, reason: str) -> None:
@@ -654,7 +479,9 @@ class MqttConnection:
                     log.error("broker %s: %s", self.address, text)
                 return
             self.generation += 1
+            self._connected_at = time.monotonic()
             self._progress_at = time.monotonic()  # what is resent now has the whole stall delay for its PUBACK
+            self._drop_expired_resends(client)
             receive_maximum = getattr(properties, "ReceiveMaximum", None)
             self.window = min(self.config.max_inflight, receive_maximum or self.config.max_inflight)
             for pattern, qos in self._subscriptions:
@@ -677,13 +504,28 @@ class MqttConnection:
                 return
             self.disconnects += 1
             self._lost_at = time.monotonic()
-            if self.v5 and getattr(reason, "value", None) == SESSION_TAKEN_OVER:
-                log.error(
-                    "broker %s: session taken over: another client connected with our client id %r "
-                    "(two daemons with the same instance? set [daemon] instance or [broker] client_id)",
-                    self.address, self.client_id,
-                )  # fmt: skip
+            taken_over = self.v5 and getattr(reason, "value", None) == SESSION_TAKEN_OVER
+            if self._lost_at - self._connected_at < SHORT_LIVED_S:
+                self._short_lived += 1
             else:
+                self._short_lived = 0
+                self._takeover_said = False
+            if taken_over or self._short_lived >= TAKEOVER_AFTER:
+                # Mosquitto 2.0.11 closes the old connection without reason 142: recognise the pattern instead
+                self.takeovers += 1
+                self._short_lived = max(self._short_lived, 1)  # back off for real from now on
+                if not self._takeover_said:
+                    self._takeover_said = True
+                    log.error(
+                        "broker %s: session taken over: %s with our client id %r (a cloned device? two daemons "
+                        "with the same instance? set [daemon] instance or [broker] client_id); backing off up to "
+                        "%g s between attempts; said once, counted as session_takeovers",
+                        self.address,
+                        "another client connected" if taken_over
+                        else f"the broker ended our last {self._short_lived} connections within {SHORT_LIVED_S:g} s",
+                        self.client_id, max(self.config.reconnect_max_s, TAKEOVER_BACKOFF_S),
+                    )  # fmt: skip
+            elif not self._takeover_said:
                 log.warning("lost the broker %s (%s); reconnecting", self.address, self._last_error or reason)
         except Exception:
             log.exception("on_disconnect failed")
@@ -723,15 +565,34 @@ class MqttConnection:
         elif generation == self.generation and self.connected.is_set():
             self._client.ack(mid, qos)
 
+    def _drop_expired_resends(self, client: Any) -> None:
+        """Before paho sends again what was in flight when the link dropped (right after this CONNACK): forget the
+        answers whose time to live is over, so that none is delivered late (``done(False, "expired")``).
+        Reads paho's ``_out_messages`` (checked at start by ``edgeline.daemon.paho_lean``)."""
+        if not self._expires:
+            return
+        out, mutex = getattr(client, "_out_messages", None), getattr(client, "_out_message_mutex", None)
+        if out is None or mutex is None:
+            return
+        now = time.time()
+        with mutex:
+            expired = [mid for mid in out if self._expires.get(mid, now + 1) <= now]
+            for mid in expired:
+                del out[mid]
+        for mid in expired:
+            self._expires.pop(mid, None)
+            self._finish(self._pending.pop(mid, None), False, "expired")
+
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, properties: Any) -> None:
         if mid not in self._pending:
             return  # a QoS 0 message written (its ``done`` fired when it was handed over)
+        self._expires.pop(mid, None)
         self._progress_at = time.monotonic()
         ok = not getattr(reason, "is_failure", False)
         self._finish(self._pending.pop(mid), ok, None if ok else str(reason))
 
     def _finish(self, done: PublishDone | None, ok: bool, text: str | None) -> None:
-        if not ok:
+        if not ok and text != "expired":
             self.publish_refused += 1
         if done is not None:
             try:
@@ -747,10 +608,12 @@ class MqttConnection:
         *,
         qos: int,
         retain: bool = False,
-        expiry_s: float | None = None,
+        expiry_at: float | None = None,
         done: PublishDone | None = None,
     ) -> bool:
         """Hand one message to the client; False when it could not take it (its queue is full: try later).
+        ``expiry_at`` (wall clock): past it, the message is not sent again after a reconnection, and MQTT 5's
+        Message Expiry Interval says what is left of it each time it is sent.
         ``done`` fires when the broker acknowledges (QoS 1), or at once (QoS 0: nothing to wait for; a QoS 0
         packet still in the client when the connection drops is gone, and paho says nothing about it).
 
@@ -760,18 +623,16 @@ class MqttConnection:
             self.call_soon(
                 lambda: (
                     None
-                    if self.publish(topic, payload, qos=qos, retain=retain, expiry_s=expiry_s, done=done)
+                    if self.publish(topic, payload, qos=qos, retain=retain, expiry_at=expiry_at, done=done)
                     else self._finish(done, False, "the MQTT client's queue is full")
                 )
             )
             return True
         properties = None
-        if self.v5 and expiry_s is not None:
-            seconds = max(1, int(expiry_s))
-            if self._expiry[0] != seconds:  # within one second, every answer gets the same one: build it once
-                properties = self._PackedOnce(self._PacketTypes.PUBLISH)
-                properties.MessageExpiryInterval = seconds
-                self._expiry = (seconds, properties)
+        if self.v5 and expiry_at is not None:
+            second = int(expiry_at)
+            if self._expiry[0] != second:  # answers made in the same second share one (it packs itself once)
+                self._expiry = (second, self._Expiring(float(second)))
             properties = self._expiry[1]
         try:
             if qos == 1 and not retain:
@@ -789,6 +650,8 @@ class MqttConnection:
             if not self._pending:
                 self._progress_at = time.monotonic()  # nothing was waiting: the stall clock starts now
             self._pending[info.mid] = done  # on this thread: its PUBACK cannot have come yet
+            if expiry_at is not None:
+                self._expires[info.mid] = expiry_at
         return True
 
     @property
@@ -865,6 +728,6 @@ class MqttSink:
         return self.connection.connected.is_set()
 
     def publish(
-        self, topic: str, payload: bytes, *, expiry_s: float | None = None, done: PublishDone | None = None
+        self, topic: str, payload: bytes, *, expiry_at: float | None = None, done: PublishDone | None = None
     ) -> bool:
-        return self.connection.publish(topic, payload, qos=self.qos, expiry_s=expiry_s, done=done)
+        return self.connection.publish(topic, payload, qos=self.qos, expiry_at=expiry_at, done=done)

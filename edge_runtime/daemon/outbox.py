@@ -22,23 +22,34 @@ after a restart. Removals are batched: the acknowledged answers of a whole stret
 
 One SQLite connection, used under a lock from the committer (add, remove, expire), the network thread (take, on
 refills) and the status thread (stats): every operation is a short transaction.
+
+On disk, ``max_bytes`` bounds the file and its write-ahead log together: the WAL is checkpointed and truncated
+once it reaches ``wal_limit`` (a quarter of ``max_bytes``, at most 4 MiB; SQLite's default lets it grow to about
+4 MB whatever the outbox holds), and the answers may take the rest (their payload, topic and a row's overhead are
+counted). A write that fails for lack of space raises ``DiskFull``: the transaction is rolled back, nothing is
+half-stored, and the caller keeps what it wanted to write and tries again (``edgeline.daemon.delivery``). An
+outbox that is not a database any more (a corrupted file) is set aside at open (renamed ``*.corrupt-<time>``,
+said in an error) and a new one started, so that a restart does not fail on it for ever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgeline.daemon.lograte import Repeated
 from edgeline.errors import EdgelineError
 
-__all__ = ["MemoryOutbox", "Outbox", "OutboxStats", "Pending"]
+__all__ = ["DiskFull", "MemoryOutbox", "Outbox", "OutboxStats", "Pending", "row_size"]
 
 log = logging.getLogger("edgeline.outbox")
 
@@ -55,6 +66,62 @@ CREATE TABLE IF NOT EXISTS answers (
 
 DELETE_CHUNK = 500
 """Seqs per DELETE statement (SQLite's oldest limit on parameters is 999)."""
+ROW_OVERHEAD = 40
+"""Bytes a row takes beyond its payload and topic (seq, two times, SQLite's cell header): counted in the bound."""
+MAX_WAL = 4 << 20
+SIZE_OF = "LENGTH(payload) + LENGTH(CAST(topic AS BLOB)) + 40"
+"""A row's size as counted against ``max_bytes`` (``ROW_OVERHEAD`` included)."""
+
+
+class DiskFull(EdgelineError):
+    """A write of the outbox failed for lack of space; nothing of it was stored."""
+
+
+def row_size(topic: str, payload: bytes) -> int:
+    """What one answer counts against ``max_bytes``."""
+    return _row_size(topic, payload)
+
+
+def _row_size(topic: str, payload: bytes) -> int:
+    return len(payload) + len(topic.encode()) + ROW_OVERHEAD
+
+
+def _is_full(exc: BaseException) -> bool:
+    if isinstance(exc, sqlite3.Error):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _corrupt(exc: sqlite3.Error) -> bool:
+    """An error that says the file is not a usable database (as opposed to locked, read-only or full)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or "malformed" in str(exc)
+
+
+def _set_aside(path: Path, exc: BaseException) -> Path:
+    """Move a corrupted outbox (and its WAL and shared memory) out of the way; say so once, as an error."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    try:
+        for suffix in ("", "-wal", "-shm"):
+            source = Path(f"{path}{suffix}")
+            if source.exists():
+                source.rename(Path(f"{target}{suffix}"))
+    except OSError as move:
+        raise EdgelineError(f"outbox {path} is corrupted ({exc}) and could not be set aside: {move}") from exc
+    log.error(
+        "outbox %s is corrupted (%s): set aside as %s and a new one started; the answers it held are not "
+        "delivered (their inputs were acknowledged)", path, exc, target,
+    )  # fmt: skip
+    return target
+
+
+def _overflow_log() -> Repeated:
+    return Repeated(log, "outbox full: the oldest answers are dropped, never delivered")
+
+
+def _expiry_log() -> Repeated:
+    return Repeated(log, "answers older than the outbox's time to live dropped without being sent")
 
 
 @dataclass(frozen=True)
@@ -79,6 +146,8 @@ class OutboxStats:
     removed: int
     expired: int
     overflowed: int
+    corrupt: int = 0
+    """Corrupted outbox files set aside at open (0 or 1)."""
 
 
 class Outbox:
@@ -95,36 +164,71 @@ class Outbox:
         self.max_answers = max_answers
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self.wal_limit = min(MAX_WAL, max_bytes // 4)
+        self.answer_bytes = max(1, max_bytes - self.wal_limit)
+        """What the answers' rows may take: ``max_bytes`` less the WAL's bound."""
+        self._synchronous = "FULL" if synchronous == "full" else "NORMAL"
         self._lock = threading.Lock()
+        self.set_aside: Path | None = None
+        """Where a corrupted outbox found at open was moved (None: none was)."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._synchronous = "FULL" if synchronous == "full" else "NORMAL"
-            self._db.execute(f"PRAGMA synchronous={self._synchronous}")
-            self._db.execute(SCHEMA)
-            depth, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM answers").fetchone()
-        except (sqlite3.Error, OSError) as exc:
-            raise EdgelineError(f"outbox {path}: {exc}") from exc
+        except OSError as exc:
+            raise EdgelineError(f"outbox {path}: {exc.strerror or exc}") from exc
+        try:
+            self._db, depth, size = self._open()
+        except sqlite3.DatabaseError as exc:
+            if _is_full(exc) or (isinstance(exc, sqlite3.OperationalError) and not _corrupt(exc)):
+                raise EdgelineError(f"outbox {path}: {exc}") from exc
+            self.set_aside = _set_aside(path, exc)
+            try:
+                self._db, depth, size = self._open()
+            except sqlite3.Error as again:
+                raise EdgelineError(f"outbox {path}: {again}") from again
         self._depth, self._bytes = int(depth), int(size)
         self._added = self._removed = self._expired = self._overflowed = 0
         self._floor = 0
         """The highest seq the bounds dropped."""
+        self._page_size = int(self._db.execute("PRAGMA page_size").fetchone()[0])
+        self.overflow_log = _overflow_log()
+        self.expiry_log = _expiry_log()
+
+    def _open(self) -> tuple[sqlite3.Connection, int, int]:
+        db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(f"PRAGMA synchronous={self._synchronous}")
+            # the WAL: checkpointed at half its bound (a commit group may add the other half), truncated to it after
+            db.execute(f"PRAGMA wal_autocheckpoint={max(16, self.wal_limit // 2 // 4096)}")
+            db.execute(f"PRAGMA journal_size_limit={self.wal_limit}")
+            if db.execute("SELECT name FROM sqlite_master WHERE name = 'answers'").fetchone() is None:
+                db.execute(SCHEMA)
+            ok = db.execute("PRAGMA quick_check(1)").fetchone()
+            if ok is None or ok[0] != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {ok[0] if ok else 'no answer'}")
+            depth, size = db.execute(f"SELECT COUNT(*), COALESCE(SUM({SIZE_OF}), 0) FROM answers").fetchone()
+        except BaseException:
+            db.close()
+            raise
+        return db, depth, size
 
     # -- worker ----------------------------------------------------------------------------------------------
-    def add(self, answers: Sequence[tuple[str, bytes, float]], *, remove: Sequence[int] = ()) -> list[Pending]:
+    def add(
+        self, answers: Sequence[tuple[str, bytes, float]], *, remove: Sequence[int] = (), delivered_upto: int = 0
+    ) -> list[Pending]:
         """Commit ``(topic, payload, received)`` answers, and forget the acknowledged ``remove``, in one
         transaction; return once they are on disk, with what was committed (oldest first; without those the
-        bounds dropped at once)."""
+        bounds dropped at once). Answers up to seq ``delivered_upto`` are already with the MQTT client: if the
+        bounds drop them, they are not counted as lost. Raises ``DiskFull`` (nothing stored) when out of space."""
         if not answers:
             self.remove(remove)
             return []
         now = time.time()
         rows = [(topic, payload, now, received) for topic, payload, received in answers]
-        size = sum(len(payload) for _, payload, _ in answers)
+        size = sum(_row_size(topic, payload) for topic, payload, _ in answers)
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._db.execute("BEGIN IMMEDIATE")
                 gone = self._delete_seqs(remove)
                 self._db.executemany(
                     "INSERT INTO answers (topic, payload, created, received) VALUES (?, ?, ?, ?)", rows
@@ -132,14 +236,16 @@ class Outbox:
                 (last,) = self._db.execute("SELECT last_insert_rowid()").fetchone()
                 self._depth += len(rows)
                 self._bytes += size
-                self._make_room()
+                lost = self._make_room(delivered_upto)
                 self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                self._depth, self._bytes = self._count()
+            except BaseException as exc:
+                self._rollback()
+                if _is_full(exc):
+                    raise DiskFull(f"outbox {self.path}: the disk is full ({exc})") from exc
                 raise
             self._added += len(rows)
             self._removed += gone
+            self._overflowed += lost
         first = int(last) - len(rows) + 1  # one writer, inside one transaction: consecutive seqs
         return [
             Pending(first + i, topic, payload, now, received)
@@ -147,24 +253,33 @@ class Outbox:
             if first + i > self._floor
         ]
 
-    def _make_room(self) -> None:
-        """Inside a transaction: drop the oldest answers until both bounds hold again."""
-        while self._depth > self.max_answers or self._bytes > self.max_bytes:
+    def _make_room(self, delivered_upto: int) -> int:
+        """Inside a transaction: drop the oldest answers until both bounds hold again; how many of them were lost
+        (not yet with the MQTT client)."""
+        lost = 0
+        while self._depth > self.max_answers or self._bytes > self.answer_bytes:
             excess = max(self._depth - self.max_answers, 1)
-            victims = self._db.execute(
-                "SELECT seq, LENGTH(payload) FROM answers ORDER BY seq LIMIT ?", (excess,)
-            ).fetchall()
+            victims = self._db.execute(f"SELECT seq, {SIZE_OF} FROM answers ORDER BY seq LIMIT ?", (excess,)).fetchall()
             if not victims:
-                return
+                break
             self._db.execute("DELETE FROM answers WHERE seq <= ?", (victims[-1][0],))
             self._floor = max(self._floor, int(victims[-1][0]))
             self._depth -= len(victims)
             self._bytes -= sum(length for _, length in victims)
-            self._overflowed += len(victims)
-            log.warning(
-                "outbox full (%d answers, %d bytes at most): dropped the %d oldest", self.max_answers,
-                self.max_bytes, len(victims),
-            )  # fmt: skip
+            lost += sum(1 for seq, _ in victims if seq > delivered_upto)
+        if lost:
+            self.overflow_log.happened(
+                lost, f"{lost} dropped ({self.max_answers} answers, {self.max_bytes} bytes at most)"
+            )
+        return lost
+
+    def _rollback(self) -> None:
+        """After a failed statement: SQLite may have rolled the transaction back itself (SQLITE_FULL does)."""
+        with contextlib.suppress(sqlite3.Error):
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+        with contextlib.suppress(sqlite3.Error):
+            self._depth, self._bytes = self._count()
 
     # -- the network thread, on refills ------------------------------------------------------------------------
     def take(self, limit: int, *, after: int = 0) -> list[Pending]:
@@ -190,7 +305,7 @@ class Outbox:
         """
         if not seqs:
             return
-        with self._lock:
+        with self._lock, self._writing():
             self._db.execute("PRAGMA synchronous=NORMAL")
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -202,18 +317,40 @@ class Outbox:
 
     def expire(self) -> int:
         """Drop the answers older than the time to live; how many."""
-        with self._lock:
+        with self._lock, self._writing():
             gone = self._delete("created < ?", [(time.time() - self.ttl_s,)])
             self._expired += gone
         if gone:
-            log.warning("dropped %d answers older than the outbox's time to live (%g s) without sending them", gone,
-                        self.ttl_s)  # fmt: skip
+            self.expiry_log.happened(gone, f"{gone} dropped (time to live {self.ttl_s:g} s)")
         return gone
 
     def drop(self, seq: int) -> None:
         """An answer taken but found expired before it was sent: gone, counted as expired."""
-        with self._lock:
+        with self._lock, self._writing():
             self._expired += self._delete("seq = ?", [(seq,)])
+
+    def count_expired(self, count: int) -> None:
+        """Answers that expired outside the table (in the MQTT client, waiting for a resend)."""
+        with self._lock:
+            self._expired += count
+        self.expiry_log.happened(count, f"{count} dropped (time to live {self.ttl_s:g} s)")
+
+    def count_overflow(self, count: int) -> None:
+        """Answers that never reached the table and never will (held while the disk was full, then dropped)."""
+        with self._lock:
+            self._overflowed += count
+        self.overflow_log.happened(count, f"{count} dropped while the disk was full")
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Under the lock: a write that fails for lack of space is rolled back and raised as ``DiskFull``."""
+        try:
+            yield
+        except (sqlite3.Error, OSError) as exc:
+            self._rollback()
+            if _is_full(exc):
+                raise DiskFull(f"outbox {self.path}: the disk is full ({exc})") from exc
+            raise
 
     # -- anyone ------------------------------------------------------------------------------------------------
     def _delete_seqs(self, seqs: Sequence[int]) -> int:
@@ -223,7 +360,7 @@ class Outbox:
             chunk = seqs[start : start + DELETE_CHUNK]
             marks = ",".join("?" * len(chunk))
             for (length,) in self._db.execute(
-                f"DELETE FROM answers WHERE seq IN ({marks}) RETURNING LENGTH(payload)", tuple(chunk)
+                f"DELETE FROM answers WHERE seq IN ({marks}) RETURNING {SIZE_OF}", tuple(chunk)
             ):
                 gone += 1
                 size += length
@@ -235,7 +372,7 @@ class Outbox:
         """Under the lock: delete the matching rows, keep the depth and byte counts; how many rows went."""
         gone = size = 0
         for values in parameters:
-            for (length,) in self._db.execute(f"DELETE FROM answers WHERE {where} RETURNING LENGTH(payload)", values):
+            for (length,) in self._db.execute(f"DELETE FROM answers WHERE {where} RETURNING {SIZE_OF}", values):
                 gone += 1
                 size += length
         self._depth -= gone
@@ -243,12 +380,28 @@ class Outbox:
         return gone
 
     def _count(self) -> tuple[int, int]:
-        depth, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM answers").fetchone()
+        depth, size = self._db.execute(f"SELECT COUNT(*), COALESCE(SUM({SIZE_OF}), 0) FROM answers").fetchone()
         return int(depth), int(size)
 
     @property
     def depth(self) -> int:
         return self._depth
+
+    @property
+    def used_bytes(self) -> int:
+        """What the answers take, as counted against ``max_bytes`` (the WAL's bound included)."""
+        return self._bytes + self.wal_limit
+
+    def disk_bytes(self) -> int:
+        """What the outbox's files take on disk now: the database's pages in use and the WAL."""
+        with self._lock:
+            pages = int(self._db.execute("PRAGMA page_count").fetchone()[0])
+            free = int(self._db.execute("PRAGMA freelist_count").fetchone()[0])
+        try:
+            wal = os.stat(f"{self.path}-wal").st_size
+        except OSError:
+            wal = 0
+        return (pages - free) * self._page_size + wal
 
     def stats(self) -> OutboxStats:
         with self._lock:
@@ -262,6 +415,7 @@ class Outbox:
                 removed=self._removed,
                 expired=self._expired,
                 overflowed=self._overflowed,
+                corrupt=int(self.set_aside is not None),
             )
 
     def close(self) -> None:
@@ -282,13 +436,18 @@ class MemoryOutbox:
     def __init__(self, *, max_answers: int = 100_000, max_bytes: int = 64 << 20, ttl_s: float = 86400.0):
         self.max_answers = max_answers
         self.max_bytes = max_bytes
+        self.answer_bytes = max_bytes
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._rows: OrderedDict[int, Pending] = OrderedDict()
         self._seq = self._bytes = self._floor = 0
         self._added = self._removed = self._expired = self._overflowed = 0
+        self.overflow_log = _overflow_log()
+        self.expiry_log = _expiry_log()
 
-    def add(self, answers: Sequence[tuple[str, bytes, float]], *, remove: Sequence[int] = ()) -> list[Pending]:
+    def add(
+        self, answers: Sequence[tuple[str, bytes, float]], *, remove: Sequence[int] = (), delivered_upto: int = 0
+    ) -> list[Pending]:
         self.remove(remove)
         now = time.time()
         added: list[Pending] = []
@@ -298,18 +457,19 @@ class MemoryOutbox:
                 pending = Pending(self._seq, topic, payload, now, received)
                 self._rows[self._seq] = pending
                 added.append(pending)
-                self._bytes += len(payload)
+                self._bytes += _row_size(topic, payload)
             self._added += len(answers)
-            dropped = 0
+            lost = 0
             while self._rows and (len(self._rows) > self.max_answers or self._bytes > self.max_bytes):
                 _, oldest = self._rows.popitem(last=False)
-                self._bytes -= len(oldest.payload)
-                dropped += 1
+                self._bytes -= _row_size(oldest.topic, oldest.payload)
+                lost += oldest.seq > delivered_upto
                 self._floor = oldest.seq
-            self._overflowed += dropped
-        if dropped:
-            log.warning("outbox full (%d answers, %d bytes at most): dropped the %d oldest", self.max_answers,
-                        self.max_bytes, dropped)  # fmt: skip
+            self._overflowed += lost
+        if lost:
+            self.overflow_log.happened(
+                lost, f"{lost} dropped ({self.max_answers} answers, {self.max_bytes} bytes at most)"
+            )
         return [p for p in added if p.seq > self._floor]
 
     def take(self, limit: int, *, after: int = 0) -> list[Pending]:
@@ -328,7 +488,7 @@ class MemoryOutbox:
             for seq in seqs:
                 pending = self._rows.pop(seq, None)
                 if pending is not None:
-                    self._bytes -= len(pending.payload)
+                    self._bytes -= _row_size(pending.topic, pending.payload)
                     self._removed += 1
 
     def expire(self) -> int:
@@ -340,24 +500,36 @@ class MemoryOutbox:
                 if oldest.created >= limit:
                     break
                 del self._rows[seq]
-                self._bytes -= len(oldest.payload)
+                self._bytes -= _row_size(oldest.topic, oldest.payload)
                 gone += 1
             self._expired += gone
         if gone:
-            log.warning("dropped %d answers older than the outbox's time to live (%g s) without sending them", gone,
-                        self.ttl_s)  # fmt: skip
+            self.expiry_log.happened(gone, f"{gone} dropped (time to live {self.ttl_s:g} s)")
         return gone
 
     def drop(self, seq: int) -> None:
         with self._lock:
             pending = self._rows.pop(seq, None)
             if pending is not None:
-                self._bytes -= len(pending.payload)
+                self._bytes -= _row_size(pending.topic, pending.payload)
                 self._expired += 1
+
+    def count_expired(self, count: int) -> None:
+        with self._lock:
+            self._expired += count
+        self.expiry_log.happened(count, f"{count} dropped (time to live {self.ttl_s:g} s)")
+
+    def count_overflow(self, count: int) -> None:
+        with self._lock:
+            self._overflowed += count
 
     @property
     def depth(self) -> int:
         return len(self._rows)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
 
     def stats(self) -> OutboxStats:
         with self._lock:

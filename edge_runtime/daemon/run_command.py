@@ -114,6 +114,12 @@ def run_daemon(args: argparse.Namespace) -> int:
     to_stdout = args.stdout or not config.uses_broker
     daemon = Daemon(args.bundle, config, backend=args.backend, echo=echo if to_stdout else None)
     status = daemon.run_until_signalled()
+    if daemon.reload_requested and status == 0:
+        # SIGHUP: drained like SIGTERM; now the same command again, reading the configuration and the bundle anew
+        # (the same process id, so systemd's ExecReload=kill -HUP $MAINPID and Type=notify follow it)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     if daemon.echo is None and to_stdout:  # stdout was closed under us: keep the interpreter's exit quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return status

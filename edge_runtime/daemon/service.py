@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import signal
 import threading
 import time
@@ -34,11 +33,14 @@ from typing import Any
 
 from edgeline.daemon.codecs import example_payload, get_codec
 from edgeline.daemon.config import DaemonConfig
+from edgeline.daemon.delivery import Delivery
 from edgeline.daemon.guards import check_topics, check_window
 from edgeline.daemon.health import Metrics, MetricsServer, SystemdNotifier
+from edgeline.daemon.intake import IntakeGate
+from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.mqtt import MqttConnection, MqttSink, MqttSource
-from edgeline.daemon.outbox import MemoryOutbox, Outbox, Pending
+from edgeline.daemon.outbox import MemoryOutbox, Outbox
 from edgeline.daemon.processor import Processor
 from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull
 from edgeline.daemon.silence import SilenceWatch
@@ -54,12 +56,6 @@ __all__ = ["EXIT_FAILED", "Daemon"]
 log = logging.getLogger("edgeline.daemon")
 EXIT_FAILED = 1
 """A daemon that could not go on (a thread died, a live source ended): systemd's Restart=on-failure restarts it."""
-COMMIT_BACKLOG = 32
-"""Batches the worker may hand the committer ahead of the disk."""
-REMOVE_EVERY_S = 0.1
-"""With nothing to commit, the committer still removes what the broker acknowledged this often."""
-REFILL = 256
-"""Answers read back from the outbox at a time, when they could not be held in memory as they came."""
 
 
 class Daemon:
@@ -118,7 +114,6 @@ class Daemon:
         self._echo_lock = threading.Lock()
         self.notifier = notifier or SystemdNotifier()
         self._lock: StateLock | None = None
-        self.outbox: Outbox | MemoryOutbox | None = None
         self.connection: MqttConnection | None = None
         self.sink: MqttSink | None = None
         if config.uses_broker:
@@ -126,7 +121,7 @@ class Daemon:
                 config.broker,
                 client_id=self.client_id,
                 will=(self.availability_topic, b"offline"),
-                waiting=lambda: self.outbox.depth if self.outbox is not None else 0,
+                waiting=lambda: self.delivery.outbox.depth if self.delivery is not None else 0,
             )
             self.sink = MqttSink(self.connection, config.output.qos)
         if source is not None:
@@ -144,26 +139,33 @@ class Daemon:
         watched = isinstance(self.source, MqttSource) and silence_s > 0
         self.silence = SilenceWatch(self.filters, silence_s) if watched else None
         self._metrics_server: MetricsServer | None = None
-        self._acknowledged: deque[int] = deque()
-        """Outbox seqs the broker has (their PUBACK came): the committer removes them with its next commit."""
-        self._ready: deque[Pending] = deque()
-        """Network thread: committed answers waiting for room in the in-flight window, oldest first (at most
-        ``[broker] max_queued``)."""
-        self._handed = 0
-        """Network thread: the highest outbox seq taken into ``_ready``."""
-        self._spilled = False
-        """Network thread: answers wait in the outbox that were never taken into ``_ready`` (it was full, or the
-        last run left them): the tick reads them back, in order, as it empties."""
-        self._next_expiry = 0.0
+        self.delivery: Delivery | None = None
+        self.gate: IntakeGate | None = None
+        """Flow control for a source that can wait (block policy) publishing to the broker; None otherwise."""
+        self._held: deque[Message] = deque()
+        """Network thread: MQTT inputs held unacknowledged while the gate is shut or the queue is full."""
+        self._taken = 0  # inputs queued (the submitting thread)
+        self._finished = 0  # inputs answered (the worker)
+        self._answer_size = 256  # bytes of a recent answer: the gate's estimate for inputs not answered yet
         self._announced = 0
         """Network thread: the connection (``MqttConnection.generation``) "online" was last published on."""
         self._evicted: list[tuple[Message, list[Answer]]] = []
         self._evicted_lock = threading.Lock()
         self._worker: threading.Thread | None = None
-        self._commits: queue.Queue[tuple[list[tuple[str, bytes, float]], list[Callable[[], None]]] | None] | None = None
-        self._committer: threading.Thread | None = None
         self._source_failed = False
+        self.reload_requested = False
+        """SIGHUP: drain like SIGTERM, then the command starts itself again (new configuration and bundle)."""
+        self.metrics.declare(
+            "received", "results", "errors", "dropped", "published", "publish_refused", "batches", "disk_full",
+            "intake_pauses", "outbox_read_back", "streams_evicted", "unpublishable",
+        )  # fmt: skip
         self.metrics.gauges(self._gauges)
+        self.metrics.counters(self._counters)
+
+    @property
+    def outbox(self) -> Outbox | MemoryOutbox | None:
+        """Where answers wait for the broker (None without a broker, or before ``start``)."""
+        return self.delivery.outbox if self.delivery is not None else None
 
     @property
     def accelerator(self) -> dict[str, str | None] | None:
@@ -182,7 +184,8 @@ class Daemon:
     def description(self) -> str:
         sinks = []
         if self.connection is not None:
-            outbox = f", outbox {self.outbox.path}" if isinstance(self.outbox, Outbox) else ", outbox in memory"
+            path = self.delivery.outbox.path if self.delivery is not None else None
+            outbox = f", outbox {path}" if path is not None else ", outbox in memory"
             sinks.append(f"answers to {self.connection.address} at QoS {self.config.output.qos}{outbox}")
         if self.echo is not None:
             sinks.append("answers to stdout")
@@ -222,12 +225,8 @@ class Daemon:
         now = time.time()
         to_broker = [(a.topic, a.payload, m.received) for m, answers in pairs for a in answers if a.topic is not None]
         acks = [m.ack for m, _ in pairs if m.ack is not None]
-        if self.sink is not None and to_broker:
-            assert self.outbox is not None
-            if self._commits is not None:  # on disk: the committer hands them over once the answers are fsync'ed
-                self._commits.put((to_broker, acks))
-            else:
-                self._hand_over(self.outbox.add(to_broker), acks)
+        if self.delivery is not None and to_broker:
+            self.delivery.add(to_broker, acks)  # the inputs are acknowledged once their answers are stored
             acks = []
         for message, answers in pairs:
             for answer in answers:
@@ -235,151 +234,51 @@ class Daemon:
                     self.metrics.count("unpublishable")
                     log.warning("answer without a topic (device cannot form one): %s", answer.payload[:300])
                 self._echo(answer)
-            if self.echo is not None and self.sink is None:
+            if self.echo is not None and self.delivery is None:
                 self.metrics.observe("publish", max(0.0, time.time() - now))
                 self.metrics.observe("total", max(0.0, time.time() - message.received))
+        self._finished += len(pairs)
         if acks and self.connection is not None:
             self.connection.call_soon(lambda: _call_each(acks))
         else:
             _call_each(acks)
 
-    # -- committer thread: group commit ---------------------------------------------------------------------------
-    def _commit(self) -> None:
-        """Commit what the worker handed over, as many batches as have queued up, together with the removal of
-        what the broker acknowledged meanwhile, in one transaction (one fsync); then hand the answers and the
-        inputs' acknowledgements to the network thread in one go. The worker goes on with the next batch
-        meanwhile; it waits only when ``COMMIT_BACKLOG`` batches are queued (a disk that stalls holds the
-        pipeline back, not memory)."""
-        assert self._commits is not None and isinstance(self.outbox, Outbox)
-        commits, outbox = self._commits, self.outbox
-        interval = self.config.outbox.commit_interval_s
-        finished = False
-        last_commit = 0.0
-        while not finished:
-            try:
-                items = [commits.get(timeout=REMOVE_EVERY_S)]
-            except queue.Empty:
-                items = []
-            # group commit: let what comes gather until the interval since the last commit is over (fewer fsyncs,
-            # less CPU and flash wear per answer, and one wake-up per interval however fast the stream)
-            if items and items[0] is not None and (left := last_commit + interval - time.monotonic()) > 0:
-                time.sleep(left)
-            while True:
-                try:
-                    items.append(commits.get_nowait())
-                except queue.Empty:
-                    break
-            finished = any(item is None for item in items)
-            batches = [item for item in items if item is not None]
-            self._expire()
-            removed = self._take_acknowledged()
-            if not batches:
-                outbox.remove(removed)
-                continue
-            last_commit = time.monotonic()
-            pending = outbox.add([row for rows, _ in batches for row in rows], remove=removed)
-            self._hand_over(pending, [ack for _, acks in batches for ack in acks])
-
-    def _take_acknowledged(self) -> list[int]:
-        acknowledged, taken = self._acknowledged, []
-        while acknowledged:
-            taken.append(acknowledged.popleft())
-        return taken
-
-    def _expire(self) -> None:
-        """At most once a second: drop (and count) the answers past their time to live."""
-        assert self.outbox is not None
-        if time.monotonic() >= self._next_expiry:
-            self._next_expiry = time.monotonic() + 1.0
-            self.outbox.expire()
-
-    # -- network thread: answers to the client ----------------------------------------------------------------------
-    def _hand_over(self, pending: list[Pending], acks: list[Callable[[], None]]) -> None:
-        """Committed answers and their inputs' acknowledgements to the network thread: one task, one wake-up."""
-        assert self.connection is not None
-        self.connection.call_soon(lambda: self._handed_over(pending, acks))
-
-    def _handed_over(self, pending: list[Pending], acks: list[Callable[[], None]]) -> None:
-        _call_each(acks)
-        if not self._spilled:
-            ready, limit = self._ready, self.config.broker.max_queued
-            for answer in pending:
-                if len(ready) >= limit:
-                    self._spilled = True  # the rest wait in the outbox: the tick reads them back, in order
-                    break
-                if answer.seq > self._handed:
-                    ready.append(answer)
-                    self._handed = answer.seq
-        self._pump()
-
+    # -- network thread ----------------------------------------------------------------------------------------
     def _tick(self) -> None:
-        """Every turn of the network loop: fill the in-flight window from the answers ready, and those from the
-        outbox when some wait there that were never handed over. Cheap when there is nothing to do."""
-        assert self.outbox is not None and self.connection is not None
+        """Every turn of the network loop: say "online" on a new connection, take held inputs once the gate is
+        open again, and let the delivery path fill the in-flight window."""
+        assert self.connection is not None and self.delivery is not None
         connection = self.connection
         if connection.generation != self._announced and connection.connected.is_set() and not self.stopping.is_set():
             # on every connection, not only the first: after a lost link the broker has published our will
             self._announced = connection.generation
             connection.publish(self.availability_topic, b"online", qos=1, retain=True)
-        if isinstance(self.outbox, MemoryOutbox):
-            self._expire()
-        limit = self.config.broker.max_queued
-        room = limit - len(self._ready)
-        if self._spilled and room >= max(1, min(REFILL, limit // 2)):
-            waiting = self.outbox.take(min(room, REFILL), after=self._handed)
-            if waiting:
-                self._ready.extend(waiting)
-                self._handed = waiting[-1].seq
-                self.metrics.count("outbox_read_back", len(waiting))
-            else:
-                self._spilled = False  # what is committed from now on is handed over as it comes
-        self._pump()
+        if self._held:
+            self._release_held()
+        self.delivery.tick()
 
-    def _pump(self) -> None:
-        """Publish ready answers, oldest first, while the window has room (network thread)."""
-        assert self.connection is not None and self.sink is not None
-        ready = self._ready
-        if not ready or not self.sink.ready:
-            return
-        room = self.connection.room
-        while ready and room > 0:
-            answer = ready.popleft()
-            if not self._publish(answer):
-                ready.appendleft(answer)
+    def _release_held(self) -> None:
+        """Network thread: inputs held while the gate was shut (or the queue full), oldest first."""
+        held, gate = self._held, self.gate
+        while held and not self.stopping.is_set() and (gate is None or gate.open()):
+            if not self._put_now(held[0]):
                 return
-            room -= 1
+            held.popleft()
+        if self.stopping.is_set():
+            held.clear()  # never acknowledged: the broker sends them to the next run
 
-    def _publish(self, pending: Pending) -> bool:
-        """One answer to the client (or dropped, counted, past its time to live); False when it cannot take it."""
-        assert self.outbox is not None and self.sink is not None
-        age = time.time() - pending.created
-        if age > self.outbox.ttl_s:
-            self.outbox.drop(pending.seq)
-            return True
-        done = self._done_callback(pending.seq, pending.created, pending.received)
-        return self.sink.publish(pending.topic, pending.payload, expiry_s=self.outbox.ttl_s - age, done=done)
-
-    def _done_callback(self, seq: int, created: float, received: float) -> Callable[[bool, str | None], None]:
-        def done(ok: bool, reason: str | None) -> None:
-            now = time.time()
-            if ok:
-                self.metrics.count("published")
-                self.metrics.observe("publish", max(0.0, now - created))
-                self.metrics.observe("total", max(0.0, now - received))
-            else:
-                self.metrics.count("publish_refused")
-                log.warning("the broker refused an answer (%s); it is not retried", reason)
-            if isinstance(self.outbox, Outbox):
-                self._acknowledged.append(seq)
-            elif self.outbox is not None:
-                self.outbox.remove([seq])
-
-        return done
+    def _level(self) -> tuple[int, int]:
+        """The intake gate's level: inputs taken and not answered yet, and the answers the broker does not have."""
+        assert self.delivery is not None
+        answers, size = self.delivery.level()
+        inputs = max(self._taken - self._finished, 0)
+        return answers + inputs, size + inputs * self._answer_size
 
     # -- source thread -----------------------------------------------------------------------------------------
     def _submit(self, message: Message, timeout: float | None = None) -> None:
         """Queue one message; with drop-oldest, answer the message it evicts. Raises QueueClosed when stopping."""
         evicted = self.queue.put(message, timeout=timeout)
+        self._taken += 1
         if evicted is not None:
             # answered now, delivered by the worker (this may be the MQTT client's network thread)
             self.metrics.count("dropped")
@@ -388,11 +287,33 @@ class Daemon:
             with self._evicted_lock:
                 self._evicted.append((evicted, answers))
 
+    def _put_now(self, message: Message) -> bool:
+        if self.queue.policy is DropPolicy.BLOCK and len(self.queue) >= self.queue.capacity:
+            return False
+        try:
+            self._submit(message, timeout=0)
+        except QueueFull:
+            return False
+        return True
+
     def _read_source(self) -> None:
+        gate, connection = self.gate, self.connection
+
         def submit(message: Message) -> None:
             if self.silence is not None:
                 self.silence.heard(message.topic)
-            while not self.stopping.is_set():  # block policy: wait for room, but not past a stop
+            if connection is not None and connection.on_network_thread:
+                # MQTT: never block the thread that also sends the answers and reads their PUBACKs; hold the input
+                # unacknowledged (at most the broker's window for us) until the gate opens and the queue has room
+                if self.stopping.is_set():
+                    return  # not acknowledged: the broker sends it to the next run
+                if self._held or (gate is not None and not gate.open()) or not self._put_now(message):
+                    self._held.append(message)
+                return
+            while not self.stopping.is_set():  # a source that can wait: wait for the gate, then for room
+                if gate is not None and not gate.open():
+                    self.stopping.wait(0.05)
+                    continue
                 try:
                     self._submit(message, timeout=0.5)
                     return
@@ -460,18 +381,34 @@ class Daemon:
         }
         if self.connection is not None:
             gauges["connected"] = self.connection.connected.is_set()
-            gauges["reconnects"] = self.connection.reconnects
-            gauges["publish_stalls"] = self.connection.stalls
-        if self.outbox is not None:
-            box = self.outbox.stats()
+            gauges["in_flight"] = self.connection.in_flight
+        if self.gate is not None:
+            gauges["intake_paused"] = self.gate.is_shut
+            gauges["intake_held"] = len(self._held)
+        if self.delivery is not None:
+            box = self.delivery.outbox.stats()
             gauges.update(
                 outbox_depth=box.depth,
                 outbox_bytes=box.bytes,
                 outbox_oldest_age_seconds=box.oldest_age_s if box.oldest_age_s is not None else 0.0,
-                outbox_expired=box.expired,
-                outbox_overflowed=box.overflowed,
+                disk_full=self.delivery.disk_full,
             )
         return gauges
+
+    def _counters(self) -> dict[str, float | int | bool | None]:
+        counters: dict[str, float | int | bool | None] = {}
+        if self.connection is not None:
+            counters.update(
+                reconnects=self.connection.reconnects,
+                publish_stalls=self.connection.stalls,
+                session_takeovers=self.connection.takeovers,
+            )
+        if self.delivery is not None:
+            box = self.delivery.outbox.stats()
+            counters.update(outbox_expired=box.expired, outbox_overflowed=box.overflowed, outbox_corrupt=box.corrupt)
+        if self.gate is not None:
+            counters["intake_paused_seconds"] = int(self.gate.paused_seconds())
+        return counters
 
     def status(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"queue_policy": self.queue.policy.value, "client_id": self.client_id}
@@ -482,45 +419,75 @@ class Daemon:
     def _report(self) -> None:
         interval = self.config.health.status_interval_s
         watchdog = self.notifier.watchdog_interval_s
-        tick = min(interval, watchdog) if watchdog else interval
+        tick = min(interval, watchdog, 10.0) if watchdog else min(interval, 10.0)
         next_status = time.monotonic() + interval
         while not self.stopping.wait(tick):
             if watchdog and self.supervisor.healthy():
                 self.notifier.notify("WATCHDOG=1")
+            for repeated in self._repeated():
+                repeated.tick()
             if time.monotonic() >= next_status and self.connection is not None:
                 next_status += interval
                 self.connection.publish(self.status_topic, json.dumps(self.status()).encode(), qos=0, retain=True)
 
+    def _repeated(self) -> list[Repeated]:
+        """The conditions whose logs are summarised (see ``edgeline.daemon.lograte``)."""
+        found = []
+        if self.delivery is not None:
+            found += [self.delivery.outbox.overflow_log, self.delivery.outbox.expiry_log, self.delivery.full_log]
+        if self.gate is not None:
+            found.append(self.gate.pauses)
+        return found
+
     # -- lifecycle ---------------------------------------------------------------------------------------------
+    def _open_outbox(self) -> Outbox | MemoryOutbox:
+        box = self.config.outbox
+        if not box.enabled:
+            return MemoryOutbox(max_answers=box.max_answers, max_bytes=box.max_bytes, ttl_s=box.ttl_s)
+        outbox = Outbox(
+            self.state_dir / "outbox.sqlite",
+            max_answers=box.max_answers,
+            max_bytes=box.max_bytes,
+            ttl_s=box.ttl_s,
+            synchronous=box.synchronous,
+        )
+        if outbox.depth:
+            log.info("%d answers left by the last run wait in the outbox", outbox.depth)
+        return outbox
+
     def start(self) -> None:
         if self.model.accelerator_fallback is not None:  # loud: slower by design, never a silent surprise
             log.warning("%s: %s", self.model.name, self.model.accelerator_fallback)
         self.source.open()
+        spawn = self.supervisor.spawn
         if self.connection is not None:
+            assert self.sink is not None
             self._lock = StateLock(self.state_dir)
             box = self.config.outbox
-            if box.enabled:
-                self.outbox = Outbox(
-                    self.state_dir / "outbox.sqlite",
+            self.delivery = Delivery(
+                self._open_outbox(),
+                self.connection,
+                self.sink,
+                self.metrics,
+                max_queued=self.config.broker.max_queued,
+                commit_interval_s=box.commit_interval_s,
+                stopping=self.stopping,
+            )
+            if self.queue.policy is DropPolicy.BLOCK:  # a source that can wait: read no faster than answers leave
+                delivery = self.delivery
+                self.gate = IntakeGate(
+                    self._level,
                     max_answers=box.max_answers,
                     max_bytes=box.max_bytes,
-                    ttl_s=box.ttl_s,
-                    synchronous=box.synchronous,
+                    disk_full=lambda: delivery.disk_full,
+                    metrics=self.metrics,
                 )
-                if self.outbox.depth:
-                    log.info("%d answers left by the last run wait in the outbox", self.outbox.depth)
-            else:
-                self.outbox = MemoryOutbox(max_answers=box.max_answers, max_bytes=box.max_bytes, ttl_s=box.ttl_s)
-            self._spilled = self.outbox.depth > 0  # left by the last run: read back first, in order
             self.connection.on_tick(self._tick)
-            self.connection.start(lambda target: self.supervisor.spawn("edgeline-mqtt", target))
+            self.connection.start(lambda target: spawn("edgeline-mqtt", target))
+            self.delivery.start(spawn)
         if self.config.health.prometheus_port:
             health = self.config.health
             self._metrics_server = MetricsServer(self.metrics, health.prometheus_port, health.prometheus_host).start()
-        spawn = self.supervisor.spawn
-        if isinstance(self.outbox, Outbox):
-            self._commits = queue.Queue(COMMIT_BACKLOG)
-            self._committer = spawn("edgeline-committer", self._commit)
         self._worker = spawn("edgeline-worker", self._work)
         spawn("edgeline-status", self._report)
         spawn("edgeline-source", self._read_source)
@@ -528,7 +495,8 @@ class Daemon:
 
     def stop(self) -> None:
         """Drain: no new input (still subscribed: what the broker sends now is left unacknowledged, for the next
-        run), answer what is queued, flush the outbox while the broker takes it, say offline, leave."""
+        run), answer what is queued, flush the outbox while the broker takes it, say offline, leave. Every wait is
+        bounded by ``[daemon] drain_timeout_s``."""
         self.notifier.notify("STOPPING=1")
         self.stopping.set()
         self.queue.close()
@@ -537,40 +505,19 @@ class Daemon:
             self._worker.join(max(0.1, deadline - time.monotonic()))
             if self._worker.is_alive():
                 log.error("the worker did not finish within %g s", self.config.daemon.drain_timeout_s)
-        if self._committer is not None and self._commits is not None:
-            self._commits.put(None)  # after the worker's last batch
-            self._committer.join(max(0.1, deadline - time.monotonic()))
-        if self.outbox is not None:
-            self._flush(deadline)
+        if self.delivery is not None:
+            self.delivery.stop(deadline)
         if self.connection is not None:
             if self.connection.connected.is_set():
                 self.connection.publish(self.availability_topic, b"offline", qos=1, retain=True)
                 self._wait_for_in_flight(deadline)
             self.connection.close()
-        if self.outbox is not None:
-            if self.outbox.depth and isinstance(self.outbox, Outbox):
-                log.info("%d answers stay in the outbox for the next start", self.outbox.depth)
-            elif self.outbox.depth:
-                log.warning("%d answers in the memory outbox are lost ([outbox] enabled = false)", self.outbox.depth)
-            self.outbox.close()
+        if self.delivery is not None:
+            self.delivery.close()
         if self._lock is not None:
             self._lock.release()
         if self._metrics_server is not None:
             self._metrics_server.stop()
-
-    def _flush(self, deadline: float) -> None:
-        """Until the broker has every answer (the network thread sends them, reading back what waits), as long as
-        it is connected and the drain time lasts."""
-        assert self.outbox is not None and self.connection is not None
-        committer_done = self._committer is None or not self._committer.is_alive()
-        while self.connection.connected.is_set() and time.monotonic() < deadline:
-            if committer_done and isinstance(self.outbox, Outbox):
-                self.outbox.remove(self._take_acknowledged())
-            if self.outbox.depth == 0:
-                break
-            time.sleep(0.02)
-        if committer_done and isinstance(self.outbox, Outbox):
-            self.outbox.remove(self._take_acknowledged())
 
     def _wait_for_in_flight(self, deadline: float) -> None:
         """The broker's acknowledgement of what is still on its way (the offline message among it), briefly."""
@@ -580,13 +527,17 @@ class Daemon:
             time.sleep(0.02)
 
     def run_until_signalled(self) -> int:
-        """Run until SIGTERM or SIGINT, or until a finite source is exhausted; then drain and stop. The exit
-        code: 0, or ``EXIT_FAILED`` when the pipeline could not go on."""
+        """Run until SIGTERM, SIGINT or SIGHUP, or until a finite source is exhausted; then drain and stop. The
+        exit code: 0, or ``EXIT_FAILED`` when the pipeline could not go on. After SIGHUP, ``reload_requested``
+        is set: the command starts itself again (``edgeline.daemon.run_command``)."""
 
         def handle(signum: int, frame: Any) -> None:
+            if signum == signal.SIGHUP:
+                self.reload_requested = True
+                self.notifier.notify("RELOADING=1")
             self.stopping.set()
 
-        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
             self.start()
             log.info(
@@ -598,6 +549,8 @@ class Daemon:
             while not self.stopping.wait(0.2) and not self.source_done.is_set() and not failed.is_set():
                 if self.silence is not None:
                     self._warn_silent()
+            if self.reload_requested:
+                log.info("SIGHUP: draining, then starting again with the configuration and bundle as they are now")
             self.stop()
         finally:
             for sig, handler in previous.items():

@@ -5,8 +5,13 @@
 
 Each bundle gets ``DIR/<bundle name>/``, locked while a daemon uses it (a second daemon on the same directory
 would share, and fight over, one outbox and one client id: it is refused at start). The instance id, which names
-the daemon in its client id, its availability and status topics and every result, is derived from the host name
-and the directory: stable across restarts of one instance, different between instances.
+the daemon in its client id, its availability and status topics and every result, is derived from the host name,
+the machine's identity and the directory: stable across restarts of one instance, different between instances.
+
+Devices flashed from one image share a host name and a state path; what tells them apart is the machine's
+identity: ``/etc/machine-id`` (which an image prepared for cloning leaves empty and systemd fills at first boot)
+and the board's own serial number where the hardware has one (a Raspberry Pi's, in the device tree), which no
+cloning copies. Moving an SD card to another board therefore makes another instance, as it should.
 """
 
 from __future__ import annotations
@@ -33,10 +38,35 @@ def default_state_dir() -> Path:
     return base / "edgeline"
 
 
-def instance_id(state_dir: Path) -> str:
-    """``<host>-<6 hex digits of the state directory's path>``, safe in topics and client ids."""
+MACHINE_IDENTITY = (
+    Path("/etc/machine-id"),
+    Path("/var/lib/dbus/machine-id"),
+    Path("/sys/firmware/devicetree/base/serial-number"),
+    Path("/proc/device-tree/serial-number"),
+)
+"""Where the machine's identity is read: systemd's machine id (dbus' copy where systemd is absent) and the
+board's serial number (Raspberry Pi, other device-tree boards). Those that exist are all used."""
+
+
+def machine_identity(sources: tuple[Path, ...] = MACHINE_IDENTITY) -> str:
+    """The machine's identity from ``sources`` (empty when none can be read)."""
+    parts = []
+    for path in sources:
+        try:
+            text = path.read_bytes()[:256].decode("ascii", "replace").strip("\x00 \n\t")
+        except OSError:
+            continue
+        if text:
+            parts.append(f"{path}={text}")
+    return "\n".join(parts)
+
+
+def instance_id(state_dir: Path, *, identity: str | None = None) -> str:
+    """``<host>-<8 hex digits of the machine's identity and the state directory's path>``, safe in topics and
+    client ids."""
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-")[:32] or "host"
-    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:6]
+    machine = machine_identity() if identity is None else identity
+    digest = hashlib.sha256(f"{machine}\n{state_dir.resolve()}".encode()).hexdigest()[:8]
     return f"{host}-{digest}"
 
 
