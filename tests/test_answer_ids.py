@@ -20,7 +20,8 @@ import edgeline
 from edgeline.daemon.codecs import MAX_ID_CHARS, get_codec
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.messages import Message
-from edgeline.daemon.processor import Processor, readable_id
+from edgeline.daemon.processor import Processor
+from edgeline.daemon.salvage import readable_id
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
 

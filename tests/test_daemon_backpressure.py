@@ -365,7 +365,7 @@ def test_two_clients_with_one_client_id_back_off_and_say_so_once(
             connection.close(1)
     said = [r for r in caplog.records if "session taken over" in r.getMessage()]
     assert 1 <= len(said) <= 2 and all("clone-of-one-image" in r.getMessage() for r in said)
-    assert sum(c.takeovers for c in connections) >= 1
+    assert sum(c.backoff.takeovers for c in connections) >= 1
     attempts = sum(c.reconnects for c in connections)
     assert attempts <= 14, f"{attempts} reconnections in 20 s: no real back-off"  # unchecked: about 50 in 20 s
 

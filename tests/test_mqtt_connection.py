@@ -258,7 +258,7 @@ def test_every_input_arrives_once_whole_on_the_lean_path_and_on_pahos_own(
 
     subscribed = threading.Event()
 
-    def on_input(topic: str, payload: bytes, ack: Callable[[], None] | None) -> None:
+    def on_input(topic: str, payload: bytes, ack: Callable[[], None] | None, reply: object = None) -> None:
         if topic.endswith("/probe"):  # the subscription is in place (its SUBACK comes after the CONNACK)
             subscribed.set()
             return

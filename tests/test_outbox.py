@@ -109,3 +109,27 @@ def test_committed_answers_survive_the_process(tmp_path: Path) -> None:
     assert box.depth == 48
     assert [p.topic for p in box.take(2)] == ["results/d2", "results/d3"]
     box.close()
+
+
+def test_an_outbox_of_the_earlier_schema_is_opened_and_keeps_its_answers(tmp_path: Path) -> None:
+    """Before MQTT 5 replies, rows had no correlation column: such a file is upgraded in place, nothing lost."""
+    import sqlite3
+
+    path = tmp_path / "outbox.sqlite"
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE answers (seq INTEGER PRIMARY KEY AUTOINCREMENT, topic TEXT NOT NULL, payload BLOB NOT NULL, "
+        "created REAL NOT NULL, received REAL NOT NULL)"
+    )
+    db.execute(
+        "INSERT INTO answers (topic, payload, created, received) VALUES ('r/a', x'7b7d', ?, ?)", (time.time(),) * 2
+    )
+    db.commit()
+    db.close()
+    box = Outbox(path)
+    try:
+        assert [(p.topic, p.payload, p.correlation) for p in box.take(10)] == [("r/a", b"{}", None)]
+        box.add([("r/b", b"[]", time.time(), b"corr")])
+        assert [p.correlation for p in box.take(10)] == [None, b"corr"]
+    finally:
+        box.close()

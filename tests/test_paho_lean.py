@@ -293,7 +293,7 @@ def test_inputs_arrive_once_and_the_unacknowledged_ones_again_after_a_reconnect(
     lock = threading.Condition()
     subscribed = threading.Event()
 
-    def on_input(topic: str, payload: bytes, ack: Callable[[], None] | None) -> None:
+    def on_input(topic: str, payload: bytes, ack: Callable[[], None] | None, reply: object = None) -> None:
         if topic.endswith("/probe"):
             subscribed.set()
             return

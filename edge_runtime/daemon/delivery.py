@@ -54,8 +54,8 @@ HELD_WHILE_FULL = 100_000
 """While the disk is full: answers held in memory at most, for sources that cannot wait (the intake gate holds
 the others back); beyond it the oldest are dropped, counted as overflowed."""
 
-Row = tuple[str, bytes, float]
-"""An answer for the outbox: (topic, payload, received)."""
+Row = tuple[str, bytes, float, bytes | None]
+"""An answer for the outbox: (topic, payload, received, an MQTT 5 request's correlation data or None)."""
 Acks = list[Callable[[], None]]
 T = TypeVar("T")
 
@@ -110,13 +110,13 @@ class Delivery:
     def add(self, rows: list[Row], acks: Acks) -> None:
         """The answers of a batch of inputs; ``acks`` run on the network thread once the answers are stored."""
         self._given += len(rows)
-        self._given_bytes += sum(len(payload) for _, payload, _ in rows)
+        self._given_bytes += sum(len(row[1]) for row in rows)
         if self.durable:
             self._commits.put((rows, acks))  # blocks when COMMIT_BACKLOG batches wait: the disk holds us back
             return
         pending = self.outbox.add(rows)
         self._stored += len(rows)
-        self._stored_bytes += sum(len(payload) for _, payload, _ in rows)
+        self._stored_bytes += sum(len(row[1]) for row in rows)
         self._hand_over(pending, acks)
 
     # -- flow control ------------------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class Delivery:
             removing = []
             acks = [ack for _, batch_acks in held for ack in batch_acks]
             self._stored += len(rows)
-            self._stored_bytes += sum(len(payload) for _, payload, _ in rows)
+            self._stored_bytes += sum(len(row[1]) for row in rows)
             held.clear()
             self._hand_over(added, acks)
 
@@ -221,7 +221,7 @@ class Delivery:
             rows, _ = held.popleft()
             total -= len(rows)
             self._stored += len(rows)
-            self._stored_bytes += sum(len(payload) for _, payload, _ in rows)
+            self._stored_bytes += sum(len(row[1]) for row in rows)
             self.outbox.count_overflow(len(rows))
 
     def _take_acknowledged(self) -> list[int]:
@@ -294,7 +294,9 @@ class Delivery:
             return True
         done = self._done_callback(pending)
         expiry_at = pending.created + self.outbox.ttl_s
-        return self.sink.publish(pending.topic, pending.payload, expiry_at=expiry_at, done=done)
+        return self.sink.publish(
+            pending.topic, pending.payload, expiry_at=expiry_at, correlation=pending.correlation, done=done
+        )
 
     def _drop_expired(self, seq: int) -> None:
         try:

@@ -20,12 +20,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.lograte import Repeated
+from edgeline.daemon.messages import Answer, Message
+from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueFull
 
-__all__ = ["IntakeGate"]
+__all__ = ["Intake", "IntakeGate"]
 
 log = logging.getLogger("edgeline.daemon")
 
@@ -88,3 +91,106 @@ class IntakeGate:
 
     def paused_seconds(self) -> float:
         return self.paused_s + (0.0 if self._open else time.monotonic() - self._shut_at)
+
+
+class Intake:
+    """Inputs from the source into the queue, through the gate (see the module).
+
+    ``submit`` is what the source calls for every message, on its own thread or on the MQTT network thread. On
+    the network thread it never blocks: that thread also sends the answers and reads their PUBACKs. An input it
+    cannot queue now (the gate is shut, the queue is full) is held, unacknowledged, and ``release_held`` (the
+    network thread's tick) queues the held inputs in order once it can. With drop-oldest, a full queue gives up its
+    oldest input, answered "dropped" by the worker (``take_evicted``).
+    """
+
+    def __init__(
+        self,
+        queue: BoundedQueue[Message],
+        *,
+        refuse: Callable[[Message, str, str], list[Answer]],
+        metrics: Metrics,
+        stopping: threading.Event,
+        on_network_thread: Callable[[], bool] = lambda: False,
+        heard: Callable[[str], None] | None = None,
+    ):
+        self.queue = queue
+        self.refuse = refuse
+        self.metrics = metrics
+        self.stopping = stopping
+        self.on_network_thread = on_network_thread
+        self.heard = heard
+        self.gate: IntakeGate | None = None
+        """Set by the daemon once delivery exists, for a source that can wait (block policy) and a broker."""
+        self.held: deque[Message] = deque()
+        """Network thread: MQTT inputs held unacknowledged while the gate is shut or the queue is full."""
+        self.taken = 0
+        """Inputs queued (the submitting thread)."""
+        self.finished = 0
+        """Inputs answered (the worker, through ``answered``)."""
+        self._evicted: list[tuple[Message, list[Answer]]] = []
+        self._evicted_lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        """Inputs taken and not answered yet."""
+        return max(self.taken - self.finished, 0)
+
+    def answered(self, count: int) -> None:
+        self.finished += count
+
+    def submit(self, message: Message) -> None:
+        """Take one message from the source. Raises ``QueueClosed`` when stopping (a source on its own thread)."""
+        if self.heard is not None:
+            self.heard(message.topic)
+        gate = self.gate
+        if self.on_network_thread():
+            if self.stopping.is_set():
+                return  # not acknowledged: the broker sends it to the next run
+            if self.held or (gate is not None and not gate.open()) or not self._put_now(message):
+                self.held.append(message)
+            return
+        while not self.stopping.is_set():  # a source that can wait: wait for the gate, then for room
+            if gate is not None and not gate.open():
+                self.stopping.wait(0.05)
+                continue
+            try:
+                self._put(message, timeout=0.5)
+                return
+            except QueueFull:
+                continue
+        raise QueueClosed
+
+    def release_held(self) -> None:
+        """Network thread: the inputs held while the gate was shut (or the queue full), oldest first."""
+        held, gate = self.held, self.gate
+        while held and not self.stopping.is_set() and (gate is None or gate.open()):
+            if not self._put_now(held[0]):
+                return
+            held.popleft()
+        if self.stopping.is_set():
+            held.clear()  # never acknowledged: the broker sends them to the next run
+
+    def take_evicted(self) -> list[tuple[Message, list[Answer]]]:
+        """The inputs drop-oldest gave up, with their "dropped" answers, for the worker to deliver."""
+        with self._evicted_lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _put(self, message: Message, timeout: float | None) -> None:
+        evicted = self.queue.put(message, timeout=timeout)
+        self.taken += 1
+        if evicted is not None:
+            # answered now, delivered by the worker (this may be the MQTT client's network thread)
+            self.metrics.count("dropped")
+            answers = self.refuse(evicted, "dropped", f"queue full ({self.queue.capacity}): dropped unprocessed")
+            with self._evicted_lock:
+                self._evicted.append((evicted, answers))
+
+    def _put_now(self, message: Message) -> bool:
+        if self.queue.policy is DropPolicy.BLOCK and len(self.queue) >= self.queue.capacity:
+            return False
+        try:
+            self._put(message, timeout=0)
+        except QueueFull:
+            return False
+        return True

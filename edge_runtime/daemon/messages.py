@@ -11,7 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Answer", "Message"]
+__all__ = ["Answer", "Message", "Reply"]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An input's MQTT 5 Response Topic and Correlation Data: its answer goes there too, carrying the data back."""
+
+    topic: str
+    correlation: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,8 @@ class Message:
     """Monotonic time of arrival: the start of the ``queued`` latency stage."""
     size: int | None = None
     """The payload's real size when a source had to cut it short (over the limit); None: ``len(payload)``."""
+    reply: Reply | None = None
+    """MQTT 5 request/response: where the sender wants its answer (besides the publish template), and with what."""
     ack: Callable[[], None] | None = None
     """Called once the message's answers are safe (committed to the outbox, or handed to every sink): the MQTT
     source sends its PUBACK then, so the broker keeps the message until its answer cannot be lost."""

@@ -26,7 +26,6 @@ import functools
 import logging
 import math
 import os
-import random
 import select
 import socket
 import ssl
@@ -34,16 +33,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edgeline.daemon.config import BrokerAddress, BrokerConfig
-from edgeline.daemon.messages import Message
+from edgeline.daemon.messages import Message, Reply
 from edgeline.daemon.paho_lean import lean_client_or_stock
+from edgeline.daemon.reconnect import SHORT_LIVED_S, Backoff, Lost
 from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
 
-__all__ = ["BrokerRefused", "MqttConnection", "MqttSink", "MqttSource", "PublishDone"]
+__all__ = ["AnswerFormat", "BrokerRefused", "MqttConnection", "MqttSink", "MqttSource", "PublishDone"]
 
 log = logging.getLogger("edgeline.mqtt")
 
@@ -51,16 +52,20 @@ PASSWORD_ENV = "EDGELINE_MQTT_PASSWORD"
 SESSION_TAKEN_OVER = 142
 """MQTT 5 DISCONNECT reason: another client connected with the same client id."""
 LOOP_TICK_S = 0.2
-SHORT_LIVED_S = 5.0
-"""A connection the broker ends within this long after accepting it is short-lived."""
-TAKEOVER_AFTER = 3
-"""Short-lived connections in a row that say another client uses our client id (when no reason code says so)."""
-TAKEOVER_BACKOFF_S = 60.0
+
 DEVICE_CACHE = 10_000
 
 PublishDone = Callable[[bool, str | None], None]
 """Called once per publish: (accepted by the broker, the reason when not)."""
-OnMessage = Callable[[str, bytes, "Callable[[], None] | None"], None]
+OnMessage = Callable[[str, bytes, "Callable[[], None] | None", "Reply | None"], None]
+
+
+@dataclass(frozen=True)
+class AnswerFormat:
+    """What an answer's payload is, said in MQTT 5's Content Type and Payload Format Indicator."""
+
+    content_type: str
+    utf8: bool
 
 
 @functools.cache
@@ -73,8 +78,13 @@ def _expiring_properties() -> type:
     from paho.mqtt.properties import Properties
 
     class ExpiringProperties(Properties):
-        def __init__(self, expires_at: float):
+        def __init__(self, expires_at: float, form: AnswerFormat | None = None, correlation: bytes | None = None):
             super().__init__(PacketTypes.PUBLISH)
+            if form is not None:
+                self.ContentType = form.content_type
+                self.PayloadFormatIndicator = int(form.utf8)
+            if correlation is not None:
+                self.CorrelationData = correlation
             object.__setattr__(self, "expires_at", expires_at)  # Properties' own __setattr__ takes property names
             object.__setattr__(self, "_packed", (0, b""))
 
@@ -88,6 +98,16 @@ def _expiring_properties() -> type:
             return bytes(packed)
 
     return ExpiringProperties
+
+
+def _reply(message: Any) -> Reply | None:
+    """An MQTT 5 input's Response Topic and Correlation Data, when it has a valid response topic."""
+    properties = getattr(message, "properties", None)
+    topic = getattr(properties, "ResponseTopic", None)
+    if not isinstance(topic, str) or not topic or "+" in topic or "#" in topic or "\0" in topic:
+        return None
+    correlation = getattr(properties, "CorrelationData", None)
+    return Reply(topic, bytes(correlation) if correlation is not None else None)
 
 
 class BrokerRefused(EdgelineError):
@@ -247,15 +267,10 @@ class MqttConnection:
         self.window = config.max_inflight
         """Answers in flight at most: ``[broker] max_inflight``, or less when the broker's Receive Maximum (MQTT 5
         CONNACK) says so."""
-        self._expiry: tuple[int, Any] = (0, None)  # the last expiry second's Properties, shared by its answers
+        self._expiry: tuple[Any, Any] = (None, None)  # the last expiry second's Properties, shared by its answers
         self._expires: dict[int, float] = {}
         """Wall-clock time past which a QoS 1 publish in flight must not be sent again, by packet id."""
-        self._connected_at = 0.0
-        self._short_lived = 0
-        """Connections in a row that the broker ended soon after accepting them."""
-        self.takeovers = 0
-        """Connections ended by the broker that look like another client with our client id (see ``_on_disconnect``)."""
-        self._takeover_said = False
+        self.backoff = Backoff(config.reconnect_max_s)
 
     # -- configuration, before start -----------------------------------------------------------------------
     def subscribe(self, filters: Sequence[TopicFilter], qos: int, on_input: OnMessage) -> None:
@@ -321,7 +336,7 @@ class MqttConnection:
     def _network(self) -> None:
         """Our loop instead of paho's: its back-off has no jitter and its log says nothing per attempt."""
         self._thread_id = threading.get_ident()
-        attempt = 0
+        backoff = self.backoff
         while not self._closing.is_set():
             try:
                 self._client.reconnect()
@@ -330,9 +345,10 @@ class MqttConnection:
                 if not self._outcome.is_set():
                     self._fail(self._last_error)
                     return
-                attempt += 1
-                delay = self._backoff(attempt)
-                log.debug("broker %s: %s; attempt %d, next in %.1f s", self.address, self._last_error, attempt, delay)
+                delay = backoff.next_delay(accepted=False)
+                log.debug(
+                    "broker %s: %s; attempt %d, next in %.1f s", self.address, self._last_error, backoff.attempt, delay
+                )
                 self._wait(delay)
                 continue
             generation = self.generation
@@ -342,12 +358,9 @@ class MqttConnection:
             if not self._outcome.is_set():  # lost before the CONNACK: TLS alerts, a refused client certificate
                 self._fail(self._lost_before_connack())
                 return
-            # a connection that was accepted starts the back-off afresh; one that never got a CONNACK, or that the
-            # broker keeps ending soon after accepting it (a session taken over), goes on with it
-            attempt = 1 if self.generation != generation and not self._short_lived else attempt + 1
             self.connected.clear()
-            delay = self._backoff(attempt)
-            log.debug("broker %s: reconnecting in %.1f s (attempt %d)", self.address, delay, attempt)
+            delay = backoff.next_delay(accepted=self.generation != generation)
+            log.debug("broker %s: reconnecting in %.1f s (attempt %d)", self.address, delay, backoff.attempt)
             self._wait(delay)
 
     def _serve(self) -> None:
@@ -457,13 +470,6 @@ class MqttConnection:
             return f"TLS: {text}; does it require a client certificate? (set tls_cert_file and tls_key_file)"
         return f"TLS: {text}; did it refuse our client certificate? (is tls_cert_file signed by a CA it trusts?)"
 
-    def _backoff(self, attempt: int) -> float:
-        """Full jitter (AWS architecture blog): uniform in [cap/2, cap] of the exponential step, capped (at a minute
-        at least while our session is being taken over, so that two clones do not take turns for ever)."""
-        cap = max(self.config.reconnect_max_s, TAKEOVER_BACKOFF_S) if self._short_lived else self.config.reconnect_max_s
-        step = min(cap, 0.5 * 2 ** max(attempt - 1, 0))
-        return random.uniform(step / 2, step)
-
     def _fail(self, reason: str) -> None:
         self._failure = reason
         self._outcome.set()
@@ -479,7 +485,7 @@ class MqttConnection:
                     log.error("broker %s: %s", self.address, text)
                 return
             self.generation += 1
-            self._connected_at = time.monotonic()
+            self.backoff.connected(time.monotonic())
             self._progress_at = time.monotonic()  # what is resent now has the whole stall delay for its PUBACK
             self._drop_expired_resends(client)
             receive_maximum = getattr(properties, "ReceiveMaximum", None)
@@ -505,27 +511,18 @@ class MqttConnection:
             self.disconnects += 1
             self._lost_at = time.monotonic()
             taken_over = self.v5 and getattr(reason, "value", None) == SESSION_TAKEN_OVER
-            if self._lost_at - self._connected_at < SHORT_LIVED_S:
-                self._short_lived += 1
-            else:
-                self._short_lived = 0
-                self._takeover_said = False
-            if taken_over or self._short_lived >= TAKEOVER_AFTER:
-                # Mosquitto 2.0.11 closes the old connection without reason 142: recognise the pattern instead
-                self.takeovers += 1
-                self._short_lived = max(self._short_lived, 1)  # back off for real from now on
-                if not self._takeover_said:
-                    self._takeover_said = True
-                    log.error(
-                        "broker %s: session taken over: %s with our client id %r (a cloned device? two daemons "
-                        "with the same instance? set [daemon] instance or [broker] client_id); backing off up to "
-                        "%g s between attempts; said once, counted as session_takeovers",
-                        self.address,
-                        "another client connected" if taken_over
-                        else f"the broker ended our last {self._short_lived} connections within {SHORT_LIVED_S:g} s",
-                        self.client_id, max(self.config.reconnect_max_s, TAKEOVER_BACKOFF_S),
-                    )  # fmt: skip
-            elif not self._takeover_said:
+            lost = self.backoff.lost(self._lost_at, taken_over=taken_over)
+            if lost is Lost.TAKEOVER:
+                log.error(
+                    "broker %s: session taken over: %s with our client id %r (a cloned device? two daemons "
+                    "with the same instance? set [daemon] instance or [broker] client_id); backing off up to "
+                    "%g s between attempts; said once, counted as session_takeovers",
+                    self.address,
+                    "another client connected" if taken_over
+                    else f"the broker ended our last {self.backoff.short_lived} connections within {SHORT_LIVED_S:g} s",
+                    self.client_id, self.backoff.cap_s,
+                )  # fmt: skip
+            elif lost is Lost.LINK:
                 log.warning("lost the broker %s (%s); reconnecting", self.address, self._last_error or reason)
         except Exception:
             log.exception("on_disconnect failed")
@@ -543,10 +540,11 @@ class MqttConnection:
             if message.qos > 0:
                 client.ack(message.mid, message.qos)  # on the network thread: a poison message is not kept for ever
             return
-        self._input(topic, bytes(message.payload), message.mid, message.qos)
+        self._input(topic, bytes(message.payload), message.mid, message.qos, _reply(message))
 
-    def _input(self, topic: str, payload: bytes, mid: int, qos: int) -> None:
-        """One input, from either path of the client (the lean one or paho's ``on_message``)."""
+    def _input(self, topic: str, payload: bytes, mid: int, qos: int, reply: Reply | None = None) -> None:
+        """One input, from either path of the client (the lean one, for packets without properties, or paho's
+        ``on_message``)."""
         handler = self._on_input
         if handler is None:
             return
@@ -555,7 +553,7 @@ class MqttConnection:
             if qos > 0:
                 generation = self.generation
                 ack = lambda: self._ack(generation, mid, qos)  # noqa: E731
-            handler(topic, payload, ack)
+            handler(topic, payload, ack, reply)
         except Exception:
             log.exception("handling a message from %s failed", topic)
 
@@ -609,9 +607,12 @@ class MqttConnection:
         qos: int,
         retain: bool = False,
         expiry_at: float | None = None,
+        form: AnswerFormat | None = None,
+        correlation: bytes | None = None,
         done: PublishDone | None = None,
     ) -> bool:
         """Hand one message to the client; False when it could not take it (its queue is full: try later).
+        ``form`` and ``correlation`` (MQTT 5) say what the payload is and carry a request's Correlation Data back.
         ``expiry_at`` (wall clock): past it, the message is not sent again after a reconnection, and MQTT 5's
         Message Expiry Interval says what is left of it each time it is sent.
         ``done`` fires when the broker acknowledges (QoS 1), or at once (QoS 0: nothing to wait for; a QoS 0
@@ -620,19 +621,24 @@ class MqttConnection:
         From another thread than the network thread, the publish is posted there (``call_soon``) and this returns
         True: fine for status and availability messages; a stream of answers is posted in batches instead."""
         if not self.on_network_thread:
-            self.call_soon(
-                lambda: (
-                    None
-                    if self.publish(topic, payload, qos=qos, retain=retain, expiry_at=expiry_at, done=done)
-                    else self._finish(done, False, "the MQTT client's queue is full")
-                )
-            )
+
+            def later() -> None:
+                taken = self.publish(
+                    topic, payload, qos=qos, retain=retain, expiry_at=expiry_at, form=form, correlation=correlation,
+                    done=done,
+                )  # fmt: skip
+                if not taken:
+                    self._finish(done, False, "the MQTT client's queue is full")
+
+            self.call_soon(later)
             return True
         properties = None
-        if self.v5 and expiry_at is not None:
-            second = int(expiry_at)
-            if self._expiry[0] != second:  # answers made in the same second share one (it packs itself once)
-                self._expiry = (second, self._Expiring(float(second)))
+        if self.v5 and correlation is not None:  # its own: the correlation data is the request's
+            properties = self._Expiring(float(int(expiry_at)) if expiry_at is not None else 2e9, form, correlation)
+        elif self.v5 and expiry_at is not None:
+            key = (int(expiry_at), form)
+            if self._expiry[0] != key:  # answers made in the same second share one (it packs itself once)
+                self._expiry = (key, self._Expiring(float(key[0]), form))
             properties = self._expiry[1]
         try:
             if qos == 1 and not retain:
@@ -700,7 +706,7 @@ class MqttSource:
         self._bound.set()
         stopping.wait()
 
-    def _on_input(self, topic: str, payload: bytes, ack: Callable[[], None] | None) -> None:
+    def _on_input(self, topic: str, payload: bytes, ack: Callable[[], None] | None, reply: Reply | None = None) -> None:
         if not self._bound.is_set():  # a plain read on every later message: wait() takes a lock
             while not self._bound.wait(0.5):
                 if self.connection.closing:
@@ -713,21 +719,30 @@ class MqttSource:
             if len(self._devices) >= DEVICE_CACHE:  # a flood of topics must not grow memory without bound
                 self._devices.clear()
             self._devices[topic] = device
-        self._submit(Message(topic=topic, payload=payload, device=device, ack=ack))
+        self._submit(Message(topic=topic, payload=payload, device=device, ack=ack, reply=reply))
 
 
 class MqttSink:
     """Answers to the broker. With an outbox, ``done`` removes the answer from it on PUBACK."""
 
-    def __init__(self, connection: MqttConnection, qos: int):
+    def __init__(self, connection: MqttConnection, qos: int, form: AnswerFormat | None = None):
         self.connection = connection
         self.qos = qos
+        self.form = form
 
     @property
     def ready(self) -> bool:
         return self.connection.connected.is_set()
 
     def publish(
-        self, topic: str, payload: bytes, *, expiry_at: float | None = None, done: PublishDone | None = None
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        expiry_at: float | None = None,
+        correlation: bytes | None = None,
+        done: PublishDone | None = None,
     ) -> bool:
-        return self.connection.publish(topic, payload, qos=self.qos, expiry_at=expiry_at, done=done)
+        return self.connection.publish(
+            topic, payload, qos=self.qos, expiry_at=expiry_at, form=self.form, correlation=correlation, done=done
+        )

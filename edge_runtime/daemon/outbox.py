@@ -59,9 +59,12 @@ CREATE TABLE IF NOT EXISTS answers (
     topic TEXT NOT NULL,
     payload BLOB NOT NULL,
     created REAL NOT NULL,
-    received REAL NOT NULL
+    received REAL NOT NULL,
+    correlation BLOB
 )
 """
+ANSWER_ROW = tuple[str, bytes, float] | tuple[str, bytes, float, bytes | None]
+"""What ``add`` takes: ``(topic, payload, received)``, or with an MQTT 5 request's correlation data."""
 
 
 DELETE_CHUNK = 500
@@ -135,6 +138,12 @@ class Pending:
     """Wall-clock time it was committed (its time to live counts from here)."""
     received: float
     """Wall-clock time its input arrived (for the whole-path latency)."""
+    correlation: bytes | None = None
+    """An answer to an MQTT 5 request, on its response topic: the request's Correlation Data."""
+
+
+def _rows(answers: Sequence[ANSWER_ROW], now: float) -> list[tuple[str, bytes, float, float, bytes | None]]:
+    return [(a[0], a[1], now, a[2], a[3] if len(a) > 3 else None) for a in answers]
 
 
 @dataclass(frozen=True)
@@ -203,6 +212,8 @@ class Outbox:
             db.execute(f"PRAGMA journal_size_limit={self.wal_limit}")
             if db.execute("SELECT name FROM sqlite_master WHERE name = 'answers'").fetchone() is None:
                 db.execute(SCHEMA)
+            elif "correlation" not in {row[1] for row in db.execute("PRAGMA table_info(answers)")}:
+                db.execute("ALTER TABLE answers ADD COLUMN correlation BLOB")  # an outbox of an earlier version
             ok = db.execute("PRAGMA quick_check(1)").fetchone()
             if ok is None or ok[0] != "ok":
                 raise sqlite3.DatabaseError(f"quick_check: {ok[0] if ok else 'no answer'}")
@@ -214,7 +225,7 @@ class Outbox:
 
     # -- worker ----------------------------------------------------------------------------------------------
     def add(
-        self, answers: Sequence[tuple[str, bytes, float]], *, remove: Sequence[int] = (), delivered_upto: int = 0
+        self, answers: Sequence[ANSWER_ROW], *, remove: Sequence[int] = (), delivered_upto: int = 0
     ) -> list[Pending]:
         """Commit ``(topic, payload, received)`` answers, and forget the acknowledged ``remove``, in one
         transaction; return once they are on disk, with what was committed (oldest first; without those the
@@ -224,14 +235,14 @@ class Outbox:
             self.remove(remove)
             return []
         now = time.time()
-        rows = [(topic, payload, now, received) for topic, payload, received in answers]
-        size = sum(_row_size(topic, payload) for topic, payload, _ in answers)
+        rows = _rows(answers, now)
+        size = sum(_row_size(row[0], row[1]) for row in rows)
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 gone = self._delete_seqs(remove)
                 self._db.executemany(
-                    "INSERT INTO answers (topic, payload, created, received) VALUES (?, ?, ?, ?)", rows
+                    "INSERT INTO answers (topic, payload, created, received, correlation) VALUES (?, ?, ?, ?, ?)", rows
                 )
                 (last,) = self._db.execute("SELECT last_insert_rowid()").fetchone()
                 self._depth += len(rows)
@@ -248,8 +259,8 @@ class Outbox:
             self._overflowed += lost
         first = int(last) - len(rows) + 1  # one writer, inside one transaction: consecutive seqs
         return [
-            Pending(first + i, topic, payload, now, received)
-            for i, (topic, payload, _, received) in enumerate(rows)
+            Pending(first + i, topic, payload, now, received, correlation)
+            for i, (topic, payload, _, received, correlation) in enumerate(rows)
             if first + i > self._floor
         ]
 
@@ -287,13 +298,13 @@ class Outbox:
         live (``expire`` drops and counts them)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT seq, topic, payload, created, received FROM answers WHERE seq > ? AND created >= ? "
-                "ORDER BY seq LIMIT ?",
+                "SELECT seq, topic, payload, created, received, correlation FROM answers "
+                "WHERE seq > ? AND created >= ? ORDER BY seq LIMIT ?",
                 (after, time.time() - self.ttl_s, limit),
             ).fetchall()
         return [
-            Pending(int(seq), topic, bytes(payload), created, received)
-            for seq, topic, payload, created, received in rows
+            Pending(int(seq), topic, bytes(payload), created, received, None if corr is None else bytes(corr))
+            for seq, topic, payload, created, received, corr in rows
         ]
 
     # -- the committer -----------------------------------------------------------------------------------------
@@ -446,15 +457,15 @@ class MemoryOutbox:
         self.expiry_log = _expiry_log()
 
     def add(
-        self, answers: Sequence[tuple[str, bytes, float]], *, remove: Sequence[int] = (), delivered_upto: int = 0
+        self, answers: Sequence[ANSWER_ROW], *, remove: Sequence[int] = (), delivered_upto: int = 0
     ) -> list[Pending]:
         self.remove(remove)
         now = time.time()
         added: list[Pending] = []
         with self._lock:
-            for topic, payload, received in answers:
+            for topic, payload, _, received, correlation in _rows(answers, now):
                 self._seq += 1
-                pending = Pending(self._seq, topic, payload, now, received)
+                pending = Pending(self._seq, topic, payload, now, received, correlation)
                 self._rows[self._seq] = pending
                 added.append(pending)
                 self._bytes += _row_size(topic, payload)

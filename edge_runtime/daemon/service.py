@@ -26,7 +26,6 @@ import logging
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,13 +35,13 @@ from edgeline.daemon.config import DaemonConfig
 from edgeline.daemon.delivery import Delivery
 from edgeline.daemon.guards import check_topics, check_window
 from edgeline.daemon.health import Metrics, MetricsServer, SystemdNotifier
-from edgeline.daemon.intake import IntakeGate
+from edgeline.daemon.intake import Intake, IntakeGate
 from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Answer, Message
-from edgeline.daemon.mqtt import MqttConnection, MqttSink, MqttSource
+from edgeline.daemon.mqtt import AnswerFormat, MqttConnection, MqttSink, MqttSource
 from edgeline.daemon.outbox import MemoryOutbox, Outbox
 from edgeline.daemon.processor import Processor
-from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull
+from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty
 from edgeline.daemon.silence import SilenceWatch
 from edgeline.daemon.sources import Source, make_source
 from edgeline.daemon.state import StateLock, default_state_dir, instance_id
@@ -56,6 +55,12 @@ __all__ = ["EXIT_FAILED", "Daemon"]
 log = logging.getLogger("edgeline.daemon")
 EXIT_FAILED = 1
 """A daemon that could not go on (a thread died, a live source ended): systemd's Restart=on-failure restarts it."""
+ANSWER_FORMATS = {
+    "json": AnswerFormat("application/json", utf8=True),
+    "cbor": AnswerFormat("application/cbor", utf8=False),
+    "msgpack": AnswerFormat("application/vnd.msgpack", utf8=False),
+}
+"""What answers are, by the codec they are written in (MQTT 5 Content Type and Payload Format Indicator)."""
 
 
 class Daemon:
@@ -123,7 +128,8 @@ class Daemon:
                 will=(self.availability_topic, b"offline"),
                 waiting=lambda: self.delivery.outbox.depth if self.delivery is not None else 0,
             )
-            self.sink = MqttSink(self.connection, config.output.qos)
+            answers_in = "json" if codec.name == "raw" else codec.name
+            self.sink = MqttSink(self.connection, config.output.qos, ANSWER_FORMATS[answers_in])
         if source is not None:
             self.source: Source = source
         elif config.source.kind == "mqtt":
@@ -140,17 +146,18 @@ class Daemon:
         self.silence = SilenceWatch(self.filters, silence_s) if watched else None
         self._metrics_server: MetricsServer | None = None
         self.delivery: Delivery | None = None
-        self.gate: IntakeGate | None = None
-        """Flow control for a source that can wait (block policy) publishing to the broker; None otherwise."""
-        self._held: deque[Message] = deque()
-        """Network thread: MQTT inputs held unacknowledged while the gate is shut or the queue is full."""
-        self._taken = 0  # inputs queued (the submitting thread)
-        self._finished = 0  # inputs answered (the worker)
+        connection = self.connection
+        self.intake = Intake(
+            self.queue,
+            refuse=self.processor.refuse,
+            metrics=self.metrics,
+            stopping=self.stopping,
+            on_network_thread=(lambda: connection.on_network_thread) if connection is not None else lambda: False,
+            heard=self.silence.heard if self.silence is not None else None,
+        )
         self._answer_size = 256  # bytes of a recent answer: the gate's estimate for inputs not answered yet
         self._announced = 0
         """Network thread: the connection (``MqttConnection.generation``) "online" was last published on."""
-        self._evicted: list[tuple[Message, list[Answer]]] = []
-        self._evicted_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._source_failed = False
         self.reload_requested = False
@@ -161,6 +168,11 @@ class Daemon:
         )  # fmt: skip
         self.metrics.gauges(self._gauges)
         self.metrics.counters(self._counters)
+
+    @property
+    def gate(self) -> IntakeGate | None:
+        """Flow control for a source that can wait (block policy) publishing to the broker; None otherwise."""
+        return self.intake.gate
 
     @property
     def outbox(self) -> Outbox | MemoryOutbox | None:
@@ -223,7 +235,13 @@ class Daemon:
     def _deliver(self, pairs: Sequence[tuple[Message, list[Answer]]]) -> None:
         """Hand the answers of these inputs to the sinks; then, and only then, acknowledge the inputs."""
         now = time.time()
-        to_broker = [(a.topic, a.payload, m.received) for m, answers in pairs for a in answers if a.topic is not None]
+        to_broker: list[tuple[str, bytes, float, bytes | None]] = []
+        for m, answers in pairs:
+            for a in answers:
+                if a.topic is not None:
+                    to_broker.append((a.topic, a.payload, m.received, None))
+                if m.reply is not None:  # an MQTT 5 request: answered on its response topic too
+                    to_broker.append((m.reply.topic, a.payload, m.received, m.reply.correlation))
         acks = [m.ack for m, _ in pairs if m.ack is not None]
         if self.delivery is not None and to_broker:
             self.delivery.add(to_broker, acks)  # the inputs are acknowledged once their answers are stored
@@ -237,7 +255,9 @@ class Daemon:
             if self.echo is not None and self.delivery is None:
                 self.metrics.observe("publish", max(0.0, time.time() - now))
                 self.metrics.observe("total", max(0.0, time.time() - message.received))
-        self._finished += len(pairs)
+        self.intake.answered(len(pairs))
+        if to_broker:
+            self._answer_size = len(to_broker[-1][1])
         if acks and self.connection is not None:
             self.connection.call_soon(lambda: _call_each(acks))
         else:
@@ -253,76 +273,21 @@ class Daemon:
             # on every connection, not only the first: after a lost link the broker has published our will
             self._announced = connection.generation
             connection.publish(self.availability_topic, b"online", qos=1, retain=True)
-        if self._held:
-            self._release_held()
+        if self.intake.held:
+            self.intake.release_held()
         self.delivery.tick()
-
-    def _release_held(self) -> None:
-        """Network thread: inputs held while the gate was shut (or the queue full), oldest first."""
-        held, gate = self._held, self.gate
-        while held and not self.stopping.is_set() and (gate is None or gate.open()):
-            if not self._put_now(held[0]):
-                return
-            held.popleft()
-        if self.stopping.is_set():
-            held.clear()  # never acknowledged: the broker sends them to the next run
 
     def _level(self) -> tuple[int, int]:
         """The intake gate's level: inputs taken and not answered yet, and the answers the broker does not have."""
         assert self.delivery is not None
         answers, size = self.delivery.level()
-        inputs = max(self._taken - self._finished, 0)
+        inputs = self.intake.pending
         return answers + inputs, size + inputs * self._answer_size
 
     # -- source thread -----------------------------------------------------------------------------------------
-    def _submit(self, message: Message, timeout: float | None = None) -> None:
-        """Queue one message; with drop-oldest, answer the message it evicts. Raises QueueClosed when stopping."""
-        evicted = self.queue.put(message, timeout=timeout)
-        self._taken += 1
-        if evicted is not None:
-            # answered now, delivered by the worker (this may be the MQTT client's network thread)
-            self.metrics.count("dropped")
-            reason = f"queue full ({self.config.queue.capacity}): dropped unprocessed"
-            answers = self.processor.refuse(evicted, "dropped", reason)
-            with self._evicted_lock:
-                self._evicted.append((evicted, answers))
-
-    def _put_now(self, message: Message) -> bool:
-        if self.queue.policy is DropPolicy.BLOCK and len(self.queue) >= self.queue.capacity:
-            return False
-        try:
-            self._submit(message, timeout=0)
-        except QueueFull:
-            return False
-        return True
-
     def _read_source(self) -> None:
-        gate, connection = self.gate, self.connection
-
-        def submit(message: Message) -> None:
-            if self.silence is not None:
-                self.silence.heard(message.topic)
-            if connection is not None and connection.on_network_thread:
-                # MQTT: never block the thread that also sends the answers and reads their PUBACKs; hold the input
-                # unacknowledged (at most the broker's window for us) until the gate opens and the queue has room
-                if self.stopping.is_set():
-                    return  # not acknowledged: the broker sends it to the next run
-                if self._held or (gate is not None and not gate.open()) or not self._put_now(message):
-                    self._held.append(message)
-                return
-            while not self.stopping.is_set():  # a source that can wait: wait for the gate, then for room
-                if gate is not None and not gate.open():
-                    self.stopping.wait(0.05)
-                    continue
-                try:
-                    self._submit(message, timeout=0.5)
-                    return
-                except QueueFull:
-                    continue
-            raise QueueClosed
-
         try:
-            self.source.run(submit, self.stopping)
+            self.source.run(self.intake.submit, self.stopping)
         except QueueClosed:
             pass
         except EdgelineError as exc:
@@ -363,8 +328,7 @@ class Daemon:
             progress.done()
 
     def _answer_evicted(self) -> None:
-        with self._evicted_lock:
-            evicted, self._evicted = self._evicted, []
+        evicted = self.intake.take_evicted()
         if evicted:
             self._deliver(evicted)
 
@@ -384,7 +348,7 @@ class Daemon:
             gauges["in_flight"] = self.connection.in_flight
         if self.gate is not None:
             gauges["intake_paused"] = self.gate.is_shut
-            gauges["intake_held"] = len(self._held)
+            gauges["intake_held"] = len(self.intake.held)
         if self.delivery is not None:
             box = self.delivery.outbox.stats()
             gauges.update(
@@ -401,7 +365,7 @@ class Daemon:
             counters.update(
                 reconnects=self.connection.reconnects,
                 publish_stalls=self.connection.stalls,
-                session_takeovers=self.connection.takeovers,
+                session_takeovers=self.connection.backoff.takeovers,
             )
         if self.delivery is not None:
             box = self.delivery.outbox.stats()
@@ -475,7 +439,7 @@ class Daemon:
             )
             if self.queue.policy is DropPolicy.BLOCK:  # a source that can wait: read no faster than answers leave
                 delivery = self.delivery
-                self.gate = IntakeGate(
+                self.intake.gate = IntakeGate(
                     self._level,
                     max_answers=box.max_answers,
                     max_bytes=box.max_bytes,
