@@ -444,4 +444,4 @@ def test_a_runtime_failure_in_a_replay_is_one_coded_answer_without_a_traceback(l
     answers = answers_of(done.stdout)
     assert [(a["id"], "error" in a) for a in answers] == [("a", False), ("b", True), ("c", False)]
     assert answers[1]["error"]["code"] == "inference-failed"  # type: ignore[index]
-    assert b"inference failed on a message from replay" in done.stderr and b"Traceback" not in done.stderr
+    assert b"inference failed: on a message from replay" in done.stderr and b"Traceback" not in done.stderr

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import logging
 import queue
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -73,6 +74,7 @@ class Delivery:
         max_queued: int,
         commit_interval_s: float,
         stopping: threading.Event,
+        fail: Callable[[str], None] = lambda reason: None,
     ):
         self.outbox = outbox
         self.connection = connection
@@ -81,6 +83,9 @@ class Delivery:
         self.max_queued = max_queued
         self.commit_interval_s = commit_interval_s
         self.stopping = stopping
+        self.fail = fail
+        """Ends the process (the supervisor's): an outbox that cannot be read any more."""
+        self.refused_log = Repeated(log, "answers the broker refused (not retried)")
         self.durable = isinstance(outbox, Outbox)
         self._commits: queue.Queue[tuple[list[Row], Acks] | None] = queue.Queue(COMMIT_BACKLOG)
         self._committer: threading.Thread | None = None
@@ -264,7 +269,12 @@ class Delivery:
         limit = self.max_queued
         room = limit - len(self._ready)
         if self._spilled and room >= max(1, min(REFILL, limit // 2)):
-            waiting = self.outbox.take(min(room, REFILL), after=self._handed)
+            try:
+                waiting = self.outbox.take(min(room, REFILL), after=self._handed)
+            except (sqlite3.Error, OSError) as exc:  # deaf for ever otherwise: let systemd start a fresh one
+                self._spilled = False
+                self.fail(f"outbox {self.outbox.path} cannot be read: {exc}")
+                return
             if waiting:
                 self._ready.extend(waiting)
                 self._handed = waiting[-1].seq
@@ -318,7 +328,7 @@ class Delivery:
                 self.outbox.count_expired(1)  # its time to live ran out while it waited for a resend
             else:
                 self.metrics.count("publish_refused")
-                log.warning("the broker refused an answer (%s); it is not retried", reason)
+                self.refused_log.happened(1, f"{reason}")
             if self.durable:
                 self._acknowledged.append(seq)
             else:
@@ -357,6 +367,9 @@ class Delivery:
             self.outbox.remove(taken)
         except DiskFull:
             self._acknowledged.extendleft(reversed(taken))  # sent again at the next start: a duplicate, no loss
+        except (sqlite3.Error, OSError) as exc:
+            log.error("outbox %s: could not remove %d delivered answers (%s): they are sent again at the next "
+                      "start", self.outbox.path, len(taken), exc)  # fmt: skip
 
     def close(self) -> None:
         depth = self.outbox.depth

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeline.daemon.config import BrokerAddress, BrokerConfig
+from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Message, Reply
 from edgeline.daemon.paho_lean import lean_client_or_stock
 from edgeline.daemon.reconnect import SHORT_LIVED_S, Backoff, Lost
@@ -271,6 +272,7 @@ class MqttConnection:
         self._expires: dict[int, float] = {}
         """Wall-clock time past which a QoS 1 publish in flight must not be sent again, by packet id."""
         self.backoff = Backoff(config.reconnect_max_s)
+        self.bad_topic_log = Repeated(log, "messages on a topic that is not UTF-8", level=logging.ERROR)
 
     # -- configuration, before start -----------------------------------------------------------------------
     def subscribe(self, filters: Sequence[TopicFilter], qos: int, on_input: OnMessage) -> None:
@@ -536,7 +538,7 @@ class MqttConnection:
         try:
             topic = message.topic
         except UnicodeDecodeError:
-            log.error("a message on a topic that is not UTF-8 (%r): acknowledged and ignored", message._topic[:200])
+            self.bad_topic_log.happened(1, f"acknowledged and ignored, e.g. {message._topic[:200]!r}")
             if message.qos > 0:
                 client.ack(message.mid, message.qos)  # on the network thread: a poison message is not kept for ever
             return

@@ -28,6 +28,7 @@ import numpy as np
 from edgeline.arrays import all_finite
 from edgeline.daemon.codecs import Codec, Decoded
 from edgeline.daemon.health import Metrics
+from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.salvage import readable_id
 from edgeline.daemon.topics import render_topic, topic_problem
@@ -77,6 +78,8 @@ class Processor:
         # Results cannot be published raw; a raw input stream is answered in another codec (json by default).
         self.result_codec = result_codec or codec
         self.metrics = metrics
+        self.failures_log = Repeated(log, "inference failed")
+        """Said when it starts, then summed (a model that fails on every input must not fill the journal)."""
         self.publish = publish
         self.error_topic = error_topic
         self.max_payload_bytes = max_payload_bytes
@@ -142,7 +145,7 @@ class Processor:
         if isinstance(exc, PayloadError):
             return self._error(message, sequence, identity, exc.code, str(exc))
         text = f"{type(exc).__name__}: {exc}"
-        log.warning("inference failed on a message from %s: %s", message.device, text)
+        self.failures_log.happened(1, f"on a message from {message.device}: {text}")
         return self._error(message, sequence, identity, "inference-failed", text)
 
     def _infer_one(self, item: _Decoded) -> list[Answer]:

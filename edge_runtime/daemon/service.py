@@ -155,6 +155,7 @@ class Daemon:
             on_network_thread=(lambda: connection.on_network_thread) if connection is not None else lambda: False,
             heard=self.silence.heard if self.silence is not None else None,
         )
+        self.unpublishable_log = Repeated(log, "answers without a topic (their device cannot form one), not sent")
         self._answer_size = 256  # bytes of a recent answer: the gate's estimate for inputs not answered yet
         self._announced = 0
         """Network thread: the connection (``MqttConnection.generation``) "online" was last published on."""
@@ -250,7 +251,7 @@ class Daemon:
             for answer in answers:
                 if answer.topic is None and self.echo is None:
                     self.metrics.count("unpublishable")
-                    log.warning("answer without a topic (device cannot form one): %s", answer.payload[:300])
+                    self.unpublishable_log.happened(1, f"e.g. {answer.payload[:300]!r}")
                 self._echo(answer)
             if self.echo is not None and self.delivery is None:
                 self.metrics.observe("publish", max(0.0, time.time() - now))
@@ -396,8 +397,11 @@ class Daemon:
 
     def _repeated(self) -> list[Repeated]:
         """The conditions whose logs are summarised (see ``edgeline.daemon.lograte``)."""
-        found = []
+        found = [self.unpublishable_log, self.processor.failures_log]
+        if self.connection is not None:
+            found.append(self.connection.bad_topic_log)
         if self.delivery is not None:
+            found.append(self.delivery.refused_log)
             found += [self.delivery.outbox.overflow_log, self.delivery.outbox.expiry_log, self.delivery.full_log]
         if self.gate is not None:
             found.append(self.gate.pauses)
@@ -436,6 +440,7 @@ class Daemon:
                 max_queued=self.config.broker.max_queued,
                 commit_interval_s=box.commit_interval_s,
                 stopping=self.stopping,
+                fail=self.supervisor.fail,
             )
             if self.queue.policy is DropPolicy.BLOCK:  # a source that can wait: read no faster than answers leave
                 delivery = self.delivery
@@ -475,7 +480,7 @@ class Daemon:
             if self.connection.connected.is_set():
                 self.connection.publish(self.availability_topic, b"offline", qos=1, retain=True)
                 self._wait_for_in_flight(deadline)
-            self.connection.close()
+            self.connection.close(max(0.5, deadline - time.monotonic()))
         if self.delivery is not None:
             self.delivery.close()
         if self._lock is not None:

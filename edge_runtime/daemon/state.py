@@ -89,10 +89,13 @@ class StateLock:
             raise EdgelineError(
                 f"state directory {directory} is in use by {owner}; give each daemon its own --state-dir"
             ) from exc
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"edgeline run (pid {os.getpid()})\n")
-        self._file.flush()
+        try:  # who holds it, for the refusal of a second daemon; on a full disk it goes unsaid
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(f"edgeline run (pid {os.getpid()})\n")
+            self._file.flush()
+        except OSError:
+            pass
 
     def release(self) -> None:
         if not self._file.closed:
