@@ -21,6 +21,7 @@ import paho.mqtt.client as mqtt
 import pytest
 
 from edgeline.daemon.config import BrokerConfig, DaemonConfig
+from edgeline.daemon.intake import MAX_HELD
 from edgeline.daemon.mqtt import MqttConnection
 from edgeline.daemon.service import Daemon
 from edgeline.daemon.state import instance_id
@@ -93,11 +94,20 @@ class Peak:
 
 
 def answered(results: Collector, count: int, timeout: float = TIMEOUT_S) -> dict[str, dict[str, Any]]:
-    results.wait_for(count, timeout=timeout)
+    """The answers by id once ``count`` distinct ids have one (duplicates, allowed at QoS 1, do not count), or
+    what has come when ``timeout`` is over (the caller checks)."""
     answers: dict[str, dict[str, Any]] = {}
-    for _, body, _ in list(results.messages):
-        record = json.loads(body)
-        answers[record["id"]] = record
+    seen = 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        messages = list(results.messages)
+        for _, body, _ in messages[seen:]:
+            record = json.loads(body)
+            answers[record["id"]] = record
+        seen = len(messages)
+        if len(answers) >= count:
+            break
+        time.sleep(0.2)
     return answers
 
 
@@ -117,11 +127,11 @@ def test_a_backlog_of_50000_waits_at_the_broker_and_every_input_is_answered(
     daemon.start()
     assert daemon.outbox is not None
     outbox = daemon.outbox
-    peak = Peak(lambda: outbox.depth)
+    peak, held = Peak(lambda: outbox.depth), Peak(lambda: len(daemon.intake.held))
     try:
         answers = answered(results, count)
     finally:
-        highest = peak.stop()
+        highest, most_held = peak.stop(), held.stop()
         status = daemon.status()
         daemon.stop()
         results.close()
@@ -131,6 +141,8 @@ def test_a_backlog_of_50000_waits_at_the_broker_and_every_input_is_answered(
     assert status["counts"]["outbox_overflowed"] == 0 and status["counts"]["dropped"] == 0
     assert highest <= 1000, f"the outbox held {highest} answers, above its cap of 1000"
     assert status["counts"]["intake_pauses"] >= 1  # the gate did the holding back, not luck
+    # Mosquitto 2.0.11 sends far past our Receive Maximum here: what is held in memory stays bounded all the same
+    assert most_held <= MAX_HELD
 
 
 class SlowAckRelay:
@@ -287,23 +299,22 @@ def test_a_full_disk_pauses_intake_and_every_input_is_answered_once_it_has_room(
         publish_all(broker, unique_topic, range(300))
         answered(results, 300, timeout=60)
         fill(filler)
-        sender = threading.Thread(target=publish_all, args=(broker, unique_topic, range(300, 1300)), daemon=True)
-        sender.start()
-        deadline = time.monotonic() + 60
-        while not delivery.disk_full and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert delivery.disk_full, "the commits never met the full disk"
+        # SQLite reuses its WAL in place: inputs go on until a commit needs room the disk does not have
+        sent = 300
+        while delivery.disk_full_episodes == 0 and sent < 6300:
+            publish_all(broker, unique_topic, range(sent, sent + 500), rate=2000)
+            sent += 500
+        assert delivery.disk_full_episodes >= 1, "the commits never met the full disk"
         time.sleep(2.0)  # a while on a full disk: nothing may die, nothing may be acknowledged unstored
         assert not daemon.supervisor.failed.is_set(), daemon.supervisor.failure
         filler.unlink()
-        answers = answered(results, 1300)
-        sender.join(60)
+        answers = answered(results, sent)
     finally:
         status = daemon.status()
         daemon.stop()
         results.close()
-    missing = {f"m{i}" for i in range(1300)} - set(answers)
-    assert not missing, f"{len(missing)} inputs never answered across the full disk"
+    missing = {f"m{i}" for i in range(sent)} - set(answers)
+    assert not missing, f"{len(missing)} of {sent} inputs never answered across the full disk"
     assert not [a for a in answers.values() if "error" in a]
     # SQLite reuses its WAL in place, so a full disk may stop one commit and let the next through: episodes >= 1
     assert status["counts"]["disk_full"] >= 1

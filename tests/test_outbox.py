@@ -133,3 +133,18 @@ def test_an_outbox_of_the_earlier_schema_is_opened_and_keeps_its_answers(tmp_pat
         assert [p.correlation for p in box.take(10)] == [None, b"corr"]
     finally:
         box.close()
+
+
+def test_a_closed_outbox_refuses_calls_by_name_and_still_reports_its_counts(tmp_path: Path) -> None:
+    """A thread that outlives the drain time (the committer retrying a full disk) meets ``OutboxClosed``, which it
+    expects, never sqlite3's ProgrammingError; the status keeps its figures."""
+    from edgeline.daemon.outbox import OutboxClosed
+
+    box = Outbox(tmp_path / "outbox.sqlite")
+    box.add(answers(3))
+    box.close()
+    for call in (lambda: box.add(answers(1)), lambda: box.take(1), lambda: box.remove([1]), box.expire):
+        with pytest.raises(OutboxClosed):
+            call()
+    assert box.stats().depth == 3 and box.stats().added == 3
+    box.close()  # twice: nothing

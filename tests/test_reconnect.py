@@ -63,3 +63,15 @@ def test_delays_stay_within_their_cap(events: list[tuple[float, bool, bool]]) ->
         delay = backoff.next_delay(accepted=accepted)
         assert 0 < delay <= backoff.cap_s <= TAKEOVER_BACKOFF_S
         now += delay
+
+
+def test_a_broker_that_restarts_again_and_again_is_no_takeover() -> None:
+    """Killed every few seconds: our connections end soon after they start, but attempts fail in between."""
+    backoff, now = Backoff(max_s=10.0), 0.0
+    for _ in range(10):
+        backoff.connected(now)
+        now += 3.0
+        assert backoff.lost(now) is Lost.LINK
+        now += backoff.next_delay(accepted=True)
+        now += backoff.next_delay(accepted=False)  # refused while the broker starts again
+    assert backoff.takeovers == 0

@@ -37,7 +37,7 @@ from typing import TypeVar
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.mqtt import MqttConnection, MqttSink
-from edgeline.daemon.outbox import DiskFull, MemoryOutbox, Outbox, Pending
+from edgeline.daemon.outbox import DiskFull, MemoryOutbox, Outbox, OutboxClosed, Pending
 
 __all__ = ["COMMIT_BACKLOG", "Delivery"]
 
@@ -120,9 +120,9 @@ class Delivery:
             self._commits.put((rows, acks))  # blocks when COMMIT_BACKLOG batches wait: the disk holds us back
             return
         pending = self.outbox.add(rows)
+        self._hand_over(pending, acks)
         self._stored += len(rows)
         self._stored_bytes += sum(len(row[1]) for row in rows)
-        self._hand_over(pending, acks)
 
     # -- flow control ------------------------------------------------------------------------------------------
     def level(self) -> tuple[int, int]:
@@ -130,6 +130,11 @@ class Delivery:
         stats_bytes = self.outbox.used_bytes
         answers = self._given - self._stored + self.outbox.depth - len(self._acknowledged)
         return max(answers, 0), max(self._given_bytes - self._stored_bytes, 0) + stats_bytes
+
+    @property
+    def settled(self) -> bool:
+        """Everything the worker handed over is stored (and its inputs' acknowledgements posted)."""
+        return self._given == self._stored
 
     @property
     def disk_full(self) -> bool:
@@ -141,6 +146,12 @@ class Delivery:
             self._committer = spawn("edgeline-committer", self._commit_loop)
 
     def _commit_loop(self) -> None:
+        try:
+            self._commit_until_done()
+        except OutboxClosed:  # the drain time ran out while a full disk kept us retrying: the stop goes on
+            log.error("the committer stopped with the drain time; what it held was not acknowledged")
+
+    def _commit_until_done(self) -> None:
         """Commit what the worker handed over, as many batches as have queued up, together with the removal of
         what the broker acknowledged meanwhile, in one transaction (one fsync); then hand the answers and the
         inputs' acknowledgements to the network thread in one go. The worker goes on with the next batch
@@ -192,10 +203,10 @@ class Delivery:
             last_commit = time.monotonic()
             removing = []
             acks = [ack for _, batch_acks in held for ack in batch_acks]
-            self._stored += len(rows)
-            self._stored_bytes += sum(len(row[1]) for row in rows)
             held.clear()
             self._hand_over(added, acks)
+            self._stored += len(rows)  # after the hand-over: ``settled`` means the acknowledgements are posted
+            self._stored_bytes += sum(len(row[1]) for row in rows)
 
     def _store(self, write: Callable[[], T]) -> tuple[bool, T | None]:
         """One write of the outbox: (True, what it returns), or (False, None) when the disk is full (said once; the
@@ -239,7 +250,9 @@ class Delivery:
         """At most once a second: drop (and count) the answers past their time to live."""
         if time.monotonic() >= self._next_expiry:
             self._next_expiry = time.monotonic() + 1.0
-            with contextlib.suppress(DiskFull):  # the expired rows are never handed out all the same (``take``,
+            with contextlib.suppress(
+                DiskFull, OutboxClosed
+            ):  # the expired rows are never handed out all the same (``take``,
                 self.outbox.expire()  # and ``_publish``, check their age)
 
     # -- network thread: answers to the client -----------------------------------------------------------------
@@ -271,6 +284,8 @@ class Delivery:
         if self._spilled and room >= max(1, min(REFILL, limit // 2)):
             try:
                 waiting = self.outbox.take(min(room, REFILL), after=self._handed)
+            except OutboxClosed:
+                return
             except (sqlite3.Error, OSError) as exc:  # deaf for ever otherwise: let systemd start a fresh one
                 self._spilled = False
                 self.fail(f"outbox {self.outbox.path} cannot be read: {exc}")
@@ -309,11 +324,14 @@ class Delivery:
         )
 
     def _drop_expired(self, seq: int) -> None:
+        """Network thread: an answer past its time to live, never to be sent: gone, counted as expired once."""
         try:
             self.outbox.drop(seq)
         except DiskFull:
-            self._acknowledged.append(seq)  # counted as expired, removed with the next commit that can be made
+            self._acknowledged.append(seq)  # removed with the next commit that can be made
             self.outbox.count_expired(1)
+        except OutboxClosed:
+            pass
 
     def _done_callback(self, pending: Pending) -> Callable[[bool, str | None], None]:
         seq, created, received = pending.seq, pending.created, pending.received
@@ -324,8 +342,9 @@ class Delivery:
                 self.metrics.count("published")
                 self.metrics.observe("publish", max(0.0, now - created))
                 self.metrics.observe("total", max(0.0, now - received))
-            elif reason == "expired":
-                self.outbox.count_expired(1)  # its time to live ran out while it waited for a resend
+            elif reason == "expired":  # its time to live ran out while it waited for a resend: counted once, by the
+                self._drop_expired(seq)  # outbox, unless the outbox's own expiry has already taken (and counted) it
+                return
             else:
                 self.metrics.count("publish_refused")
                 self.refused_log.happened(1, f"{reason}")
@@ -367,7 +386,7 @@ class Delivery:
             self.outbox.remove(taken)
         except DiskFull:
             self._acknowledged.extendleft(reversed(taken))  # sent again at the next start: a duplicate, no loss
-        except (sqlite3.Error, OSError) as exc:
+        except (sqlite3.Error, OSError, OutboxClosed) as exc:
             log.error("outbox %s: could not remove %d delivered answers (%s): they are sent again at the next "
                       "start", self.outbox.path, len(taken), exc)  # fmt: skip
 

@@ -10,6 +10,12 @@ are held unacknowledged and taken, in order, once it opens; the broker keeps the
 its own thread waits in ``submit``. Sources that cannot wait (QoS 0, plain serial lines) do not pass through it:
 for them the outbox's cap and its drop policy remain, every drop counted.
 
+Held inputs are bounded (``MAX_HELD``): Mosquitto 2.0.11 does not keep to our Receive Maximum for a session
+that comes back to queued messages (after the first PUBACK it sends hundreds at once: 48,749 of a backlog of
+50,000 were seen held). An input past the bound is left unacknowledged and not kept (``shed``); once what was
+held is answered, the daemon reconnects (``MqttConnection.redeliver``) and the broker sends the unacknowledged
+inputs again, as MQTT requires of a resumed session. Nothing is lost, memory stays bounded.
+
 The marks: ``high`` is 90% of ``[outbox] max_answers`` (and of ``max_bytes``), so that what is already in the
 pipeline when the gate shuts still fits under the cap; ``low`` is half of ``high``, so that the gate does not
 flap (each shut lets the broker's window of answers drain before taking more).
@@ -28,9 +34,12 @@ from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueFull
 
-__all__ = ["Intake", "IntakeGate"]
+__all__ = ["MAX_HELD", "Intake", "IntakeGate"]
 
 log = logging.getLogger("edgeline.daemon")
+
+MAX_HELD = 2048
+"""MQTT inputs held at most while the gate is shut; the broker keeps any more (see the module)."""
 
 
 class IntakeGate:
@@ -123,6 +132,10 @@ class Intake:
         """Set by the daemon once delivery exists, for a source that can wait (block policy) and a broker."""
         self.held: deque[Message] = deque()
         """Network thread: MQTT inputs held unacknowledged while the gate is shut or the queue is full."""
+        self.max_held = MAX_HELD
+        self.shed = 0
+        """Network thread: inputs past ``max_held`` since the last redelivery: unacknowledged, not kept."""
+        self.shed_total = 0
         self.taken = 0
         """Inputs queued (the submitting thread)."""
         self.finished = 0
@@ -147,7 +160,11 @@ class Intake:
             if self.stopping.is_set():
                 return  # not acknowledged: the broker sends it to the next run
             if self.held or (gate is not None and not gate.open()) or not self._put_now(message):
-                self.held.append(message)
+                if len(self.held) < self.max_held:
+                    self.held.append(message)
+                else:  # the broker sent more than our Receive Maximum: it sends this one again after a reconnect
+                    self.shed += 1
+                    self.shed_total += 1
             return
         while not self.stopping.is_set():  # a source that can wait: wait for the gate, then for room
             if gate is not None and not gate.open():

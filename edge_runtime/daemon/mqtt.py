@@ -272,6 +272,8 @@ class MqttConnection:
         self._expires: dict[int, float] = {}
         """Wall-clock time past which a QoS 1 publish in flight must not be sent again, by packet id."""
         self.backoff = Backoff(config.reconnect_max_s)
+        self._redelivering = False
+        """Network thread: we end this connection ourselves (``redeliver``): no loss, no back-off."""
         self.bad_topic_log = Repeated(log, "messages on a topic that is not UTF-8", level=logging.ERROR)
 
     # -- configuration, before start -----------------------------------------------------------------------
@@ -361,6 +363,9 @@ class MqttConnection:
                 self._fail(self._lost_before_connack())
                 return
             self.connected.clear()
+            if self._redelivering:
+                self._redelivering = False
+                continue  # our own ending: at once, no back-off
             delay = backoff.next_delay(accepted=self.generation != generation)
             log.debug("broker %s: reconnecting in %.1f s (attempt %d)", self.address, delay, backoff.attempt)
             self._wait(delay)
@@ -448,6 +453,13 @@ class MqttConnection:
             except Exception:
                 log.exception("the network thread's tick failed")
 
+    def redeliver(self) -> None:
+        """Network thread: end this connection and make a new one at once (the session stays), so that the broker
+        sends again what it sent us and we left unacknowledged."""
+        if self.connected.is_set() and not self._closing.is_set():
+            self._redelivering = True
+            self._client.disconnect()
+
     def call_soon(self, task: Callable[[], None]) -> None:
         """Run ``task()`` on the network thread, soon, in the order posted (any thread; one wake-up however many
         tasks are waiting). Tasks that publish or acknowledge do it there, without another hand-off."""
@@ -509,6 +521,8 @@ class MqttConnection:
             was_connected = self.connected.is_set()
             self.connected.clear()
             if self._closing.is_set() or not was_connected:
+                return
+            if self._redelivering:
                 return
             self.disconnects += 1
             self._lost_at = time.monotonic()

@@ -49,7 +49,7 @@ from pathlib import Path
 from edgeline.daemon.lograte import Repeated
 from edgeline.errors import EdgelineError
 
-__all__ = ["DiskFull", "MemoryOutbox", "Outbox", "OutboxStats", "Pending", "row_size"]
+__all__ = ["DiskFull", "MemoryOutbox", "Outbox", "OutboxClosed", "OutboxStats", "Pending", "row_size"]
 
 log = logging.getLogger("edgeline.outbox")
 
@@ -78,6 +78,10 @@ SIZE_OF = "LENGTH(payload) + LENGTH(CAST(topic AS BLOB)) + 40"
 
 class DiskFull(EdgelineError):
     """A write of the outbox failed for lack of space; nothing of it was stored."""
+
+
+class OutboxClosed(EdgelineError):
+    """A call after ``close``: a thread that outlived the drain time (the committer retrying a full disk)."""
 
 
 def row_size(topic: str, payload: bytes) -> int:
@@ -178,6 +182,7 @@ class Outbox:
         """What the answers' rows may take: ``max_bytes`` less the WAL's bound."""
         self._synchronous = "FULL" if synchronous == "full" else "NORMAL"
         self._lock = threading.Lock()
+        self._closed = False
         self.set_aside: Path | None = None
         """Where a corrupted outbox found at open was moved (None: none was)."""
         try:
@@ -205,6 +210,9 @@ class Outbox:
     def _open(self) -> tuple[sqlite3.Connection, int, int]:
         db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         try:
+            # One connection, in one process (the state directory is locked): exclusive locking keeps the WAL's
+            # index in our memory instead of a -shm file, which a restart on a full disk could not create
+            db.execute("PRAGMA locking_mode=EXCLUSIVE")
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(f"PRAGMA synchronous={self._synchronous}")
             # the WAL: checkpointed at half its bound (a commit group may add the other half), truncated to it after
@@ -237,7 +245,7 @@ class Outbox:
         now = time.time()
         rows = _rows(answers, now)
         size = sum(_row_size(row[0], row[1]) for row in rows)
-        with self._lock:
+        with self._using():
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 gone = self._delete_seqs(remove)
@@ -296,7 +304,7 @@ class Outbox:
     def take(self, limit: int, *, after: int = 0) -> list[Pending]:
         """Up to ``limit`` answers with a seq above ``after``, oldest first, leaving out those past their time to
         live (``expire`` drops and counts them)."""
-        with self._lock:
+        with self._using():
             rows = self._db.execute(
                 "SELECT seq, topic, payload, created, received, correlation FROM answers "
                 "WHERE seq > ? AND created >= ? ORDER BY seq LIMIT ?",
@@ -316,7 +324,7 @@ class Outbox:
         """
         if not seqs:
             return
-        with self._lock, self._writing():
+        with self._using(), self._writing():
             self._db.execute("PRAGMA synchronous=NORMAL")
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -328,7 +336,7 @@ class Outbox:
 
     def expire(self) -> int:
         """Drop the answers older than the time to live; how many."""
-        with self._lock, self._writing():
+        with self._using(), self._writing():
             gone = self._delete("created < ?", [(time.time() - self.ttl_s,)])
             self._expired += gone
         if gone:
@@ -337,7 +345,7 @@ class Outbox:
 
     def drop(self, seq: int) -> None:
         """An answer taken but found expired before it was sent: gone, counted as expired."""
-        with self._lock, self._writing():
+        with self._using(), self._writing():
             self._expired += self._delete("seq = ?", [(seq,)])
 
     def count_expired(self, count: int) -> None:
@@ -405,7 +413,7 @@ class Outbox:
 
     def disk_bytes(self) -> int:
         """What the outbox's files take on disk now: the database's pages in use and the WAL."""
-        with self._lock:
+        with self._using():
             pages = int(self._db.execute("PRAGMA page_count").fetchone()[0])
             free = int(self._db.execute("PRAGMA freelist_count").fetchone()[0])
         try:
@@ -416,7 +424,11 @@ class Outbox:
 
     def stats(self) -> OutboxStats:
         with self._lock:
-            row = self._db.execute("SELECT created FROM answers ORDER BY seq LIMIT 1").fetchone()
+            row = (
+                None
+                if self._closed
+                else self._db.execute("SELECT created FROM answers ORDER BY seq LIMIT 1").fetchone()
+            )
             oldest = None if row is None else row[0]
             return OutboxStats(
                 depth=self._depth,
@@ -430,10 +442,22 @@ class Outbox:
             )
 
     def close(self) -> None:
+        """Close the database; any later call raises ``OutboxClosed`` (``stats`` keeps answering from memory)."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             with contextlib.suppress(sqlite3.Error):  # a checkpoint only tidies up; the WAL is replayed at open
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """The lock, on an outbox that is still open."""
+        with self._lock:
+            if self._closed:
+                raise OutboxClosed(f"outbox {self.path} is closed")
+            yield
 
 
 class MemoryOutbox:

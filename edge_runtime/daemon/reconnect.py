@@ -3,12 +3,15 @@
     attempt fails, or a connection ends ──► the next delay: full jitter, uniform in [step/2, step], the step
                                             doubling from 0.5 s up to ``[broker] reconnect_max_s``
     a connection that lived ≥ SHORT_LIVED_S ──► starts afresh at 0.5 s
-    connections the broker ends within SHORT_LIVED_S of accepting them, TAKEOVER_AFTER times in a row (or
-    MQTT 5's reason 142) ──► our session is being taken over (a cloned device, two daemons with one instance):
-                                            said once, counted, and the step grows up to a minute instead
+    connections the broker ends within SHORT_LIVED_S of accepting them, each accepted at the first attempt
+    after the last, TAKEOVER_AFTER times in a row (or MQTT 5's reason 142)
+        ──► our session is being taken over (a cloned device, two daemons with one instance): said once,
+            counted, and the step grows up to a minute instead
 
 Mosquitto 2.0.11 closes the older of two connections with one client id without sending reason 142, so the
-pattern is what tells a takeover; without it two clones took turns about once a second, for ever.
+pattern is what tells a takeover; without it two clones took turns about once a second, for ever. A broker that
+restarts ends connections soon after accepting them too, but between them our attempts are refused for a while:
+a connection that took more than one attempt does not count.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class Backoff:
         """Connections ended in a way that says another client took our session."""
         self._connected_at: float | None = None
         self._in_takeover = False
+        self._refused = False
+        """An attempt failed since the last connection was accepted (the broker was away)."""
+        self._at_first_attempt = False
 
     @property
     def cap_s(self) -> float:
@@ -52,12 +58,13 @@ class Backoff:
 
     def connected(self, now: float) -> None:
         self._connected_at = now
+        self._at_first_attempt, self._refused = not self._refused, False
 
     def lost(self, now: float, *, taken_over: bool = False) -> Lost:
         """A connection the broker had accepted ended (not by us)."""
         lived = now - self._connected_at if self._connected_at is not None else SHORT_LIVED_S
         self._connected_at = None
-        if lived < SHORT_LIVED_S:
+        if lived < SHORT_LIVED_S and self._at_first_attempt:
             self.short_lived += 1
         else:
             self.short_lived = 0
@@ -72,6 +79,8 @@ class Backoff:
         """After an attempt or a connection: how long to wait. ``accepted``: the broker had accepted it (a
         connection that was accepted and lived starts the back-off afresh; one that never got a CONNACK, or a
         short-lived one, goes on with it)."""
+        if not accepted:
+            self._refused = True
         self.attempt = 1 if accepted and not self.short_lived else self.attempt + 1
         step = min(self.cap_s, 0.5 * 2 ** max(self.attempt - 1, 0))
         return random.uniform(step / 2, step)

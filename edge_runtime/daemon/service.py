@@ -155,6 +155,7 @@ class Daemon:
             on_network_thread=(lambda: connection.on_network_thread) if connection is not None else lambda: False,
             heard=self.silence.heard if self.silence is not None else None,
         )
+        self.shed_log = Repeated(log, "inputs beyond the broker's window", level=logging.INFO)
         self.unpublishable_log = Repeated(log, "answers without a topic (their device cannot form one), not sent")
         self._answer_size = 256  # bytes of a recent answer: the gate's estimate for inputs not answered yet
         self._announced = 0
@@ -274,8 +275,19 @@ class Daemon:
             # on every connection, not only the first: after a lost link the broker has published our will
             self._announced = connection.generation
             connection.publish(self.availability_topic, b"online", qos=1, retain=True)
-        if self.intake.held:
-            self.intake.release_held()
+        intake = self.intake
+        if intake.held:
+            intake.release_held()
+        if intake.shed and not intake.held and intake.pending == 0 and self.delivery.settled:
+            # what the broker sent past our Receive Maximum was left unacknowledged: a new connection has it again
+            self.shed_log.happened(
+                intake.shed,
+                f"{intake.shed} inputs past the {intake.max_held} held (the broker sent more than our Receive "
+                "Maximum allows; Mosquitto 2.0.11 does after a reconnection to queued messages): left "
+                "unacknowledged, reconnecting to have them sent again",
+            )
+            intake.shed = 0
+            connection.redeliver()
         self.delivery.tick()
 
     def _level(self) -> tuple[int, int]:
@@ -373,6 +385,7 @@ class Daemon:
             counters.update(outbox_expired=box.expired, outbox_overflowed=box.overflowed, outbox_corrupt=box.corrupt)
         if self.gate is not None:
             counters["intake_paused_seconds"] = int(self.gate.paused_seconds())
+        counters["inputs_redelivered"] = self.intake.shed_total
         return counters
 
     def status(self) -> dict[str, Any]:
@@ -397,7 +410,7 @@ class Daemon:
 
     def _repeated(self) -> list[Repeated]:
         """The conditions whose logs are summarised (see ``edgeline.daemon.lograte``)."""
-        found = [self.unpublishable_log, self.processor.failures_log]
+        found = [self.unpublishable_log, self.processor.failures_log, self.shed_log]
         if self.connection is not None:
             found.append(self.connection.bad_topic_log)
         if self.delivery is not None:
