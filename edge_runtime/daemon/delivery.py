@@ -119,7 +119,7 @@ class Delivery:
         if self.durable:
             self._commits.put((rows, acks))  # blocks when COMMIT_BACKLOG batches wait: the disk holds us back
             return
-        pending = self.outbox.add(rows)
+        pending = self.outbox.add(rows, on_drop=self._dropped)
         self._hand_over(pending, acks)
         self._stored += len(rows)
         self._stored_bytes += sum(len(row[1]) for row in rows)
@@ -195,9 +195,7 @@ class Delivery:
                     removing = []
                 continue
             rows = [row for batch_rows, _ in held for row in batch_rows]
-            stored, added = self._store(
-                functools.partial(outbox.add, rows, remove=removing, delivered_upto=self._handed)
-            )
+            stored, added = self._store(functools.partial(outbox.add, rows, remove=removing, on_drop=self._dropped))
             if not stored or added is None:
                 continue
             last_commit = time.monotonic()
@@ -238,7 +236,7 @@ class Delivery:
             total -= len(rows)
             self._stored += len(rows)
             self._stored_bytes += sum(len(row[1]) for row in rows)
-            self.outbox.count_overflow(len(rows))
+            self.outbox.count_overflow(len(rows), bounds=False)
 
     def _take_acknowledged(self) -> list[int]:
         acknowledged, taken = self._acknowledged, []
@@ -256,6 +254,17 @@ class Delivery:
                 self.outbox.expire()  # and ``_publish``, check their age)
 
     # -- network thread: answers to the client -----------------------------------------------------------------
+    def _dropped(self, seqs: list[int]) -> None:
+        """The bounds dropped these answers (committed): posted before the hand-over of the commit that dropped
+        them, so that every earlier hand-over has run when the network thread counts them."""
+        self.connection.call_soon(lambda: self._count_lost(seqs))
+
+    def _count_lost(self, seqs: list[int]) -> None:
+        """Network thread: of the dropped answers, those never handed to the client are lost (the others are in
+        ``_ready`` or in flight, from memory, and are delivered all the same)."""
+        handed = self._handed
+        self.outbox.count_overflow(sum(1 for seq in seqs if seq > handed))
+
     def _hand_over(self, pending: list[Pending], acks: Acks) -> None:
         """Stored answers and their inputs' acknowledgements to the network thread: one task, one wake-up."""
         self.connection.call_soon(lambda: self._handed_over(pending, acks))

@@ -42,7 +42,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +121,16 @@ def _set_aside(path: Path, exc: BaseException) -> Path:
         "delivered (their inputs were acknowledged)", path, exc, target,
     )  # fmt: skip
     return target
+
+
+OnDrop = Callable[[list[int]], None]
+"""Told the seqs of the answers the bounds dropped, once that is committed (``add``)."""
+
+
+def _overflow_detail(box: Outbox | MemoryOutbox, count: int, bounds: bool) -> str:
+    if bounds:
+        return f"{count} dropped ({box.max_answers} answers, {box.max_bytes} bytes at most)"
+    return f"{count} dropped while the disk was full"
 
 
 def _overflow_log() -> Repeated:
@@ -233,12 +243,13 @@ class Outbox:
 
     # -- worker ----------------------------------------------------------------------------------------------
     def add(
-        self, answers: Sequence[ANSWER_ROW], *, remove: Sequence[int] = (), delivered_upto: int = 0
+        self, answers: Sequence[ANSWER_ROW], *, remove: Sequence[int] = (), on_drop: OnDrop | None = None
     ) -> list[Pending]:
         """Commit ``(topic, payload, received)`` answers, and forget the acknowledged ``remove``, in one
         transaction; return once they are on disk, with what was committed (oldest first; without those the
-        bounds dropped at once). Answers up to seq ``delivered_upto`` are already with the MQTT client: if the
-        bounds drop them, they are not counted as lost. Raises ``DiskFull`` (nothing stored) when out of space."""
+        bounds dropped at once). The answers the bounds dropped are counted as overflowed, or, with ``on_drop``,
+        handed to it once committed (their seqs, oldest first): the caller knows which of them the MQTT client
+        holds already, and counts only the others. Raises ``DiskFull`` (nothing stored) when out of space."""
         if not answers:
             self.remove(remove)
             return []
@@ -255,7 +266,7 @@ class Outbox:
                 (last,) = self._db.execute("SELECT last_insert_rowid()").fetchone()
                 self._depth += len(rows)
                 self._bytes += size
-                lost = self._make_room(delivered_upto)
+                dropped = self._make_room()
                 self._db.execute("COMMIT")
             except BaseException as exc:
                 self._rollback()
@@ -264,7 +275,8 @@ class Outbox:
                 raise
             self._added += len(rows)
             self._removed += gone
-            self._overflowed += lost
+        if dropped:
+            self._dropped(dropped, on_drop)
         first = int(last) - len(rows) + 1  # one writer, inside one transaction: consecutive seqs
         return [
             Pending(first + i, topic, payload, now, received, correlation)
@@ -272,10 +284,9 @@ class Outbox:
             if first + i > self._floor
         ]
 
-    def _make_room(self, delivered_upto: int) -> int:
-        """Inside a transaction: drop the oldest answers until both bounds hold again; how many of them were lost
-        (not yet with the MQTT client)."""
-        lost = 0
+    def _make_room(self) -> list[int]:
+        """Inside a transaction: drop the oldest answers until both bounds hold again; their seqs."""
+        dropped: list[int] = []
         while self._depth > self.max_answers or self._bytes > self.answer_bytes:
             excess = max(self._depth - self.max_answers, 1)
             victims = self._db.execute(f"SELECT seq, {SIZE_OF} FROM answers ORDER BY seq LIMIT ?", (excess,)).fetchall()
@@ -285,12 +296,14 @@ class Outbox:
             self._floor = max(self._floor, int(victims[-1][0]))
             self._depth -= len(victims)
             self._bytes -= sum(length for _, length in victims)
-            lost += sum(1 for seq, _ in victims if seq > delivered_upto)
-        if lost:
-            self.overflow_log.happened(
-                lost, f"{lost} dropped ({self.max_answers} answers, {self.max_bytes} bytes at most)"
-            )
-        return lost
+            dropped += (int(seq) for seq, _ in victims)
+        return dropped
+
+    def _dropped(self, seqs: list[int], on_drop: OnDrop | None) -> None:
+        if on_drop is not None:
+            on_drop(seqs)
+        else:
+            self.count_overflow(len(seqs), bounds=True)
 
     def _rollback(self) -> None:
         """After a failed statement: SQLite may have rolled the transaction back itself (SQLITE_FULL does)."""
@@ -354,11 +367,14 @@ class Outbox:
             self._expired += count
         self.expiry_log.happened(count, f"{count} dropped (time to live {self.ttl_s:g} s)")
 
-    def count_overflow(self, count: int) -> None:
-        """Answers that never reached the table and never will (held while the disk was full, then dropped)."""
+    def count_overflow(self, count: int, *, bounds: bool = True) -> None:
+        """Answers lost to the bounds (``bounds``), or that never reached the table and never will (held while
+        the disk was full, then dropped)."""
+        if count <= 0:
+            return
         with self._lock:
             self._overflowed += count
-        self.overflow_log.happened(count, f"{count} dropped while the disk was full")
+        self.overflow_log.happened(count, _overflow_detail(self, count, bounds))
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -481,7 +497,7 @@ class MemoryOutbox:
         self.expiry_log = _expiry_log()
 
     def add(
-        self, answers: Sequence[ANSWER_ROW], *, remove: Sequence[int] = (), delivered_upto: int = 0
+        self, answers: Sequence[ANSWER_ROW], *, remove: Sequence[int] = (), on_drop: OnDrop | None = None
     ) -> list[Pending]:
         self.remove(remove)
         now = time.time()
@@ -494,17 +510,17 @@ class MemoryOutbox:
                 added.append(pending)
                 self._bytes += _row_size(topic, payload)
             self._added += len(answers)
-            lost = 0
+            dropped: list[int] = []
             while self._rows and (len(self._rows) > self.max_answers or self._bytes > self.max_bytes):
                 _, oldest = self._rows.popitem(last=False)
                 self._bytes -= _row_size(oldest.topic, oldest.payload)
-                lost += oldest.seq > delivered_upto
+                dropped.append(oldest.seq)
                 self._floor = oldest.seq
-            self._overflowed += lost
-        if lost:
-            self.overflow_log.happened(
-                lost, f"{lost} dropped ({self.max_answers} answers, {self.max_bytes} bytes at most)"
-            )
+        if dropped:
+            if on_drop is not None:
+                on_drop(dropped)
+            else:
+                self.count_overflow(len(dropped))
         return [p for p in added if p.seq > self._floor]
 
     def take(self, limit: int, *, after: int = 0) -> list[Pending]:
@@ -554,9 +570,12 @@ class MemoryOutbox:
             self._expired += count
         self.expiry_log.happened(count, f"{count} dropped (time to live {self.ttl_s:g} s)")
 
-    def count_overflow(self, count: int) -> None:
+    def count_overflow(self, count: int, *, bounds: bool = True) -> None:
+        if count <= 0:
+            return
         with self._lock:
             self._overflowed += count
+        self.overflow_log.happened(count, _overflow_detail(self, count, bounds))
 
     @property
     def depth(self) -> int:
