@@ -1,6 +1,8 @@
 """`edgeline run` under long fault runs at QoS 1: what is lost, what is duplicated, how fast it recovers, what it costs.
 
-Three scenarios, one after the other, each with a fresh Mosquitto, a fresh ``--state-dir`` and a unique ``--instance``:
+Six scenarios, one after the other, each with a fresh Mosquitto, a fresh ``--state-dir`` and a unique ``--instance``;
+three faults here, and three kinds of pressure (``backlog``, ``slow-broker``, ``disk-full``: ``benchmarks/
+daemon_pressure.py``, which says what they do and report; ``disk-full`` needs root):
 
 - ``broker-kill``: N inputs (default 10,000) while the broker (persistence on, autosave on every change) is
   SIGKILLed and restarted K times (default 10), down 0.5 s each time;
@@ -29,8 +31,11 @@ depth in its status messages (``[health] status_interval_s = 0.5``).
 
     python benchmarks/daemon_faults.py --write benchmarks/results/daemon_faults.md
 
-A smoke run: ``python benchmarks/daemon_faults.py --quick`` (300 inputs, 1 fault of each kind, a 4 s black hole),
-or choose ``--messages N --faults K --holes H --rate R --scenarios ...``. Full scale takes about 5 minutes.
+``--write`` appends the tables to the file as a dated section (the command line with them), below earlier runs. A
+smoke run: ``python benchmarks/daemon_faults.py --quick`` (300 inputs, 1 fault of each kind, a 4 s black hole, a
+backlog of 2,000, ...), or choose ``--messages N --faults K --holes H --rate R --scenarios ...`` and the pressure
+scenarios' ``--backlog``, ``--slow-inputs``, ``--slow-rate``, ``--acks-per-s``, ``--full-s``. Full scale takes
+about 8 minutes.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import datetime
 import json
+import os
 import re
 import signal
 import socket
@@ -60,12 +67,13 @@ import numpy as np
 import paho.mqtt.client as mqtt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report import publish
-
 from tests.faults import BlackHoleProxy, DurableCollector, DurablePublisher
 from tests.mqtt_broker import Broker
 
+TITLE = "Daemon under long fault runs"
 SCENARIOS = ("broker-kill", "daemon-kill", "black-hole")
+ALL_SCENARIOS = (*SCENARIOS, "backlog", "slow-broker", "disk-full")
+"""The last three are ``daemon_pressure``'s."""
 STATUS_INTERVAL_S = 0.5
 BLACK_HOLE_KEEPALIVE_S = 2
 BROKER_DOWN_S = 0.5
@@ -222,11 +230,13 @@ class Daemons:
         return self.processes[-1]
 
     def spawn(self) -> float:
-        """Start one more daemon; the time it was started."""
-        log = self.logs / f"daemon-{len(self.processes)}.log"
-        with open(log, "wb") as output:
+        """Start one more daemon (stderr, its log, to ``daemon-N.log``; stdout to ``daemon-N.out``); the time it was
+        started."""
+        number = len(self.processes)
+        log, out = self.logs / f"daemon-{number}.log", self.logs / f"daemon-{number}.out"
+        with open(log, "wb") as stderr, open(out, "wb") as stdout:
             started = time.time()
-            process = subprocess.Popen(self.command, stdout=output, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(self.command, stdout=stdout, stderr=stderr)
         with self._lock:
             self.processes.append(process)
         return started
@@ -270,8 +280,15 @@ class Daemons:
             return max(self.peak_kb.values(), default=0) / 1024
 
     def log_lines(self) -> Iterator[str]:
-        for path in sorted(self.logs.glob("daemon-*.log")):
+        """What every daemon process wrote on stderr, process after process."""
+        for number in range(len(self.processes)):
+            path = self.logs / f"daemon-{number}.log"
             yield from path.read_text(encoding="utf-8", errors="replace").splitlines()
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The current process's last log lines, for an error message."""
+        path = self.logs / f"daemon-{len(self.processes) - 1}.log"
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
     def _read(self, process: subprocess.Popen[bytes]) -> None:
         try:
@@ -300,6 +317,86 @@ def log_time(line: str) -> float | None:
         return None
 
 
+def daemon_command(bundle: Path, broker: str, prefix: str, work: Path, instance: str, config: Path) -> list[str]:
+    """``edgeline run`` at QoS 1 on ``PREFIX/in/+``, answering on ``PREFIX/out/{device}``, state in ``WORK/state``."""
+    return [sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--broker", broker,
+            "--subscribe", f"{prefix}/in/+", "--publish", f"{prefix}/out/{{device}}", "--qos", "1",
+            "--state-dir", str(work / "state"), "--instance", instance, "--config", str(config)]  # fmt: skip
+
+
+def spawn_subscribed(daemons: Daemons, broker: Broker, client_id: str, topic_filter: str, timeout: float) -> float:
+    """Start a daemon and return (its start time) once the broker logs its subscription: from then on, nothing
+    published is missed. RuntimeError, with its log, if it exits or does not subscribe within ``timeout``."""
+    since = broker.log_size()
+    started = daemons.spawn()
+    deadline = time.monotonic() + timeout
+    while not broker.wait_for_subscription(client_id, topic_filter, timeout=0.5, since=since):
+        if daemons.current.poll() is not None or time.monotonic() > deadline:
+            code = daemons.current.poll()
+            raise RuntimeError(
+                f"the daemon did not subscribe within {timeout:g} s (exit code {code}):\n{daemons.log_tail()}"
+            )
+    return started
+
+
+@dataclass
+class Tally:
+    """The answers against the inputs the broker acknowledged, each loss placed by what the proxy saw."""
+
+    answered: int
+    lost_in_broker: list[str]
+    answer_lost_in_broker: list[str]
+    lost_by_daemon: list[str]
+    duplicated: int
+    extra_copies: int
+    errors: Counter[str]
+    tapped: tuple[int, int]
+    """Distinct inputs the proxy saw go to the daemon, distinct answers it saw come from it."""
+
+    @property
+    def lost(self) -> int:
+        return len(self.lost_in_broker) + len(self.answer_lost_in_broker) + len(self.lost_by_daemon)
+
+
+def tally(payloads: list[bytes], acknowledged: set[str], proxy: TapProxy) -> Tally:
+    records = []
+    for payload in payloads:
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(payload))
+    copies = Counter(r.get("id") for r in records)
+    good = {r.get("id") for r in records if "error" not in r}
+    errors = Counter(r["error"].get("code") for r in records if "error" in r and r.get("id") not in good)
+    missing = sorted(acknowledged - set(copies), key=lambda i: int(i[1:]))
+    return Tally(
+        answered=len(set(copies) & acknowledged),
+        lost_in_broker=[i for i in missing if i not in proxy.delivered and i not in proxy.answered],
+        answer_lost_in_broker=[i for i in missing if i in proxy.answered],
+        lost_by_daemon=[i for i in missing if i in proxy.delivered and i not in proxy.answered],
+        duplicated=sum(1 for n in copies.values() if n > 1),
+        extra_copies=sum(n - 1 for n in copies.values() if n > 1),
+        errors=errors,
+        tapped=(len(proxy.delivered & acknowledged), len(proxy.answered & acknowledged)),
+    )
+
+
+def acknowledged_ids(publisher: DurablePublisher) -> set[str]:
+    """The ids of the inputs the broker acknowledged."""
+    return {identity for _, payload in publisher.acknowledged if (identity := payload_id(payload)) is not None}
+
+
+def loss_notes(scenario: str, counted: Tally) -> list[str]:
+    notes = []
+    for label, ids in (
+        ("lost in the broker (never delivered to the daemon)", counted.lost_in_broker),
+        ("answers lost in the broker (published by the daemon, never delivered)", counted.answer_lost_in_broker),
+        ("lost by the daemon (delivered to it, no answer published)", counted.lost_by_daemon),
+    ):
+        if ids:
+            shown = ", ".join(ids[:20]) + (", ..." if len(ids) > 20 else "")
+            notes.append(f"- {scenario}: {len(ids)} {label}: {shown}")
+    return notes
+
+
 # --- one scenario ----------------------------------------------------------------------------------------------
 
 
@@ -309,13 +406,7 @@ class Outcome:
     inputs: int
     acknowledged: int
     faults: int
-    answered: int
-    lost_in_broker: list[str]
-    answer_lost_in_broker: list[str]
-    lost_by_daemon: list[str]
-    duplicated: int
-    extra_copies: int
-    errors: Counter[str]
+    counted: Tally
     recovery_s: list[float | None]
     notice_s: list[float | None] = field(default_factory=list)
     peak_rss_mb: float = 0.0
@@ -324,12 +415,8 @@ class Outcome:
     seconds: float = 0.0
     left_in_outbox: int = 0
     """Answers the last daemon left in its outbox when it was stopped at the end (its log says so)."""
-    tapped: tuple[int, int] = (0, 0)
-    """Distinct inputs the proxy saw go to the daemon, distinct answers it saw come from it."""
-
-    @property
-    def lost(self) -> int:
-        return len(self.lost_in_broker) + len(self.answer_lost_in_broker) + len(self.lost_by_daemon)
+    log_lines: int = 0
+    """Lines the daemon's processes wrote on stderr (their log)."""
 
 
 def make_inputs(bundle: Path, count: int, topic: str) -> list[tuple[str, bytes]]:
@@ -375,22 +462,14 @@ def run_scenario(scenario: str, bundle: Path, args: argparse.Namespace, scratch:
         stack.callback(broker.stop)
         proxy = TapProxy(broker.host, broker.port, inputs=f"{prefix}/in/", outputs=f"{prefix}/out/")
         stack.callback(proxy.close)
-        command = [sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--broker", proxy.address,
-                   "--subscribe", f"{prefix}/in/+", "--publish", f"{prefix}/out/{{device}}", "--qos", "1",
-                   "--state-dir", str(work / "state"), "--instance", instance, "--config", str(config)]  # fmt: skip
-        daemons = Daemons(command, work)
+        daemons = Daemons(daemon_command(bundle, proxy.address, prefix, work, instance, config), work)
         stack.callback(daemons.close)
-        answers = TimedCollector(broker, f"{prefix}/out/#").start_and_subscribe()
+        answers = TimedCollector(broker, f"{prefix}/out/#")
+        answers.start_and_subscribe()
         stack.callback(answers.close)
         statuses = DurableCollector(broker, f"edgeline/{name}/{instance}/status").start_and_subscribe()
         stack.callback(statuses.close)
-        since = broker.log_size()
-        daemons.spawn()
-        client_id = f"edgeline-{name}-{instance}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not broker.wait_for_subscription(client_id, f"{prefix}/in/+", timeout=0.5, since=since):
-            if daemons.current.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not subscribe: {(work / 'daemon-0.log').read_text()[-2000:]}")
+        spawn_subscribed(daemons, broker, f"edgeline-{name}-{instance}", f"{prefix}/in/+", START_TIMEOUT_S)
         publisher = DurablePublisher(broker)
         publisher.start()
         stack.callback(publisher.close)
@@ -431,8 +510,8 @@ def run_scenario(scenario: str, bundle: Path, args: argparse.Namespace, scratch:
         if sender.is_alive():
             raise RuntimeError("the publisher did not finish")
         publisher.wait_acknowledged(END_TIMEOUT_S)
-        acknowledged = {payload_id(payload) for _, payload in publisher.acknowledged} - {None}
-        _settle(answers, acknowledged)
+        acknowledged = acknowledged_ids(publisher)
+        settle(answers, acknowledged)
         if ends:  # the last fault's recovery, if it came after publishing ended
             wait_for(lambda: answers.first_new_after(ends[-1]) is not None, 1.0)
         exit_code = daemons.stop()
@@ -449,9 +528,11 @@ def run_scenario(scenario: str, bundle: Path, args: argparse.Namespace, scratch:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _settle(answers: TimedCollector, acknowledged: set[str]) -> None:
-    """Until every acknowledged input has an answer, or none came for ``SETTLE_S``, or ``END_TIMEOUT_S``."""
-    deadline = time.monotonic() + END_TIMEOUT_S
+def settle(
+    answers: TimedCollector, acknowledged: set[str], timeout: float = END_TIMEOUT_S, quiet_s: float = SETTLE_S
+) -> None:
+    """Until every acknowledged input has an answer, or none came for ``quiet_s``, or ``timeout``."""
+    deadline = time.monotonic() + timeout
     last, quiet_since = -1, time.monotonic()
     while time.monotonic() < deadline:
         have = answers.count_new()
@@ -459,7 +540,7 @@ def _settle(answers: TimedCollector, acknowledged: set[str]) -> None:
             return
         if have != last:
             last, quiet_since = have, time.monotonic()
-        elif time.monotonic() - quiet_since > SETTLE_S:
+        elif time.monotonic() - quiet_since > quiet_s:
             return
         time.sleep(0.2)
 
@@ -476,14 +557,6 @@ def _outcome(
     pauses: list[tuple[float, float]],
     started: float,
 ) -> Outcome:
-    records = []
-    for payload in answers.payloads:
-        with contextlib.suppress(ValueError):
-            records.append(json.loads(payload))
-    copies = Counter(r.get("id") for r in records)
-    good = {r.get("id") for r in records if "error" not in r}
-    errors = Counter(r["error"].get("code") for r in records if "error" in r and r.get("id") not in good)
-    missing = sorted(acknowledged - set(copies), key=lambda i: int(i[1:]))
     depths = []
     for payload in statuses.payloads:
         with contextlib.suppress(ValueError, AttributeError):
@@ -504,13 +577,7 @@ def _outcome(
         inputs=len(inputs),
         acknowledged=len(acknowledged),
         faults=len(ends),
-        answered=len(set(copies) & acknowledged),
-        lost_in_broker=[i for i in missing if i not in proxy.delivered and i not in proxy.answered],
-        answer_lost_in_broker=[i for i in missing if i in proxy.answered],
-        lost_by_daemon=[i for i in missing if i in proxy.delivered and i not in proxy.answered],
-        duplicated=sum(1 for n in copies.values() if n > 1),
-        extra_copies=sum(n - 1 for n in copies.values() if n > 1),
-        errors=errors,
+        counted=tally(answers.payloads, acknowledged, proxy),
         recovery_s=[(first - end) if (first := answers.first_new_after(end)) is not None else None for end in ends],
         notice_s=notice,
         peak_rss_mb=daemons.peak_rss_mb,
@@ -518,7 +585,7 @@ def _outcome(
         daemons=len(daemons.processes),
         seconds=time.monotonic() - started,
         left_in_outbox=left,
-        tapped=(len(proxy.delivered & acknowledged), len(proxy.answered & acknowledged)),
+        log_lines=sum(1 for _ in daemons.log_lines()),
     )
 
 
@@ -538,64 +605,107 @@ def table(outcomes: list[Outcome]) -> str:
     lines = [
         "| scenario | inputs (acked by broker) | faults | answered | lost: in broker / answer in broker / by daemon "
         "| duplicated (extra copies) | error answers | recovery s, median / max | notice s, median / max "
-        "| peak RSS MB | peak outbox |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS MB | peak outbox | log lines |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for o in outcomes:
-        errors = ", ".join(f"{n} {code}" for code, n in o.errors.items()) or "0"
+        c = o.counted
+        errors = ", ".join(f"{n} {code}" for code, n in c.errors.items()) or "0"
         lines.append(
-            f"| {o.scenario} | {o.inputs} ({o.acknowledged}) | {o.faults} | {o.answered} "
-            f"| **{o.lost}**: {len(o.lost_in_broker)} / {len(o.answer_lost_in_broker)} / {len(o.lost_by_daemon)} "
-            f"| {o.duplicated} ({o.extra_copies}) | {errors} | {_spread(o.recovery_s)} "
+            f"| {o.scenario} | {o.inputs} ({o.acknowledged}) | {o.faults} | {c.answered} "
+            f"| **{c.lost}**: {len(c.lost_in_broker)} / {len(c.answer_lost_in_broker)} / {len(c.lost_by_daemon)} "
+            f"| {c.duplicated} ({c.extra_copies}) | {errors} | {_spread(o.recovery_s)} "
             f"| {_spread(o.notice_s) if o.scenario == 'black-hole' else '-'} | {o.peak_rss_mb:.0f} "
-            f"| {o.peak_outbox if o.peak_outbox is not None else '-'} |"
+            f"| {o.peak_outbox if o.peak_outbox is not None else '-'} | {o.log_lines} |"
         )
     notes = []
     for o in outcomes:
-        for label, ids in (
-            ("lost in the broker (never delivered to the daemon)", o.lost_in_broker),
-            ("answers lost in the broker (published by the daemon, never delivered)", o.answer_lost_in_broker),
-            ("lost by the daemon (delivered to it, no answer published)", o.lost_by_daemon),
-        ):
-            if ids:
-                shown = ", ".join(ids[:20]) + (", ..." if len(ids) > 20 else "")
-                notes.append(f"- {o.scenario}: {len(ids)} {label}: {shown}")
+        notes += loss_notes(o.scenario, o.counted)
         if o.left_in_outbox:
             notes.append(
                 f"- {o.scenario}: NOT FINISHED: the daemon still had {o.left_in_outbox} answers in its outbox when it "
                 "was stopped at the end; those inputs count as lost by the daemon above"
             )
         notes.append(
-            f"- {o.scenario}: {o.daemons} daemon process(es), {o.seconds:.0f} s; the proxy saw {o.tapped[0]} of the "
-            f"acknowledged inputs reach the daemon and {o.tapped[1]} answers leave it"
+            f"- {o.scenario}: {o.daemons} daemon process(es), {o.seconds:.0f} s; the proxy saw {o.counted.tapped[0]} "
+            f"of the acknowledged inputs reach the daemon and {o.counted.tapped[1]} answers leave it"
         )
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+def provenance() -> str:
+    """Which edgeline ran: the commit, and whether ``edge_runtime/`` differed from it (read-only git calls)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "diff", "--quiet", "HEAD", "--", "edge_runtime"], cwd=root, capture_output=True, timeout=10
+        ).returncode
+    except (OSError, subprocess.SubprocessError):
+        return "edgeline from a tree outside git"
+    return f"edgeline at {commit}" + (" with uncommitted changes in `edge_runtime/`" if changed else "")
+
+
+def append_section(body: str, *, heading: str, intro: str, write: Path | None) -> None:
+    """Print ``body``; with ``write``, append it to that file under ``## DATE: heading`` with the exact command line
+    and ``intro``, below the sections of earlier runs (a new file starts with ``TITLE``)."""
+    print(body)
+    if write is None:
+        return
+    command = " ".join(["python", f"benchmarks/{Path(__file__).name}", *sys.argv[1:]])
+    earlier = write.read_text(encoding="utf-8").rstrip("\n") if write.exists() else f"# {TITLE}"
+    write.parent.mkdir(parents=True, exist_ok=True)
+    write.write_text(
+        f"{earlier}\n\n## {datetime.date.today().isoformat()}: {heading}\n\nCommand: `{command}`\n\n{intro}\n\n"
+        f"{body}\n",
+        encoding="utf-8",
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", type=Path, default=Path("artifacts/bench/bundles/digits-litert-int8-static"))
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
-    parser.add_argument("--messages", type=int, default=10_000, help="inputs per scenario (at most 65,535)")
+    parser.add_argument("--scenarios", nargs="+", choices=ALL_SCENARIOS, default=list(ALL_SCENARIOS))
+    parser.add_argument("--messages", type=int, default=10_000, help="inputs per fault scenario (at most 65,535)")
     parser.add_argument("--faults", type=int, default=10, help="broker or daemon kills per scenario")
     parser.add_argument("--holes", type=int, default=3, help="black-hole periods")
     parser.add_argument("--hole-s", type=float, default=10.0, help="seconds per black hole")
-    parser.add_argument("--rate", type=float, default=150.0, help="inputs per second")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 300 inputs, 1 fault each, a 4 s black hole")
+    parser.add_argument("--rate", type=float, default=150.0, help="inputs per second (disk-full too)")
+    parser.add_argument("--backlog", type=int, default=50_000, help="backlog: inputs queued while the daemon is down")
+    parser.add_argument("--slow-inputs", type=int, default=4000, help="slow-broker: inputs")
+    parser.add_argument("--slow-rate", type=float, default=1000.0, help="slow-broker: inputs per second")
+    parser.add_argument("--acks-per-s", type=float, default=300.0, help="slow-broker: the broker's PUBACKs per second")
+    parser.add_argument("--full-s", type=float, default=10.0, help="disk-full: seconds of the first full disk")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 300 inputs, 1 fault each, a 4 s black hole; a backlog of "
+        "2,000, 1,000 inputs to a slow broker, 4 s of full disk"
+    )  # fmt: skip
     parser.add_argument("--keep", type=Path, help="keep logs, broker files and status messages in this directory")
-    parser.add_argument("--write", type=Path)
+    parser.add_argument("--write", type=Path, help="append the tables to this file as a dated section")
     args = parser.parse_args()
     if args.quick:
         args.messages, args.faults, args.holes, args.hole_s = 300, 1, 1, 4.0
         args.rate = min(args.rate, 50.0)
-    if not 1 <= args.messages <= 65_535:
-        parser.error("--messages: between 1 and 65535 (the publisher keys its ledger by MQTT message id)")
+        args.backlog, args.slow_inputs, args.full_s = 2000, 1000, 4.0
+    counts = {"--messages": args.messages, "--backlog": args.backlog, "--slow-inputs": args.slow_inputs}
+    for flag, value in counts.items():
+        if not 1 <= value <= 65_535:
+            parser.error(f"{flag}: between 1 and 65535 (the publisher keys its ledger by MQTT message id)")
+    if "disk-full" in args.scenarios and os.geteuid() != 0:
+        parser.error("disk-full mounts a tmpfs and needs root; choose among the other scenarios")
+
+    # Run as a script this module is __main__: daemon_pressure's `import daemon_faults` must find it, not a copy.
+    sys.modules.setdefault("daemon_faults", sys.modules[__name__])
+    from daemon_pressure import PRESSURE_SCENARIOS, pressure_intro, pressure_table, run_pressure
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # unwind: every scenario's ExitStack kills its daemons and brokers
 
     signal.signal(signal.SIGTERM, interrupted)
     outcomes = []
+    pressed = []
     with contextlib.ExitStack() as stack:
         if args.keep is None:
             scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgeline-faults-")))
@@ -603,20 +713,28 @@ def main() -> int:
             scratch = Path(tempfile.mkdtemp(prefix="faults-", dir=args.keep.absolute()))
             print(f"keeping everything in {scratch}", file=sys.stderr, flush=True)
         for scenario in args.scenarios:
+            if scenario in PRESSURE_SCENARIOS:
+                print(f"[{scenario}]", file=sys.stderr, flush=True)
+                pressed.append(run_pressure(scenario, args.bundle, args, scratch))
+                continue
             print(f"[{scenario}] {args.messages} inputs at {args.rate:g}/s", file=sys.stderr, flush=True)
             outcomes.append(run_scenario(scenario, args.bundle, args, scratch))
-    publish(
-        table(outcomes),
-        script=__file__,
-        title="Daemon under long fault runs",
-        intro=f"`{args.bundle.name}` at QoS 1, {args.messages} inputs per scenario at {args.rate:g}/s; broker and "
-        f"daemon SIGKILLs: {args.faults} each; black holes: {args.holes} of {args.hole_s:g} s with keepalive "
-        f"{BLACK_HOLE_KEEPALIVE_S} s. Mosquitto with persistence and autosave on every "
-        "change in `broker-kill` only. What each column means, and how a loss is placed, is in the docstring of "
-        "`benchmarks/daemon_faults.py`. Mosquitto acknowledges a PUBLISH before it saves it, so a SIGKILL in that "
-        "window loses an input the publisher was told was received: such losses count as lost in the broker.",
-        write=args.write,
-    )
+    intros, bodies = [provenance() + "."], []
+    if outcomes:
+        intros.append(
+            f"Faults: `{args.bundle.name}` at QoS 1, {args.messages} inputs per scenario at {args.rate:g}/s; broker "
+            f"and daemon SIGKILLs: {args.faults} each; black holes: {args.holes} of {args.hole_s:g} s with keepalive "
+            f"{BLACK_HOLE_KEEPALIVE_S} s. Mosquitto with persistence and autosave on every "
+            "change in `broker-kill` only. What each column means, and how a loss is placed, is in the docstring of "
+            "`benchmarks/daemon_faults.py`. Mosquitto acknowledges a PUBLISH before it saves it, so a SIGKILL in that "
+            "window loses an input the publisher was told was received: such losses count as lost in the broker."
+        )
+        bodies.append(table(outcomes))
+    if pressed:
+        intros.append(pressure_intro(args))
+        bodies.append(pressure_table(pressed))
+    heading = ", ".join(scenario.replace("-", " ") for scenario in args.scenarios)
+    append_section("\n\n".join(bodies), heading=heading, intro="\n\n".join(intros), write=args.write)
     return 0
 
 
