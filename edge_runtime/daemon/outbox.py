@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -213,7 +212,6 @@ class Outbox:
         self._added = self._removed = self._expired = self._overflowed = 0
         self._floor = 0
         """The highest seq the bounds dropped."""
-        self._page_size = int(self._db.execute("PRAGMA page_size").fetchone()[0])
         self.overflow_log = _overflow_log()
         self.expiry_log = _expiry_log()
 
@@ -426,17 +424,6 @@ class Outbox:
     def used_bytes(self) -> int:
         """What the answers take, as counted against ``max_bytes`` (the WAL's bound included)."""
         return self._bytes + self.wal_limit
-
-    def disk_bytes(self) -> int:
-        """What the outbox's files take on disk now: the database's pages in use and the WAL."""
-        with self._using():
-            pages = int(self._db.execute("PRAGMA page_count").fetchone()[0])
-            free = int(self._db.execute("PRAGMA freelist_count").fetchone()[0])
-        try:
-            wal = os.stat(f"{self.path}-wal").st_size
-        except OSError:
-            wal = 0
-        return (pages - free) * self._page_size + wal
 
     def stats(self) -> OutboxStats:
         with self._lock:

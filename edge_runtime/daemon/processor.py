@@ -43,7 +43,6 @@ log = logging.getLogger("edgeline.processor")
 
 MAX_DEVICE_IN_RECORD = 256
 """A device name longer than this is cut in answers (a 70,000-character device must not make 70 KB answers)."""
-EVICTION_WARNING_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,7 @@ class Processor:
         if instance:
             self._base["instance"] = instance
         self._evicted_seen = 0
-        self._next_eviction_warning = 0.0
+        self.evictions_log = Repeated(log, "streams evicted with their partial windows (raise [input] max_streams)")
 
     def process(self, message: Message) -> list[Answer]:
         sequence = self._next_sequence(message.device)
@@ -194,20 +193,14 @@ class Processor:
         return readable_id(message.payload, self.codec.name)
 
     def _note_evictions(self) -> None:
-        """Streams forgotten to make room: counted, and a warning at most once a minute (never silent)."""
+        """Streams forgotten to make room: counted, and said when it starts, then summed (never silent)."""
         assert self.streams is not None
         evicted = self.streams.evicted
         if evicted == self._evicted_seen:
             return
         self.metrics.count("streams_evicted", evicted - self._evicted_seen)
+        self.evictions_log.happened(evicted - self._evicted_seen, f"more than {self.streams.max_streams} streams")
         self._evicted_seen = evicted
-        now = time.monotonic()
-        if now >= self._next_eviction_warning:
-            self._next_eviction_warning = now + EVICTION_WARNING_INTERVAL_S
-            log.warning(
-                "more than %d streams: %d evicted so far with their partial windows (raise [input] max_streams)",
-                self.streams.max_streams, evicted,
-            )  # fmt: skip
 
     def _next_sequence(self, device: str) -> int:
         with self._sequence_lock:

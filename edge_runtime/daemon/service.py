@@ -410,7 +410,7 @@ class Daemon:
 
     def _repeated(self) -> list[Repeated]:
         """The conditions whose logs are summarised (see ``edgeline.daemon.lograte``)."""
-        found = [self.unpublishable_log, self.processor.failures_log, self.shed_log]
+        found = [self.unpublishable_log, self.processor.failures_log, self.processor.evictions_log, self.shed_log]
         if self.connection is not None:
             found.append(self.connection.bad_topic_log)
         if self.delivery is not None:
