@@ -33,6 +33,7 @@ ROWS = (
     ("iphone-15-pro", "coreml", "fp16"),
     ("iphone-15-pro", "coreml", "int8-weights"),
     ("iphone-15-pro", "executorch-coreml", "fp16"),
+    ("iphone-15-pro", "executorch-xnnpack", "int8-static"),
 )
 
 
@@ -59,6 +60,8 @@ def fidelity_cell(outcome: object) -> str:
         figure += " [HTP emulator]"
     elif where and "TFLite Micro" in where:
         figure += " [TFLM, int8 model]"
+    elif where and where.startswith("LiteRT") and "vela" in where:
+        figure += " [LiteRT, int8 model]"
     return figure
 
 
@@ -70,6 +73,7 @@ def main() -> int:
     parser.add_argument("--write", type=Path, help="also write the table (markdown) here")
     args = parser.parse_args()
 
+    from edgeline.device_profiles import load_profile
     from edgeline.export.pipeline import ExportOptions, run_export
     from edgeline.export.reference import REFERENCE_MODELS, prepare
     from edgeline.export.report import TargetOutcome
@@ -78,8 +82,8 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="edgeline-accel-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = [tuple(r.split("/")) for r in args.rows] if args.rows else list(ROWS)
-    header = ("model", "profile", "target", "status", "size", "fidelity", "accel.", "quant.", "latency / estimate",
-              "notes")  # fmt: skip
+    header = ("model", "profile", "target", "status", "size", "fidelity", "accel.", "quant.", "memory",
+              "latency / estimate", "notes")  # fmt: skip
     table = [header]
     for name in args.models or sorted(REFERENCE_MODELS):
         print(f"[{name}] preparing", file=sys.stderr, flush=True)
@@ -98,7 +102,7 @@ def main() -> int:
                 outcome = report.outcomes[0]
             except Exception as exc:  # a row says what went wrong, and the table goes on
                 outcome = TargetOutcome(backend, precision, 1, status="failed", reason=f"{type(exc).__name__}: {exc}")
-            table.append(row(name, profile_id, outcome))
+            table.append(row(name, profile_id, outcome, load_profile(str(profile)).budgets))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in table]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -108,8 +112,12 @@ def main() -> int:
         title="Accelerator targets: fidelity, size, placement and the figures each can give here",
         intro=(
             "One row per reference model and device-profile target, exported with the profile's budgets. "
-            "accel./quant.: share of operators on the accelerator / computing in the integer precision "
-            "('-': no accelerator or a float precision; '?': unknown, the manifest says why). Latency: host "
+            "accel./quant.: the share of the model's work (multiply-accumulates, counted from the converted graph) "
+            "and the count of its operators on the accelerator / computing in the integer precision; '*' marks the "
+            "share the profile's budget judged ('-': no accelerator or a float precision; '?': unknown, the "
+            "manifest says why). Memory: resident memory a fresh process gains loading the bundle and running it "
+            "once on this machine (CPU targets), or TFLite Micro's arena; '-' where it does not run here as on the "
+            "device. Latency: host "
             "median (1 thread, this x86-64 machine) for CPU targets only; vela's estimate for Ethos-U (not a "
             "measurement); nothing for the HTP emulator or Core ML, whose host figures say nothing of the device."
         ),
@@ -118,12 +126,18 @@ def main() -> int:
     return 0
 
 
-def row(name: str, profile_id: str, outcome: object) -> tuple[str, ...]:
+def row(name: str, profile_id: str, outcome: object, budgets: object) -> tuple[str, ...]:
     from edgeline.export.report import TargetOutcome, shares
+    from edgeline.manifest import Budgets
 
-    assert isinstance(outcome, TargetOutcome)
+    assert isinstance(outcome, TargetOutcome) and isinstance(budgets, Budgets)
     size = f"{outcome.size_bytes / 1024:.1f} KiB" if outcome.size_bytes is not None else "-"
-    accelerator, quantized = shares(outcome)
+    accelerator, quantized = shares(outcome, budgets)
+    memory = "-"
+    if outcome.memory is not None and outcome.memory.resident_mb is not None:
+        memory = f"{outcome.memory.resident_mb:.1f} MB"
+    elif outcome.memory is not None and outcome.memory.arena_bytes is not None:
+        memory = f"arena {outcome.memory.arena_bytes / 1024:.1f} KiB"
     estimates = outcome.estimates
     if outcome.host_latency_ms is not None:
         latency = f"{outcome.host_latency_ms:.3f} ms (host)"
@@ -134,7 +148,7 @@ def row(name: str, profile_id: str, outcome: object) -> tuple[str, ...]:
         latency = "-"
     notes = (outcome.reason or "").replace("|", "/")[:160]
     return (name, profile_id, f"{outcome.backend} {outcome.precision}", outcome.status, size,
-            fidelity_cell(outcome), accelerator, quantized, latency, notes)  # fmt: skip
+            fidelity_cell(outcome), accelerator, quantized, memory, latency, notes)  # fmt: skip
 
 
 if __name__ == "__main__":

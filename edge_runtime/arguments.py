@@ -1,16 +1,17 @@
 """What every ``edgeline`` command line shares: the parser class, the logging flags and checked numbers.
 
 ``CommandParser`` is the class of the top-level parser, and argparse makes every subparser with the class of its
-parent, so each command (and each action under it, as ``profiles list``) gets the same one-line errors and the
-same ``-v``/``-q``/``--log-level``: ``edgeline -v run ...`` and ``edgeline run -v ...`` both work. Nothing heavy is
-imported here: ``edgeline --help`` reads this module.
+parent, so each command (and each action under it, as ``profiles list``) gets the same one-line errors, unknown flags
+included, and the same ``-v``/``-q``/``--log-level``: ``edgeline -v run ...`` and ``edgeline run -v ...`` both work.
+Nothing heavy is imported here: ``edgeline --help`` reads this module.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 __all__ = ["LOG_LEVELS", "CommandParser", "bounded_int"]
@@ -47,8 +48,48 @@ class CommandParser(argparse.ArgumentParser):
         level = f"one of: %(choices)s (default {DEFAULT_LOG_LEVEL})"
         levels.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL", help=level, **common)
 
+    def parse_known_args(  # type: ignore[override]  # one signature for argparse's overloads
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """What this parser does not know is refused here, by the innermost command (``edgeline verify: error:
+        unrecognized arguments: --bogus``): argparse would hand a command's leftovers up for the top level to
+        report as its own (``edgeline: error: ...``). Every parser of the command line is a ``CommandParser``."""
+        given = list(sys.argv[1:] if args is None else args)
+        self._unknown_options = self._options_unknown_in(given)
+        parsed, extras = super().parse_known_args(given, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+    def _options_unknown_in(self, given: list[str]) -> list[str]:
+        """The options of ``given`` this parser does not know (nor abbreviates), up to a command's name: what follows
+        it is the command's to judge."""
+        commands = {
+            name
+            for action in self._actions
+            if isinstance(action, argparse._SubParsersAction)
+            for name in action.choices
+        }
+        known = self._option_string_actions
+        unknown = []
+        for word in given:
+            if word == "--" or word in commands:
+                break
+            if len(word) < 2 or word[0] != "-" or " " in word or self._negative_number_matcher.match(word):
+                continue  # a value: "-" for stdin, a negative number, a quoted phrase
+            name = word.split("=", 1)[0]
+            abbreviates = name.startswith("--") and any(option.startswith(name) for option in known)
+            if name not in known and not abbreviates and word[:2] not in known:  # word[:2]: -v and -q given as -vq
+                unknown.append(word)
+        return unknown
+
     def error(self, message: str) -> NoReturn:
-        """One line, like every other mistake: ``edgeline CMD: error: ...`` (``--help`` has the usage)."""
+        """One line, like every other mistake: ``edgeline CMD: error: ...`` (``--help`` has the usage). An unknown
+        option is named first even when argparse stops at a missing required argument: it is often that argument,
+        misspelt."""
+        unknown = getattr(self, "_unknown_options", [])
+        if unknown and message.startswith("the following arguments are required"):
+            message = f"unrecognized arguments: {' '.join(unknown)} (and {message})"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -1,7 +1,7 @@
 """``edgeline bundle show``: what a bundle holds and promises, read from its verified manifest (no model is run).
 
-Inputs and outputs, an example payload for ``edgeline run``, postprocessing, fidelity, placement, size and signature
-status; ``--json`` prints the same as one JSON document. Torch-free: this is also a device's command, and
+Inputs and outputs, an example payload for ``edgeline run``, postprocessing, fidelity, placement, size, memory and
+signature status; ``--json`` prints the same as one JSON document. Torch-free: this is also a device's command, and
 registering it imports nothing heavy (``edgeline --help`` stays light).
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from edgeline.bundle import Bundle
-    from edgeline.manifest import Placement, TensorSpec
+    from edgeline.manifest import Manifest, Placement, TensorSpec
 
 __all__ = ["describe_bundle", "register"]
 
@@ -59,6 +59,18 @@ def _placement(placement: Placement | None) -> dict[str, Any] | None:
     )
 
 
+def _memory(manifest: Manifest) -> dict[str, Any]:
+    """What export measured of the model's memory (nothing, for a manifest without figures) and the profile's budget,
+    which only ``edgeline verify`` checks, on the device."""
+    memory = manifest.memory
+    figures: dict[str, Any] = (
+        {"resident_mb": None, "arena_bytes": None, "measured_with": None, "unknown": {}}
+        if memory is None
+        else memory.model_dump()
+    )
+    return dict(figures, recorded=memory is not None, max_memory_mb=manifest.budgets.max_memory_mb)
+
+
 def describe_bundle(bundle: Bundle) -> dict[str, Any]:
     """The facts ``bundle show`` prints, as plain data (numbers as numbers)."""
     from edgeline.backends import BASE_INSTALL_BACKENDS
@@ -101,6 +113,7 @@ def describe_bundle(bundle: Bundle) -> dict[str, Any]:
         "fidelity": manifest.fidelity.model_dump(),
         "placement": _placement(manifest.placement),
         "estimates": None if manifest.estimates is None else manifest.estimates.model_dump(),
+        "memory": _memory(manifest),
         "size": {
             "model_bytes": sum(entry.size for entry in manifest.model_entries),
             "bundle_bytes": sum(sizes.values()) + manifest_bytes + signature_bytes,
@@ -156,6 +169,36 @@ def _estimates_line(estimates: dict[str, Any]) -> str:
     return f"{shown} (estimated by {estimates['tool']} for {estimates['target']}; not measured)"
 
 
+_MEMORY_FIGURES = {"resident_mb": "resident", "arena_bytes": "TFLite Micro arena"}
+
+
+def _memory_line(memory: dict[str, Any]) -> str:
+    """The figures export measured, or why not; the budget is never shown as if it were checked."""
+    if not memory["recorded"]:
+        parts = ["not measured at export (the manifest has no memory figures)"]
+    else:
+        measured = ", ".join(
+            figure
+            for figure in (
+                f"{memory['resident_mb']:.1f} MB resident" if memory["resident_mb"] is not None else "",
+                f"TFLite Micro arena {memory['arena_bytes']:,} bytes" if memory["arena_bytes"] is not None else "",
+            )
+            if figure
+        )
+        tool = f" with {memory['measured_with']}" if memory["measured_with"] else ""
+        parts = [f"{measured} (measured at export{tool})"] if measured else []
+        parts += [
+            f"{_MEMORY_FIGURES.get(key, key)} not measured at export: {why}" for key, why in memory["unknown"].items()
+        ]
+    budget = memory["max_memory_mb"]
+    judged = (
+        "the profile sets no memory budget"
+        if budget is None
+        else f"profile budget {budget:,} MB, not checked: `edgeline verify` checks it on the device"
+    )
+    return "; ".join([*(parts or ["not measured at export"]), judged])
+
+
 def _postprocess_line(post: dict[str, Any]) -> str:
     line = post["kind"]
     if post["kind"] == "classify":
@@ -184,6 +227,7 @@ def format_description(info: dict[str, Any]) -> str:
         f"placement:    {_placement_line(info['placement'])}",
         f"size:         model {size['model_bytes']:,} bytes{budget}; bundle {size['bundle_bytes']:,} bytes "
         f"in {size['files']} files (sizes and sha256 verified)",
+        f"memory:       {_memory_line(info['memory'])}",
         "signature:    "
         + ("manifest.sig present, not verified (this runtime does not check signatures yet)"
            if signature["present"] else "unsigned (no manifest.sig)"),

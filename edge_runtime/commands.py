@@ -1,4 +1,5 @@
-"""``edgeline infer`` and ``edgeline verify``: run a bundle on this machine, torch-free for LiteRT bundles.
+"""``edgeline infer`` and ``edgeline verify`` (whose checks are ``edgeline.verify``): run a bundle on this machine,
+torch-free for LiteRT bundles.
 
 Registering the commands imports nothing heavy; numpy, pydantic and the runtimes load when a command runs.
 """
@@ -9,7 +10,6 @@ import argparse
 import json
 import logging
 import math
-import platform
 import statistics
 import time
 from collections import Counter
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from edgeline.arguments import bounded_int
 from edgeline.backends import RUNTIME_BACKENDS
-from edgeline.errors import BackendUnavailableError, BundleError, EdgelineError, PayloadError
+from edgeline.errors import EdgelineError, PayloadError
 
 if TYPE_CHECKING:
     from edgeline.model import Model
 
-__all__ = ["infer_payloads", "register"]
+__all__ = ["infer_payloads", "register", "runtime_output", "warn_accelerator_fallback"]
 
 PAYLOAD_SUFFIXES = (".json", ".jsonl")
 INFER_DEVICE = "infer"
@@ -76,7 +76,13 @@ def register(subparsers: Any) -> None:
     verify.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory (written by `edgeline export`)")
     verify.add_argument("--backend", choices=sorted(RUNTIME_BACKENDS), metavar="RUNTIME", help=RUNTIME_BACKEND_HELP)
     verify.add_argument("--json", action="store_true", help="print the checks and their figures as one JSON document")
-    verify.set_defaults(func=run_verify)
+    verify.set_defaults(func=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from edgeline.verify import run_verify
+
+    return run_verify(args)
 
 
 @dataclass
@@ -85,7 +91,7 @@ class _Outcome:
 
 
 @contextmanager
-def _runtime_output() -> Iterator[_Outcome]:
+def runtime_output() -> Iterator[_Outcome]:
     """What third-party code prints while a model loads and runs (LiteRT's delegate line from C on fd 2,
     ExecuTorch's warnings) is kept off the terminal: logged at debug level (``-v`` shows it), or as a warning
     when the block raises or the caller marks the outcome failed."""
@@ -150,7 +156,7 @@ def run_infer(args: argparse.Namespace) -> int:
     from edgeline.model import load
     from edgeline.samples import read_npz, sample_set
 
-    with _runtime_output():
+    with runtime_output():
         model = load(args.bundle, backend=args.backend, threads=args.threads)
     warn_accelerator_fallback(model)
     _check_infer_flags(args, model)
@@ -258,194 +264,3 @@ def infer_payloads(model: Model, path: Path, *, top_k: int = 1, as_json: bool = 
             + f" from {model.name} v{model.version} ({model.backend}, {model.manifest.precision})"
         )  # fmt: skip
     return 1 if errors else 0
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# verify: each check is a dict of figures (the --json document); the text lines are made from them
-
-
-def _golden_check(model: Model) -> dict[str, Any]:
-    import numpy as np
-
-    from edgeline.samples import read_npz
-
-    golden = model.manifest.golden
-    if golden is None:
-        return {"check": "golden", "ok": None, "samples": 0}
-    arrays = read_npz(model.bundle.file(golden.path), "golden")
-    try:
-        inputs = [arrays[f"input_{i}"] for i in range(len(model.inputs))]
-        expected = [arrays[f"output_{j}"] for j in range(len(model.outputs))]
-    except KeyError as exc:
-        raise BundleError(f"{model.bundle.path}: golden.npz lacks {exc.args[0]}") from exc
-    if golden.reference == "float":
-        return _fidelity_check(model, inputs, expected, golden.samples)
-    worst = 0.0
-    mismatched = 0
-    for i in range(golden.samples):
-        outputs = model.predict(*(a[i : i + 1] for a in inputs))
-        ok = True
-        for j, (got, want) in enumerate(zip(outputs, expected, strict=True)):
-            want_i = want[i : i + 1].reshape(got.shape)
-            worst = max(worst, float(np.abs(got - want_i).max()))
-            ok &= bool(np.allclose(got, want_i, rtol=golden.rtol, atol=golden.atol[j]))
-        mismatched += not ok
-    return {
-        "check": "golden",
-        "ok": mismatched == 0,
-        "samples": golden.samples,
-        "mismatched_samples": mismatched,
-        "max_abs_error": worst,
-        "atol": list(golden.atol),
-        "rtol": golden.rtol,
-    }
-
-
-def _fidelity_check(model: Model, inputs: list[Any], expected: list[Any], samples: int) -> dict[str, Any]:
-    """The bundle against the float model's outputs in golden.npz (a bundle nothing at export could run), judged as
-    export judges a measured bundle: top-1 disagreement against max_accuracy_drop for a classifier, else the
-    cosine similarity against min_cosine; with neither, figures only."""
-    import numpy as np
-
-    worst, cosines, agree = 0.0, [], 0
-    for i in range(samples):
-        outputs = model.predict(*(a[i : i + 1] for a in inputs))
-        for got, want in zip(outputs, expected, strict=True):
-            want_i = np.asarray(want[i : i + 1], np.float64).reshape(got.shape)
-            worst = max(worst, float(np.abs(got - want_i).max()))
-            norms = float(np.linalg.norm(got) * np.linalg.norm(want_i))
-            cosines.append(float(np.dot(got.ravel(), want_i.ravel()) / norms) if norms else 1.0)
-        agree += int(np.argmax(outputs[0]) == np.argmax(expected[0][i]))
-    budgets = model.manifest.budgets
-    check: dict[str, Any] = {
-        "check": "fidelity",
-        "reference": "float",
-        "samples": samples,
-        "max_abs_error": worst,
-        "cosine_min": min(cosines),
-        "top1_agreement": None,
-        "ok": None,
-    }
-    if model.manifest.postprocess.kind == "classify":
-        check["top1_agreement"] = agree / samples
-        check["budget"] = f"top-1 disagreement <= {budgets.max_accuracy_drop:g}%"
-        check["ok"] = (1.0 - agree / samples) * 100.0 <= budgets.max_accuracy_drop
-    elif budgets.min_cosine is not None:
-        check["budget"] = f"cosine >= {budgets.min_cosine:g}"
-        check["ok"] = check["cosine_min"] >= budgets.min_cosine
-    return check
-
-
-def _latency_check(model: Model) -> dict[str, Any]:
-    import numpy as np
-
-    from edgeline.timing import median_latency_ms
-
-    sample = [np.zeros(spec.shape, dtype=np.float32) for spec in model.inputs]
-    median = median_latency_ms(model, sample, runs=100)
-    budget = model.manifest.budgets.max_latency_ms
-    return {
-        "check": "latency",
-        # an emulator's speed says nothing about the device's: measured, shown, never held against the budget
-        "ok": None if budget is None or model.emulator is not None else median <= budget,
-        "emulator": model.emulator,
-        "median_ms": median,
-        "budget_ms": budget,
-        "profile": model.manifest.profile,
-        "machine": platform.machine(),
-        "threads": model.threads,
-        "manifest_threads": model.manifest.threads,
-    }
-
-
-def _describe(check: dict[str, Any]) -> str:
-    """One line of text for a check."""
-    kind = check["check"]
-    if kind == "integrity":
-        return f"integrity: {check['files']} files ({check['bytes']} bytes) match their sizes and sha256"
-    if kind == "load":
-        where = f" on {check['accelerator']}" if check.get("accelerator") else ""
-        fallback = (
-            f" (WARNING: accelerator fallback: {check['accelerator_fallback']})"
-            if check.get("accelerator_fallback")
-            else ""
-        )
-        return f"load: {check['backend']} opened {check['model']}{where}{fallback}"
-    if kind == "fidelity":
-        agreement = f", top-1 agreement {check['top1_agreement']:.1%}" if check["top1_agreement"] is not None else ""
-        judged = f"budget {check['budget']}" if "budget" in check else "no budget applies (raw outputs, no min_cosine)"
-        return (
-            f"fidelity against the float model (golden.npz): {check['samples']} samples, max |error| "
-            f"{check['max_abs_error']:.3g}, cosine min {check['cosine_min']:.4f}{agreement}; {judged}"
-        )
-    if kind == "golden":
-        if check["ok"] is None:
-            return "golden self-test: not verified: the bundle has no golden.npz"
-        mismatched = f", {check['mismatched_samples']} outside it" if check["mismatched_samples"] else ""
-        return (
-            f"golden self-test: {check['samples']} samples, max |error| {check['max_abs_error']:.3g} "
-            f"(tolerance {max(check['atol']):.3g}{mismatched})"
-        )
-    where = (
-        f"latency: median {check['median_ms']:.3f} ms on this machine ({check['machine']}, {check['threads']} "
-        f"thread(s), the bundle asks for {check['manifest_threads']})"
-    )
-    if check.get("emulator"):
-        return f"{where} on {check['emulator']}: not the device's speed, not checked against the budget"
-    if check["budget_ms"] is None:
-        return f"{where}; the profile sets no latency budget"
-    return f"{where}; {check['profile']} budget {check['budget_ms']:g} ms"
-
-
-def run_verify(args: argparse.Namespace) -> int:
-    from edgeline.bundle import read_bundle
-    from edgeline.model import load
-
-    bundle = read_bundle(args.bundle)
-    manifest = bundle.manifest
-    integrity = {
-        "check": "integrity",
-        "ok": True,
-        "files": len(manifest.files),
-        "bytes": sum(entry.size for entry in manifest.files),
-    }
-    with _runtime_output() as outcome:
-        try:
-            model = load(args.bundle, backend=args.backend)
-        except BackendUnavailableError as exc:  # e.g. a Core ML bundle on Linux: say what was checked, then why not
-            raise BackendUnavailableError(
-                f"{integrity['files']} files match their sizes and sha256, but the model cannot run here: {exc}"
-            ) from exc
-        checks = [
-            integrity,
-            {
-                "check": "load",
-                "ok": True,
-                "backend": model.backend,
-                "model": manifest.model,
-                "accelerator": model.accelerator,
-                "accelerator_fallback": model.accelerator_fallback,
-            },
-            _golden_check(model),
-            _latency_check(model),
-        ]
-        passed = all(check["ok"] is not False for check in checks)
-        outcome.failed = not passed
-    warn_accelerator_fallback(model)
-    if args.json:
-        report = {
-            "bundle": str(args.bundle),
-            "name": manifest.name,
-            "version": manifest.version,
-            "backend": model.backend,
-            "precision": manifest.precision,
-            "ok": passed,
-            "checks": checks,
-        }
-        print(json.dumps(report, indent=2))
-    else:
-        for check in checks:
-            status = {True: "ok", False: "FAIL", None: "n/a"}[check["ok"]]
-            print(f"{status:4}  {_describe(check)}")
-        print(f"{manifest.name} v{manifest.version}: {'verified' if passed else 'FAILED'}")
-    return 0 if passed else 1

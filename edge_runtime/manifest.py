@@ -16,11 +16,13 @@ from edgeline.device_profiles.schema import Budgets
 __all__ = [
     "SCHEMA_VERSION",
     "Budgets",
+    "Device",
     "Estimates",
     "Fidelity",
     "FileEntry",
     "Golden",
     "Manifest",
+    "Memory",
     "Placement",
     "Postprocess",
     "Preprocess",
@@ -185,6 +187,11 @@ class Placement(_Frozen):
     ops: int | None = Field(default=None, ge=0)
     accelerator_ops: int | None = Field(default=None, ge=0)
     quantized_ops: int | None = Field(default=None, ge=0)
+    macs: int | None = Field(default=None, ge=0)
+    """The model's work: multiply-accumulates of convolutions, fully connected layers and matrix products, plus one
+    per output element of every other operator (the same operators ``ops`` counts)."""
+    accelerator_macs: int | None = Field(default=None, ge=0)
+    quantized_macs: int | None = Field(default=None, ge=0)
     fallback: dict[str, int] = Field(default_factory=dict)
     unknown: dict[str, str] = Field(default_factory=dict)
 
@@ -206,10 +213,15 @@ class Placement(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> Placement:
-        for key in ("accelerator_ops", "quantized_ops"):
-            value = getattr(self, key)
-            if value is not None and self.ops is not None and value > self.ops:
-                raise ValueError(f"{key} ({value}) is more than ops ({self.ops})")
+        for key, total in (
+            ("accelerator_ops", "ops"),
+            ("quantized_ops", "ops"),
+            ("accelerator_macs", "macs"),
+            ("quantized_macs", "macs"),
+        ):
+            value, whole = getattr(self, key), getattr(self, total)
+            if value is not None and whole is not None and value > whole:
+                raise ValueError(f"{key} ({value}) is more than {total} ({whole})")
         return self
 
     @property
@@ -224,18 +236,35 @@ class Placement(_Frozen):
             return None
         return self.quantized_ops / self.ops
 
+    @property
+    def accelerator_macs_share(self) -> float | None:
+        """The share of the model's work on the accelerator (what a share budget judges when it is known)."""
+        if self.accelerator is None or self.accelerator_macs is None or not self.macs:
+            return None
+        return self.accelerator_macs / self.macs
+
+    @property
+    def quantized_macs_share(self) -> float | None:
+        if self.quantized_macs is None or not self.macs:
+            return None
+        return self.quantized_macs / self.macs
+
     def describe(self) -> str:
         """One line: the shares, the fallback, and why any figure is unknown."""
 
         def share(count: int | None, key: str, what: str) -> str:
             if count is None:
                 return f"{what} unknown ({self.unknown.get(key, 'not recorded')})"
-            return f"{what} {count}/{self.ops}" + (f" ({count / self.ops:.0%})" if self.ops else "")
+            text = f"{what} {count}/{self.ops} ops" + (f" ({count / self.ops:.0%})" if self.ops else "")
+            work = getattr(self, key.replace("_ops", "_macs"))
+            if work is not None and self.macs:
+                text += f", {work / self.macs:.1%} of the work"
+            return text
 
         if self.ops is None:
             parts = [f"operators unknown ({self.unknown.get('ops', 'not recorded')})"]
         else:
-            parts = [f"{self.ops} ops"]
+            parts = [f"{self.ops} ops" + (f", {_count(self.macs)} MACs" if self.macs is not None else "")]
             if self.accelerator is None:
                 parts.append("no accelerator (the CPU runs them)")
             else:
@@ -247,6 +276,36 @@ class Placement(_Frozen):
             shown = ", ".join(f"{op} x{count}" for op, count in items[:8])
             parts.append(f"fallback: {shown}" + (f" and {len(items) - 8} more" if len(items) > 8 else ""))
         return "; ".join(parts)
+
+
+class Memory(_Frozen):
+    """What the bundle's model needs at run time, measured at export where it can be (never estimated).
+
+    ``resident_mb``: the resident memory (RSS) loading the model and running it once adds to a process, on the
+    export machine with the bundle's runtime; ``arena_bytes``: TFLite Micro's tensor arena (what a microcontroller
+    reserves in SRAM). A figure that cannot be measured is null and ``unknown`` says why, keyed by the field's name.
+    """
+
+    resident_mb: float | None = Field(default=None, ge=0)
+    arena_bytes: int | None = Field(default=None, ge=0)
+    measured_with: str | None = None
+    unknown: dict[str, str] = Field(default_factory=dict)
+
+
+class Device(_Frozen):
+    """The kind of machine the bundle was exported for, as its profile names it: what ``verify`` compares the machine
+    it runs on with before holding a figure against a device budget (latency)."""
+
+    arch: str  # the profile's cpu.arch: uname -m, or "armv8.1-m" for a Cortex-M55 class microcontroller
+    cpu: str  # the profile's cpu.name, e.g. "Cortex-A76"
+
+
+def _count(value: int) -> str:
+    """1234567 -> "1.23 M": the size of a figure at a glance."""
+    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= limit:
+            return f"{value / limit:.3g} {suffix}"
+    return str(value)
 
 
 class Estimates(_Frozen):
@@ -286,6 +345,8 @@ class Manifest(_Frozen):
     runtime: RuntimeRequirement
     placement: Placement | None = None
     estimates: Estimates | None = None
+    memory: Memory | None = None
+    device: Device | None = None
     export: dict[str, str] = Field(default_factory=dict)
 
     @property

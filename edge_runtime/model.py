@@ -165,6 +165,19 @@ class Model:
         return f"built for {wanted} but running on {found}" + (f": {reason}" if reason else "")
 
     @property
+    def model_file(self) -> str:
+        """The bundle's file the runtime runs: the manifest's model, or the int8 model an Ethos-U bundle runs on the
+        CPU where the NPU is absent."""
+        path = getattr(self._session, "model_path", None)
+        return path.name if isinstance(path, Path) else self.manifest.model
+
+    @property
+    def arena_bytes(self) -> int | None:
+        """The tensor arena the runtime used for the model (TFLite Micro's), or None where a runtime has none."""
+        used = getattr(self._session, "arena_used_bytes", None)
+        return used() if callable(used) else None
+
+    @property
     def emulator(self) -> str | None:
         """What emulates the accelerator here (e.g. the QNN HTP emulator on x86-64), or None: its timings say
         nothing about the device."""

@@ -70,17 +70,32 @@ def _as_samples(array: np.ndarray, spec: TensorSpec, where: str) -> np.ndarray:
 def match_inputs(
     arrays: dict[str, np.ndarray], names: Sequence[str] | None, source: str, *, taker: str = "the model"
 ) -> tuple[list[str], list[np.ndarray], np.ndarray | None]:
-    """The one way sample files meet a model: ``labels`` split off, the other arrays in the order of the input
-    ``names`` when they carry exactly those names, else in file order (``names`` None: any number of them).
-    Returns the keys, the arrays and the labels."""
+    """The one way sample files meet a model: ``labels`` split off, the other arrays taken by name, in the order of
+    the input ``names``. Arrays saved unnamed (numpy's ``arr_0``, ``arr_1``, ...) are taken by the position in
+    their names; any other names that differ from the inputs' are refused, naming both lists (``names`` None: the
+    model does not name its inputs, so any names, in file order). Returns the keys, the arrays and the labels."""
     labels = arrays.get(LABELS_KEY)
     data = {key: value for key, value in arrays.items() if key != LABELS_KEY}
-    if names is not None and len(data) != len(names):
-        raise PayloadError(
-            f"{source}: holds {len(data)} input arrays ({', '.join(data) or 'none'}) "
-            f"but {taker} takes {len(names)} ({', '.join(names)})"
-        )
-    keys = list(names) if names is not None and set(data) == set(names) else list(data)
+    if names is None:
+        keys = list(data)
+    else:
+        if len(data) != len(names):
+            raise PayloadError(
+                f"{source}: holds {len(data)} input arrays ({', '.join(data) or 'none'}) "
+                f"but {taker} takes {len(names)} ({', '.join(names)})"
+            )
+        unnamed = [f"arr_{index}" for index in range(len(names))]
+        if set(data) == set(names):
+            keys = list(names)
+        elif set(data) == set(unnamed):
+            keys = unnamed
+        else:
+            example = ", ".join(f"{name}=..." for name in names)
+            raise PayloadError(
+                f"{source}: array names ({', '.join(data)}) differ from the inputs {taker} takes "
+                f"({', '.join(names)}); name each array after its input, e.g. np.savez(path, {example}), "
+                f"or save them unnamed in that order ({', '.join(unnamed)})"
+            )
     return keys, [data[key] for key in keys], class_indices(labels, source)
 
 

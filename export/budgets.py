@@ -6,9 +6,9 @@ Host timings are never held against a device budget: latency is checked on the d
 from __future__ import annotations
 
 from edgeline.device_profiles import Budgets, Precision
-from edgeline.manifest import Fidelity, Placement
+from edgeline.manifest import Fidelity, Memory, Placement
 
-__all__ = ["budget_violations"]
+__all__ = ["budget_violations", "judged_share"]
 
 
 def budget_violations(
@@ -17,11 +17,21 @@ def budget_violations(
     fidelity: Fidelity,
     placement: Placement | None = None,
     precision: Precision | None = None,
+    memory: Memory | None = None,
 ) -> list[str]:
-    """Plain-language reasons this target misses the budgets; empty when it meets them."""
+    """Plain-language reasons this target misses the budgets; empty when it meets them. A memory figure that could
+    not be measured is not held against ``max_memory_mb`` (the manifest says why; verify checks it on the device)."""
     found = []
     if budgets.max_model_bytes is not None and size_bytes > budgets.max_model_bytes:
         found.append(f"model size {size_bytes} B > budget {budgets.max_model_bytes} B")
+    if budgets.max_memory_mb is not None and memory is not None:
+        if memory.resident_mb is not None and memory.resident_mb > budgets.max_memory_mb:
+            found.append(
+                f"resident memory {memory.resident_mb:.1f} MB ({memory.measured_with}) "
+                f"> budget {budgets.max_memory_mb} MB"
+            )
+        if memory.arena_bytes is not None and memory.arena_bytes > budgets.max_memory_mb * 2**20:
+            found.append(f"TFLite Micro arena {memory.arena_bytes} B > budget {budgets.max_memory_mb} MB")
     found.extend(_placement_violations(budgets, placement, precision))
     if fidelity.status != "measured":
         return found
@@ -55,31 +65,53 @@ def _fallback(placement: Placement) -> str:
     return f" (fell back: {shown}{f' and {len(items) - 6} more' if len(items) > 6 else ''})" if items else ""
 
 
+def judged_share(placement: Placement, kind: str) -> tuple[float | None, str]:
+    """The share a ``min_{kind}_share`` budget judges (kind: "accelerator" or "quantized") and what it is: the share of
+    the model's work (multiply-accumulates) when that was counted, else the share of its operators."""
+    by_work = getattr(placement, f"{kind}_macs_share")
+    if by_work is not None:
+        return by_work, "work"
+    return getattr(placement, f"{kind}_share"), "ops"
+
+
+def _share_text(placement: Placement, kind: str, where: str) -> str:
+    """E.g. "99.9% of the work (1.7 M of 1.7 M MACs; 7/8 ops) on ethos-u"."""
+    count = getattr(placement, f"{kind}_ops")
+    share, measure = judged_share(placement, kind)
+    assert share is not None
+    ops = f"{count}/{placement.ops} ops"
+    if measure == "work":
+        return f"{share:.1%} of the work ({getattr(placement, f'{kind}_macs')}/{placement.macs} MACs; {ops}) {where}"
+    why = placement.unknown.get("macs", "not recorded")
+    return f"{ops} {where} ({share:.0%}; the work is unknown: {why})"
+
+
 def _placement_violations(budgets: Budgets, placement: Placement | None, precision: Precision | None) -> list[str]:
-    """The accelerator and quantized shares against the profile's minimums. An unknown share never passes a
-    budget that asks for one: it is named as unknown, with the reason."""
+    """The accelerator and quantized shares against the profile's minimums: the share of the work when it was
+    counted, else of the operators (the reason says which). An unknown share never passes a budget that asks for
+    one: it is named as unknown, with the reason."""
     found = []
     wanted = budgets.min_accelerator_share
     if wanted is not None and placement is not None and placement.accelerator is not None:
-        share = placement.accelerator_share
+        share, _ = judged_share(placement, "accelerator")
         if share is None:
             why = placement.unknown.get("accelerator_ops", "not recorded")
             found.append(f"share on {placement.accelerator} unknown ({why}); budget >= {wanted:.0%}")
         elif share < wanted:
             found.append(
-                f"{placement.accelerator_ops}/{placement.ops} ops on {placement.accelerator} ({share:.0%}) "
+                f"{_share_text(placement, 'accelerator', f'on {placement.accelerator}')} "
                 f"< budget {wanted:.0%}{_fallback(placement)}"
             )
     wanted = budgets.min_quantized_share
     if wanted is not None and precision is not None and precision.integer:
-        share = placement.quantized_share if placement is not None else None
+        share, _ = judged_share(placement, "quantized") if placement is not None else (None, "ops")
         if share is None:
             why = placement.unknown.get("quantized_ops", "not recorded") if placement else "placement not recorded"
             found.append(f"quantized share unknown ({why}); budget >= {wanted:.0%}")
         elif share < wanted:
             assert placement is not None
             found.append(
-                f"{placement.quantized_ops}/{placement.ops} ops in {precision.value} ({share:.0%}) "
+                f"{_share_text(placement, 'quantized', f'in {precision.value}')} "
                 f"< budget {wanted:.0%}{_fallback(placement)}"
             )
     return found

@@ -1,10 +1,14 @@
-"""Running one export backend, and turning a converter's failure into an error that names the operator."""
+"""Running one export backend, and turning a converter's failure into an error that names the operator; checking
+once that torch.export, every backend's first step, captures the model; and saying why one target failed."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sysconfig
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,12 +16,21 @@ from typing import Any
 from edgeline.device_profiles import Precision, Target
 from edgeline.errors import EdgelineError
 from edgeline.export.backends import EXPORT_BACKENDS, ExportedModel, ExportRequest, get_exporter, operators_named_in
-from edgeline.export.errors import ExportError, LoweringError
+from edgeline.export.errors import ExportError, LoweringError, TraceError
 from edgeline.export.loading import LoadedModel
 from edgeline.native_output import capture_native_output
 from edgeline.samples import SampleSet
 
-__all__ = ["Culprit", "convert", "find_culprit", "with_alternatives"]
+__all__ = [
+    "Culprit",
+    "check_traceable",
+    "convert",
+    "failure_reason",
+    "find_culprit",
+    "node_culprit",
+    "target_error",
+    "with_alternatives",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +55,7 @@ def _source_line(stack_trace: str | None) -> str | None:
     return None
 
 
-def _node_culprit(node: Any, operator: str | None = None) -> Culprit:
+def node_culprit(node: Any, operator: str | None = None) -> Culprit:
     meta = getattr(node, "meta", {}) or {}
     modules = meta.get("nn_module_stack") or {}
     module = None
@@ -70,12 +83,12 @@ def find_culprit(exc: BaseException) -> Culprit | None:
             nodes = getattr(value, "nodes", None)
             if source is not None and isinstance(nodes, list) and nodes and isinstance(nodes[0], torch.fx.Node):
                 qualified = f"{getattr(source, '__module__', '')}.{getattr(source, '__qualname__', source)}"
-                return _node_culprit(
+                return node_culprit(
                     nodes[0], operator=qualified.lstrip(".").replace("torch.nn.modules.rnn", "torch.nn")
                 )
         for value in frame.f_locals.values():
             if isinstance(value, torch.fx.Node) and value.op == "call_function":
-                return _node_culprit(value)
+                return node_culprit(value)
     return None
 
 
@@ -177,3 +190,83 @@ def with_alternatives(
     if others:
         hints.append(f"{failed.backend} converts it at {', '.join(others)}")
     return LoweringError(f"{exc}; {'; '.join(hints)}", operators=exc.operators)
+
+
+def _model_line(exc: BaseException) -> str | None:
+    """``file.py:42 (code)``: the innermost frame of the failing call that is neither torch's, the standard library's
+    nor this module's (the model's forward, or a library it calls); else the user frame torch's message names."""
+    import torch
+
+    library = (str(Path(torch.__file__).parent) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+    frames = [(f.filename, f.lineno, f.line or "") for f in traceback.extract_tb(exc.__traceback__)]
+    named = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', str(exc))
+    for path, line, code in [*reversed(frames), *reversed(named)]:
+        if path != __file__ and not path.startswith(("<", *library)) and line is not None:
+            return f"{path}:{line} ({code.strip()})" if code.strip() else f"{path}:{line}"
+    return None
+
+
+def check_traceable(module: Any, example_inputs: tuple[Any, ...]) -> None:
+    """Every exporter starts from ``torch.export.export(module, example_inputs)``. A forward that decides on a
+    tensor's value in Python (a loop, a branch, ``int()`` of a tensor) fails that step, so every target alike: a
+    ``TraceError`` naming the model's line, before any target is tried. Any other failure here is left to the
+    targets, which name their backend and operator."""
+    import torch
+    from torch._dynamo.exc import UserError
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    error: Exception | None = None
+    with capture_native_output() as captured:  # torch logs the partial graph and a warning while failing
+        try:
+            torch.export.export(module, example_inputs)
+        except Exception as exc:
+            error = exc
+    if captured.text.strip():
+        logger.debug("torch.export printed while tracing the model:\n%s", captured.text.strip())
+    if error is None:
+        return
+    if not isinstance(error, GuardOnDataDependentSymNode | UserError):
+        logger.debug("torch.export failed on the model; each target reports it", exc_info=error)
+        return
+    line = _model_line(error)
+    where = f" at {line}" if line else ""
+    # The first line, without torch's symbolic restatement of the same expression
+    first = re.sub(r"\s*\(unhinted:.*", "", _first_line(error))
+    if isinstance(error, GuardOnDataDependentSymNode):
+        raise TraceError(
+            f"the model's forward decides on a tensor's value in Python{where}, which torch.export (every target's "
+            f"first step) cannot capture: {first}; no target was tried. Make the loop count or the branch "
+            "independent of the input's values: tensor operations (torch.where, masks) or torch.cond"
+        ) from error
+    raise TraceError(
+        f"torch.export (every target's first step) cannot capture the model{where}: {first}; no target was tried"
+    ) from error
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def failure_reason(exc: Exception, staging: Path) -> str:
+    """Why one target failed, in one line for its row of the report: an error of ours as it says it, anyone else's
+    (a converter's RuntimeError, ...) as its type and first line. The target was staged in ``staging``, deleted by
+    the time anyone reads this: a path inside it becomes the bundle's file name, the folder itself "the bundle"."""
+    text = str(exc).strip() if isinstance(exc, EdgelineError) else f"{type(exc).__name__}: {_first_line(exc)}"
+    for folder in sorted({str(staging), str(staging.absolute()), str(staging.resolve())}, key=len, reverse=True):
+        text = text.replace(folder + os.sep, "").replace(folder, "the bundle")
+    return text or type(exc).__name__
+
+
+def target_error(
+    exc: Exception, reason: str, target: Target, loaded: LoadedModel, calibration: SampleSet, profile: Any
+) -> ExportError:
+    """The error to raise when the one target the user named (``--backend`` and ``--precision``) failed with
+    ``exc``, ``reason`` being :func:`failure_reason`: an ExportError as it was (unless its message named the
+    staging folder); a converter's failure with the backends and precisions that do convert the model; anything
+    else (a runtime refusing the model, ...) as an ExportError naming the target."""
+    if isinstance(exc, LoweringError):
+        return with_alternatives(LoweringError(reason, operators=exc.operators), target, loaded, calibration, profile)
+    if isinstance(exc, ExportError) and reason == str(exc):
+        return exc
+    return ExportError(f"{target.backend} {target.precision.value}: {reason}")

@@ -3,6 +3,7 @@
 ExportError
 ├── ModelLoadError      MODEL could not be imported, called, or did not give a torch.nn.Module
 ├── CalibrationError    sample files that do not match the model
+├── TraceError          torch.export, every target's first step, cannot capture the model (names the model's line)
 ├── LoweringError       a backend could not convert the model (names the operator when it can)
 └── BudgetError         no target met the profile's budgets
 """
@@ -19,6 +20,7 @@ __all__ = [
     "ExportError",
     "LoweringError",
     "ModelLoadError",
+    "TraceError",
     "require_export_extra",
 ]
 
@@ -43,6 +45,10 @@ class ModelLoadError(ExportError):
 
 class CalibrationError(ExportError):
     pass
+
+
+class TraceError(ExportError):
+    """The model fails every target alike (its forward decides on a tensor's value in Python): no target is tried."""
 
 
 class LoweringError(ExportError):

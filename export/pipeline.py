@@ -12,6 +12,7 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import platform
 import re
 import shutil
 import time
@@ -26,17 +27,18 @@ from edgeline import bundle as bundle_io
 from edgeline.backends import open_session
 from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
-from edgeline.export.backends import EXPORT_BACKENDS, ExportRequest, Verification
+from edgeline.export.backends import EXPORT_BACKENDS, ExportedModel, ExportRequest, Verification
 from edgeline.export.budgets import budget_violations
 from edgeline.export.calibration import check_model_runs, load_model_samples
-from edgeline.export.conversion import convert, with_alternatives
-from edgeline.export.errors import BudgetError, CalibrationError, ExportError, LoweringError
+from edgeline.export.conversion import check_traceable, convert, failure_reason, target_error
+from edgeline.export.errors import BudgetError, CalibrationError, ExportError
 from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
 from edgeline.export.loading import LoadedModel, load_model
+from edgeline.export.memory import measure_memory, not_measured
 from edgeline.export.progress import Progress, Silent
 from edgeline.export.report import ExportReport, TargetOutcome
 from edgeline.export.staging import write_bundle, write_float_golden, write_golden
-from edgeline.manifest import NAME_PATTERN, Fidelity, Postprocess
+from edgeline.manifest import NAME_PATTERN, Device, Fidelity, Memory, Postprocess
 from edgeline.model import load
 from edgeline.native_output import capture_native_output
 from edgeline.postprocess import interpret
@@ -249,19 +251,38 @@ def _try_target(
         manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
         with _runtime_quiet():  # the final bundle must verify exactly as a device will read it
             load(staging, backend=check.backend, model_file=check.model_file, threads=1)
-    size = sum(entry.size for entry in manifest.files if entry.path != "golden.npz")
+    memory = _memory(staging, exported, check, profile)
+    manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=manifest.golden, memory=memory))
+    counted = exported.flash_files
+    size = sum(e.size for e in manifest.files if e.path != "golden.npz" and (counted is None or e.path in counted))
     outcome.size_bytes = size
     outcome.fidelity = fidelity
     outcome.placement = exported.placement
     outcome.estimates = exported.estimates
     outcome.host_latency_ms = latency
     outcome.seconds = time.perf_counter() - start
-    violations = budget_violations(profile.budgets, size, fidelity, exported.placement, target.precision)
+    outcome.memory = memory
+    violations = budget_violations(profile.budgets, size, fidelity, exported.placement, target.precision, memory)
     if violations:
         outcome.status = "rejected"
         outcome.reason = "; ".join(violations)
     else:
         outcome.status = "selected"
+
+
+def _memory(staging: Path, exported: ExportedModel, check: Verification, profile: Profile) -> Memory:
+    """What the bundle needs in memory, where this machine runs it as the device does: the bundle's model on its
+    own runtime (a process's resident memory), or TFLite Micro for a microcontroller (its arena)."""
+    host = f"{platform.machine()} ({platform.system()})"
+    if check.backend == "tflite-micro":
+        memory = measure_memory(staging, "tflite-micro", check.model_file, f"TFLite Micro on {host}")
+        unknown = {k: v for k, v in memory.unknown.items() if k != "resident_mb"}
+        unknown["resident_mb"] = "a microcontroller runs no process: its figure is the arena"
+        return memory.model_copy(update={"resident_mb": None, "unknown": unknown})
+    if exported.verification is not None or check.backend is None:
+        why = check.measured_with or check.reason or "no runtime here runs it"
+        return not_measured(f"the bundle's model does not run here as on the device ({why})")
+    return measure_memory(staging, exported.runtime_backend, None, f"{exported.runtime_backend} on {host}")
 
 
 def run_export(options: ExportOptions, progress: Progress | None = None) -> ExportReport:
@@ -288,10 +309,14 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
     )
     outputs = check_model_runs(loaded, calibration)
     post = _postprocess(options, loaded, calibration, validation, outputs)
+    progress("tracing the model with torch.export")
+    check_traceable(loaded.module, tuple(torch.from_numpy(a) for a in calibration.sample(0)))
     role = "validation" if options.validation else "calibration"
     progress(f"running the float model on {len(validation)} {role} samples")
     reference = run_float(loaded.module, validation, progress)
-    report = ExportReport(name=name, profile=profile.id, out=out, validation=options.validation)
+    report = ExportReport(
+        name=name, profile=profile.id, out=out, validation=options.validation, budgets=profile.budgets
+    )
     report.outcomes = [TargetOutcome(t.backend, t.precision.value, t.threads) for t in targets]
     common: dict[str, Any] = {
         "name": name,
@@ -300,6 +325,7 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
         "profile": profile.id,
         "postprocess": post,
         "budgets": profile.budgets,
+        "device": Device(arch=profile.cpu.arch, cpu=profile.cpu.name),
         # PYTHONHASHSEED: "0" from the command line (which pins it); other values when called as a library
         "export": {
             "source": loaded.source,
@@ -327,14 +353,17 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
                     staging,
                     progress,
                 )
-            except LoweringError as exc:
+            except MemoryError:
+                raise
+            except Exception as exc:  # whatever fails inside one target (a runtime refusing its model, ...) is its own
+                logger.debug("%s %s failed", target.backend, target.precision.value, exc_info=exc)
+                reason = failure_reason(exc, staging)
                 if explicit:
-                    raise with_alternatives(exc, target, loaded, calibration, profile) from exc
-                outcome.status, outcome.reason = "failed", str(exc)
-            except ExportError as exc:
-                if explicit:
-                    raise
-                outcome.status, outcome.reason = "failed", str(exc)
+                    error = target_error(exc, reason, target, loaded, calibration, profile)
+                    if error is exc:
+                        raise
+                    raise error from exc
+                outcome.status, outcome.reason = "failed", reason
             if outcome.status == "selected":
                 if report.selected is not outcome:  # an earlier target was picked: this one only passed (--all)
                     outcome.status = "passed"

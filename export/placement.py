@@ -18,6 +18,7 @@ The rules, the same for every format:
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -30,7 +31,7 @@ import numpy as np
 from edgeline.device_profiles import Precision
 from edgeline.manifest import Placement
 
-__all__ = ["OpRecord", "executorch_placement", "placement_of", "tflite_placement"]
+__all__ = ["OpRecord", "executorch_placement", "fx_macs", "placement_of", "tflite_macs", "tflite_placement"]
 
 TFLITE_CONVERSIONS = frozenset({"QUANTIZE", "DEQUANTIZE"})
 _FLOAT = frozenset({np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)})
@@ -39,15 +40,22 @@ _INTEGER_WEIGHTS = frozenset({np.dtype(np.int8), np.dtype(np.uint8), np.dtype(np
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One operator of a converted model: its name, whether an accelerator runs it, whether it is quantized."""
+    """One operator of a converted model: its name, whether an accelerator runs it, whether it is quantized, and
+    its work in multiply-accumulates (``macs``; None when the graph does not give the shapes to count it)."""
 
     name: str
     on_accelerator: bool
     quantized: bool
+    macs: int | None = None
+    output: str = ""  # the name of its first output tensor, where the format names tensors
 
 
-def placement_of(records: Iterable[OpRecord], precision: Precision, accelerator: str | None) -> Placement:
-    """The manifest's placement from per-operator records (conversions already left out)."""
+def placement_of(
+    records: Iterable[OpRecord], precision: Precision, accelerator: str | None, macs_unknown: str | None = None
+) -> Placement:
+    """The manifest's placement from per-operator records (conversions already left out). The work figures are
+    recorded when every operator's is known; otherwise ``unknown`` says why (``macs_unknown``, or the operators
+    whose work could not be counted)."""
     records = list(records)
     fallback: Counter[str] = Counter()
     for record in records:
@@ -55,13 +63,60 @@ def placement_of(records: Iterable[OpRecord], precision: Precision, accelerator:
         in_float = precision.integer and not record.quantized
         if off or in_float:
             fallback[record.name] += 1
+    uncounted = sorted({r.name for r in records if r.macs is None})
+    unknown: dict[str, str] = {}
+    if macs_unknown is None and uncounted:
+        macs_unknown = f"the converted graph does not give the shapes of {', '.join(uncounted[:5])}"
+    if macs_unknown is not None:
+        unknown = {"macs": macs_unknown}
+    counted = macs_unknown is None
     return Placement(
         accelerator=accelerator,
         ops=len(records),
         accelerator_ops=sum(r.on_accelerator for r in records) if accelerator is not None else None,
         quantized_ops=sum(r.quantized for r in records) if precision.integer else None,
+        macs=sum(r.macs or 0 for r in records) if counted else None,
+        accelerator_macs=sum(r.macs or 0 for r in records if r.on_accelerator)
+        if counted and accelerator is not None
+        else None,
+        quantized_macs=sum(r.macs or 0 for r in records if r.quantized) if counted and precision.integer else None,
         fallback=dict(sorted(fallback.items())),
+        unknown=unknown,
     )
+
+
+# Operators whose work is multiply-accumulates over a reduction axis; every other operator counts one per output
+# element (an element-wise operation, an activation, a pooling or a copy).
+def tflite_macs(name: str, inputs: list[tuple[int, ...] | None], outputs: list[tuple[int, ...] | None]) -> int | None:
+    """The multiply-accumulates of one LiteRT operator from its tensors' shapes (inputs in the operator's order,
+    -1 indices left out as None); None when a shape it needs is missing."""
+    out = outputs[0] if outputs else None
+    if out is None:
+        return None
+    elements = int(np.prod(out, dtype=np.int64))
+    weight = inputs[1] if len(inputs) > 1 else None
+    if name in ("CONV_2D", "CONV_3D"):  # weights [out, (d,) h, w, in / groups]
+        return None if weight is None else elements * int(np.prod(weight[1:], dtype=np.int64))
+    if name == "DEPTHWISE_CONV_2D":  # weights [1, h, w, out]: one multiply-accumulate per tap
+        return None if weight is None else elements * int(weight[1]) * int(weight[2])
+    if name == "FULLY_CONNECTED":  # weights [out, in]
+        return None if weight is None else elements * int(weight[-1])
+    if name == "TRANSPOSE_CONV":  # inputs: output shape, weights [out, h, w, in], activations
+        source = inputs[2] if len(inputs) > 2 else None
+        if weight is None or source is None:
+            return None
+        return int(np.prod(source, dtype=np.int64)) * int(np.prod(weight[:3], dtype=np.int64))
+    if name == "BATCH_MATMUL":  # [..., m, k] x [..., k, n] -> [..., m, n] (either side may be adjoint)
+        left = inputs[0] if inputs else None
+        if left is None or weight is None or min(len(left), len(weight), len(out)) < 2:
+            return None
+        return elements * _reduced_length(left[-2] * left[-1], weight[-2] * weight[-1], out[-2] * out[-1])
+    return elements
+
+
+def _reduced_length(left: int, right: int, out: int) -> int:
+    """k of a matrix product from the sizes of its matrices (m*k, k*n, m*n), whichever side is transposed."""
+    return math.isqrt(left * right // out) if out else 0
 
 
 WEIGHT_PRECISIONS = frozenset({Precision.INT8_DYNAMIC, Precision.INT8_WEIGHTS})
@@ -96,7 +151,11 @@ def tflite_records(interpreter: Any, precision: Precision, on_accelerator: Itera
             quantized = integer_weights or not float_weights
         else:
             quantized = integer_weights or not any(dtypes.get(i) in _FLOAT for i in activations)
-        records.append(OpRecord(op["op_name"], op.get("index", position) in delegated, quantized))
+        shapes = [tuple(int(d) for d in details[i]["shape"]) if i >= 0 else None for i in op["inputs"]]
+        out_shapes = [tuple(int(d) for d in details[i]["shape"]) if i >= 0 else None for i in op["outputs"]]
+        macs = tflite_macs(op["op_name"], shapes, out_shapes)
+        first = next((details[i]["name"] for i in op["outputs"] if i >= 0), "")
+        records.append(OpRecord(op["op_name"], op.get("index", position) in delegated, quantized, macs, first))
     return records
 
 
@@ -140,8 +199,49 @@ def _fx_records(graph: Any, on_accelerator: bool, precision: Precision) -> list[
         weightless = precision in WEIGHT_PRECISIONS and not any(_is_parameter(a) for a in node.all_input_nodes)
         if from_dequantize or fused or weightless:
             quantized.add(node)
-        records.append(OpRecord(name=name, on_accelerator=on_accelerator, quantized=node in quantized))
+        records.append(OpRecord(name, on_accelerator, node in quantized, fx_macs(node, name), node.name))
     return records
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    value = node.meta.get("val") if hasattr(node, "meta") else None
+    shape = getattr(value, "shape", None)
+    try:
+        return None if shape is None else tuple(int(d) for d in shape)
+    except (TypeError, ValueError):  # a symbolic size: not countable
+        return None
+
+
+def fx_macs(node: Any, name: str) -> int | None:
+    """The multiply-accumulates of one torch graph operator, from the shapes torch.export recorded (``meta["val"]``):
+    convolutions, linear layers and matrix products by their reduction, every other operator one per output element.
+    None when the shapes are not recorded."""
+    value = node.meta.get("val")
+    outputs = value if isinstance(value, (tuple, list)) else (value,)
+    if any(getattr(v, "shape", None) is None for v in outputs if v is not None):
+        return None
+    try:
+        elements = sum(int(np.prod(tuple(int(d) for d in v.shape), dtype=np.int64)) for v in outputs if v is not None)
+    except (TypeError, ValueError):
+        return None
+    args = [a for a in node.args if hasattr(a, "meta")]
+    short = name.split(".")[-2] if name.count(".") >= 1 else name  # "aten.convolution.default" -> "convolution"
+    if short in ("convolution", "conv2d", "conv1d", "_convolution") and len(args) >= 2:
+        weight = _shape(args[1])
+        if weight is None:
+            return None
+        transposed = len(node.args) > 6 and node.args[6] is True
+        if transposed:
+            source = _shape(args[0])
+            return None if source is None else int(np.prod(source, dtype=np.int64)) * int(np.prod(weight[1:]))
+        return elements * int(np.prod(weight[1:], dtype=np.int64))
+    if short == "linear" and len(args) >= 2:
+        weight = _shape(args[1])
+        return None if weight is None else elements * weight[-1]
+    if short in ("addmm", "mm", "bmm", "matmul", "baddbmm") and len(args) >= 2:
+        left = _shape(args[-2])
+        return None if left is None else elements * left[-1]
+    return elements
 
 
 def executorch_placement(graph_module: Any, precision: Precision, accelerator: str) -> Placement:

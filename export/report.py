@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from edgeline.manifest import Estimates, Fidelity, Placement
+from edgeline.manifest import Budgets, Estimates, Fidelity, Memory, Placement
 
-__all__ = ["ExportReport", "TargetOutcome", "fidelity_summary", "format_report", "shares"]
+__all__ = ["ExportReport", "TargetOutcome", "fidelity_summary", "format_report", "memory_summary", "shares"]
 
 
 @dataclass
@@ -24,6 +24,7 @@ class TargetOutcome:
     host_latency_ms: float | None = None
     placement: Placement | None = None
     estimates: Estimates | None = None
+    memory: Memory | None = None
     seconds: float | None = None
     bundle: Path | None = None
 
@@ -40,7 +41,10 @@ class TargetOutcome:
             "placement": self.placement.model_dump(mode="json") if self.placement else None,
             "accelerator_share": self.placement.accelerator_share if self.placement else None,
             "quantized_share": self.placement.quantized_share if self.placement else None,
+            "accelerator_macs_share": self.placement.accelerator_macs_share if self.placement else None,
+            "quantized_macs_share": self.placement.quantized_macs_share if self.placement else None,
             "estimates": self.estimates.model_dump(mode="json") if self.estimates else None,
+            "memory": self.memory.model_dump(mode="json") if self.memory else None,
             "export_seconds": self.seconds,
             "bundle": str(self.bundle) if self.bundle is not None else None,
         }
@@ -54,6 +58,8 @@ class ExportReport:
     outcomes: list[TargetOutcome] = field(default_factory=list)
     version: int | None = None
     validation: Path | None = None
+    budgets: Budgets | None = None
+    """The profile's: the table marks the share each share budget judged."""
 
     @property
     def selected(self) -> TargetOutcome | None:
@@ -100,21 +106,51 @@ def fidelity_summary(outcome: TargetOutcome) -> str:
     return f"cos min {fid.cosine_min:.4f}"
 
 
-def _share(value: float | None, known: bool) -> str:
-    return f"{value:.0%}" if value is not None else ("?" if known else "-")
+def _share_cell(placement: Placement, kind: str, judged: bool) -> str:
+    """E.g. "99.9% work*, 7/8 ops": the share of the work (multiply-accumulates) and the operator count; ``*`` marks
+    the share a budget judged (the work's when it was counted, else the operators')."""
+    count = getattr(placement, f"{kind}_ops")
+    if count is None:
+        return "?" if f"{kind}_ops" in placement.unknown else "-"
+    mark = "*" if judged else ""
+    work = getattr(placement, f"{kind}_macs_share")
+    ops = f"{count}/{placement.ops} ops"
+    if work is not None:
+        return f"{work:.1%} work{mark}, {ops}"
+    share = getattr(placement, f"{kind}_share")
+    return f"{ops}{mark}" + (f" ({share:.0%})" if share is not None else "")
 
 
-def shares(outcome: TargetOutcome) -> tuple[str, str]:
+def shares(outcome: TargetOutcome, budgets: Budgets | None = None) -> tuple[str, str]:
     """The accelerator and quantized shares: "-" where there is no accelerator or no integer precision, "?" where
-    the share exists but cannot be known (the manifest says why)."""
+    the share exists but cannot be known (the manifest says why). With the profile's ``budgets``, ``*`` marks the
+    share each share budget judged."""
     placement = outcome.placement
     if placement is None:
         return "-", "-"
-    accelerator = _share(placement.accelerator_share, placement.accelerator is not None)
-    if placement.accelerator is not None and placement.accelerator_share is not None:
-        accelerator = f"{accelerator} {placement.accelerator}"
-    quantized = _share(placement.quantized_share, "quantized_ops" in placement.unknown)
+    accelerator = "-"
+    if placement.accelerator is not None:
+        judged = budgets is not None and budgets.min_accelerator_share is not None
+        accelerator = f"{_share_cell(placement, 'accelerator', judged)} {placement.accelerator}"
+    judged = budgets is not None and budgets.min_quantized_share is not None
+    quantized = _share_cell(placement, "quantized", judged)
     return accelerator, quantized
+
+
+def memory_summary(memory: Memory, budgets: Budgets | None) -> str:
+    """What the bundle needs in memory, what measured it, and the budget it was held against (or why not)."""
+    budget = budgets.max_memory_mb if budgets is not None else None
+    parts = []
+    if memory.resident_mb is not None:
+        parts.append(f"resident {memory.resident_mb:.1f} MB")
+    if memory.arena_bytes is not None:
+        parts.append(f"TFLite Micro arena {memory.arena_bytes:,} B")
+    if not parts:
+        why = "; ".join(dict.fromkeys(memory.unknown.values())) or "not recorded"
+        limit = f"; the {budget} MB budget is not checked here" if budget is not None else ""
+        return f"not measured ({why}){limit}"
+    limit = f", within the {budget} MB budget" if budget is not None else ", no memory budget"
+    return f"{', '.join(parts)} ({memory.measured_with}){limit}"
 
 
 def _latency(outcome: TargetOutcome) -> str:
@@ -133,7 +169,18 @@ def format_report(report: ExportReport) -> str:
         where = str(o.bundle) if o.bundle is not None else (o.reason or "")
         if o.status == "selected" and any(other.status == "passed" for other in report.outcomes):
             where += "  <- the profile's order picks this one"
-        rows.append((o.backend, o.precision, o.status, _size(o), fidelity_summary(o), *shares(o), _latency(o), where))
+        rows.append(
+            (
+                o.backend,
+                o.precision,
+                o.status,
+                _size(o),
+                fidelity_summary(o),
+                *shares(o, report.budgets),
+                _latency(o),
+                where,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
@@ -142,8 +189,9 @@ def format_report(report: ExportReport) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(header[-1]))
     lines.append("")
     lines.append(
-        "accel./quant.: share of the model's operators on the accelerator / in the integer precision ('-' none, "
-        "'?' unknown: see the manifest's placement); latency: median on this machine, 1 thread, for CPU targets, or "
+        "accel./quant.: share of the model's work (multiply-accumulates) and count of its operators on the "
+        "accelerator / in the integer precision ('-' none, '?' unknown: see the manifest's placement); '*' marks the "
+        "share the profile's budget judged; latency: median on this machine, 1 thread, for CPU targets, or "
         "the compiler's estimate for the device (est.); the device's latency is checked by `edgeline verify` on it."
     )
     for o in report.outcomes:
@@ -162,8 +210,13 @@ def format_report(report: ExportReport) -> str:
                     if f
                 )
             )
+    for o in report.outcomes:
+        if o.memory is not None and o.status in ("selected", "passed"):
+            lines.append(f"{o.backend} {o.precision}: memory: {memory_summary(o.memory, report.budgets)}")
     selected = report.selected
-    if selected is None:
+    if selected is None and all(o.status == "failed" for o in report.outcomes):
+        lines.append(f"no target of {report.profile} could be exported (each row says why); nothing was written.")
+    elif selected is None:
         lines.append(f"no target met the {report.profile} budgets; nothing was written.")
     else:
         fid = selected.fidelity

@@ -1,6 +1,7 @@
 """The qnn-htp backend on the real onnxruntime-qnn HTP emulator: the reference models export for the Snapdragon
 8 Gen 3 within its budgets, the EP-context bundle reloads with identical outputs, placement matches the QDQ graph,
-an operator QNN refuses fails the export by name, and a device without QNN runs the kept QDQ model, loudly."""
+an operator QNN refuses fails the export by name, a device without QNN runs the kept QDQ model, loudly, and the same
+command gives the same bytes wherever the bundle is written."""
 
 from __future__ import annotations
 
@@ -217,3 +218,28 @@ def test_verify_never_holds_the_emulators_speed_against_the_device_budget(
     latency = next(check for check in report["checks"] if check["check"] == "latency")
     assert latency["ok"] is None and "HTP emulator" in latency["emulator"]
     assert latency["budget_ms"] is not None  # the profile has one: it is the device's, checked on the device
+
+
+def test_the_same_command_gives_the_same_bytes_wherever_the_bundle_is_written(
+    tiny_model_file: Path, sample_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """onnxruntime names the EPContext node, and the graph inside the context binary, after the model it compiles:
+    a hash of its path when it has one. The command, run twice with --out in two places, must give the same bytes
+    all the same (all but the manifest's ``created``). Each run has its own process, as from a shell: QNN's HTP
+    backend numbers the graphs it serializes per process, so a second compile in one process differs inside."""
+    bundles = [tmp_path / place / "tiny" for place in ("here", "there")]
+    for out in bundles:
+        done = subprocess.run(
+            [sys.executable, "-m", "edgeline.cli", "export", f"{tiny_model_file}:model", "--profile", PROFILE,
+             "--calibration", str(sample_files["calibration"]), "--validation", str(sample_files["validation"]),
+             "--backend", "qnn-htp", "--precision", "int8-static", "--out", str(out)],
+            capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    files = [sorted(path.name for path in bundle.iterdir()) for bundle in bundles]
+    assert files[0] == files[1] and "model_qnn.bin" in files[0]
+    for name in sorted(files[0], key=lambda name: name == "manifest.json"):  # the model files' own bytes first
+        first, second = ((bundle / name).read_bytes() for bundle in bundles)
+        if name == "manifest.json":
+            first, second = (json.dumps({**json.loads(text), "created": None}).encode() for text in (first, second))
+        assert first == second, f"{name} differs between the two exports"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -66,13 +68,32 @@ def test_shares_within_budget_pass() -> None:
 def test_accelerator_share_below_budget_names_what_fell_back() -> None:
     placement = placed(accelerator="npu", ops=10, accelerator_ops=6, quantized_ops=10, fallback={"TANH": 3, "EXP": 1})
     (reason,) = budget_violations(SHARES, 10, measured(cosine_min=1.0), placement, Precision.INT8_STATIC)
-    assert reason == "6/10 ops on npu (60%) < budget 90% (fell back: TANH x3, EXP x1)"
+    assert (
+        reason == "6/10 ops on npu (60%; the work is unknown: not recorded) < budget 90% (fell back: TANH x3, EXP x1)"
+    )
+
+
+def test_the_share_budgets_judge_the_work_when_it_was_counted() -> None:
+    # MobileNetV3-small on an Ethos-U55: 54 of 62 operators on the NPU (87%), every multiply-accumulate but the
+    # squeeze-excite hard-sigmoids' ~1,900 element operations (0.07% of the work).
+    mobilenet = placed(accelerator="ethos-u", ops=62, accelerator_ops=54, quantized_ops=54, macs=2_560_000,
+                       accelerator_macs=2_558_100, quantized_macs=2_558_100, fallback={"ADD": 4, "MUL": 4})  # fmt: skip
+    assert budget_violations(SHARES, 10, measured(cosine_min=1.0), mobilenet, Precision.INT8_STATIC) == []
+    # The other way round: nine small operators on the NPU, the one large matrix product left on the CPU.
+    heavy = placed(accelerator="ethos-u", ops=10, accelerator_ops=9, quantized_ops=10, macs=1_000_000,
+                   accelerator_macs=40_000, quantized_macs=1_000_000, fallback={"BATCH_MATMUL": 1})  # fmt: skip
+    (reason,) = budget_violations(SHARES, 10, measured(cosine_min=1.0), heavy, Precision.INT8_STATIC)
+    assert reason == (
+        "4.0% of the work (40000/1000000 MACs; 9/10 ops) on ethos-u < budget 90% (fell back: BATCH_MATMUL x1)"
+    )
 
 
 def test_quantized_share_applies_to_integer_precisions_only() -> None:
     placement = placed(ops=100, quantized_ops=3, fallback={"LOGISTIC": 60, "TANH": 37})
     (reason,) = budget_violations(SHARES, 10, measured(cosine_min=1.0), placement, Precision.INT8_STATIC)
-    assert reason.startswith("3/100 ops in int8-static (3%) < budget 80% (fell back: LOGISTIC x60, TANH x37")
+    assert reason.startswith(
+        "3/100 ops in int8-static (3%; the work is unknown: not recorded) < budget 80% (fell back:"
+    )
     float_placement = placed(ops=100)
     assert budget_violations(SHARES, 10, measured(cosine_min=1.0), float_placement, Precision.FP16) == []
 
@@ -99,3 +120,21 @@ def test_placement_written_by_an_older_edgeline_still_reads() -> None:
 def test_placement_refuses_more_placed_operators_than_there_are() -> None:
     with pytest.raises(ValidationError, match="accelerator_ops"):
         placed(accelerator="npu", ops=3, accelerator_ops=4)
+
+
+def test_the_table_shows_both_shares_and_marks_the_one_a_budget_judged() -> None:
+    from edgeline.export.report import ExportReport, TargetOutcome, format_report
+
+    outcome = TargetOutcome("ethos-u", "int8-static", 1, status="selected")
+    outcome.placement = placed(accelerator="ethos-u", ops=8, accelerator_ops=7, quantized_ops=8, macs=1_725_856,
+                               accelerator_macs=1_725_824, quantized_macs=1_725_856, fallback={"MEAN": 1})  # fmt: skip
+    report = ExportReport(name="m", profile="ethos-u55-128", out=Path("m"), outcomes=[outcome], budgets=SHARES)
+    row = format_report(report).splitlines()[2]
+    assert "100.0% work*, 7/8 ops ethos-u" in row and "100.0% work*, 8/8 ops" in row
+    # without the work counted, the budget judges the operators: the mark moves to them
+    outcome.placement = placed(accelerator="ethos-u", ops=8, accelerator_ops=7, quantized_ops=8,
+                               unknown={"macs": "not counted"})  # fmt: skip
+    row = format_report(report).splitlines()[2]
+    assert "7/8 ops* (88%) ethos-u" in row
+    report.budgets = Budgets(max_accuracy_drop=1.0)  # no share budget: nothing judged, nothing marked
+    assert "*" not in format_report(report).splitlines()[2]

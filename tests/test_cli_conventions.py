@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -313,6 +314,37 @@ def test_a_setting_of_another_source_is_refused(
     assert message.startswith(expected)
 
 
+@pytest.mark.parametrize("path", _command_paths(build_parser()), ids=lambda path: " ".join(path) or "edgeline")
+def test_an_unknown_flag_is_the_error_of_the_command_it_was_given_to(
+    capsys: pytest.CaptureFixture[str], path: tuple[str, ...]
+) -> None:
+    """Named even when the command also misses what it requires (`edgeline export --bogus`)."""
+    code = main([*path, "--bogus"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    prefix = f"{' '.join(('edgeline', *path))}: error: unrecognized arguments: --bogus"
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["verify", "BUNDLE", "--bogus"],
+        ["infer", "BUNDLE", "--input", "x.npz", "--bogus"],
+        ["run", "BUNDLE", "--replay", "-", "--bogus"],
+        ["bundle", "show", "BUNDLE", "--json", "--bogus"],
+        ["profiles", "show", "rpi5", "--bogus"],
+        ["export", "model.py:model", "--profile", "rpi5", "--calibration", "c.npz", "--bogus"],
+        ["sim", "digits", "--bogus", "--count", "1"],
+    ],
+    ids=lambda argv: " ".join(argv[: 2 if argv[0] in ("bundle", "profiles") else 1]),
+)
+def test_an_unknown_flag_after_a_valid_command_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    command = " ".join(argv[: 2 if argv[0] in ("bundle", "profiles") else 1])
+    assert _one_error_line(capsys, list(argv), command) == "unrecognized arguments: --bogus"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # --json: one document for a report
 
@@ -391,3 +423,27 @@ def test_chatter_is_shown_when_verify_fails(litert_bundle: Path, runtime_chatter
     assert " WARNING edgeline.commands: the runtime printed:" in done.stderr
     for line in runtime_chatter:
         assert line in done.stderr
+
+
+LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+"""The start of a line the daemon logs (``edgeline.cli.LOG_FORMAT``)."""
+
+
+def test_run_logs_records_only_the_runtime_s_chatter_in_one_debug_record(
+    built_litert_bundle: Path, runtime_chatter: list[str], tmp_path: Path
+) -> None:
+    messages = tmp_path / "messages.jsonl"
+    messages.write_text("".join(json.dumps({"id": str(i), "data": [0.5] * 64}) + "\n" for i in range(3)))
+    quiet = _edgeline("run", built_litert_bundle, "--replay", messages)
+    assert quiet.returncode == 0, quiet.stderr
+    assert [json.loads(line)["id"] for line in quiet.stdout.splitlines()] == ["0", "1", "2"]
+    assert quiet.stderr and all(LOG_RECORD.match(line) for line in quiet.stderr.splitlines()), quiet.stderr
+    for line in runtime_chatter:
+        assert line not in quiet.stderr + quiet.stdout
+    verbose = _edgeline("run", built_litert_bundle, "--replay", messages, "-v")
+    assert verbose.returncode == 0, verbose.stderr
+    assert all(LOG_RECORD.match(line) for line in verbose.stderr.splitlines()), verbose.stderr
+    (record,) = [line for line in verbose.stderr.splitlines() if "the runtime printed" in line]
+    assert " DEBUG edgeline.daemon.run_command: the runtime printed while the model loaded: " in record
+    for line in runtime_chatter:
+        assert line.strip() in record

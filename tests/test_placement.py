@@ -76,7 +76,9 @@ def test_a_recurrent_int8_model_that_computes_in_float_is_rejected_and_the_choic
     assert placement["accelerator"] is None and placement["accelerator_ops"] is None
     assert placement["quantized_ops"] / placement["ops"] < 0.8  # rpi5's budget
     assert int8["quantized_share"] == pytest.approx(placement["quantized_ops"] / placement["ops"])
-    assert f"{placement['quantized_ops']}/{placement['ops']} ops in int8-static" in int8["reason"]
+    assert placement["quantized_macs"] / placement["macs"] < 0.8  # the work: what the budget judges
+    macs = f"{placement['quantized_macs']}/{placement['macs']} MACs"
+    assert f"of the work ({macs}; {placement['quantized_ops']}/{placement['ops']} ops) in int8-static" in int8["reason"]
     top = max(placement["fallback"], key=placement["fallback"].get)
     assert f"{top} x{placement['fallback'][top]}" in int8["reason"]
     assert fp16["status"] == "selected"

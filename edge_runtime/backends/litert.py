@@ -58,6 +58,8 @@ class _InterpreterSession:
         delegates: list[Any] = []
         if accelerator == ETHOS_U:
             model_path, delegates = self._on_ethos_u(interpreter_module, model_path)
+        self.model_path = model_path
+        """The file the interpreter runs (``model_int8.tflite`` in place of a vela model without the NPU)."""
         try:
             self._interpreter = interpreter_module.Interpreter(
                 model_path=str(model_path), num_threads=threads, experimental_delegates=delegates or None

@@ -29,6 +29,7 @@ MAX_ARENA_BYTES = 64 * 1024 * 1024
 microcontroller's."""
 
 _MISSING = re.compile(r"missing: (\d+)")
+_ARENA_TOTAL = re.compile(r"Arena allocation total (\d+) bytes")
 
 
 def _interpreter_module() -> Any:
@@ -123,6 +124,14 @@ class TFLiteMicroSession:
             missing = [int(n) for n in _MISSING.findall(text)]
             grown = size + -(-max(missing) // 1024) * 1024 if missing else 2 * size
             size = min(MAX_ARENA_BYTES, grown)
+
+    def arena_used_bytes(self) -> int | None:
+        """The bytes of the arena the model's tensors and kernels took (TFLite Micro's recording allocator reports
+        them): what a firmware must reserve at least. None when it reports nothing."""
+        with capture_native_output() as captured:
+            self._interpreter.print_allocations()
+        found = _ARENA_TOTAL.search(captured.text)
+        return int(found.group(1)) if found else None
 
     def input_specs(self) -> list[TensorSpec]:
         return [_spec(detail, detail["name"]) for detail in self._inputs]

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from edgeline.backends import RUNTIME_BACKENDS
 from edgeline.errors import EdgelineError
 
 __all__ = ["register"]
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
@@ -80,6 +85,44 @@ def register(subparsers: Any) -> None:
     run.set_defaults(func=run_daemon)
 
 
+def _writes_to(stream: IO[str], fd: int) -> bool:
+    try:
+        return stream.fileno() == fd
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (io.UnsupportedOperation)
+        return False
+
+
+@contextmanager
+def _runtime_output_as_one_record() -> Iterator[None]:
+    """While the daemon opens its model, what the runtime prints on the file descriptors (LiteRT's delegate line
+    from C, ExecuTorch's warnings) is captured: the daemon's log holds records only, and that text becomes one
+    record of its own (debug; a warning when opening failed). The daemon's own records written meanwhile still go
+    to the log as they happen, through a copy of the log's file descriptor."""
+    from edgeline.native_output import CapturedOutput, capture_native_output
+
+    handlers = [
+        handler
+        for handler in logging.getLogger().handlers
+        if isinstance(handler, logging.StreamHandler) and _writes_to(handler.stream, 2)
+    ]
+    log_copy = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
+    previous = {handler: handler.setStream(log_copy) for handler in handlers}
+    captured = CapturedOutput()
+    failed = True
+    try:
+        with capture_native_output() as captured:
+            yield
+        failed = False
+    finally:
+        for handler, stream in previous.items():
+            handler.setStream(stream)
+        log_copy.close()
+        lines = [line.strip() for line in captured.text.splitlines() if line.strip()]
+        if lines:  # one line: a journal or log file reader sees no stray runtime lines
+            level = logging.WARNING if failed else logging.DEBUG
+            log.log(level, "the runtime printed while the model loaded: %s", " | ".join(lines))
+
+
 def run_daemon(args: argparse.Namespace) -> int:
     from edgeline.daemon.config import load_config
     from edgeline.daemon.messages import Answer
@@ -112,7 +155,8 @@ def run_daemon(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     to_stdout = args.stdout or not config.uses_broker
-    daemon = Daemon(args.bundle, config, backend=args.backend, echo=echo if to_stdout else None)
+    with _runtime_output_as_one_record():  # the model is opened (and its batching checked) here
+        daemon = Daemon(args.bundle, config, backend=args.backend, echo=echo if to_stdout else None)
     status = daemon.run_until_signalled()
     if daemon.reload_requested and status == 0:
         # SIGHUP: drained like SIGTERM; now the same command again, reading the configuration and the bundle anew

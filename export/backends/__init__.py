@@ -84,6 +84,9 @@ class ExportedModel:
     runtime: RuntimeRequirement
     input_names: tuple[str, ...]  # the model file's tensor names, in forward()'s order
     extra_files: tuple[str, ...] = ()  # e.g. a compiled context binary
+    flash_files: tuple[str, ...] | None = None
+    """The files the device stores to run it, which ``max_model_bytes`` judges; None: every file but golden.npz.
+    An Ethos-U bundle's is the vela model alone (its int8 copy serves a device without the NPU)."""
     placement: Placement | None = None
     tool_versions: dict[str, str] = field(default_factory=dict)
     verification: Verification | None = None  # None: the bundle's model on its runtime backend, here

@@ -62,6 +62,8 @@ class ProgramOps:
     types: tuple[str, ...]  # every non-constant operation, in program order
     compressed: tuple[str, ...]  # operations all of whose weights are int8 (read through constexpr_* dequantization)
     float_weights: tuple[str, ...]  # operations with at least one weight stored in float
+    macs: tuple[int | None, ...] = ()  # per operation of ``types``: its multiply-accumulates (None: shapes unknown)
+    float_macs: int | None = None  # the multiply-accumulates of the operations with float weights
 
 
 def _is_constant(op_type: str) -> bool:
@@ -97,24 +99,73 @@ def program_ops(spec: Any) -> ProgramOps:
             tensor = output.type.tensorType
             if tensor.rank >= 2 and tensor.dataType in float_types:
                 weights[output.name] = op.type != "const"
-    types, compressed, float_weights = [], [], []
+    shapes = {output.name: _dimensions(output.type.tensorType) for op in operations for output in op.outputs} | {
+        value.name: _dimensions(value.type.tensorType) for value in function.inputs
+    }
+    types, compressed, float_weights, macs = [], [], [], []
+    float_macs: int | None = 0
     for op in operations:
         if _is_constant(op.type):
             continue
         types.append(op.type)
+        work = _mil_macs(op, shapes)
+        macs.append(work)
         used = [weights[arg.name] for binding in op.inputs.values() for arg in binding.arguments if arg.name in weights]
         if used and all(used):
             compressed.append(op.type)
         elif used:
             float_weights.append(op.type)
-    return ProgramOps(tuple(types), tuple(compressed), tuple(float_weights))
+            float_macs = None if float_macs is None or work is None else float_macs + work
+    return ProgramOps(tuple(types), tuple(compressed), tuple(float_weights), tuple(macs), float_macs)
+
+
+def _dimensions(tensor: Any) -> tuple[int, ...] | None:
+    dims = tuple(tensor.dimensions)
+    if not all(d.HasField("constant") for d in dims):
+        return None  # an unknown (runtime) size
+    return tuple(int(d.constant.size) for d in dims)
+
+
+def _mil_macs(op: Any, shapes: dict[str, tuple[int, ...] | None]) -> int | None:
+    """An ML program operation's multiply-accumulates from the shapes its spec records: conv, linear and matmul by
+    their reduction, every other operation one per output element."""
+    import numpy as np
+
+    def named(key: str) -> tuple[int, ...] | None:
+        binding = op.inputs.get(key)
+        return shapes.get(binding.arguments[0].name) if binding is not None and binding.arguments else None
+
+    out = shapes.get(op.outputs[0].name) if op.outputs else None
+    if out is None:
+        return None
+    elements = int(np.prod(out, dtype=np.int64))
+    if op.type == "conv":  # weight [out, in / groups, k...]
+        weight = named("weight")
+        return None if weight is None else elements * int(np.prod(weight[1:], dtype=np.int64))
+    if op.type == "conv_transpose":  # weight [in, out / groups, k...]
+        weight, source = named("weight"), named("x")
+        return None if weight is None or source is None else int(np.prod(source)) * int(np.prod(weight[1:]))
+    if op.type == "linear":  # weight [out, in]
+        weight = named("weight")
+        return None if weight is None else elements * weight[-1]
+    if op.type == "matmul":
+        left = named("x")
+        if left is None or not left:
+            return None
+        transposed = "transpose_x" in op.attributes or False  # attributes hold only non-default literals here
+        return elements * (left[-2] if transposed and len(left) >= 2 else left[-1])
+    return elements
 
 
 def _placement(ops: ProgramOps, compute_units: str, precision: Precision) -> Placement:
     accelerator = accelerator_for(compute_units)
     unknown = {"accelerator_ops": PLACED_AT_LOAD} if accelerator is not None else {}
+    counted = bool(ops.macs) and all(work is not None for work in ops.macs)
+    macs = sum(work or 0 for work in ops.macs) if counted else None
+    if not counted:
+        unknown["macs"] = "the program's spec does not record every operation's shapes"
     if precision is not Precision.INT8_WEIGHTS:
-        return Placement(accelerator=accelerator, ops=len(ops.types), unknown=unknown)
+        return Placement(accelerator=accelerator, ops=len(ops.types), macs=macs, unknown=unknown)
     fallback: dict[str, int] = {}
     for op_type in ops.float_weights:
         fallback[op_type] = fallback.get(op_type, 0) + 1
@@ -124,6 +175,8 @@ def _placement(ops: ProgramOps, compute_units: str, precision: Precision) -> Pla
         accelerator=accelerator,
         ops=len(ops.types),
         quantized_ops=len(ops.types) - len(ops.float_weights),
+        macs=macs,
+        quantized_macs=macs - ops.float_macs if macs is not None and ops.float_macs is not None else None,
         fallback=fallback,
         unknown=unknown,
     )

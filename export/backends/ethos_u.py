@@ -22,8 +22,6 @@ from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
 
-import numpy as np
-
 from edgeline.backends.ethos_u import CPU_MODEL, ETHOS_U, operator_names
 from edgeline.device_profiles import Precision
 from edgeline.device_profiles.schema import EthosU
@@ -33,7 +31,15 @@ from edgeline.export.errors import ExportError
 from edgeline.export.placement import TFLITE_CONVERSIONS, placement_of, tflite_records
 from edgeline.manifest import Estimates, Placement, RuntimeRequirement
 
-__all__ = ["MODEL_FILE", "EthosUExporter", "check_full_integer", "core_clock_mhz", "read_summary", "vela_config"]
+__all__ = [
+    "MODEL_FILE",
+    "EthosUExporter",
+    "check_full_integer",
+    "core_clock_mhz",
+    "read_per_layer",
+    "read_summary",
+    "vela_config",
+]
 
 MODEL_FILE = "model_vela.tflite"
 
@@ -65,17 +71,11 @@ def core_clock_mhz(config: Path, settings: EthosU) -> float:
 
 
 def check_full_integer(path: Path, backend: str) -> None:
-    """vela and TFLite Micro take full-integer models: every input and output int8."""
-    from ai_edge_litert.interpreter import Interpreter
+    """vela and TFLite Micro take full-integer models: every input and output int8. Otherwise a ``LoweringError``
+    naming the operators that stayed float and the model's lines they come from."""
+    from edgeline.export import full_integer
 
-    interpreter = Interpreter(model_path=str(path))
-    for kind, details in (("input", interpreter.get_input_details()), ("output", interpreter.get_output_details())):
-        for detail in details:
-            if np.dtype(detail["dtype"]) != np.int8:
-                raise ExportError(
-                    f"{backend}: the int8 model's {kind} {detail['name']!r} is {np.dtype(detail['dtype']).name}, "
-                    "not int8: the converter did not produce a full-integer model"
-                )
+    full_integer.check_full_integer(path, backend)
 
 
 def _run_vela(model: Path, settings: EthosU, config: Path, out_dir: Path) -> None:
@@ -86,6 +86,7 @@ def _run_vela(model: Path, settings: EthosU, config: Path, out_dir: Path) -> Non
         f"--system-config={settings.system_config}",
         f"--memory-mode={settings.memory_mode}",
         f"--output-dir={out_dir}",
+        "--verbose-performance",  # the per-layer CSV: where each operator runs and its multiply-accumulates
     ]
     code = "import sys; from ethosu.vela.vela import main; sys.exit(main())"
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
@@ -125,19 +126,57 @@ def _estimates(summary: dict[str, str], settings: EthosU, clock_mhz: float) -> E
     )
 
 
-def _placement(int8_model: Path, compiled: Path) -> Placement:
-    """The int8 model's operators, those vela left to the CPU counted off the NPU. The compiled model keeps the CPU's
-    operators as they were; a float one among same-named operators is taken as the one left (the NPU computes in
-    integers only)."""
+def _kind(operator: str) -> str:
+    """ "DepthwiseConv2D" (vela's name) and "DEPTHWISE_CONV_2D" (LiteRT's) -> "depthwiseconv2d"."""
+    return operator.replace("_", "").lower()
+
+
+def read_per_layer(path: Path) -> dict[tuple[str, str], tuple[str, int]]:
+    """vela's per-layer CSV (``--verbose-performance``): per original operator, keyed by its output tensor's name and
+    its kind (a fused activation's row carries the convolution's name), where it runs ("NPU" or "CPU") and vela's
+    count of its multiply-accumulates. Empty when vela wrote none."""
+    if not path.is_file():
+        return {}
+    layers: dict[tuple[str, str], tuple[str, int]] = {}
+    with path.open(newline="", encoding="utf-8") as file:
+        for row in csv.DictReader(file):
+            name, target = row.get("Name") or "", row.get("Target") or ""
+            try:
+                macs = int(float(row.get("MAC Count") or 0))
+            except ValueError:
+                macs = 0
+            if name and target in ("NPU", "CPU"):
+                key = (name, _kind(row.get("Original Operator") or ""))
+                before = layers.get(key, ("NPU", 0))
+                layers[key] = ("CPU" if "CPU" in (target, before[0]) else "NPU", before[1] + macs)
+    return layers
+
+
+def _placement(int8_model: Path, compiled: Path, layers: dict[tuple[str, str], tuple[str, int]]) -> Placement:
+    """The int8 model's operators, those vela left to the CPU counted off the NPU.
+
+    vela's per-layer report names each original operator by its output tensor, with where it runs and its
+    multiply-accumulates: those are used when they account for every operator the compiled model keeps for the CPU.
+    Otherwise: the compiled model keeps the CPU's operators as they were; a float one among same-named operators is
+    taken as the one left (the NPU computes in integers only)."""
     from ai_edge_litert.interpreter import Interpreter
 
     records = tflite_records(Interpreter(model_path=str(int8_model)), Precision.INT8_STATIC)
     left = Counter(op for op in operator_names(compiled) if op not in TFLITE_CONVERSIONS and op != ETHOS_U)
-    on_cpu = set()
-    for index in sorted(range(len(records)), key=lambda i: records[i].quantized):
-        if left[records[index].name] > 0:
-            left[records[index].name] -= 1
-            on_cpu.add(index)
+    keys = [(r.output, _kind(r.name)) for r in records]
+    reported = {i for i, key in enumerate(keys) if layers.get(key, ("", 0))[0] == "CPU"}
+    if layers and Counter(records[i].name for i in reported) == +left:
+        on_cpu = reported
+        records = [
+            replace(r, macs=layers[key][1] or r.macs) if key in layers and r.macs is not None else r
+            for r, key in zip(records, keys, strict=True)
+        ]
+    else:
+        on_cpu = set()
+        for index in sorted(range(len(records)), key=lambda i: records[i].quantized):
+            if left[records[index].name] > 0:
+                left[records[index].name] -= 1
+                on_cpu.add(index)
     records = [replace(record, on_accelerator=index not in on_cpu) for index, record in enumerate(records)]
     return placement_of(records, Precision.INT8_STATIC, accelerator=ETHOS_U)
 
@@ -157,15 +196,32 @@ class EthosUExporter:
         config = vela_config()
         clock = core_clock_mhz(config, settings)
         int8_model = request.out_dir / CPU_MODEL
-        input_names = write_tflite(request, int8_model)
-        check_full_integer(int8_model, self.name)
+        input_names = write_tflite(request, int8_model, full_integer_for=self.name)
         with tempfile.TemporaryDirectory(prefix="vela-") as scratch:
             _run_vela(int8_model, settings, config, Path(scratch))
             stem = int8_model.stem
             summary = read_summary(Path(scratch) / f"{stem}_summary_{settings.system_config}.csv")
+            layers = read_per_layer(Path(scratch) / f"{stem}_per-layer.csv")
             shutil.move(Path(scratch) / f"{stem}_vela.tflite", request.out_dir / MODEL_FILE)
         on_linux = request.profile is not None and request.profile.daemon
         tflm = version("tflite-micro")
+        # What runs the operators vela leaves to the CPU on the device runs the int8 model here: LiteRT on a Linux
+        # device (the delegate hands the rest to LiteRT's kernels), TFLite Micro on a microcontroller.
+        verification = (
+            Verification(
+                backend="litert",
+                model_file=CPU_MODEL,
+                measured_with=f"LiteRT {version('ai-edge-litert')} CPU kernels on the int8 model vela compiled, as "
+                "the device's CPU runs the operators vela leaves to it (the Ethos-U NPU is not here)",
+            )
+            if on_linux
+            else Verification(
+                backend="tflite-micro",
+                model_file=CPU_MODEL,
+                measured_with=f"TFLite Micro {tflm} reference kernels on the int8 model vela compiled "
+                "(the Ethos-U NPU is not here)",
+            )
+        )
         return ExportedModel(
             model_file=MODEL_FILE,
             runtime_backend="litert" if on_linux else "tflite-micro",
@@ -174,13 +230,9 @@ class EthosUExporter:
             else RuntimeRequirement(package="tflite-micro", min_version=tflm),
             input_names=input_names,
             extra_files=(CPU_MODEL,),
-            placement=_placement(int8_model, request.out_dir / MODEL_FILE),
+            placement=_placement(int8_model, request.out_dir / MODEL_FILE, layers),
             tool_versions={**tool_versions(), "ethos-u-vela": version("ethos-u-vela"), "tflite-micro": tflm},
-            verification=Verification(
-                backend="tflite-micro",
-                model_file=CPU_MODEL,
-                measured_with=f"TFLite Micro {tflm} reference kernels on the int8 model vela compiled "
-                "(the Ethos-U NPU is not here)",
-            ),
+            verification=verification,
+            flash_files=(MODEL_FILE,),
             estimates=_estimates(summary, settings, clock),
         )

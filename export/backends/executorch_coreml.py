@@ -7,7 +7,6 @@ here can run the program: the fidelity check is left to a device, and the manife
 
 from __future__ import annotations
 
-from collections import Counter
 from importlib.metadata import version
 from typing import Any
 
@@ -16,14 +15,13 @@ from edgeline.device_profiles import Precision
 from edgeline.device_profiles.schema import CoreML
 from edgeline.export.backends import ExportedModel, ExportRequest, Verification
 from edgeline.export.errors import ExportError
-from edgeline.manifest import Placement, RuntimeRequirement
+from edgeline.export.placement import executorch_placement
+from edgeline.manifest import RuntimeRequirement
 
 __all__ = ["NOT_HERE", "ExecuTorchCoreMLExporter"]
 
 MODEL_FILE = "model.pte"
 NOT_HERE = "the Core ML delegate runs on Apple devices only"
-NOT_OPERATORS = frozenset({"getitem"})
-"""Tuple unpacking of a delegate's outputs: get_delegation_info lists it as a node kept out, but it computes nothing."""
 
 
 def _compile_specs(settings: CoreML, precision: Precision) -> list[Any]:
@@ -36,26 +34,6 @@ def _compile_specs(settings: CoreML, precision: Precision) -> list[Any]:
             minimum_deployment_target=ct.target[settings.minimum_deployment_target],
             compute_precision=ct.precision.FLOAT16 if precision is Precision.FP16 else ct.precision.FLOAT32,
         )
-    )
-
-
-def _placement(graph_module: Any) -> Placement:
-    from executorch.devtools.backend_debug import get_delegation_info
-
-    info = get_delegation_info(graph_module)
-    delegated = 0
-    other: Counter[str] = Counter()
-    for op, breakdown in info.delegation_by_operator.items():
-        if op in NOT_OPERATORS:
-            continue
-        delegated += breakdown.delegated
-        if breakdown.non_delegated:
-            other[op] += breakdown.non_delegated
-    return Placement(
-        accelerator="coreml",
-        ops=delegated + sum(other.values()),
-        accelerator_ops=delegated,
-        fallback=dict(other),
     )
 
 
@@ -76,7 +54,7 @@ class ExecuTorchCoreMLExporter:
         partitioner = CoreMLPartitioner(compile_specs=_compile_specs(settings, request.precision))
         program = torch.export.export(request.module, request.example_inputs)
         edge = to_edge_transform_and_lower(program, partitioner=[partitioner])
-        placement = _placement(edge.exported_program().graph_module)
+        placement = executorch_placement(edge.exported_program().graph_module, request.precision, "coreml")
         (request.out_dir / MODEL_FILE).write_bytes(edge.to_executorch().buffer)
         inputs, outputs = program_specs(request.out_dir / MODEL_FILE, request.input_names)  # read from the file
         return ExportedModel(

@@ -19,13 +19,20 @@ MODEL_FILE = "model.tflite"
 
 
 def _pt2e(request: ExportRequest, *, dynamic: bool) -> tuple[Any, Any]:
+    """The PT2E-quantized graph and litert-torch's config for it. Static quantization is full-integer: see
+    ``edgeline.export.full_integer``."""
     import torch
     from litert_torch.quantize import pt2e_quantizer, quant_config
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    quantizer = pt2e_quantizer.PT2EQuantizer().set_global(
-        pt2e_quantizer.get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic)
-    )
+    from edgeline.export.full_integer import FullIntegerQuantizer
+
+    if dynamic:
+        quantizer = pt2e_quantizer.PT2EQuantizer().set_global(
+            pt2e_quantizer.get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
+        )
+    else:
+        quantizer = FullIntegerQuantizer()
     graph = torch.export.export(request.module, request.example_inputs).module()
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
@@ -87,10 +94,12 @@ def tool_versions() -> dict[str, str]:
     return {"litert-torch": version("litert-torch"), "ai-edge-quantizer": version("ai-edge-quantizer")}
 
 
-def write_tflite(request: ExportRequest, path: Path) -> tuple[str, ...]:
+def write_tflite(request: ExportRequest, path: Path, *, full_integer_for: str | None = None) -> tuple[str, ...]:
     """Convert ``request.module`` at ``request.precision`` into the LiteRT model ``path``; its input tensor names in
-    forward()'s order. int8-static is full-integer: int8 inputs and outputs (what TFLite Micro and vela take).
-    Shared by the exporters that start from a LiteRT model (ethos-u, tflite-micro)."""
+    forward()'s order. int8-static is full-integer: int8 inputs and outputs (what TFLite Micro and vela take), unless
+    an operator at an edge has no int8 form; ``full_integer_for`` (the backend that needs it) makes that a
+    ``LoweringError`` naming the operators and the model's lines. Shared by the exporters that start from a LiteRT
+    model (ethos-u, tflite-micro)."""
     import litert_torch
 
     module = request.module
@@ -98,6 +107,10 @@ def write_tflite(request: ExportRequest, path: Path) -> tuple[str, ...]:
     if request.precision in (Precision.INT8_STATIC, Precision.INT8_DYNAMIC):
         module, config = _pt2e(request, dynamic=request.precision is Precision.INT8_DYNAMIC)
     litert_torch.convert(module, request.example_inputs, quant_config=config).export(str(path))
+    if request.precision is Precision.INT8_STATIC and full_integer_for is not None:
+        from edgeline.export.full_integer import check_full_integer, float_edges
+
+        check_full_integer(path, full_integer_for, float_edges(module))
     if request.precision is Precision.FP16:
         _cast_weights_to_fp16(str(path))
     return _input_names_in_forward_order(str(path))

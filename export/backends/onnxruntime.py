@@ -13,6 +13,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgeline.backends.onnxruntime import CPU, import_onnxruntime
 from edgeline.device_profiles import Precision, Profile
 from edgeline.export.backends import ExportedModel, ExportRequest, Verification
@@ -160,17 +162,71 @@ def onnx_placement(
     precisions only: in fp32 nothing is meant to be quantized)."""
     import onnx
 
-    graph = onnx.load(str(model_path), load_external_data=False).graph
+    model = onnx.load(str(model_path), load_external_data=False)
+    graph = model.graph
     quantized, left_in_float = quantized_nodes(graph)
     fallback = Counter(node.op_type for node in left_in_float) if precision.integer else Counter()
+    work = onnx_macs(model)
+    nodes = quantized + left_in_float
+    counted = all(work.get(id(node)) is not None for node in nodes)
+    unknown = dict(unknown or {})
+    if not counted:
+        missing = sorted({node.op_type for node in nodes if work.get(id(node)) is None})
+        unknown["macs"] = f"ONNX shape inference gives no shapes for {', '.join(missing[:5])}"
+    macs = sum(work[id(node)] or 0 for node in nodes) if counted else None
     return Placement(
         accelerator=accelerator,
-        ops=len(quantized) + len(left_in_float),
+        ops=len(nodes),
         accelerator_ops=accelerator_ops,
         quantized_ops=len(quantized) if precision.integer else None,  # a float precision declares no integer ops
+        macs=macs,
+        quantized_macs=sum(work[id(node)] or 0 for node in quantized) if counted and precision.integer else None,
         fallback=dict(sorted(fallback.items())),
-        unknown=unknown or {},
+        unknown=unknown,
     )
+
+
+def onnx_macs(model: Any) -> dict[int, int | None]:
+    """Per node (keyed by ``id``), its multiply-accumulates from the shapes ONNX shape inference gives: Conv,
+    ConvTranspose, Gemm and MatMul (and their integer forms) by their reduction, every other node one per output
+    element; None where a shape is unknown."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model)
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    for info in (*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output):
+        dims = info.type.tensor_type.shape.dim
+        shapes[info.name] = tuple(d.dim_value for d in dims) if all(d.HasField("dim_value") for d in dims) else None
+    for tensor in model.graph.initializer:
+        shapes[tensor.name] = tuple(int(d) for d in tensor.dims)
+    work: dict[int, int | None] = {}
+    for node, counted in zip(model.graph.node, inferred.graph.node, strict=True):
+        out = shapes.get(counted.output[0]) if counted.output else None
+        ins = [shapes.get(name) if name else None for name in counted.input]
+        work[id(node)] = _node_macs(counted, ins, out)
+    return work
+
+
+def _node_macs(node: Any, ins: list[tuple[int, ...] | None], out: tuple[int, ...] | None) -> int | None:
+    op = node.op_type
+    if out is None:
+        return None
+    elements = int(np.prod(out, dtype=np.int64))
+    if op in ("Conv", "ConvInteger", "QLinearConv"):  # weights [out, in / groups, k...]
+        weight = ins[3] if op == "QLinearConv" and len(ins) > 3 else (ins[1] if len(ins) > 1 else None)
+        return None if weight is None else elements * int(np.prod(weight[1:], dtype=np.int64))
+    if op == "ConvTranspose":  # weights [in, out / groups, k...]: each input element spreads over them
+        source, weight = ins[0], ins[1] if len(ins) > 1 else None
+        if source is None or weight is None:
+            return None
+        return int(np.prod(source, dtype=np.int64)) * int(np.prod(weight[1:], dtype=np.int64))
+    if op in ("Gemm", "MatMul", "MatMulInteger", "QLinearMatMul"):
+        left = ins[0]
+        if left is None or not left:
+            return None
+        transposed = op == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute)
+        return elements * (left[0] if transposed else left[-1])
+    return elements
 
 
 class OnnxRuntimeExporter:

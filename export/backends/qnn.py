@@ -152,7 +152,12 @@ class QnnHtpExporter:
             compiled = Path(scratch) / MODEL_FILE
             ort = import_onnxruntime()
             try:
-                ort.InferenceSession(str(qdq_path), _compile_options(qnn, compiled))
+                # From bytes, not the file: onnxruntime names the EPContext node (and the graph inside the context
+                # binary) after a hash of the model's path when it has one, so the bundle's bytes would depend on
+                # where it was written; without a path it hashes the graph's tensor names instead. (QNN's HTP
+                # backend also numbers the graphs it serializes per process: one command is one process, so the
+                # same command gives the same bytes; a second compile in one library process differs inside.)
+                ort.InferenceSession(qdq_path.read_bytes(), _compile_options(qnn, compiled))
             except Exception as exc:  # onnxruntime's errors derive from Exception only
                 raise ExportError(
                     f"qnn-htp: compiling the context binary for soc_model {qnn.soc_model} "
@@ -168,7 +173,11 @@ class QnnHtpExporter:
             ops=counted.ops,
             accelerator_ops=counted.ops,
             quantized_ops=counted.quantized_ops,
+            macs=counted.macs,
+            accelerator_macs=counted.macs,
+            quantized_macs=counted.quantized_macs,
             fallback=counted.fallback,
+            unknown=counted.unknown,
         )
         return ExportedModel(
             model_file=MODEL_FILE,

@@ -11,7 +11,6 @@ from importlib.metadata import version
 
 from edgeline.device_profiles import Precision
 from edgeline.export.backends import ExportedModel, ExportRequest, Verification
-from edgeline.export.backends.ethos_u import check_full_integer
 from edgeline.export.backends.litert import MODEL_FILE, tool_versions, write_tflite
 from edgeline.export.errors import ExportError
 from edgeline.export.placement import tflite_placement
@@ -29,8 +28,7 @@ class TFLiteMicroExporter:
         if request.precision not in self.precisions:
             raise ExportError(f"tflite-micro exports int8-static only, not {request.precision.value}")
         path = request.out_dir / MODEL_FILE
-        input_names = write_tflite(request, path)
-        check_full_integer(path, self.name)
+        input_names = write_tflite(request, path, full_integer_for=self.name)
         tflm = version("tflite-micro")
         return ExportedModel(
             model_file=MODEL_FILE,

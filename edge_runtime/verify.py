@@ -1,0 +1,313 @@
+"""``edgeline verify``: integrity, the golden self-test, and this machine's latency and memory figures.
+
+Each check is a dict of figures (the ``--json`` document), its text line made from it. ``ok`` is True or False only
+for what was checked; a figure measured but not held against its budget says ``"ok": null`` and why in ``reason``.
+Latency and memory budgets are the device's: they are checked only on a machine of the bundle's device kind
+(``edgeline.machine``), run by the bundle's runtime and not on an emulator. Elsewhere the figure is this machine's,
+shown as such, and the summary line names what was not checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edgeline.commands import runtime_output, warn_accelerator_fallback
+from edgeline.errors import BackendUnavailableError, BundleError
+
+if TYPE_CHECKING:
+    from edgeline.bundle import Bundle
+    from edgeline.manifest import Manifest
+    from edgeline.model import Model
+
+__all__ = ["device_budget_refusal", "run_verify"]
+
+
+def _zeros(model: Model) -> list[Any]:
+    import numpy as np
+
+    return [np.zeros(spec.shape, dtype=np.float32) for spec in model.inputs]
+
+
+def _golden_check(model: Model) -> dict[str, Any]:
+    import numpy as np
+
+    from edgeline.samples import read_npz
+
+    golden = model.manifest.golden
+    if golden is None:
+        return {"check": "golden", "ok": None, "samples": 0, "reason": "the bundle has no golden.npz"}
+    arrays = read_npz(model.bundle.file(golden.path), "golden")
+    try:
+        inputs = [arrays[f"input_{i}"] for i in range(len(model.inputs))]
+        expected = [arrays[f"output_{j}"] for j in range(len(model.outputs))]
+    except KeyError as exc:
+        raise BundleError(f"{model.bundle.path}: golden.npz lacks {exc.args[0]}") from exc
+    if golden.reference == "float":
+        return _fidelity_check(model, inputs, expected, golden.samples)
+    worst = 0.0
+    mismatched = 0
+    for i in range(golden.samples):
+        outputs = model.predict(*(a[i : i + 1] for a in inputs))
+        ok = True
+        for j, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+            want_i = want[i : i + 1].reshape(got.shape)
+            worst = max(worst, float(np.abs(got - want_i).max()))
+            ok &= bool(np.allclose(got, want_i, rtol=golden.rtol, atol=golden.atol[j]))
+        mismatched += not ok
+    return {
+        "check": "golden",
+        "ok": mismatched == 0,
+        "samples": golden.samples,
+        "mismatched_samples": mismatched,
+        "max_abs_error": worst,
+        "atol": list(golden.atol),
+        "rtol": golden.rtol,
+    }
+
+
+def _fidelity_check(model: Model, inputs: list[Any], expected: list[Any], samples: int) -> dict[str, Any]:
+    """The bundle against the float model's outputs in golden.npz (a bundle nothing at export could run), judged as
+    export judges a measured bundle: top-1 disagreement against max_accuracy_drop for a classifier, else the
+    cosine similarity against min_cosine; with neither, figures only."""
+    import numpy as np
+
+    worst, cosines, agree = 0.0, [], 0
+    for i in range(samples):
+        outputs = model.predict(*(a[i : i + 1] for a in inputs))
+        for got, want in zip(outputs, expected, strict=True):
+            want_i = np.asarray(want[i : i + 1], np.float64).reshape(got.shape)
+            worst = max(worst, float(np.abs(got - want_i).max()))
+            norms = float(np.linalg.norm(got) * np.linalg.norm(want_i))
+            cosines.append(float(np.dot(got.ravel(), want_i.ravel()) / norms) if norms else 1.0)
+        agree += int(np.argmax(outputs[0]) == np.argmax(expected[0][i]))
+    budgets = model.manifest.budgets
+    check: dict[str, Any] = {
+        "check": "fidelity",
+        "reference": "float",
+        "samples": samples,
+        "max_abs_error": worst,
+        "cosine_min": min(cosines),
+        "top1_agreement": None,
+        "ok": None,
+        "reason": "no budget applies (raw outputs, no min_cosine)",
+    }
+    if model.manifest.postprocess.kind == "classify":
+        check["top1_agreement"] = agree / samples
+        check["budget"] = f"top-1 disagreement <= {budgets.max_accuracy_drop:g}%"
+        check["ok"] = (1.0 - agree / samples) * 100.0 <= budgets.max_accuracy_drop
+        check["reason"] = None
+    elif budgets.min_cosine is not None:
+        check["budget"] = f"cosine >= {budgets.min_cosine:g}"
+        check["ok"] = check["cosine_min"] >= budgets.min_cosine
+        check["reason"] = None
+    return check
+
+
+def device_budget_refusal(model: Model, backend: str | None = None) -> str | None:
+    """Why a figure measured here cannot be held against the device's budgets, or None when it can: this machine is
+    of the bundle's device kind, runs the bundle's runtime (``backend``: a runtime asked for instead) and
+    emulates nothing."""
+    from edgeline.machine import mismatch, this_machine
+
+    manifest = model.manifest
+    if model.emulator is not None:
+        return f"measured on {model.emulator}, not on the device"
+    if backend is not None and backend != manifest.backend:
+        return f"run with {backend}, not with the bundle's runtime {manifest.backend}"
+    if manifest.device is None:
+        return "the bundle does not name its device (exported before manifests recorded it)"
+    return mismatch(manifest.device, this_machine())
+
+
+def _judged(check: dict[str, Any], figure: float | None, budget: float | None, what: str, refusal: str | None) -> None:
+    """``ok`` and ``reason`` of a device figure: checked against its budget only when nothing refuses it."""
+    if figure is None:
+        check["ok"] = None  # the reason is set by the caller: why the figure is missing
+    elif budget is None:
+        check.update(ok=None, reason=f"the profile sets no {what} budget")
+    elif refusal is not None:
+        check.update(ok=None, reason=refusal)
+    else:
+        check.update(ok=figure <= budget, reason=None)
+
+
+def _latency_check(model: Model, refusal: str | None) -> dict[str, Any]:
+    from edgeline.machine import this_machine
+    from edgeline.timing import median_latency_ms
+
+    manifest = model.manifest
+    check: dict[str, Any] = {
+        "check": "latency",
+        "ok": None,
+        "reason": None,
+        "median_ms": median_latency_ms(model, _zeros(model), runs=100),
+        "budget_ms": manifest.budgets.max_latency_ms,
+        "profile": manifest.profile,
+        "device": None if manifest.device is None else manifest.device.model_dump(),
+        "machine": platform.machine(),
+        "host": this_machine().describe(),
+        "emulator": model.emulator,
+        "threads": model.threads,
+        "manifest_threads": manifest.threads,
+    }
+    _judged(check, check["median_ms"], check["budget_ms"], "latency", refusal)
+    return check
+
+
+def _memory_check(manifest: Manifest, resident_mb: float | None, refusal: str | None) -> dict[str, Any]:
+    from edgeline.machine import this_machine
+    from edgeline.memory import UNMEASURABLE
+
+    check: dict[str, Any] = {
+        "check": "memory",
+        "ok": None,
+        "reason": f"not measured: {UNMEASURABLE}" if resident_mb is None else None,
+        "resident_mb": resident_mb,
+        "budget_mb": manifest.budgets.max_memory_mb,
+        "export_resident_mb": None if manifest.memory is None else manifest.memory.resident_mb,
+        "profile": manifest.profile,
+        "host": this_machine().describe(),
+    }
+    _judged(check, resident_mb, check["budget_mb"], "memory", refusal)
+    return check
+
+
+def _judgement(check: dict[str, Any], unit: str) -> str:
+    budget = check.get("budget_ms", check.get("budget_mb"))
+    if check["ok"] is not None:
+        return f"; {check['profile']} budget {budget:g} {unit}"
+    if budget is None:
+        return f"; {check['reason']}"
+    return f"; not checked against the {check['profile']} budget of {budget:g} {unit}: {check['reason']}"
+
+
+def _describe(check: dict[str, Any]) -> str:
+    """One line of text for a check."""
+    kind = check["check"]
+    if kind == "integrity":
+        return f"integrity: {check['files']} files ({check['bytes']} bytes) match their sizes and sha256"
+    if kind == "load":
+        where = f" on {check['accelerator']}" if check.get("accelerator") else ""
+        instead = f" in place of {check['bundle_model']}" if check["model"] != check["bundle_model"] else ""
+        fallback = (
+            f" (WARNING: accelerator fallback: {check['accelerator_fallback']})"
+            if check.get("accelerator_fallback")
+            else ""
+        )
+        return f"load: {check['backend']} opened {check['model']}{instead}{where}{fallback}"
+    if kind == "fidelity":
+        agreement = f", top-1 agreement {check['top1_agreement']:.1%}" if check["top1_agreement"] is not None else ""
+        judged = f"budget {check['budget']}" if "budget" in check else check["reason"]
+        return (
+            f"fidelity against the float model (golden.npz): {check['samples']} samples, max |error| "
+            f"{check['max_abs_error']:.3g}, cosine min {check['cosine_min']:.4f}{agreement}; {judged}"
+        )
+    if kind == "golden":
+        if check["ok"] is None:
+            return f"golden self-test: not verified: {check['reason']}"
+        mismatched = f", {check['mismatched_samples']} outside it" if check["mismatched_samples"] else ""
+        return (
+            f"golden self-test: {check['samples']} samples, max |error| {check['max_abs_error']:.3g} "
+            f"(tolerance {max(check['atol']):.3g}{mismatched})"
+        )
+    if kind == "memory":
+        if check["resident_mb"] is None:
+            budget = check["budget_mb"]
+            unchecked = "" if budget is None else f"; the {check['profile']} budget of {budget:g} MB is not checked"
+            return f"memory: {check['reason']}{unchecked}"
+        at_export = check["export_resident_mb"]
+        export = "" if at_export is None else f", {at_export:.1f} MB on the export machine"
+        return (
+            f"memory: loading the model and running it once adds {check['resident_mb']:.1f} MB resident on this "
+            f"machine ({check['host']}{export}){_judgement(check, 'MB')}"
+        )
+    return (
+        f"latency: median {check['median_ms']:.3f} ms on this machine ({check['host']}, {check['threads']} "
+        f"thread(s), the bundle asks for {check['manifest_threads']}){_judgement(check, 'ms')}"
+    )
+
+
+def _summary(name: str, version: int, checks: list[dict[str, Any]]) -> str:
+    """Verified names only what was checked: what was measured but not checked is listed."""
+    if any(check["ok"] is False for check in checks):
+        return f"{name} v{version}: FAILED"
+    unchecked = [check["check"] for check in checks if check["ok"] is None]
+    return f"{name} v{version}: verified" + (f" (not checked: {', '.join(unchecked)})" if unchecked else "")
+
+
+def _load_measured(path: Path, bundle: Bundle, backend: str | None) -> tuple[Model, float | None]:
+    """The model, loaded and run once, and the resident memory that added (None where it cannot be read)."""
+    from edgeline.memory import resident_mb_added
+    from edgeline.model import load
+
+    loaded: list[Model] = []
+
+    def load_and_run() -> Model:
+        model = load(path, backend=backend)
+        model.predict(*_zeros(model))
+        loaded.append(model)
+        return model
+
+    try:
+        resident = resident_mb_added(load_and_run)
+    except BackendUnavailableError as exc:  # e.g. a Core ML bundle on Linux: say what was checked, then why not
+        raise BackendUnavailableError(
+            f"{len(bundle.manifest.files)} files match their sizes and sha256, but the model cannot run here: {exc}"
+        ) from exc
+    return loaded[0], resident
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from edgeline.bundle import read_bundle
+
+    bundle = read_bundle(args.bundle)
+    manifest = bundle.manifest
+    integrity = {
+        "check": "integrity",
+        "ok": True,
+        "files": len(manifest.files),
+        "bytes": sum(entry.size for entry in manifest.files),
+    }
+    with runtime_output() as outcome:
+        model, resident = _load_measured(args.bundle, bundle, args.backend)
+        refusal = device_budget_refusal(model, args.backend)
+        checks = [
+            integrity,
+            {
+                "check": "load",
+                "ok": True,
+                "backend": model.backend,
+                "model": model.model_file,
+                "bundle_model": manifest.model,
+                "accelerator": model.accelerator,
+                "accelerator_fallback": model.accelerator_fallback,
+            },
+            _golden_check(model),
+            _latency_check(model, refusal),
+            _memory_check(manifest, resident, refusal),
+        ]
+        passed = all(check["ok"] is not False for check in checks)
+        outcome.failed = not passed
+    warn_accelerator_fallback(model)
+    if args.json:
+        report = {
+            "bundle": str(args.bundle),
+            "name": manifest.name,
+            "version": manifest.version,
+            "backend": model.backend,
+            "precision": manifest.precision,
+            "ok": passed,
+            "not_checked": [check["check"] for check in checks if check["ok"] is None],
+            "checks": checks,
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        for check in checks:
+            status = {True: "ok", False: "FAIL", None: "n/a"}[check["ok"]]
+            print(f"{status:4}  {_describe(check)}")
+        print(_summary(manifest.name, manifest.version, checks))
+    return 0 if passed else 1

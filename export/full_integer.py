@@ -1,0 +1,306 @@
+"""Full-integer int8 static quantization: every operator int8, from the model's input to its output.
+
+litert-torch's PT2E quantizer annotates convolutions, linear layers, pooling, ``add``/``mul``/``cat`` and a few
+activations; any other operator stays float between a dequantize and a quantize. At the model's edges that leaves a
+float input or output, which vela and TFLite Micro refuse: the normalisation a ``forward`` starts with
+(``(x - mean) / std``), the ``log_softmax`` it ends with. ``FullIntegerQuantizer`` quantizes those too, as operators
+TFLite has int8 kernels for, that TFLite Micro runs and vela (except LOG_SOFTMAX) maps to the Ethos-U NPU:
+
+- SUB, ADD and MUL, of activations or constants (a constant operand is quantized like an activation). A division by
+  a constant becomes a multiplication by its reciprocal: vela has no DIV, and the int8 MUL rounds once. Arithmetic
+  on constants alone (``std + eps``, a tensor built in ``forward``) is folded into one constant first.
+- SOFTMAX and LOG_SOFTMAX, with the fixed output quantization their int8 kernels require. vela leaves LOG_SOFTMAX to
+  the CPU (TFLite Micro's int8 kernel there); it has no NPU form, and TFLite Micro has no int8 EXP or LOG to build one.
+
+This keeps the model's own arithmetic, so nothing but quantization separates it from the float model; folding the
+normalisation into the first layer instead would be exact only without padding, and only before a convolution or
+linear layer. Whatever still computes in float at an edge (a division by a value the model computes, an operator
+without an int8 kernel) is found in the quantized graph with the model's line (``float_edges``), and named
+when a full-integer target refuses the file it went into (``write_tflite(..., full_integer_for=...)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from litert_torch.quantize.pt2e_quantizer import PT2EQuantizer, get_symmetric_quantization_config
+from litert_torch.quantize.pt2e_quantizer_utils import propagate_annotation
+from torch.fx import GraphModule, Node
+from torchao.quantization.pt2e.constant_fold import constant_fold
+from torchao.quantization.pt2e.quantizer import FixedQParamsQuantizationSpec, QuantizationAnnotation
+
+from edgeline.export.conversion import Culprit, describe_culprit, node_culprit
+from edgeline.export.errors import LoweringError
+
+__all__ = ["FullIntegerQuantizer", "check_full_integer", "float_edges"]
+
+_aten = torch.ops.aten
+_ELEMENTWISE = frozenset({_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor})
+_DIVISIONS = frozenset({_aten.div.Tensor, _aten.div.Scalar})
+
+
+def _fixed(scale: float, zero_point: int) -> FixedQParamsQuantizationSpec:
+    return FixedQParamsQuantizationSpec(
+        dtype=torch.int8,
+        scale=scale,
+        zero_point=zero_point,
+        quant_min=-128,
+        quant_max=127,
+        qscheme=torch.per_tensor_affine,
+    )
+
+
+# The output quantization TFLite's int8 kernels require (and check when the model is prepared).
+_FIXED_OUTPUT = {
+    _aten.softmax.int: _fixed(1 / 256, -128),
+    _aten._softmax.default: _fixed(1 / 256, -128),
+    _aten.log_softmax.int: _fixed(16 / 256, 127),
+    _aten._log_softmax.default: _fixed(16 / 256, 127),
+}
+
+# Operators of one activation input that TFLite runs in int8 with the input's own kind of quantization (vela maps
+# them to the NPU): the squeeze-excite pool and gates of a MobileNetV3 among them.
+_ONE_INPUT = frozenset(
+    {
+        _aten.mean.dim,
+        _aten.adaptive_avg_pool2d.default,
+        _aten.hardswish.default,
+        _aten.hardsigmoid.default,
+        _aten.hardtanh.default,
+        _aten.clamp.default,
+        _aten.relu.default,
+    }
+)
+_FIXED_OUTPUT |= {_aten.sigmoid.default: _fixed(1 / 256, -128), _aten.tanh.default: _fixed(1 / 128, 0)}
+
+# Arithmetic on constants that is folded into one constant before annotation (aliases included: a tensor built in
+# forward() comes as lift_fresh_copy, then detach_).
+_FOLDED = frozenset(
+    {"add", "sub", "rsub", "mul", "div", "neg", "reciprocal", "sqrt", "rsqrt", "pow", "square", "abs"}
+    | {"lift_fresh_copy", "detach", "detach_", "clone", "alias", "_to_copy", "to"}
+)
+
+
+def _op_name(node: Node) -> str:
+    return str(getattr(node.target, "__name__", node.target)).split(".")[0]
+
+
+def _floating(node: Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _constant(model: GraphModule, before: Node, value: Any) -> Node:
+    """A new constant (a buffer read by ``get_attr``) in the dtype of ``before``'s output, inserted before it."""
+    dtype = before.meta["val"].dtype
+    index = 0
+    while hasattr(model, f"_full_integer_constant_{index}"):
+        index += 1
+    name = f"_full_integer_constant_{index}"
+    model.register_buffer(name, torch.as_tensor(value, dtype=dtype))
+    with model.graph.inserting_before(before):
+        return model.graph.get_attr(name)
+
+
+def _constant_value(model: GraphModule, arg: Any) -> torch.Tensor | None:
+    if _is_number(arg):
+        return torch.tensor(float(arg))
+    if isinstance(arg, Node) and arg.op == "get_attr":
+        value = _attribute(model, str(arg.target))
+        return value if isinstance(value, torch.Tensor) else None
+    return None
+
+
+def _attribute(model: GraphModule, target: str) -> Any:
+    value: Any = model
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _rewrite_for_int8(model: GraphModule) -> None:
+    """Divisions by a constant into multiplications by its reciprocal; ``c - x`` into ``sub(c, x)``; numbers in
+    ADD/SUB/MUL into float constants (litert-torch's quantizer makes ``x + 1`` an int64 constant its observer
+    rejects)."""
+    for node in list(model.graph.nodes):
+        if node.op != "call_function" or not _floating(node) or node.kwargs:
+            continue
+        if node.target is _aten.hardsigmoid.default and isinstance(node.args[0], Node):
+            _decompose_hardsigmoid(model, node)
+            continue
+        if node.target in _DIVISIONS and isinstance(node.args[0], Node):
+            divisor = _constant_value(model, node.args[1])
+            if divisor is not None and bool(torch.all(divisor != 0)):
+                node.target = _aten.mul.Tensor
+                node.args = (node.args[0], _constant(model, node, 1 / divisor.to(node.meta["val"].dtype)))
+        elif node.target is _aten.rsub.Scalar and len(node.args) == 2 and _is_number(node.args[1]):
+            node.target = _aten.sub.Tensor
+            node.args = (_constant(model, node, node.args[1]), node.args[0])
+        if node.target in _ELEMENTWISE:
+            node.args = tuple(_constant(model, node, a) if _is_number(a) else a for a in node.args)
+    model.graph.eliminate_dead_code()
+    model.recompile()
+
+
+def _decompose_hardsigmoid(model: GraphModule, node: Node) -> None:
+    """``hardsigmoid(x)`` as ``relu6(x + 3) * (1/6)``: three operators with int8 kernels (and NPU forms). The converter
+    lowers hardsigmoid itself to the same ADD and MUL, but in float (MobileNetV3's squeeze-excite gates)."""
+    (source,) = node.args
+    graph = model.graph
+    with graph.inserting_before(node):
+        shifted = graph.call_function(_aten.add.Tensor, (source, _constant(model, node, 3.0)))
+        clamped = graph.call_function(_aten.hardtanh.default, (shifted, 0.0, 6.0))
+        scaled = graph.call_function(_aten.mul.Tensor, (clamped, _constant(model, node, 1 / 6)))
+    for made in (shifted, clamped, scaled):
+        made.meta = {**node.meta, "val": node.meta["val"]}
+    node.replace_all_uses_with(scaled)
+    graph.erase_node(node)
+
+
+def _annotated(node: Node) -> bool:
+    annotation = node.meta.get("quantization_annotation")
+    return annotation is not None and bool(annotation._annotated)
+
+
+class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch ships no type information
+    """litert-torch's PT2E quantizer (symmetric per-channel weights, int8 activations) that also quantizes the
+    element-wise arithmetic, SOFTMAX and LOG_SOFTMAX: see the module's docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=False))
+
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        constant_fold(model, constraint_fn=lambda node: _op_name(node) in _FOLDED)
+        _rewrite_for_int8(model)
+        return super().transform_for_annotation(model)
+
+    def annotate(self, model: GraphModule) -> GraphModule:
+        super().annotate(model)  # litert-torch's patterns first: they fuse a convolution with its ReLU, ...
+        activation = self.global_config.input_activation
+        for node in model.graph.nodes:
+            if node.op != "call_function" or _annotated(node) or not _floating(node):
+                continue
+            if node.target in _ELEMENTWISE:
+                inputs = {arg: activation for arg in node.args[:2] if isinstance(arg, Node)}
+                output = self.global_config.output_activation
+            elif node.target in _FIXED_OUTPUT and isinstance(node.args[0], Node):
+                inputs, output = {node.args[0]: activation}, _FIXED_OUTPUT[node.target]
+            elif node.target in _ONE_INPUT and isinstance(node.args[0], Node):
+                inputs, output = {node.args[0]: activation}, self.global_config.output_activation
+            else:
+                continue
+            node.meta["quantization_annotation"] = QuantizationAnnotation(
+                input_qspec_map=inputs, output_qspec=output, _annotated=True
+            )
+        propagate_annotation(model)  # reshapes after the operators annotated here share their quantization
+        return model
+
+
+_CONVERSIONS = ("quantize_per_", "dequantize_per_", "choose_qparams")
+_SHAPE_ONLY = frozenset(
+    {"view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze", "contiguous", "clone", "t"}
+    | {"expand", "alias", "detach", "detach_", "_assert_tensor_metadata", "getitem"}
+)
+
+
+def _is_conversion(node: Node) -> bool:
+    return node.op == "call_function" and any(marker in _op_name(node) for marker in _CONVERSIONS)
+
+
+def _walk(start: list[Node], step: Any) -> Iterator[Node]:
+    """The float operators reached from ``start`` through ``step`` (users or inputs) before a (de)quantize."""
+    seen: set[Node] = set()
+    pending = list(start)
+    while pending:
+        for node in step(pending.pop()):
+            if node in seen or node.op != "call_function" or _is_conversion(node):
+                continue
+            seen.add(node)
+            pending.append(node)
+            yield node
+
+
+def float_edges(quantized: GraphModule) -> tuple[Culprit, ...]:
+    """The operators of a converted PT2E graph that compute in float between the model's inputs and the first
+    quantize, or between the last dequantize and its outputs: why its LiteRT model has a float input or output.
+    Reshapes are named only when nothing else is there (the converter moves a quantize past them). In graph order,
+    each with the model's line."""
+    inputs = [node for node in quantized.graph.nodes if node.op == "placeholder"]
+    outputs = [arg for node in quantized.graph.nodes if node.op == "output" for arg in node.all_input_nodes]
+    found = set(_walk(inputs, lambda node: list(node.users)))
+    found |= {node for node in outputs if node.op == "call_function" and not _is_conversion(node)}
+    found |= set(_walk(outputs, lambda node: node.all_input_nodes))
+    ordered = [node for node in quantized.graph.nodes if node in found]
+    computing = [node for node in ordered if _op_name(node) not in _SHAPE_ONLY]
+    return tuple(node_culprit(node, operator=str(node.target)) for node in computing or ordered)
+
+
+def _describe(culprits: tuple[Culprit, ...]) -> str:
+    """``aten.amax.default, aten.div.Tensor (model.py:12: x = x / x.amax())``: operators of one line together."""
+    lines: dict[tuple[str | None, str | None], list[str]] = {}
+    for culprit in culprits:
+        lines.setdefault((culprit.module, culprit.source), []).append(culprit.operator)
+    return "; ".join(
+        describe_culprit(Culprit(", ".join(dict.fromkeys(operators)), module, source))
+        for (module, source), operators in lines.items()
+    )
+
+
+def _tflite_float_edges(interpreter: Any) -> list[str]:
+    """The float operators of a LiteRT model between its float inputs and a QUANTIZE, or a DEQUANTIZE and its float
+    outputs (their TFLite names): what is known of a file ``float_edges`` did not see."""
+    ops = interpreter._get_ops_details()  # the only listing of a model's operators in ai-edge-litert's Python API
+    dtypes = {detail["index"]: np.dtype(detail["dtype"]) for detail in interpreter.get_tensor_details()}
+    floating = {np.dtype(np.float32), np.dtype(np.float16)}
+    reached: set[int] = set()
+    for tensors, side, other in (
+        ({d["index"] for d in interpreter.get_input_details()}, "inputs", "outputs"),
+        ({d["index"] for d in interpreter.get_output_details()}, "outputs", "inputs"),
+    ):
+        tensors = {index for index in tensors if dtypes.get(index) in floating}
+        changed = True
+        while changed:
+            changed = False
+            for position, op in enumerate(ops):
+                conversion = op["op_name"] in ("QUANTIZE", "DEQUANTIZE")
+                if position in reached or conversion or not tensors & set(op[side]):
+                    continue
+                reached.add(position)
+                tensors |= {index for index in op[other] if index >= 0 and dtypes.get(index) in floating}
+                changed = True
+    return [ops[position]["op_name"] for position in sorted(reached)]
+
+
+def check_full_integer(path: Path, backend: str, culprits: tuple[Culprit, ...] = ()) -> None:
+    """vela and TFLite Micro take full-integer models: every input and output int8. Otherwise a ``LoweringError``
+    naming the operators that stayed float at the model's edges: ``culprits`` (``float_edges`` of the graph the file
+    was converted from, with the model's lines), else those the file itself shows."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=str(path))
+    for kind, details in (("input", interpreter.get_input_details()), ("output", interpreter.get_output_details())):
+        for detail in details:
+            dtype = np.dtype(detail["dtype"])
+            if dtype == np.int8:
+                continue
+            if culprits:
+                operators = tuple(dict.fromkeys(culprit.operator for culprit in culprits))
+                named = _describe(culprits)
+            else:
+                operators = tuple(dict.fromkeys(_tflite_float_edges(interpreter)))
+                named = ", ".join(operators) or "none found"
+            raise LoweringError(
+                f"{backend}: the int8 model's {kind} {detail['name']!r} is {dtype.name}, not int8: the operators at "
+                f"the model's edges that stayed float are {named}. Compute them outside the model (in the data, or "
+                "on its outputs), or choose a target that takes float",
+                operators=operators,
+            )
