@@ -36,7 +36,7 @@ from edgeline.errors import BackendUnavailableError, IntegrityError
 from edgeline.export.backends import ExportRequest, Verification
 from edgeline.export.backends.coreml import check_package, read_spec
 from edgeline.export.backends.litert import LiteRTExporter
-from edgeline.export.errors import ExportError
+from edgeline.export.errors import BudgetError, ExportError
 from edgeline.export.pipeline import ExportOptions, run_export
 from edgeline.export.report import ExportReport, format_report
 from edgeline.manifest import Manifest
@@ -60,14 +60,21 @@ def _float_model(model_file: Path) -> Any:
 def exported(
     tmp_path_factory: pytest.TempPathFactory, tiny_model_file: Path, sample_files: dict[str, Path]
 ) -> ExportReport:
-    """Every iphone-15-pro target, each written to OUT/BACKEND-PRECISION (--all)."""
+    """Every iphone-15-pro target, each written to OUT/BACKEND-PRECISION (--all). The tiny model's convolution has
+    fewer than 2,048 weights, which Core ML keeps in float: its int8-weights package has int8 weights for 58% of the
+    work, under the bundled profile's 80% (``test_the_bundled_profile_rejects_a_package_mostly_in_float_weights``),
+    so the packages are made with a copy of the profile without that budget."""
+    root = tmp_path_factory.mktemp("coreml")
+    text = (device_profiles_dir() / f"{PROFILE}.toml").read_text()
+    profile = root / f"{PROFILE}.toml"
+    profile.write_text(re.sub(r"^min_quantized_share = .*$", "", text, flags=re.MULTILINE))
     return run_export(
         ExportOptions(
             model=f"{tiny_model_file}:model",
-            profile=PROFILE,
+            profile=str(profile),
             calibration=sample_files["calibration"],
             validation=sample_files["validation"],
-            out=tmp_path_factory.mktemp("coreml") / "tiny",
+            out=root / "tiny",
             all_targets=True,
         )
     )
@@ -91,6 +98,23 @@ def _manifest(bundle: Path) -> Manifest:
 
 def _spec(bundle: Path) -> Any:
     return ct.models.MLModel(str(bundle / "model.mlpackage"), skip_model_load=True).get_spec()
+
+
+def test_the_bundled_profile_rejects_a_package_mostly_in_float_weights(
+    tiny_model_file: Path, sample_files: dict[str, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(BudgetError, match=r"of the work \(\d+/\d+ MACs; \d+/\d+ ops\) in int8-weights < budget 80%"):
+        run_export(
+            ExportOptions(
+                model=f"{tiny_model_file}:model",
+                profile=PROFILE,
+                calibration=sample_files["calibration"],
+                validation=sample_files["validation"],
+                out=tmp_path / "tiny",
+                backend="coreml",
+                precision=Precision.INT8_WEIGHTS,
+            )
+        )
 
 
 def test_export_for_the_iphone_picks_coreml_fp16_and_says_fidelity_was_not_measured(

@@ -25,6 +25,8 @@ from edgeline.device_profiles import load_profile
 from edgeline.export.reference.data import calibration_subset, load_digits_split
 from edgeline.export.reference.training import fit_classifier, seeded_build
 
+REPO = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.slow  # real conversions: vela, TFLite Micro and LiteRT (a minute or two on two cores)
 
 TRANSFORMER_SOURCE = '''\
@@ -145,19 +147,40 @@ def _edgeline(args: list[str], out: Path) -> subprocess.CompletedProcess[str]:
 def test_a_target_its_runtime_cannot_load_fails_alone_and_the_next_is_picked(
     tmp_path: Path, transformer: Path, digits: dict[str, Path]
 ) -> None:
+    # a Linux board whose first target is TFLite Micro (no GELU kernel), then LiteRT
+    text = (REPO / "device_profiles" / "profiles" / "imx93.toml").read_text()
+    start = text.index("[[targets]]")
+    targets = "".join(
+        f'[[targets]]\nbackend = "{backend}"\nprecision = "{precision}"\nthreads = 2\n\n'
+        for backend, precision in (("tflite-micro", "int8-static"), ("litert", "fp32"))
+    )
+    profile = tmp_path / "board.toml"
+    profile.write_text(text[:start] + targets + text[text.index("[budgets]") :])
     out = tmp_path / "tiny"
-    done = _edgeline(_export(f"{transformer}:model", "imx93", digits, out, "--json"), out)
+    done = _edgeline(_export(f"{transformer}:model", str(profile), digits, out, "--json"), out)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    first, *others = report["targets"]
-    assert first["backend"] == load_profile("imx93").targets[0].backend == "ethos-u"
+    first, second = report["targets"]
+    assert first["backend"] == "tflite-micro"
     assert first["status"] == "failed" and "GELU" in first["reason"]
     named = first["reason"].split(":")[0]  # the file inside the bundle, not the deleted staging folder's path
     assert "/" not in named and named.endswith(".tflite"), first["reason"]
-    picked = [t for t in others if t["status"] == "selected"]
-    assert len(picked) == 1 and picked[0]["backend"] == "litert"
+    assert second["status"] == "selected" and second["backend"] == "litert"
     assert report["bundle"] == str(out)
-    assert edgeline.load(out).manifest.precision == picked[0]["precision"]
+    assert edgeline.load(out).manifest.precision == second["precision"]
+
+
+def test_the_imx93_npu_target_checks_the_cpu_s_operators_with_litert_as_the_device_runs_them(
+    tmp_path: Path, transformer: Path, digits: dict[str, Path]
+) -> None:
+    """On the i.MX 93 (Linux), LiteRT runs what vela leaves to the Cortex-A55: GELU included, which TFLite Micro
+    lacks. The Ethos-U target is measured, not failed on a kernel the device does not use."""
+    out = tmp_path / "tiny"
+    done = _edgeline(_export(f"{transformer}:model", "imx93", digits, out, "--json", "--all"), out)
+    assert done.returncode == 0, done.stderr
+    first = json.loads(done.stdout)["targets"][0]
+    assert first["backend"] == "ethos-u" and first["status"] != "failed", first["reason"]
+    assert first["fidelity"]["measured_with"].startswith("LiteRT ")
 
 
 def test_when_every_target_fails_the_table_gives_each_reason(
