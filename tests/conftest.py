@@ -41,6 +41,8 @@ collect_ignore = [
     for module, needs in (
         ("test_reference_models.py", "torch"),
         ("test_float_reference.py", "torch"),
+        ("test_compute_placement.py", "torch"),
+        ("test_target_failures.py", "torch"),
         ("test_health.py", "prometheus_client"),
         ("test_backend_coreml.py", "coremltools"),
         ("test_backend_onnxruntime.py", "torch"),
