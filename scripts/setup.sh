@@ -11,30 +11,34 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
     exit 2
 fi
 # The integration tests start a real Mosquitto and drive it with its own clients: Debian's packages; the TLS
-# tests make their certificates with the openssl command; the completion tests run the zsh script in zsh. (/usr/sbin,
-# where the broker lives, is not on a normal user's PATH.)
+# tests make their certificates with the openssl command; the completion tests run the zsh script in zsh; the
+# firmware bridge's C side is built with the host's gcc and with arm-none-eabi-gcc, and run on QEMU's emulated
+# Cortex-M boards. (/usr/sbin, where the broker lives, is not on a normal user's PATH.)
+PACKAGES="mosquitto mosquitto-clients openssl zsh gcc gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm"
 have_mosquitto() {
     { command -v mosquitto || [ -x /usr/sbin/mosquitto ]; } >/dev/null 2>&1 \
         && command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1 \
-        && command -v openssl >/dev/null 2>&1 && command -v zsh >/dev/null 2>&1
+        && command -v openssl >/dev/null 2>&1 && command -v zsh >/dev/null 2>&1 \
+        && command -v gcc >/dev/null 2>&1 && command -v arm-none-eabi-gcc >/dev/null 2>&1 \
+        && command -v qemu-system-arm >/dev/null 2>&1
 }
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
 }
 if ! have_mosquitto; then
     if ! command -v apt-get >/dev/null 2>&1 || { [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null 2>&1; }; then
-        echo "setup: mosquitto is missing and cannot be installed here (needs apt-get, as root or with sudo);" \
-            "install the mosquitto broker and its clients (mosquitto_pub, mosquitto_sub), openssl and zsh yourself" >&2
+        echo "setup: Debian packages are missing and cannot be installed here (needs apt-get, as root or with sudo);" \
+            "install these yourself: $PACKAGES" >&2
         exit 2
     fi
-    echo "setup: installing Debian's mosquitto, mosquitto-clients, openssl and zsh (apt-get)" >&2
+    echo "setup: installing Debian's $PACKAGES (apt-get)" >&2
     apt_log="$(mktemp)"
     if ! { as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq \
-        && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto mosquitto-clients openssl zsh; } \
+        && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $PACKAGES; } \
         >"$apt_log" 2>&1 || ! have_mosquitto; then
         cat "$apt_log" >&2
         rm -f "$apt_log"
-        echo "setup: could not install mosquitto, mosquitto-clients, openssl and zsh with apt-get (output above)" >&2
+        echo "setup: could not install $PACKAGES with apt-get (output above)" >&2
         exit 2
     fi
     rm -f "$apt_log"
