@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import publish  # benchmarks/report.py, next to this script
+from report import markdown_table, publish  # benchmarks/report.py, next to this script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,11 +103,8 @@ def main() -> int:
             except Exception as exc:  # a row says what went wrong, and the table goes on
                 outcome = TargetOutcome(backend, precision, 1, status="failed", reason=f"{type(exc).__name__}: {exc}")
             table.append(row(name, profile_id, outcome, load_profile(str(profile)).budgets))
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in table]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     publish(
-        "\n".join(lines),
+        markdown_table(table),
         script=__file__,
         title="Accelerator targets: fidelity, size, placement and the figures each can give here",
         intro=(

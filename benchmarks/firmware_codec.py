@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import publish  # benchmarks/report.py, next to this script
+from report import markdown_table, publish  # benchmarks/report.py, next to this script
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = REPO / "firmware_bridge" / "c"
@@ -59,11 +59,8 @@ def main() -> int:
                 flash, ram = size_of(source, core, Path(scratch))
                 cells.append(f"{flash:,} B / {ram:,} B")
             rows.append((name, *cells))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     publish(
-        "\n".join(lines),
+        markdown_table(rows),
         script=__file__,
         title="The firmware bridge's C codec on Cortex-M cores: flash and RAM",
         intro=(
