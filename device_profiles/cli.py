@@ -48,7 +48,7 @@ def _list(args: argparse.Namespace) -> int:
             profile.name,
             profile.cpu.name,
             str(profile.cpu.cores),
-            _megabytes(profile.memory_mb),
+            _memory(profile),
             f"{profile.targets[0].backend} {profile.targets[0].precision.value}",
         )
         for profile in profiles
@@ -91,7 +91,7 @@ def _describe(profile: Profile) -> list[str]:
         f"  file:    {profile.source}",
         f"cpu:       {cpu.name} ({cpu.arch}), {cpu.cores} cores{clock}",
         f"           features: {', '.join(cpu.isa_features) or 'none listed'}",
-        f"memory:    {_megabytes(profile.memory_mb)}",
+        f"memory:    {_memory(profile)}",
         f"os:        {profile.os}",
         f"daemon:    {'runs edgeline run' if profile.daemon else 'no (the bundle goes into an app or firmware)'}",
         *_accelerators(profile),
@@ -112,6 +112,8 @@ def _describe(profile: Profile) -> list[str]:
         f"  max latency:        {_or_none(budgets.max_latency_ms, ' ms')} "
         "on the device (checked by on-device verification, not host timing)",
         f"  max memory:         {_or_none(budgets.max_memory_mb, ' MB')}",
+        f"  max tensor arena:   {_bytes(budgets.max_arena_bytes)}"
+        + (" (TFLite Micro's, margin included)" if budgets.max_arena_bytes is not None else ""),
         f"  min on accelerator: {_share(budgets.min_accelerator_share, 'of operators on the accelerator')}",
         f"  min quantized:      {_share(budgets.min_quantized_share, 'of operators in int8 (int8 targets)')}",
     ]
@@ -123,9 +125,10 @@ def _share(value: float | None, what: str) -> str:
 
 
 def _accelerators(profile: Profile) -> list[str]:
-    """One line per accelerator section: what the exporters are told about the device's NPU, GPU or Core ML."""
+    """One line per hardware section: what the exporters are told about the device's NPU, GPU or Core ML, or a
+    microcontroller's memories."""
     lines = []
-    for key in ("coreml", "qnn", "ethos_u", "onnxruntime"):
+    for key in ("coreml", "qnn", "ethos_u", "onnxruntime", "microcontroller"):
         section = getattr(profile, key)
         if section is not None:
             fields = ", ".join(
@@ -134,6 +137,15 @@ def _accelerators(profile: Profile) -> list[str]:
             )
             lines.append(f"{key + ':':<10} {fields}")
     return lines
+
+
+def _memory(profile: Profile) -> str:
+    """memory_mb, or a microcontroller's SRAM and flash (a few hundred KiB: no whole number of MB)."""
+    mcu = profile.microcontroller
+    if profile.memory_mb is not None:
+        return _megabytes(profile.memory_mb)
+    assert mcu is not None  # the schema requires one of the two
+    return f"{mcu.sram_bytes // 1024} KiB SRAM, {mcu.flash_bytes // 1024} KiB flash"
 
 
 def _megabytes(value: int) -> str:

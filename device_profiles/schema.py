@@ -15,7 +15,19 @@ from pydantic_core import PydanticCustomError
 
 from edgeline.device_profiles.precision import Precision
 
-__all__ = ["ID_PATTERN", "Budgets", "CoreML", "Cpu", "EthosU", "OnnxRuntime", "Precision", "Profile", "Qnn", "Target"]
+__all__ = [
+    "ID_PATTERN",
+    "Budgets",
+    "CoreML",
+    "Cpu",
+    "EthosU",
+    "Microcontroller",
+    "OnnxRuntime",
+    "Precision",
+    "Profile",
+    "Qnn",
+    "Target",
+]
 
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
 
@@ -33,8 +45,9 @@ class Cpu(_Frozen):
     """The device's CPU, as far as export decisions need it."""
 
     name: Name = Field(description="Core name, e.g. 'Cortex-A76'.")
-    arch: Literal["aarch64", "armv7l", "x86_64", "armv8.1-m"] = Field(
-        description="Machine architecture (uname -m; 'armv8.1-m' for a Cortex-M55 class microcontroller)."
+    arch: Literal["aarch64", "armv7l", "x86_64", "armv8.1-m", "armv7e-m"] = Field(
+        description="Machine architecture (uname -m; for a microcontroller its Arm architecture: 'armv8.1-m' for a "
+        "Cortex-M55, 'armv7e-m' for a Cortex-M4 or M7)."
     )
     cores: PositiveInt
     isa_features: tuple[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._]*$")], ...] = Field(
@@ -71,6 +84,11 @@ class Budgets(_Frozen):
         "verification, never by timing on the host.",
     )
     max_memory_mb: PositiveInt | None = None
+    max_arena_bytes: PositiveInt | None = Field(
+        default=None,
+        description="Largest accepted tensor arena, in bytes: the SRAM a microcontroller's firmware reserves for "
+        "TFLite Micro (the C sources' EDGELINE_ARENA_BYTES, margin included), checked at export.",
+    )
     min_accelerator_share: Share | None = Field(
         default=None,
         description="Smallest accepted share of the model's operators on the target's accelerator (0-1); "
@@ -112,6 +130,19 @@ class EthosU(_Frozen):
     clock_mhz: PositiveInt = Field(description="NPU core clock the estimates are given at.")
 
 
+class Microcontroller(_Frozen):
+    """A microcontroller's on-chip memories, in bytes: a Cortex-M4's 192 KiB of SRAM is no whole number of MiB
+    (``memory_mb``). The budgets that share them out (``max_model_bytes`` of the flash for the model array,
+    ``max_arena_bytes`` of the SRAM for the tensor arena) must fit in them."""
+
+    part: Name = Field(description="The part the figures are from, e.g. 'STM32F407VG'.")
+    flash_bytes: PositiveInt = Field(description="On-chip flash: the firmware, the model array among it.")
+    sram_bytes: PositiveInt = Field(description="On-chip SRAM: the firmware's data, the tensor arena among it.")
+    largest_sram_block_bytes: PositiveInt = Field(
+        description="The largest contiguous SRAM block: the tensor arena is one array, so it must fit in one."
+    )
+
+
 class OnnxRuntime(_Frozen):
     """ONNX Runtime on the device: the execution providers to try, in order, the CPU provider last."""
 
@@ -125,7 +156,9 @@ class Profile(_Frozen):
     name: Name
     description: str
     cpu: Cpu
-    memory_mb: PositiveInt
+    memory_mb: PositiveInt | None = Field(
+        default=None, description="The device's memory in MiB; required unless a [microcontroller] section gives it."
+    )
     os: Name = Field(description="Operating system, e.g. 'Raspberry Pi OS bookworm 64-bit'.")
     targets: tuple[Target, ...] = Field(min_length=1, description="Export targets, tried first to last.")
     budgets: Budgets
@@ -138,6 +171,7 @@ class Profile(_Frozen):
     qnn: Qnn | None = None
     ethos_u: EthosU | None = None
     onnxruntime: OnnxRuntime | None = None
+    microcontroller: Microcontroller | None = None
     # Set by the loader to the file the profile came from; not part of the file format.
     source: SkipJsonSchema[str] = Field(default="", exclude=True)
 
@@ -159,11 +193,38 @@ class Profile(_Frozen):
                     {"index": index, "backend": target.backend, "precision": target.precision.value},
                 )
             seen.add(key)
+        self._check_memories()
         max_memory = self.budgets.max_memory_mb
-        if max_memory is not None and max_memory > self.memory_mb:
+        if max_memory is not None and self.memory_mb is not None and max_memory > self.memory_mb:
             raise PydanticCustomError(
                 "budget_exceeds_memory",
                 "budgets.max_memory_mb: {budget} is more than the device's memory_mb ({memory})",
                 {"budget": max_memory, "memory": self.memory_mb},
             )
         return self
+
+    def _check_memories(self) -> None:
+        """The device's memory is given (in MiB, or a microcontroller's bytes), and the byte budgets fit in it."""
+        mcu = self.microcontroller
+        if mcu is None:
+            if self.memory_mb is None:
+                raise PydanticCustomError(
+                    "memory_missing", "memory_mb: required field is missing (or a [microcontroller] section)", {}
+                )
+            return
+        if mcu.largest_sram_block_bytes > mcu.sram_bytes:
+            raise PydanticCustomError(
+                "block_exceeds_sram",
+                "microcontroller.largest_sram_block_bytes: {block} is more than its sram_bytes ({sram})",
+                {"block": mcu.largest_sram_block_bytes, "sram": mcu.sram_bytes},
+            )
+        for name, budget, where, limit in (
+            ("max_model_bytes", self.budgets.max_model_bytes, "flash_bytes", mcu.flash_bytes),
+            ("max_arena_bytes", self.budgets.max_arena_bytes, "largest_sram_block_bytes", mcu.largest_sram_block_bytes),
+        ):
+            if budget is not None and budget > limit:
+                raise PydanticCustomError(
+                    "budget_exceeds_memory",
+                    "budgets.{name}: {budget} is more than microcontroller.{where} ({limit})",
+                    {"name": name, "budget": budget, "where": where, "limit": limit},
+                )

@@ -20,6 +20,7 @@ __all__ = [
     "Estimates",
     "Fidelity",
     "FileEntry",
+    "Firmware",
     "Golden",
     "Manifest",
     "Memory",
@@ -296,7 +297,7 @@ class Device(_Frozen):
     """The kind of machine the bundle was exported for, as its profile names it: what ``verify`` compares the machine
     it runs on with before holding a figure against a device budget (latency)."""
 
-    arch: str  # the profile's cpu.arch: uname -m, or "armv8.1-m" for a Cortex-M55 class microcontroller
+    arch: str  # the profile's cpu.arch: uname -m, or a microcontroller's ("armv8.1-m", "armv7e-m")
     cpu: str  # the profile's cpu.name, e.g. "Cortex-A76"
 
 
@@ -320,6 +321,25 @@ class Estimates(_Frozen):
     flash_bytes: int | None = Field(default=None, ge=0)
     dram_bytes: int | None = Field(default=None, ge=0)
     macs: int | None = Field(default=None, ge=0)
+
+
+class Firmware(_Frozen):
+    """The C sources a microcontroller's firmware builds the bundle in from (``sources``, in a ``tflite-micro``
+    bundle): the model as a C array of ``model_bytes``, and the tensor arena its header reserves.
+
+    ``arena_bytes`` (the header's ``EDGELINE_ARENA_BYTES``) is ``arena_basis_bytes`` plus ``arena_margin``. The basis
+    is TFLite Micro's arena for the model array's own file, ``measured`` at export; where TFLite Micro cannot run
+    that file here (a vela model: only the NPU's driver runs its ``ethos-u`` operator) it is vela's SRAM figure,
+    ``estimated``. ``arena_basis_with`` says what measured or estimated it.
+    """
+
+    sources: str  # the folder of the C sources, e.g. "c"
+    model_bytes: int = Field(ge=1)
+    arena_bytes: int = Field(ge=0)
+    arena_basis: Literal["measured", "estimated"]
+    arena_basis_bytes: int = Field(ge=0)
+    arena_basis_with: str
+    arena_margin: str  # the rule from the basis to arena_bytes, e.g. "+10%, rounded up to 16 B, +2048 B"
 
 
 class Manifest(_Frozen):
@@ -346,6 +366,7 @@ class Manifest(_Frozen):
     placement: Placement | None = None
     estimates: Estimates | None = None
     memory: Memory | None = None
+    firmware: Firmware | None = None
     device: Device | None = None
     export: dict[str, str] = Field(default_factory=dict)
 

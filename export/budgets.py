@@ -6,7 +6,7 @@ Host timings are never held against a device budget: latency is checked on the d
 from __future__ import annotations
 
 from edgeline.device_profiles import Budgets, Precision
-from edgeline.manifest import Fidelity, Memory, Placement
+from edgeline.manifest import Fidelity, Firmware, Memory, Placement
 
 __all__ = ["budget_violations", "judged_share"]
 
@@ -18,12 +18,21 @@ def budget_violations(
     placement: Placement | None = None,
     precision: Precision | None = None,
     memory: Memory | None = None,
+    firmware: Firmware | None = None,
 ) -> list[str]:
     """Plain-language reasons this target misses the budgets; empty when it meets them. A memory figure that could
-    not be measured is not held against ``max_memory_mb`` (the manifest says why; verify checks it on the device)."""
+    not be measured is not held against ``max_memory_mb`` (the manifest says why; verify checks it on the device).
+    A microcontroller bundle (``firmware``: its C sources) holds its model array against ``max_model_bytes``, what
+    the flash stores, and the arena its header reserves, margin included, against ``max_arena_bytes``."""
     found = []
     if budgets.max_model_bytes is not None and size_bytes > budgets.max_model_bytes:
-        found.append(f"model size {size_bytes} B > budget {budgets.max_model_bytes} B")
+        what = "model array" if firmware is not None else "model size"
+        found.append(f"{what} {size_bytes} B > budget {budgets.max_model_bytes} B")
+    if budgets.max_arena_bytes is not None and firmware is not None and firmware.arena_bytes > budgets.max_arena_bytes:
+        found.append(
+            f"tensor arena {firmware.arena_bytes} B ({firmware.arena_basis} {firmware.arena_basis_bytes} B, "
+            f"{firmware.arena_margin}) > budget {budgets.max_arena_bytes} B"
+        )
     if budgets.max_memory_mb is not None and memory is not None:
         if memory.resident_mb is not None and memory.resident_mb > budgets.max_memory_mb:
             found.append(

@@ -17,7 +17,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
 from edgeline.export.backends import EXPORT_BACKENDS, ExportedModel, ExportRequest, Verification
 from edgeline.export.budgets import budget_violations
+from edgeline.export.c_sources import write_c_sources
 from edgeline.export.calibration import check_model_runs, load_model_samples
 from edgeline.export.conversion import check_traceable, convert, failure_reason, target_error
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError
@@ -252,7 +253,13 @@ def _try_target(
         with _runtime_quiet():  # the final bundle must verify exactly as a device will read it
             load(staging, backend=check.backend, model_file=check.model_file, threads=1)
     memory = _memory(staging, exported, check, profile)
-    manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=manifest.golden, memory=memory))
+    fields = dict(fields, fidelity=fidelity, golden=manifest.golden, memory=memory)
+    manifest = write_bundle(staging, exported, fields)
+    firmware = None
+    if exported.runtime_backend == "tflite-micro":  # it goes into a microcontroller's firmware: as C sources too
+        firmware = write_c_sources(staging, manifest, check.model_file or exported.model_file)
+        exported = replace(exported, extra_files=(*exported.extra_files, firmware.sources))
+        manifest = write_bundle(staging, exported, dict(fields, firmware=firmware))
     counted = exported.flash_files
     size = sum(e.size for e in manifest.files if e.path != "golden.npz" and (counted is None or e.path in counted))
     outcome.size_bytes = size
@@ -262,7 +269,9 @@ def _try_target(
     outcome.host_latency_ms = latency
     outcome.seconds = time.perf_counter() - start
     outcome.memory = memory
-    violations = budget_violations(profile.budgets, size, fidelity, exported.placement, target.precision, memory)
+    violations = budget_violations(
+        profile.budgets, size, fidelity, exported.placement, target.precision, memory, firmware=firmware
+    )
     if violations:
         outcome.status = "rejected"
         outcome.reason = "; ".join(violations)

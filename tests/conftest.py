@@ -43,6 +43,7 @@ collect_ignore = [
         ("test_float_reference.py", "torch"),
         ("test_compute_placement.py", "torch"),
         ("test_target_failures.py", "torch"),
+        ("test_mcu_export.py", "torch"),
         ("test_health.py", "prometheus_client"),
         ("test_backend_coreml.py", "coremltools"),
         ("test_backend_onnxruntime.py", "torch"),

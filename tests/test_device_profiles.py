@@ -26,7 +26,17 @@ from edgeline.export.backends import EXPORT_BACKENDS
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
 
-REQUIRED_IDS = ["jetson-orin-nano", "qcs6490", "rpi-zero-2w", "rpi4", "rpi5", "snapdragon-8-gen-3", "x86-64"]
+REQUIRED_IDS = [
+    "cortex-m4",
+    "ethos-u55-128",
+    "jetson-orin-nano",
+    "qcs6490",
+    "rpi-zero-2w",
+    "rpi4",
+    "rpi5",
+    "snapdragon-8-gen-3",
+    "x86-64",
+]
 
 VALID_TOML = """\
 id = "my-board"
@@ -140,6 +150,48 @@ def test_small_device_has_int8_targets_and_a_tight_size_budget() -> None:
     assert {target.precision for target in zero.targets} <= {Precision.INT8_STATIC, Precision.INT8_DYNAMIC}
     assert zero.budgets.max_model_bytes is not None
     assert zero.budgets.max_model_bytes <= 8 * 1024 * 1024
+
+
+def test_the_cortex_m4_is_a_microcontroller_whose_budgets_fit_its_memories() -> None:
+    m4 = load_profile("cortex-m4")
+    assert (m4.cpu.name, m4.cpu.arch, m4.cpu.cores, m4.daemon) == ("Cortex-M4", "armv7e-m", 1, False)
+    assert {"dsp", "fpv4_sp"} <= set(m4.cpu.isa_features)
+    assert [(t.backend, t.precision) for t in m4.targets] == [("tflite-micro", Precision.INT8_STATIC)]
+    part = m4.microcontroller
+    assert part is not None and m4.memory_mb is None
+    assert (part.part, part.flash_bytes, part.sram_bytes, part.largest_sram_block_bytes) == (
+        "STM32F407VG",
+        1024 * 1024,
+        192 * 1024,
+        128 * 1024,
+    )
+    assert m4.budgets.max_model_bytes is not None and m4.budgets.max_model_bytes < part.flash_bytes
+    assert m4.budgets.max_arena_bytes is not None and m4.budgets.max_arena_bytes < part.largest_sram_block_bytes
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("max_model_bytes = 786_432", "max_model_bytes = 2_000_000", "budgets.max_model_bytes: 2000000 is more than "
+         "microcontroller.flash_bytes (1048576)"),
+        ("max_arena_bytes = 98_304", "max_arena_bytes = 150_000", "budgets.max_arena_bytes: 150000 is more than "
+         "microcontroller.largest_sram_block_bytes (131072)"),
+        ('[microcontroller]\npart = "STM32F407VG"', '[wrong]\npart = "STM32F407VG"', "wrong: unknown key"),
+    ],
+)  # fmt: skip
+def test_a_microcontroller_budget_over_its_memories_is_refused(
+    tmp_path: Path, old: str, new: str, expected: str
+) -> None:
+    text = (Path(device_profiles.__file__).parent / "profiles" / "cortex-m4.toml").read_text(encoding="utf-8")
+    assert old in text
+    with pytest.raises(ProfileError) as caught:
+        load_profile(write_profile(tmp_path, text.replace(old, new, 1)))
+    assert expected in str(caught.value)
+
+
+def test_a_profile_without_memory_mb_needs_a_microcontroller_section(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match=r"memory_mb: required field is missing \(or a \[microcontroller\]"):
+        load_profile(write_profile(tmp_path, VALID_TOML.replace("memory_mb = 2048\n", "")))
 
 
 def test_public_api_is_listed() -> None:

@@ -37,6 +37,7 @@ class TFLiteMicroExporter:
             input_names=input_names,
             placement=tflite_placement(path, request.precision),
             tool_versions={**tool_versions(), "tflite-micro": tflm},
+            flash_files=(MODEL_FILE,),  # what the firmware stores is the model array; its C sources are text
             verification=Verification(
                 backend=self.runtime_backend,
                 measured_with=f"TFLite Micro {tflm} reference kernels on this host (not the device's kernels)",
