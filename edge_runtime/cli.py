@@ -30,6 +30,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "edgeline.device_profiles.cli",  # profiles
     "edgeline.export.reference.cli",  # reference
     "edgeline.sim.cli",  # sim
+    "edgeline.firmware_bridge.cli",  # bridge
     "edgeline.completion",  # completion
 )
 

@@ -31,6 +31,7 @@ __all__ = [
     "MAX_ENCODED",
     "MAX_FRAME",
     "MUST_UNDERSTAND",
+    "SEQ_MODULO",
     "VERSION",
     "Decoder",
     "Frame",

@@ -2,6 +2,11 @@
 
     edgeline sim digits --data work --broker 127.0.0.1:1883 --rate 10 --count 100 --device pump --devices 3
 
+``edgeline sim mcu``: an emulated sensor board on a serial port instead (edgeline.sim.mcu, edgeline.sim.board),
+speaking the firmware bridge's wire protocol, for ``edgeline run --serial`` and ``edgeline bridge``:
+
+    edgeline sim mcu --data work --rate 10 --count 100 --reliable
+
 Registering imports neither numpy-heavy data nor paho-mqtt; running does.
 """
 
@@ -9,34 +14,66 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
+import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeline.arguments import CommandParser, bounded_int
 from edgeline.daemon.topics import SENSOR_TOPIC
+from edgeline.errors import EdgelineError
 from edgeline.sim.data import MODEL_SHAPES, SENSOR_MODELS, SENSORS
 
 if TYPE_CHECKING:
     from edgeline.sim.publisher import PublishOptions
     from edgeline.sim.sensors import Sensor
 
-__all__ = ["add_sensor_arguments", "make_sensors", "publish_options", "register"]
+__all__ = ["add_sensor_arguments", "make_sensors", "publish_options", "register", "run_mcu"]
 
 DEFAULT_BROKER = "127.0.0.1:1883"
 DEFAULT_DEVICE = "sim"
 
 
+DEFAULT_BOARD_DEVICE = "mcu-1"
+BOARDS = ("qemu", "python")
+
+
+class _SimParser(CommandParser):
+    """``edgeline sim SENSOR ...``, and ``edgeline sim mcu ...`` with options of its own. argparse cannot take a
+    positional argument or a command at the same place, so the first word ``mcu`` hands the rest of the line to the
+    board's parser (``edgeline sim mcu: error: ...`` for its mistakes); any other word is a sensor, as before."""
+
+    mcu: argparse.ArgumentParser | None = None
+
+    def parse_known_args(  # type: ignore[override]  # one signature for argparse's overloads
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        given = list(sys.argv[1:] if args is None else args)
+        if given[:1] == ["mcu"] and self.mcu is not None:
+            return self.mcu.parse_known_args(given[1:], namespace)
+        return super().parse_known_args(given, namespace)
+
+
 def register(subparsers: Any) -> None:
-    """Add ``sim`` to the ``edgeline`` command."""
+    """Add ``sim`` (and ``sim mcu``) to the ``edgeline`` command."""
     models = "; ".join(f"{sensor}: {', '.join(names)}" for sensor, names in SENSOR_MODELS.items())
-    parser = subparsers.add_parser(
-        "sim",
-        help="simulated sensors: publish real validation samples to an MQTT broker",
+    help_line = "simulated sensors: publish real validation samples to an MQTT broker, or be a board on a serial port"
+    listed = subparsers.add_parser("sim", help=help_line)  # its line in `edgeline --help`, and the command's prog
+    parser = _SimParser(
+        prog=listed.prog,
         description="Replay the validation samples of a prepared reference model (or any .npz) as sensor "
         "messages {id, data, label} of one device or a fleet, seeded, at a fixed rate, for a bounded count "
         f"and time. Sensors and the reference models they feed: {models}.",
+        epilog=f"{listed.prog} mcu [--board qemu|python] [--uart socket|pty] ...: an emulated sensor board on a "
+        f"serial port (QEMU's mps2-an386 Cortex-M4, or Python), speaking the firmware bridge's protocol; see "
+        f"`{listed.prog} mcu --help`.",
     )
+    subparsers.choices["sim"] = parser  # the same command, parsed by the parser that also knows `sim mcu`
+    parser.mcu = _mcu_parser(f"{listed.prog} mcu")
     add_sensor_arguments(parser)
     parser.add_argument(
         "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT", help=f"MQTT broker (default {DEFAULT_BROKER})"
@@ -56,6 +93,53 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
     parser.set_defaults(func=run_sim)
+
+
+def _mcu_parser(prog: str) -> argparse.ArgumentParser:
+    parser = CommandParser(
+        prog=prog,
+        description="Start an emulated sensor board and print where its UART is (one line), then run until Ctrl-C, "
+        "SIGTERM or --for. The board speaks the firmware bridge's wire protocol (docs/firmware-protocol.md): a "
+        "HELLO, the samples of --data on stream 1 at --rate, COUNT of them, a heartbeat and a stats line every "
+        "second. The QEMU board is the C firmware (firmware_bridge/c/sensor_board.c) built for a Cortex-M4 and run "
+        "on QEMU's mps2-an386; the Python board is the same session in Python.",
+    )
+    parser.add_argument(
+        "--board",
+        choices=BOARDS,
+        help="qemu or python (default: qemu when qemu-system-arm and arm-none-eabi-gcc are installed)",
+    )
+    parser.add_argument(
+        "--device", default=DEFAULT_BOARD_DEVICE, metavar="ID", help=f"the board's id (default {DEFAULT_BOARD_DEVICE})"
+    )
+    parser.add_argument("--rate", type=float, default=10.0, metavar="HZ", help="samples per second (default 10)")
+    parser.add_argument(
+        "--count", type=bounded_int(1, 2**32 - 1), default=100, metavar="N", help="samples to send (default 100)"
+    )
+    parser.add_argument(
+        "--reliable", action="store_true", help="ask for an ACK of every sample: window of 8, go-back-N resends"
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        metavar="DIR_OR_NPZ",
+        help="the --out DIR of `edgeline reference prepare digits` (or DIR/digits), or an .npz file to replay",
+    )
+    parser.add_argument(
+        "--uart",
+        choices=("socket", "pty"),
+        default="socket",
+        help="socket: socket://127.0.0.1:PORT (default); pty: a pseudo-terminal, /dev/pts/N",
+    )
+    parser.add_argument("--for", dest="duration", type=float, metavar="SECONDS", help="stop after SECONDS")
+    parser.add_argument(
+        "--build-dir",
+        type=Path,
+        metavar="DIR",
+        help="where QEMU firmware builds are cached (default: build/mcu of the source tree, or ~/.cache/edgeline/mcu)",
+    )
+    parser.set_defaults(func=run_mcu)
+    return parser
 
 
 def add_sensor_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,4 +223,48 @@ def run_sim(args: argparse.Namespace) -> int:
         report = publish(make_sensors(args), broker, options)
     summary = json.dumps(asdict(report)) if args.json else report.summary()
     print(summary, file=sys.stderr if args.out == "-" else sys.stdout, flush=True)
+    return 0
+
+
+def run_mcu(args: argparse.Namespace) -> int:
+    """``edgeline sim mcu``: one board, until Ctrl-C, SIGTERM, --for, or the board's own end."""
+    from edgeline.sim import mcu
+    from edgeline.sim.board import BoardOptions, PythonBoard, Uart, load_board_samples
+
+    if args.duration is not None and args.duration <= 0:
+        raise EdgelineError(f"--for {args.duration:g}: seconds above 0")
+    options = BoardOptions(args.device, args.rate, args.count, args.reliable)
+    samples = load_board_samples(args.data)
+    kind = args.board
+    if kind is None:
+        missing = mcu.missing_tools()
+        kind = "python" if missing else "qemu"
+        if missing:
+            print(f"{' and '.join(missing)} not found: the Python board instead ({mcu.TOOLS_HINT})", file=sys.stderr)
+    uart = Uart(args.uart)
+    board: mcu.EmulatedBoard | PythonBoard = (
+        mcu.EmulatedBoard(options, samples, uart, args.build_dir)
+        if kind == "qemu"
+        else PythonBoard(options, samples, uart)
+    )
+    stopped = threading.Event()
+    in_main = threading.current_thread() is threading.main_thread()  # signal handlers go on the main thread only
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set()) if in_main else None
+    try:
+        with board:
+            print(f"board {options.device} ({board.description}) on {board.url}", flush=True)
+            deadline = None if args.duration is None else time.monotonic() + args.duration
+            # until stopped: a board runs as long as its user wants; each wait is short, so a signal is seen at once
+            while not stopped.is_set() and board.alive:
+                left = 0.5 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    break
+                stopped.wait(min(left, 0.5))
+            if not stopped.is_set() and not board.alive:
+                raise EdgelineError(f"board {options.device} ({board.description}) stopped by itself")
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a board is stopped: not an error
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
     return 0

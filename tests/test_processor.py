@@ -117,6 +117,27 @@ def test_windows_per_device(model: edgeline.Model) -> None:
         assert record["window"] == 0  # the first (and only) window this message completed
 
 
+def test_windows_per_device_and_stream(model: edgeline.Model) -> None:
+    """A board's two streams (the framed serial source sets ``Message.stream``) are windowed apart, like two
+    devices: rows of one never complete a window of the other."""
+    proc = processor(model, window=Window(size=8, hop=4, channels=8))
+    rows = np.arange(16 * 8, dtype=np.float32).reshape(16, 8) / 128.0
+    counts = {"left": 0, "right": 0}
+    for start in range(0, 16, 4):
+        for stream in counts:
+            chunk = rows[start : start + 4] if stream == "left" else rows[start : start + 4][::-1]
+            payload = json.dumps({"data": chunk.tolist()}).encode()
+            answers = proc.process(Message(topic=f"sensors/b/{stream}", payload=payload, device="b", stream=stream))
+            for answer in answers:
+                record = json.loads(answer.payload)
+                if stream == "left":
+                    first = (start - 4) if start >= 4 else 0
+                    expected = model.predict(rows[first : first + 8].reshape(1, 1, 8, 8))[0]
+                    np.testing.assert_allclose(np.array(record["outputs"][0]), expected, rtol=1e-6)
+            counts[stream] += len(answers)
+    assert counts == {"left": 3, "right": 3}  # each stream alone: windows at rows 0, 4, 8 of its 16
+
+
 @pytest.mark.workstation  # needs a bundle only the export extra can make
 def test_a_runtime_failure_is_answered_inference_failed_and_the_stream_goes_on(lookup_bundle: Path) -> None:
     lookup = edgeline.load(lookup_bundle)

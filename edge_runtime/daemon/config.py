@@ -2,7 +2,8 @@
 
 [daemon]   state_dir (default: $STATE_DIRECTORY from systemd, else $XDG_STATE_HOME/edgeline or ~/.local/state/edgeline),
            instance (default: derived from the host name and the state directory), drain_timeout_s
-[source]   kind = "mqtt" | "serial" | "replay" | "sim"; url, baudrate (serial); path, speed (replay); sim (the
+[source]   kind = "mqtt" | "serial" | "replay" | "sim"; url, baudrate, protocol ("json-lines" | "frames": the firmware
+           bridge's framed protocol, boards named by their HELLO) (serial); path, speed (replay); sim (the
            arguments of `edgeline sim`); device (the stream key of messages that carry no topic)
 [broker]   host, port, client_id (template with {name}, {instance}), keepalive_s, protocol ("5" or "3.1.1"),
            session_expiry_s (7 days; 300 s with a shared subscription), reconnect_max_s, connect_timeout_s,
@@ -15,8 +16,9 @@
 [output]   publish = "edgeline/{name}/{device}/result", error_topic, qos, mqtt (publish results to the broker;
            always with the MQTT source, otherwise only when set or --broker is given: else they go to stdout)
 [queue]    capacity, policy = "drop-oldest" | "block" (default: block for MQTT at QoS 1, whose backlog waits at
-           the broker, and for replay and sim; drop-oldest for serial and MQTT at QoS 0), max_batch (inputs
-           taken at once, and run as one batch when the model allows it; 1 = one sample per call)
+           the broker, for replay and sim, and for framed serial, whose boards wait and resend; drop-oldest for
+           serial JSON lines and MQTT at QoS 0), max_batch (inputs taken at once, and run as one batch when the
+           model allows it; 1 = one sample per call)
 [outbox]   enabled (false: the same bounds in memory, lost with the process), max_answers, max_bytes, ttl_s,
            synchronous ("full": survives a power cut; "normal": a crash), commit_interval_s (group commit: at
            most one fsync per interval, default 20 ms)
@@ -99,6 +101,7 @@ class SourceConfig(_Section):
     kind: Literal["mqtt", "serial", "replay", "sim"] = "mqtt"
     url: str | None = None
     baudrate: int = Field(default=115200, ge=50, le=4_000_000)
+    protocol: Literal["json-lines", "frames"] = "json-lines"
     path: str | None = None
     speed: float = Field(default=0.0, ge=0.0, le=1000.0)
     sim: str | None = None
@@ -108,6 +111,8 @@ class SourceConfig(_Section):
     def _complete(self) -> SourceConfig:
         needs = {"serial": ("url", "a pyserial URL, e.g. /dev/ttyUSB0"), "replay": ("path", "a file, or - for stdin")}
         needs["sim"] = ("sim", "the arguments of `edgeline sim`, e.g. 'digits --count 10'")
+        if self.protocol != "json-lines" and self.kind != "serial":
+            raise ValueError(f"source.protocol = {self.protocol!r} applies to the serial source, not {self.kind}")
         if self.kind in needs:
             key, example = needs[self.kind]
             if not getattr(self, key):
@@ -260,7 +265,10 @@ class DaemonConfig(_Section):
         if self.source.kind == "mqtt" and self.output.mqtt is False:
             raise ValueError("output.mqtt = false needs a source other than MQTT (the answers would go nowhere)")
         if self.source.kind == "serial" and self.input.codec != "json":
-            raise ValueError(f"input.codec = {self.input.codec!r}: the serial source carries JSON lines")
+            raise ValueError(
+                f"input.codec = {self.input.codec!r}: the serial source hands the daemon JSON (its lines, or the "
+                "samples of its frames)"
+            )
         return self
 
     @property
@@ -272,7 +280,11 @@ class DaemonConfig(_Section):
     def queue_policy(self) -> str:
         if self.queue.policy is not None:
             return self.queue.policy
-        if self.source.kind in LOSSLESS_SOURCES or (self.source.kind == "mqtt" and self.input.qos == 1):
+        if (
+            self.source.kind in LOSSLESS_SOURCES
+            or (self.source.kind == "mqtt" and self.input.qos == 1)
+            or (self.source.kind == "serial" and self.source.protocol == "frames")
+        ):  # a board in reliable mode waits and resends: its backlog waits on the board
             return "block"  # recordings and at-least-once inputs must lose nothing: the broker keeps the backlog
         return "drop-oldest"
 

@@ -37,6 +37,12 @@ class Message:
     """The payload's real size when a source had to cut it short (over the limit); None: ``len(payload)``."""
     reply: Reply | None = None
     """MQTT 5 request/response: where the sender wants its answer (besides the publish template), and with what."""
+    stream: str | None = None
+    """The sensor stream of a device that sends several (a board's stream name): windows are kept per device and
+    stream. None: one stream per device (MQTT's device is the topic's first ``+`` level)."""
+    on_answers: Callable[[list[Answer]], None] | None = None
+    """Called with the input's answers once the sinks have them: the framed serial source sends them back down to the
+    board (an ANSWER frame), so the board can act on them."""
     ack: Callable[[], None] | None = None
     """Called once the message's answers are safe (committed to the outbox, or handed to every sink): the MQTT
     source sends its PUBACK then, so the broker keeps the message until its answer cannot be lost."""

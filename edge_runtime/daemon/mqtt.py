@@ -282,6 +282,23 @@ class MqttConnection:
         self._subscriptions = [(f.pattern, qos) for f in filters]
         self._on_input = on_input
 
+    def add_subscription(self, pattern: str, qos: int) -> None:
+        """One more filter, from any thread, after ``start`` too (``edgeline bridge`` subscribes to the answers of
+        each board it meets): subscribed now when connected, and on every connect after; ``subscribe``'s handler
+        gets its messages."""
+
+        def add() -> None:
+            if (pattern, qos) in self._subscriptions:
+                return
+            self._subscriptions.append((pattern, qos))
+            if self.connected.is_set():
+                self._client.subscribe(pattern, qos=qos)
+
+        if self._thread is None:
+            add()
+        else:
+            self.call_soon(add)
+
     def on_tick(self, tick: Callable[[], None]) -> None:
         """Run ``tick()`` on the network thread at every turn of its loop (at least every ``LOOP_TICK_S``), connected
         or not: the daemon refills the client from its outbox there. It must be cheap when it has nothing to do."""

@@ -103,7 +103,8 @@ class Processor:
             identity = decoded.id
             if self.streams is None:
                 return [self._infer(message, sequence, identity, list(decoded.arrays))]
-            windows = self.streams.push(message.device, decoded.arrays[0])
+            key = message.device if message.stream is None else f"{message.device}/{message.stream}"
+            windows = self.streams.push(key, decoded.arrays[0])
             self._note_evictions()
             return [
                 self._infer(message, sequence, identity, [w.reshape(self.model.inputs[0].shape)], window=i)

@@ -64,7 +64,9 @@ def register(subparsers: Any) -> None:
     sources = run.add_argument_group("sources other than MQTT (one at a time)")
     exclusive = sources.add_mutually_exclusive_group()
     exclusive.add_argument(
-        "--serial", metavar="URL", help="JSON lines from a serial port: /dev/ttyUSB0, socket://HOST:PORT, ..."
+        "--serial",
+        metavar="URL",
+        help="a serial port: /dev/ttyUSB0, socket://HOST:PORT, ... (JSON lines, or frames: --serial-protocol)",
     )
     exclusive.add_argument(
         "--replay", metavar="FILE", help="recorded messages, one per line (- for stdin); ends at the end of the file"
@@ -75,6 +77,13 @@ def register(subparsers: Any) -> None:
         help="simulated sensors in-process, with the arguments of `edgeline sim`, e.g. 'digits --count 10'",
     )
     sources.add_argument("--baudrate", type=int, metavar="N", help="serial speed, with --serial (default 115200)")
+    sources.add_argument(
+        "--serial-protocol",
+        choices=["json-lines", "frames"],
+        metavar="PROTOCOL",
+        help="with --serial: json-lines (default: one JSON message per line) or frames (the firmware bridge's "
+        "framed protocol, docs/firmware-protocol.md: boards named by their HELLO, answers sent back down)",
+    )
     sources.add_argument(
         "--speed",
         type=float,
@@ -128,7 +137,12 @@ def run_daemon(args: argparse.Namespace) -> int:
     from edgeline.daemon.messages import Answer
     from edgeline.daemon.service import Daemon
 
-    source: dict[str, object] = {"baudrate": args.baudrate, "speed": args.speed, "device": args.device}
+    source: dict[str, object] = {
+        "baudrate": args.baudrate,
+        "speed": args.speed,
+        "device": args.device,
+        "protocol": args.serial_protocol,
+    }
     if args.serial is not None:
         source.update(kind="serial", url=args.serial)
     elif args.replay is not None:
@@ -146,7 +160,11 @@ def run_daemon(args: argparse.Namespace) -> int:
         instance=args.instance,
     )
     # A setting of another source would be dropped without a word: refuse it.
-    for flag, value, kind in (("--baudrate", args.baudrate, "serial"), ("--speed", args.speed, "replay")):
+    for flag, value, kind in (
+        ("--baudrate", args.baudrate, "serial"),
+        ("--serial-protocol", args.serial_protocol, "serial"),
+        ("--speed", args.speed, "replay"),
+    ):
         if value is not None and config.source.kind != kind:
             raise EdgelineError(f"{flag} applies to the {kind} source (--{kind}); this run reads {config.source.kind}")
 

@@ -249,6 +249,8 @@ class Daemon:
             self.delivery.add(to_broker, acks)  # the inputs are acknowledged once their answers are stored
             acks = []
         for message, answers in pairs:
+            if message.on_answers is not None:
+                message.on_answers(answers)
             for answer in answers:
                 if answer.topic is None and self.echo is None:
                     self.metrics.count("unpublishable")
@@ -386,12 +388,18 @@ class Daemon:
         if self.gate is not None:
             counters["intake_paused_seconds"] = int(self.gate.paused_seconds())
         counters["inputs_redelivered"] = self.intake.shed_total
+        source_counters = getattr(self.source, "counters", None)
+        if source_counters is not None:  # a source that counts what its link did (the framed serial source)
+            counters.update(source_counters())
         return counters
 
     def status(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"queue_policy": self.queue.policy.value, "client_id": self.client_id}
         if self.metrics.accelerator is not None:
             extra["accelerator"] = dict(self.metrics.accelerator)
+        source_status = getattr(self.source, "status", None)
+        if source_status is not None:  # the framed serial source: its board and what the wire did
+            extra["source"] = source_status()
         return self.metrics.snapshot(extra)
 
     def _report(self) -> None:

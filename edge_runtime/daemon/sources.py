@@ -5,6 +5,8 @@ so windowing, the queue policy, error answers and sinks are the same whatever th
 
     serial   JSON lines from a pyserial URL (/dev/ttyUSB0, /dev/pts/3, socket://host:port, rfc2217://...).
              Reopened with back-off when the port goes away (a USB sensor unplugged and plugged back).
+             With ``protocol = "frames"``: the firmware bridge's framed protocol instead (``edgeline.firmware_bridge
+             .source``, registered here by name): boards named by their HELLO, answers sent back down.
     replay   recorded messages from a file, or ``-`` for stdin, one per line, in any of these forms:
                {"topic": "sensors/pump/accel", "device": "pump", "t": 0.25, "payload": {...}}   (edgeline sim --out)
                {"topic": ..., "payload_base64": "..."}                                          (binary codecs)
@@ -42,8 +44,9 @@ __all__ = ["LineFramer", "ReplaySource", "SerialSource", "Source", "make_source"
 log = logging.getLogger("edgeline.source")
 
 Submit = Callable[[Message], None]
-SOURCES = {"sim": "edgeline.sim.source:SimSource"}
-"""Sources from other folders (sim: ``edgeline.sim``), by name: imported only when a configuration asks for them."""
+SOURCES = {"sim": "edgeline.sim.source:SimSource", "frames": "edgeline.firmware_bridge.source:FramesSource"}
+"""Sources from other folders (``edgeline.sim``, ``edgeline.firmware_bridge``), by name: imported only when a
+configuration asks for them."""
 READ_CHUNK = 65536
 
 
@@ -267,6 +270,11 @@ class ReplaySource:
 def make_source(settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int) -> Source | None:
     """The configured source, or None for MQTT (the daemon's broker connection is that source)."""
     device = settings.device
+    if settings.kind == "serial" and settings.url is not None and settings.protocol == "frames":
+        framed: Source = resolve(SOURCES, "frames", "source", EdgelineError)(
+            settings.url, baudrate=settings.baudrate, device=device
+        )
+        return framed
     if settings.kind == "serial" and settings.url is not None:
         return SerialSource(
             settings.url, baudrate=settings.baudrate, device=device, max_payload_bytes=max_payload_bytes

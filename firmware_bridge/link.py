@@ -1,0 +1,600 @@
+"""One serial port with one board behind it, speaking the framed protocol (``docs/firmware-protocol.md``).
+
+``BoardLink`` is what ``edgeline run --serial-protocol frames`` and ``edgeline bridge`` share: it opens the port (and
+reopens it with back-off when it goes away, one log line per change of state), asks the board who it is
+(``HELLO_REQUEST``), decodes frames, checks each ``SAMPLES`` frame against the stream the ``HELLO`` declared, counts
+what the wire did (frames, bytes, CRC errors, resyncs, sequence gaps, board restarts, refused frames), and hands every
+sample to a ``LinkHandler`` with a ``safe`` callback. In reliable mode the ``ACK`` of a frame goes out only once every
+sample of it, and of every frame before it, is safe (the caller says when: in the daemon's outbox, or acknowledged
+by the broker). Answers go back down with ``answer``, from any thread.
+
+Each board is named by the ``device`` of its ``HELLO``, never by its port: a board that comes back on another port
+keeps its streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import orjson
+
+from edgeline.errors import EdgelineError
+from edgeline.firmware_bridge.protocol import (
+    SEQ_MODULO,
+    Decoder,
+    Frame,
+    FrameError,
+    FrameType,
+    SequenceGaps,
+    encode,
+    pack_ack,
+)
+
+__all__ = [
+    "DTYPES",
+    "Board",
+    "BoardLink",
+    "LinkCounters",
+    "LinkHandler",
+    "StreamSpec",
+    "input_id",
+    "parse_hello",
+    "parse_input_id",
+]
+
+log = logging.getLogger("edgeline.bridge")
+
+DTYPES: Mapping[str, np.dtype[Any]] = {
+    "f32": np.dtype("<f4"),
+    "i16": np.dtype("<i2"),
+    "i8": np.dtype("i1"),
+    "u8": np.dtype("u1"),
+    "i32": np.dtype("<i4"),
+}
+"""The sample types of version 1, as little-endian numpy dtypes."""
+
+CONTROL_STREAM = 0
+HELLO_RETRY_S = 2.0
+"""A board that has not said HELLO this long after we asked is asked again (it may have been busy, or the request
+was lost on the wire)."""
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 10.0
+READ_TIMEOUT_S = 0.05
+MAX_STREAMS = 255
+MAX_HELLO_DEVICE = 128
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """One data stream a board declared in its HELLO."""
+
+    id: int
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    rate_hz: float | None = field(compare=False)
+    seq: int | None = field(compare=False)
+    """Where reliable frames take up after this HELLO (the board's oldest unacknowledged frame), if it said. Neither
+    this nor the rate (a CONFIG changes it) makes a stream another one."""
+
+    @property
+    def sample_bytes(self) -> int:
+        return int(self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64)))
+
+
+@dataclass(frozen=True)
+class Board:
+    device: str
+    firmware: str
+    streams: Mapping[int, StreamSpec]
+
+
+def parse_hello(payload: bytes) -> Board:
+    """A HELLO's JSON as a ``Board``; ``FrameError("hello", ...)`` naming the field that is wrong."""
+
+    def refuse(why: str) -> FrameError:
+        return FrameError("hello", f"HELLO refused: {why}")
+
+    try:
+        hello = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise refuse(f"not JSON ({exc})") from None
+    if not isinstance(hello, dict):
+        raise refuse("not a JSON object")
+    device = hello.get("device")
+    if not isinstance(device, str) or not device or len(device) > MAX_HELLO_DEVICE or any(c in device for c in "/+#"):
+        raise refuse(f"device {device!r} is not an id of 1-{MAX_HELLO_DEVICE} characters without /, + or #")
+    if hello.get("protocol") != 1:
+        raise refuse(f"protocol {hello.get('protocol')!r}; this host speaks 1")
+    entries = hello.get("streams")
+    if not isinstance(entries, list) or len(entries) > MAX_STREAMS:
+        raise refuse("streams must be a list of at most 255 streams")
+    streams: dict[int, StreamSpec] = {}
+    for index, entry in enumerate(entries):
+        where = f"streams[{index}]"
+        if not isinstance(entry, dict):
+            raise refuse(f"{where} is not an object")
+        sid, name, dtype, shape = entry.get("id"), entry.get("name"), entry.get("dtype"), entry.get("shape")
+        if not isinstance(sid, int) or isinstance(sid, bool) or not 1 <= sid <= MAX_STREAMS or sid in streams:
+            raise refuse(f"{where}.id {sid!r} is not a new stream id of 1-255 (0 is the control stream)")
+        if not isinstance(name, str) or not name or any(c in name for c in "/+#"):
+            raise refuse(f"{where}.name {name!r} is not a name without /, + or #")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise refuse(f"{where}.dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if (
+            not isinstance(shape, list)
+            or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+            or int(np.prod(shape)) * DTYPES[dtype].itemsize > 4096
+        ):
+            raise refuse(f"{where}.shape {shape!r} is not a list of positive sizes that fits in a frame")
+        rate, seq = entry.get("rate_hz"), entry.get("seq")
+        streams[sid] = StreamSpec(
+            sid,
+            name,
+            DTYPES[dtype],
+            tuple(shape),
+            float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else None,
+            seq % SEQ_MODULO if isinstance(seq, int) and not isinstance(seq, bool) else None,
+        )
+    return Board(device, str(hello.get("firmware", "")), streams)
+
+
+def input_id(stream: int, seq: int, index: int, t_us: int) -> str:
+    """The id an input from a board carries through the daemon: ``stream.seq.index.t_us``, all numbers, so that an
+    answer on MQTT can be routed back down to the frame it answers (``parse_input_id``)."""
+    return f"{stream}.{seq}.{index}.{t_us}"
+
+
+def parse_input_id(text: object) -> tuple[int, int] | None:
+    """(stream, seq) of an id made by ``input_id``; None for any other id."""
+    if not isinstance(text, str):
+        return None
+    parts = text.split(".")
+    if len(parts) != 4 or not all(p.isdigit() and len(p) <= 20 for p in parts):
+        return None
+    stream, seq = int(parts[0]), int(parts[1])
+    return (stream, seq) if 1 <= stream <= MAX_STREAMS and seq < SEQ_MODULO else None
+
+
+@dataclass
+class LinkCounters:
+    """What one link saw, monotonic over its life (the port reopened or not)."""
+
+    frames: int = 0
+    bytes: int = 0
+    resyncs: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    """By reason: the decoder's (``cobs``, ``short``, ``crc``, ``version``, ``flags``, ``type``, ``size``), and
+    ``hello`` (a HELLO that does not parse), ``stream`` (SAMPLES of a stream no HELLO declared), ``samples`` (a
+    payload that is not a whole number of samples), ``direction`` (a host-to-board type from the board)."""
+    sequence_gaps: int = 0
+    repeats: int = 0
+    board_restarts: int = 0
+    samples: int = 0
+    results: int = 0
+    answers_sent: int = 0
+    answers_unsent: int = 0
+    acks_sent: int = 0
+    reopens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "frames": self.frames,
+            "bytes": self.bytes,
+            "crc_errors": self.refused["crc"],
+            "resyncs": self.resyncs,
+            "sequence_gaps": self.sequence_gaps,
+            "board_restarts": self.board_restarts,
+            "refused": sum(self.refused.values()),
+            "repeats": self.repeats,
+            "samples": self.samples,
+            "results": self.results,
+            "answers_sent": self.answers_sent,
+            "answers_unsent": self.answers_unsent,
+            "acks_sent": self.acks_sent,
+            "reopens": self.reopens,
+        }
+
+
+class LinkHandler(Protocol):
+    """What a link hands its board's traffic to. Called on the link's thread; ``on_samples`` may block (the board
+    waits, then resends: nothing is lost in reliable mode)."""
+
+    def on_hello(self, link: BoardLink, board: Board, restarted: bool) -> None: ...
+
+    def on_samples(
+        self, link: BoardLink, board: Board, stream: StreamSpec, frame: Frame, samples: np.ndarray,
+        safe: list[Callable[[], None]],
+    ) -> None:  # fmt: skip
+        """``samples`` has shape ``(k, *stream.shape)``; call ``safe[i]`` once sample ``i`` cannot be lost."""
+
+    def on_result(self, link: BoardLink, board: Board, frame: Frame, record: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class _Reliable:
+    """Reliable-mode state of one stream in one session: what is taken and not yet safe, and how far it is safe."""
+
+    expected: int | None
+    pending: deque[list[int]] = field(default_factory=deque)
+    """[seq, samples not safe yet], oldest first."""
+    safe_through: int | None = None
+
+
+class BoardLink:
+    """See the module. ``run`` blocks until ``stopping`` is set; everything else may be called from any thread."""
+
+    def __init__(self, url: str, handler: LinkHandler, *, baudrate: int = 115200, label: str | None = None):
+        self.url = url
+        self.baudrate = baudrate
+        self.handler = handler
+        self.label = label or url
+        self.counters = LinkCounters()
+        self.board: Board | None = None
+        self.stats: dict[str, Any] | None = None
+        """The board's last ``stats`` LOG line, as it sent it."""
+        self.last_heard: float | None = None
+        self.connected = threading.Event()
+        self._port: Any = None
+        self._write_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._session = 0
+        self._reliable: dict[int, _Reliable] = {}
+        self._gaps = SequenceGaps()
+        self._host_seq = 0
+        self._hello_wanted_since: float | None = None
+        self._decoder = Decoder()
+        self._decoder_seen: Counter[str] = Counter()
+        self._decoder_resyncs = 0
+        self._port_for_writes: Any = None
+        self._board_clock_us = 0
+        """The ``t_us`` of the board's last frame: a HELLO with an earlier one is from a board that restarted."""
+        self._logged_lines: Counter[str] = Counter()
+
+    # -- the port ----------------------------------------------------------------------------------------------
+    def _open(self) -> Any:
+        import serial
+
+        try:
+            return serial.serial_for_url(self.url, baudrate=self.baudrate, timeout=READ_TIMEOUT_S)
+        except (serial.SerialException, ValueError, OSError) as exc:
+            raise EdgelineError(f"serial {self.url}: {exc}") from exc
+
+    def open(self) -> None:
+        """Open the port now: a wrong URL fails before the caller says it is ready."""
+        self._port = self._open()
+
+    def run(self, stopping: threading.Event) -> None:
+        import serial
+
+        backoff = BACKOFF_FIRST_S
+        failing: str | None = None  # the last failure to open, said once
+        flapping = False  # the port opens and fails at once, again and again: said once
+        first = True
+        while not stopping.is_set():
+            port, self._port = self._port, None
+            if port is None:
+                try:
+                    port = self._open()
+                except EdgelineError as exc:
+                    if failing != str(exc):  # one line per change of state, not one per attempt
+                        failing = str(exc)
+                        log.warning("%s; retrying with back-off up to %g s", exc, BACKOFF_MAX_S)
+                    stopping.wait(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    continue
+            if not first:
+                self.counters.reopens += 1
+                if not flapping:
+                    log.info("serial %s open again", self.url)
+            first, failing, frames = False, None, self.counters.frames
+            try:
+                self._serve(port, stopping)
+            except (serial.SerialException, OSError) as exc:
+                if self.counters.frames > frames:  # it worked, then went away: a change of state worth a line
+                    log.warning("serial %s lost: %s; reopening", self.url, exc)
+                    flapping, backoff = False, BACKOFF_FIRST_S
+                else:  # it opens and fails at once (a port another program holds): back off, say it once
+                    if not flapping:
+                        log.warning("serial %s opens but fails at once: %s; retrying with back-off", self.url, exc)
+                    flapping = True
+                    stopping.wait(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+            finally:
+                self.connected.clear()
+                with self._write_lock:
+                    self._port_for_writes = None
+                with contextlib.suppress(serial.SerialException, OSError):
+                    port.close()
+
+    def _serve(self, port: Any, stopping: threading.Event) -> None:
+        with self._write_lock:
+            self._port_for_writes = port
+        self._decoder = Decoder()  # a frame cut by the unplug is not glued to the next port's bytes
+        self._decoder_seen, self._decoder_resyncs = Counter(), 0
+        self.connected.set()
+        self.request_hello()
+        while not stopping.is_set():
+            chunk = port.read(max(1, port.in_waiting))
+            if chunk:
+                self._take(chunk)
+            wanted = self._hello_wanted_since
+            if wanted is not None and time.monotonic() - wanted > HELLO_RETRY_S:
+                self.request_hello()
+
+    def _take(self, chunk: bytes) -> None:
+        decoder = self._decoder
+        frames = decoder.feed(chunk)
+        counters = self.counters
+        counters.bytes += len(chunk)
+        counters.frames += len(frames)
+        counters.resyncs += decoder.resyncs - self._decoder_resyncs
+        self._decoder_resyncs = decoder.resyncs
+        if decoder.refused != self._decoder_seen:
+            counters.refused.update(decoder.refused - self._decoder_seen)
+            self._decoder_seen = Counter(decoder.refused)
+        for frame in frames:
+            self._frame(frame)
+
+    # -- writing -----------------------------------------------------------------------------------------------
+    def send(self, frame: Frame) -> bool:
+        """Write one frame; False when the port is not open (the board is away)."""
+        data = encode(frame)
+        with self._write_lock:
+            port = self._port_for_writes
+            if port is None:
+                return False
+            try:
+                port.write(data)
+            except Exception as exc:  # a port that just went away: the reader reopens it
+                log.debug("serial %s: write failed: %s", self.url, exc)
+                return False
+        return True
+
+    def _control(self, kind: FrameType, payload: bytes = b"") -> bool:
+        with self._state_lock:
+            seq = self._host_seq
+            self._host_seq = (seq + 1) % SEQ_MODULO
+        return self.send(Frame(int(kind), CONTROL_STREAM, seq, _now_us(), payload))
+
+    def request_hello(self) -> None:
+        self._hello_wanted_since = time.monotonic()
+        self._control(FrameType.HELLO_REQUEST)
+
+    def configure(self, settings: Mapping[str, Any]) -> bool:
+        """Send a CONFIG frame (``{"rate_hz": ..., "streams": {"1": false}}``)."""
+        return self._control(FrameType.CONFIG, orjson.dumps(dict(settings)))
+
+    def answer(self, stream: int, seq: int, payload: bytes) -> bool:
+        """Send an answer down to the board, as the ANSWER of its input ``stream``/``seq``."""
+        sent = len(payload) <= 4096 - 18 and self.send(Frame(int(FrameType.ANSWER), stream, seq, _now_us(), payload))
+        if sent:
+            self.counters.answers_sent += 1
+        else:
+            self.counters.answers_unsent += 1
+        return sent
+
+    # -- reading -----------------------------------------------------------------------------------------------
+    def _refuse(self, reason: str, text: str) -> None:
+        self.counters.refused[reason] += 1
+        self._logged_lines[reason] += 1
+        if self._logged_lines[reason] in (1, 10, 100, 1000) or self._logged_lines[reason] % 10000 == 0:
+            log.warning("serial %s: %s (%d such frames so far)", self.url, text, self._logged_lines[reason])
+
+    def _frame(self, frame: Frame) -> None:
+        self.last_heard = time.monotonic()
+        kind = frame.type
+        restarted = kind == FrameType.HELLO and self._restarted(frame)
+        if restarted:  # it counts from 0 again: so does the gap count
+            self._gaps.reset()
+        self.counters.sequence_gaps += self._gaps.observe(frame.stream, frame.seq)
+        self._board_clock_us = frame.t_us
+        if kind == FrameType.SAMPLES:
+            self._samples(frame)
+        elif kind == FrameType.HELLO:
+            self._hello(frame, restarted)
+        elif kind == FrameType.HEARTBEAT:
+            pass
+        elif kind == FrameType.LOG:
+            self._log(frame)
+        elif kind == FrameType.RESULT:
+            self._result(frame)
+        elif kind == FrameType.ACK:
+            pass  # the host sends nothing that asks for one
+        else:
+            self._refuse("direction", f"a {FrameType(kind).name} frame came from the board (a host-to-board type)")
+
+    def _hello(self, frame: Frame, restarted: bool) -> None:
+        try:
+            board = parse_hello(frame.payload)
+        except FrameError as exc:
+            self._refuse(exc.reason, str(exc))
+            return
+        self._hello_wanted_since = None
+        previous = self.board
+        if restarted:
+            self.counters.board_restarts += 1
+            log.warning(
+                "serial %s: board %s restarted (a HELLO not asked for, or its clock went back)", self.url, board.device
+            )
+        elif previous is None or previous.device != board.device:
+            streams = ", ".join(
+                f"{s.id} {s.name} {s.dtype.str}{list(s.shape)}" + (f" at {s.rate_hz:g} Hz" if s.rate_hz else "")
+                for s in board.streams.values()
+            )
+            log.info("serial %s: board %s (%s), streams %s", self.url, board.device, board.firmware or "?", streams)
+        with self._state_lock:
+            same = not restarted and previous == board
+            self.board = board
+            if not same:  # a new session: what the last one took and has not acknowledged means nothing now
+                self._session += 1
+                self._reliable = {sid: _Reliable(spec.seq) for sid, spec in board.streams.items()}
+        self.handler.on_hello(self, board, restarted)
+
+    def _restarted(self, hello: Frame) -> bool:
+        """Whether a HELLO means the board restarted: it was not asked for, or the board's clock went back (a HELLO
+        asked for, from a board that restarted while its first one was lost, or while the port was away)."""
+        return self.board is not None and (self._hello_wanted_since is None or hello.t_us < self._board_clock_us)
+
+    def _log(self, frame: Frame) -> None:
+        text = frame.payload.decode("utf-8", errors="replace")
+        device = self.board.device if self.board is not None else self.url
+        if text.startswith("stats "):
+            try:
+                stats = orjson.loads(text[6:])
+            except orjson.JSONDecodeError:
+                stats = None
+            if isinstance(stats, dict):
+                self.stats = stats
+                log.debug("board %s: %s", device, text)
+                return
+        log.info("board %s: %s", device, text[:500])
+
+    def _result(self, frame: Frame) -> None:
+        board = self.board
+        if board is None:
+            self._refuse("stream", "a RESULT came before the board's HELLO")
+            self.request_hello()
+            return
+        try:
+            record = orjson.loads(frame.payload)
+        except orjson.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            self._refuse("result", f"a RESULT from {board.device} is not a JSON object")
+            return
+        self.counters.results += 1
+        self.handler.on_result(self, board, frame, record)
+
+    def _samples(self, frame: Frame) -> None:
+        board = self.board
+        if board is None:
+            self._refuse("stream", "SAMPLES came before the board's HELLO; asking who it is")
+            if self._hello_wanted_since is None:
+                self.request_hello()
+            return
+        spec = board.streams.get(frame.stream)
+        if spec is None:
+            self._refuse("stream", f"SAMPLES on stream {frame.stream}, which {board.device}'s HELLO did not declare")
+            return
+        reliable = frame.ack_requested
+        session = self._session
+        state = self._reliable[frame.stream]
+        if reliable:
+            with self._state_lock:
+                verdict = self._admit(state, frame.seq)
+            if verdict == "resend":
+                self.counters.repeats += 1
+                if state.safe_through is not None and _not_after(frame.seq, state.safe_through):
+                    self._send_ack(frame.stream, state.safe_through)
+                return
+            if verdict == "ahead":
+                return  # one before it was lost: the board resends from there (go-back-N)
+        size = len(frame.payload)
+        if size == 0 or size % spec.sample_bytes:
+            self._refuse(
+                "samples",
+                f"SAMPLES of {size} bytes on {board.device}/{spec.name}: not a whole number of "
+                f"{spec.sample_bytes}-byte samples ({spec.dtype.str} {list(spec.shape)})",
+            )
+            if reliable:  # taken and refused: safe, or the board would resend it for ever
+                self._track(state, session, frame.stream, frame.seq, 1)[0]()
+            return
+        samples = np.frombuffer(frame.payload, dtype=spec.dtype).reshape(-1, *spec.shape)
+        self.counters.samples += len(samples)
+        if reliable:
+            safe = self._track(state, session, frame.stream, frame.seq, len(samples))
+        else:
+            safe = [_nothing] * len(samples)
+        self.handler.on_samples(self, board, spec, frame, samples, safe)
+
+    @staticmethod
+    def _admit(state: _Reliable, seq: int) -> str:
+        """Whether a reliable frame is the next one (``take``), a resend of one taken (``resend``), or ahead of a
+        lost one (``ahead``)."""
+        if state.expected is None:
+            state.expected = seq
+        ahead = (seq - state.expected) % SEQ_MODULO
+        if ahead == 0:
+            state.expected = (seq + 1) % SEQ_MODULO
+            return "take"
+        return "ahead" if ahead < SEQ_MODULO // 2 else "resend"
+
+    def _track(self, state: _Reliable, session: int, stream: int, seq: int, parts: int) -> list[Callable[[], None]]:
+        entry = [seq, parts]
+        with self._state_lock:
+            state.pending.append(entry)
+
+        def safe() -> None:
+            ack: int | None = None
+            with self._state_lock:
+                if self._session != session or entry[1] <= 0:
+                    return  # the board restarted since: this session's ACKs mean nothing to it
+                entry[1] -= 1
+                while state.pending and state.pending[0][1] <= 0:
+                    ack = state.pending.popleft()[0]
+                if ack is not None:
+                    state.safe_through = ack
+            if ack is not None:
+                self._send_ack(stream, ack)
+
+        return [safe] * parts
+
+    def retake(self, stream: int, seq: int) -> None:
+        """A sample of reliable frame ``seq`` could not be made safe (the broker refused it): forget that frame and
+        every later one of the stream, so that the board's resends of them are taken again."""
+        with self._state_lock:
+            state = self._reliable.get(stream)
+            if state is None or not any(entry[0] == seq for entry in state.pending):
+                return
+            while state.pending and state.pending[-1][0] != seq:
+                state.pending.pop()[1] = -1  # its late safe() calls are ignored
+            state.pending.pop()[1] = -1
+            state.expected = seq
+
+    def _send_ack(self, stream: int, seq: int) -> None:
+        if self._control(FrameType.ACK, pack_ack(stream, seq)):
+            self.counters.acks_sent += 1
+
+    def status(self) -> dict[str, Any]:
+        """For the status message: the board, what the wire did, the board's own counters."""
+        board = self.board
+        return {
+            "port": self.url,
+            "connected": self.connected.is_set(),
+            "device": board.device if board is not None else None,
+            "firmware": board.firmware if board is not None else None,
+            "heard_s_ago": None if self.last_heard is None else round(time.monotonic() - self.last_heard, 3),
+            **self.counters.as_dict(),
+            "refused_by_reason": dict(self.counters.refused),
+            "board_stats": self.stats,
+        }
+
+
+def _not_after(seq: int, reference: int) -> bool:
+    return (reference - seq) % SEQ_MODULO < SEQ_MODULO // 2
+
+
+def _nothing() -> None:
+    """The ``safe`` of a sample sent without reliable mode: nobody waits for it."""
+
+
+def _now_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
+def sum_counters(links: list[BoardLink]) -> dict[str, int]:
+    """Every link's counters added up, for the status message and ``/metrics``."""
+    total: Counter[str] = Counter()
+    for link in links:
+        total.update(link.counters.as_dict())
+    return dict(total)

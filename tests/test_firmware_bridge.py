@@ -1,0 +1,458 @@
+"""The firmware bridge end to end: boards (the Python board, and the C firmware on QEMU's Cortex-M4) speaking the
+framed protocol to `edgeline run --serial-protocol frames` and to `edgeline bridge` with a real Mosquitto and a real
+daemon, answers back down to the board; then wire faults from a relay of our own, counted exactly, and nothing lost
+in reliable mode when the bridge is killed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import edgeline
+from edgeline.firmware_bridge.link import Board, BoardLink, StreamSpec, parse_hello, parse_input_id
+from edgeline.firmware_bridge.protocol import FLAG_ACK_REQUESTED, Frame, FrameError, FrameType, encode, unpack_ack
+from edgeline.sim.board import BoardOptions, PythonBoard, Uart, load_board_samples
+from tests.mqtt_broker import Broker, Collector, free_port
+from tests.serial_faults import FrameRelay
+
+pytestmark = pytest.mark.device
+
+EDGELINE = [sys.executable, "-m", "edgeline.cli"]
+TIMEOUT_S = 60.0
+HELLO = {
+    "device": "b-1",
+    "firmware": "test",
+    "protocol": 1,
+    "streams": [{"id": 1, "name": "digits", "dtype": "f32", "shape": [1, 8, 8], "rate_hz": 10, "seq": 5}],
+}
+
+
+# -- the link's rules, frame by frame ------------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.samples: list[tuple[int, np.ndarray, list[Callable[[], None]]]] = []
+        self.hellos: list[bool] = []
+
+    def on_hello(self, link: BoardLink, board: Board, restarted: bool) -> None:
+        self.hellos.append(restarted)
+
+    def on_samples(
+        self, link: BoardLink, board: Board, stream: StreamSpec, frame: Frame, samples: np.ndarray,
+        safe: list[Callable[[], None]],
+    ) -> None:  # fmt: skip
+        self.samples.append((frame.seq, samples, safe))
+
+    def on_result(self, link: BoardLink, board: Board, frame: Frame, record: dict[str, Any]) -> None:
+        pass
+
+
+class Wire:
+    """What a link writes, decoded: stands in for the port."""
+
+    def __init__(self) -> None:
+        from edgeline.firmware_bridge.protocol import Decoder
+
+        self.decoder = Decoder()
+        self.frames: list[Frame] = []
+
+    def write(self, data: bytes) -> None:
+        self.frames.extend(self.decoder.feed(data))
+
+    def acks(self) -> list[tuple[int, int]]:
+        return [unpack_ack(f.payload) for f in self.frames if f.type == FrameType.ACK]
+
+
+def make_link() -> tuple[BoardLink, Recorder, Wire]:
+    recorder, wire = Recorder(), Wire()
+    link = BoardLink("test://", recorder)
+    link._port_for_writes = wire  # the test's port: frames written are decoded into wire.frames
+    link.request_hello()
+    return link, recorder, wire
+
+
+def samples_frame(seq: int, count: int = 1, reliable: bool = True, t_us: int = 0) -> bytes:
+    payload = np.arange(64 * count, dtype="<f4").tobytes()
+    return encode(Frame(FrameType.SAMPLES, 1, seq, t_us, payload, FLAG_ACK_REQUESTED if reliable else 0))
+
+
+def test_reliable_frames_are_taken_in_order_and_acknowledged_only_once_safe() -> None:
+    link, recorder, wire = make_link()
+    link._take(encode(Frame(FrameType.HELLO, 0, 0, 10, json.dumps(HELLO).encode())))
+    assert recorder.hellos == [False]
+    link._take(samples_frame(5, count=2) + samples_frame(7))  # 6 lost on the wire: 7 is not taken
+    assert [seq for seq, _, _ in recorder.samples] == [5]
+    assert link.counters.sequence_gaps == 1 and recorder.samples[0][1].shape == (2, 1, 8, 8)
+    recorder.samples[0][2][0]()
+    assert wire.acks() == []  # one sample of two is safe: not the frame
+    recorder.samples[0][2][1]()
+    assert wire.acks() == [(1, 5)]
+    link._take(samples_frame(5, count=2))  # a resend of a frame already safe: acknowledged again, not taken again
+    assert wire.acks() == [(1, 5), (1, 5)] and len(recorder.samples) == 1
+    link._take(samples_frame(6) + samples_frame(7))  # the board goes back to 6 (go-back-N)
+    assert [seq for seq, _, _ in recorder.samples] == [5, 6, 7]
+    recorder.samples[2][2][0]()  # 7 safe before 6: no ACK yet, it would say 6 is safe
+    assert wire.acks()[-1] == (1, 5)
+    recorder.samples[1][2][0]()
+    assert wire.acks()[-1] == (1, 7)
+    link._take(samples_frame(8))
+    link.retake(1, 8)  # the broker refused it: the board's resend is taken again
+    link._take(samples_frame(8))
+    assert [seq for seq, _, _ in recorder.samples] == [5, 6, 7, 8, 8]
+
+
+def test_what_the_link_refuses_is_counted_by_reason_and_costs_nothing_else() -> None:
+    link, recorder, wire = make_link()
+    link._hello_wanted_since = None  # the HELLO_REQUEST was answered by a HELLO that got lost
+    link._take(samples_frame(0, reliable=False))  # before any HELLO: refused, and the board is asked who it is
+    link._take(samples_frame(1, reliable=False))  # asked already: not once more for every frame
+    assert link.counters.refused["stream"] == 2
+    assert sum(f.type == FrameType.HELLO_REQUEST for f in wire.frames) == 2
+    bad = {**HELLO, "streams": [{"id": 0, "name": "x", "dtype": "f32", "shape": [1]}]}
+    link._take(encode(Frame(FrameType.HELLO, 0, 0, 1, json.dumps(bad).encode())))
+    link._take(encode(Frame(FrameType.HELLO, 0, 1, 2, b"not json")))
+    assert link.counters.refused["hello"] == 2 and link.board is None
+    link._take(encode(Frame(FrameType.HELLO, 0, 2, 3, json.dumps(HELLO).encode())))
+    wrong = encode(Frame(FrameType.SAMPLES, 1, 5, 4, b"\x00" * 10, FLAG_ACK_REQUESTED))  # not a whole sample
+    unknown = encode(Frame(FrameType.SAMPLES, 9, 0, 5, b"\x00" * 4))
+    answer = encode(Frame(FrameType.ANSWER, 1, 0, 6, b"{}"))  # a host-to-board type from the board
+    link._take(wrong + unknown + b"\x01\x02garbage\x00" + answer + samples_frame(6, t_us=7))
+    refused = link.counters.refused
+    assert (refused["samples"], refused["stream"], refused["direction"], refused["cobs"]) == (1, 3, 1, 1)
+    assert wire.acks() == [(1, 5)]  # the refused frame is safe (or the board resends it for ever)
+    assert [seq for seq, _, _ in recorder.samples] == [6]
+
+
+def test_a_hello_not_asked_for_or_with_the_clock_gone_back_is_a_restart() -> None:
+    link, recorder, _ = make_link()
+    hello = json.dumps(HELLO).encode()
+    link._take(encode(Frame(FrameType.HELLO, 0, 0, 1000, hello)))
+    link._take(samples_frame(5, t_us=2000))
+    link.request_hello()
+    link._take(encode(Frame(FrameType.HELLO, 0, 1, 3000, hello)))  # asked for, clock going on: the same session
+    link._take(encode(Frame(FrameType.HELLO, 0, 0, 10, hello)))  # not asked for
+    link.request_hello()
+    link._take(encode(Frame(FrameType.HELLO, 0, 0, 5, hello)))  # asked for, but the clock went back
+    assert recorder.hellos == [False, False, True, True]
+    assert link.counters.board_restarts == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"device": "a/b"}, "device"),
+        ({"protocol": 2}, "protocol"),
+        ({"streams": [{"id": 1, "name": "x", "dtype": "f64", "shape": [1]}]}, "dtype"),
+        ({"streams": [{"id": 1, "name": "x", "dtype": "f32", "shape": [0]}]}, "shape"),
+        ({"streams": [{"id": 1, "name": "x", "dtype": "f32", "shape": [2000]}]}, "fits in a frame"),
+        ({"streams": "x"}, "streams"),
+    ],
+)
+def test_a_bad_hello_names_its_field(change: dict[str, Any], named: str) -> None:
+    with pytest.raises(FrameError, match=named):
+        parse_hello(json.dumps({**HELLO, **change}).encode())
+
+
+def test_input_ids_route_answers_back_and_nothing_else() -> None:
+    assert parse_input_id("3.65535.0.123456789") == (3, 65535)
+    for other in ("1.2.3", "0.1.0.0", "1.65536.0.0", "a.b.c.d", 7, None, "1.-2.0.0"):
+        assert parse_input_id(other) is None
+
+
+# -- end to end ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def board_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rng = np.random.default_rng(11)
+    path = tmp_path_factory.mktemp("board") / "validation.npz"
+    np.savez(path, x=rng.random((16, 1, 8, 8), dtype=np.float32), labels=np.arange(16) % 10)
+    return path
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.1)
+
+
+class Process:
+    """An edgeline command in the background, its stderr kept."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = args
+        self.process = subprocess.Popen([*EDGELINE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str, str]:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        out, err = self.process.communicate(timeout=TIMEOUT_S)
+        return self.process.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+def processes() -> Iterator[list[Process]]:
+    started: list[Process] = []
+    yield started
+    for process in started:
+        if process.process.poll() is None:
+            process.process.kill()
+            process.process.communicate(timeout=TIMEOUT_S)
+
+
+def start_daemon(collector: Collector, bundle: Path, broker: Broker, state: Path) -> Process:
+    """`edgeline run BUNDLE --broker` with the default topics, once it is subscribed (its "online" is out): what a
+    bridge publishes before then has no subscriber to go to."""
+    daemon = Process("run", str(bundle), "--broker", f"{broker.host}:{broker.port}", "--state-dir", str(state))
+    wait_until(
+        lambda: any(t.endswith("/availability") and p == b"online" for t, p, _ in list(collector.messages)),
+        TIMEOUT_S,
+        "the daemon online",
+    )
+    return daemon
+
+
+def results_of(collector: Collector) -> dict[str, dict[str, Any]]:
+    return {
+        str(record["id"]): record
+        for topic, payload, _ in list(collector.messages)
+        if topic.endswith("/result") and isinstance(record := json.loads(payload), dict)
+    }
+
+
+def retained_status(collector: Collector, suffix: str) -> dict[str, Any] | None:
+    found = [json.loads(p) for topic, p, _ in list(collector.messages) if topic.endswith(suffix)]
+    return found[-1] if found else None
+
+
+def test_run_reads_a_board_on_a_pty_and_sends_every_answer_back_down(
+    built_litert_bundle: Path, board_data: Path, broker: Broker, tmp_path: Path, processes: list[Process]
+) -> None:
+    """`edgeline run --serial PTY --serial-protocol frames`: the board's samples are answered exactly once with the
+    model's outputs, every answer goes back down, every frame is acknowledged; the link's counters are in the
+    status message and on /metrics."""
+    count = 40
+    board = PythonBoard(BoardOptions("pump-7", rate_hz=100, count=count, reliable=True), board_data, Uart.PTY)
+    port = free_port()
+    config = tmp_path / "daemon.toml"
+    config.write_text(
+        f'[broker]\nhost = "{broker.host}"\nport = {broker.port}\n[output]\nmqtt = true\n'
+        f'[health]\nstatus_interval_s = 0.5\nprometheus_port = {port}\nstatus_topic = "edgeline/{{name}}/status"\n'
+    )
+    collector = Collector(broker, "edgeline/#")
+    try:
+        with board:
+            processes.append(
+                daemon := Process("run", str(built_litert_bundle), "--serial", board.url, "--serial-protocol",
+                                  "frames", "--config", str(config), "--state-dir", str(tmp_path / "state"))
+            )  # fmt: skip
+            wait_until(lambda: (s := board.session) is not None and s.stats()["acked"] >= count, TIMEOUT_S, "acked")
+            session = board.session
+            assert session is not None
+            wait_until(lambda: session.stats()["answers"] >= count, TIMEOUT_S, "answers back down")
+            wait_until(lambda: len(results_of(collector)) >= count, TIMEOUT_S, "answers on MQTT")
+            stats = session.stats()
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+            def board_said() -> dict[str, Any]:
+                return ((retained_status(collector, "/status") or {}).get("source") or {}).get("board_stats") or {}
+
+            wait_until(lambda: board_said().get("done") is True, 20, "the board's own stats in the status message")
+        code, _, err = daemon.stop()
+    finally:
+        collector.close()
+    assert code == 0, err[-3000:]
+    assert (stats["sent"], stats["acked"], stats["answers"]) == (count, count, count), stats
+    results = results_of(collector)
+    samples = load_board_samples(board_data)
+    model = edgeline.load(built_litert_bundle)
+    assert len(results) == count
+    for identity, record in results.items():
+        stream, seq = parse_input_id(identity) or (0, -1)
+        assert stream == 1 and record["device"] == "pump-7"
+        x = np.frombuffer(samples.samples[seq % len(samples.samples)], dtype="<f4").reshape(1, 1, 8, 8)
+        np.testing.assert_allclose(record["outputs"][0], model.predict(x)[0], rtol=1e-6, atol=1e-7)
+    status = retained_status(collector, "/status")
+    assert status is not None
+    counts = status["counts"]
+    assert counts["serial_samples"] == count and counts["serial_answers_sent"] == count
+    assert counts["serial_acks_sent"] >= 1 and counts["serial_crc_errors"] == counts["serial_sequence_gaps"] == 0
+    assert status["source"]["device"] == "pump-7" and status["source"]["board_stats"]["answers"] == count
+    scraped = {m[0]: float(m[1]) for m in re.findall(r"^edgeline_(serial_\w+)_total\{[^}]*\} (\S+)$", metrics, re.M)}
+    assert scraped["serial_frames"] > count and scraped["serial_board_restarts"] == 0, scraped
+
+
+def test_bridge_and_run_meet_with_the_emulated_cortex_m4_board(
+    built_litert_bundle: Path, board_data: Path, broker: Broker, tmp_path: Path, processes: list[Process]
+) -> None:
+    """The C firmware on QEMU's mps2-an386 → `edgeline bridge` → Mosquitto → `edgeline run` (default topics) → the
+    answer → the bridge → the board: exact counts, read from the board's own stats line."""
+    from edgeline.sim.mcu import EmulatedBoard
+
+    count = 30
+    collector = Collector(broker, "#")
+    board = EmulatedBoard(BoardOptions("m4-1", rate_hz=50, count=count, reliable=True), board_data)
+    address = f"{broker.host}:{broker.port}"
+    try:
+        with board:
+            processes.append(daemon := start_daemon(collector, built_litert_bundle, broker, tmp_path / "state"))
+            processes.append(
+                bridge := Process("bridge", board.url, "--broker", address, "--instance", "gw",
+                                  "--status-interval", "0.5")
+            )  # fmt: skip
+
+            def board_stats() -> dict[str, Any]:
+                status = retained_status(collector, "bridge/gw/status")
+                return (status or {}).get("boards", [{}])[0].get("board_stats") or {}
+
+            wait_until(lambda: board_stats().get("answers", 0) >= count and board_stats().get("done"), 90, "answers")
+            stats = board_stats()
+            code, _, err = bridge.stop()
+            assert code == 0, err[-3000:]
+            daemon.stop()
+    finally:
+        collector.close()
+    assert (stats["sent"], stats["acked"], stats["answers"]) == (count, count, count), stats
+    results = results_of(collector)
+    assert sorted(parse_input_id(i) for i in results) == [(1, seq) for seq in range(count)]
+    counts = retained_status(collector, "bridge/gw/status")["counts"]  # type: ignore[index]
+    assert counts["published"] == count and counts["answers_routed"] == count
+    assert counts["serial_refused"] == counts["serial_sequence_gaps"] == counts["serial_board_restarts"] == 0
+
+
+def make_board(kind: str, options: BoardOptions, data: Path) -> Any:
+    """The Python board, or the C firmware on QEMU's Cortex-M4: both must hold up alike."""
+    if kind == "qemu":
+        from edgeline.sim.mcu import EmulatedBoard
+
+        return EmulatedBoard(options, data)
+    return PythonBoard(options, data)
+
+
+BOARDS = pytest.mark.parametrize("kind", ["python", "qemu"])
+
+
+def bridge_status(collector: Collector, instance: str) -> dict[str, Any]:
+    status = retained_status(collector, f"bridge/{instance}/status")
+    assert status is not None, "no status from the bridge"
+    return status
+
+
+@BOARDS
+def test_wire_faults_are_counted_exactly_and_cost_nothing_else(
+    kind: str, built_litert_bundle: Path, board_data: Path, broker: Broker, tmp_path: Path, processes: list[Process]
+) -> None:
+    """Garbage, bit flips, drops, split and merged frames, an unplug and a board reset, injected by the relay: the
+    bridge's counters say exactly what was done, and every sample that crossed the wire intact is answered."""
+    collector = Collector(broker, "#")
+    board = make_board(kind, BoardOptions("f-1", rate_hz=60, count=100_000, reliable=False), board_data)
+    address = f"{broker.host}:{broker.port}"
+    try:
+        with board, FrameRelay(board.url, seed=3) as relay:
+            processes.append(start_daemon(collector, built_litert_bundle, broker, tmp_path / "state"))
+            processes.append(
+                bridge := Process("bridge", relay.url, "--broker", address, "--instance", "gw", "--status-interval",
+                                  "0.3")
+            )  # fmt: skip
+            wait_until(lambda: relay.frames_passed > 30, 30, "frames through the relay")
+            time.sleep(0.6)  # a status message after them: what the start cost (samples before the HELLO)
+            before = Counter(bridge_status(collector, "gw")["boards"][0]["refused_by_reason"])
+            relay.garbage(3)
+            relay.flip(2)
+            relay.drop(4)
+            relay.split(3)
+            relay.merge(3)
+            wait_until(lambda: relay.pending() == 0, 30, "faults injected")
+            time.sleep(0.5)
+            relay.unplug(1.5)
+            wait_until(lambda: bridge_status(collector, "gw")["counts"]["serial_reopens"] == 1, 30, "reopened")
+            passed = relay.frames_passed
+            wait_until(lambda: relay.frames_passed > passed + 30, 30, "frames after the replug")
+            lost = relay.lost_unplugged  # (the frames the relay drops once the bridge has stopped are no gap)
+            board.reset()
+            wait_until(lambda: bridge_status(collector, "gw")["counts"]["serial_board_restarts"] == 1, 30, "reset")
+            time.sleep(1.0)
+            code, _, err = bridge.stop()
+            assert code == 0, err[-3000:]
+            counts = bridge_status(collector, "gw")["counts"]
+            by_reason = Counter(bridge_status(collector, "gw")["boards"][0]["refused_by_reason"]) - before
+            sent = {json.loads(p)["id"] for t, p, _ in list(collector.messages) if t.startswith("sensors/")}
+            wait_until(
+                lambda: len(results_of(collector)) >= counts["published"],
+                30,
+                f"every published sample answered: {sorted(sent - set(results_of(collector)))} {len(sent)}",
+            )
+            answered = len(results_of(collector))
+    finally:
+        collector.close()
+    assert relay.injected["garbage"] == 3 and relay.injected["flip"] == 2 and relay.injected["drop"] == 4
+    assert by_reason == {"cobs": 3, "crc": 2}
+    assert counts["serial_crc_errors"] == 2 and counts["serial_refused"] == 5 + sum(before.values())
+    assert counts["serial_sequence_gaps"] == 2 + 4 + lost  # the flipped frames, the dropped ones, the unplug's
+    assert (counts["serial_board_restarts"], counts["serial_reopens"]) == (1, 1), counts
+    assert counts["published"] == counts["serial_samples"] == answered
+
+
+@BOARDS
+def test_reliable_mode_loses_nothing_across_wire_faults_and_a_killed_bridge(
+    kind: str, built_litert_bundle: Path, board_data: Path, broker: Broker, tmp_path: Path, processes: list[Process]
+) -> None:
+    """Drops, bit flips, garbage, split and merged frames, then the bridge SIGKILLed mid-stream and another started:
+    the board resends what was not acknowledged, and every one of its samples is answered. The board's own counters
+    (its stats line, through the bridge's status) say how it went."""
+    count = 150
+    collector = Collector(broker, "edgeline/#")
+    board = make_board(kind, BoardOptions("r-1", rate_hz=60, count=count, reliable=True), board_data)
+    address = f"{broker.host}:{broker.port}"
+    bridge_args = ("--broker", address, "--instance", "gw", "--status-interval", "0.3")
+
+    def board_says() -> dict[str, Any]:
+        status = retained_status(collector, "bridge/gw/status") or {}
+        return (status.get("boards") or [{}])[0].get("board_stats") or {}
+
+    try:
+        with board, FrameRelay(board.url, seed=4) as relay:
+            processes.append(start_daemon(collector, built_litert_bundle, broker, tmp_path / "state"))
+            processes.append(first := Process("bridge", relay.url, *bridge_args))
+            wait_until(lambda: board_says().get("acked", 0) > 20, 30, "first acks")
+            relay.drop(3)
+            relay.flip(2)
+            relay.garbage(2)
+            relay.split(2)
+            relay.merge(3)
+            wait_until(lambda: relay.pending() == 0, 30, "faults injected")
+            wait_until(lambda: board_says().get("acked", 0) > 60, 30, "acks after the faults")
+            first.process.kill()  # SIGKILL: whatever it held unacknowledged, the board resends
+            first.process.communicate(timeout=TIMEOUT_S)
+            time.sleep(0.5)
+            processes.append(second := Process("bridge", relay.url, *bridge_args))
+            try:
+                wait_until(lambda: board_says().get("acked", 0) >= count and board_says()["done"], 90, "all acked")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {board_says()}; the bridge said {second.stop()[2][-3000:]}") from None
+            stats = board_says()
+            second.stop()
+        wanted = {(1, seq) for seq in range(count)}
+        with contextlib.suppress(AssertionError):  # said below, with what is missing
+            wait_until(lambda: {parse_input_id(i) for i in results_of(collector)} >= wanted, 30, "answers")
+    finally:
+        collector.close()
+    answered = {parse_input_id(identity) for identity in results_of(collector)}
+    assert answered >= wanted, f"lost: {sorted(wanted - answered)}"
+    assert stats["sent"] == stats["acked"] == count and stats["resent"] > 0, stats
