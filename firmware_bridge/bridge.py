@@ -86,7 +86,13 @@ class Bridge:
         self.links = [BoardLink(url, self, baudrate=options.baudrate) for url in urls]
         self.metrics = Metrics(model="bridge", version=1, instance=self.instance)
         self.metrics.declare(
-            "published", "publish_failed", "answers_routed", "answers_unrouted", "board_results", "duplicate_devices"
+            "published",
+            "publish_failed",
+            "unpublished_at_stop",
+            "answers_routed",
+            "answers_unrouted",
+            "board_results",
+            "duplicate_devices",
         )
         self.metrics.counters(lambda: {f"serial_{k}": v for k, v in sum_counters(self.links).items()})
         self.metrics.gauges(self._gauges)
@@ -171,11 +177,14 @@ class Bridge:
             other = self.boards.get(board.device)
             self.boards[board.device] = link
         if other is not None and other is not link and other.board is not None and other.board.device == board.device:
-            self.metrics.count("duplicate_devices")
-            log.error(
-                "two boards say they are %s, on %s and %s (a cloned firmware image?): answers go to %s",
-                board.device, other.url, link.url, link.url,
-            )  # fmt: skip
+            if other.connected.is_set():  # both ports are live: two boards, one id
+                self.metrics.count("duplicate_devices")
+                log.error(
+                    "two boards say they are %s, on %s and %s (a cloned firmware image?): answers go to %s",
+                    board.device, other.url, link.url, link.url,
+                )  # fmt: skip
+            else:  # its old port is gone: the board was plugged in elsewhere, and keeps its name and streams
+                log.info("board %s moved from %s to %s", board.device, other.url, link.url)
         if other is None:
             self.connection.add_subscription(self.options.answers.format(device=board.device), self.options.qos)
 
@@ -193,8 +202,9 @@ class Bridge:
             if len(self._arrived) > MAX_TRACKED:
                 self._arrived.popitem(last=False)
         for index, sample in enumerate(samples):
-            if not self._wait_for_room():
-                return  # stopping: not acknowledged to the board, which resends it to the next bridge
+            if not self._wait_for_room():  # stopping: not acknowledged, so a reliable board resends it to the next
+                self.metrics.count("unpublished_at_stop", len(samples) - index)  # bridge; any other board's is lost
+                return
             payload = sample_payload(input_id(frame.stream, frame.seq, index, frame.t_us), sample)
             done = partial(self._published, safe[index], failed if frame.ack_requested else None, arrived)
             self.connection.publish(topic, payload, qos=self.options.qos, done=done)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import threading
 import time
 from collections import Counter, deque
@@ -68,6 +69,7 @@ was lost on the wire)."""
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 10.0
 READ_TIMEOUT_S = 0.05
+READ_CHUNK = 65536
 MAX_STREAMS = 255
 MAX_HELLO_DEVICE = 128
 
@@ -265,7 +267,7 @@ class BoardLink:
         import serial
 
         try:
-            return serial.serial_for_url(self.url, baudrate=self.baudrate, timeout=READ_TIMEOUT_S)
+            return serial.serial_for_url(self.url, baudrate=self.baudrate, timeout=0)
         except (serial.SerialException, ValueError, OSError) as exc:
             raise EdgelineError(f"serial {self.url}: {exc}") from exc
 
@@ -323,8 +325,9 @@ class BoardLink:
         self._decoder_seen, self._decoder_resyncs = Counter(), 0
         self.connected.set()
         self.request_hello()
+        read = _reader(port)
         while not stopping.is_set():
-            chunk = port.read(max(1, port.in_waiting))
+            chunk = read()
             if chunk:
                 self._take(chunk)
             wanted = self._hello_wanted_since
@@ -578,6 +581,28 @@ class BoardLink:
             "refused_by_reason": dict(self.counters.refused),
             "board_stats": self.stats,
         }
+
+
+def _reader(port: Any) -> Callable[[], bytes]:
+    """What came on the port, waiting at most ``READ_TIMEOUT_S`` for it: whatever is there, in one call.
+
+    ``port.read(port.in_waiting)`` is not that for every URL: pyserial's ``socket://`` says 0 or 1 for
+    ``in_waiting`` (readable or not), which read a frame one byte per call (19 times the CPU of a pty, measured:
+    ``benchmarks/results/firmware_bridge.md``). With a file descriptor the port is read without a timeout after a
+    ``select`` on it (a POSIX port, a socket); otherwise (``rfc2217://``, ``loop://``) with the timeout, as before."""
+    try:
+        fd = port.fileno()
+    except Exception:  # a URL handler without one (pyserial raises NotImplementedError or AttributeError)
+        fd = None
+    if not isinstance(fd, int):
+        port.timeout = READ_TIMEOUT_S
+        return lambda: bytes(port.read(max(1, port.in_waiting)))
+
+    def read() -> bytes:
+        ready, _, _ = select.select([fd], [], [], READ_TIMEOUT_S)
+        return bytes(port.read(READ_CHUNK)) if ready else b""
+
+    return read
 
 
 def _not_after(seq: int, reference: int) -> bool:

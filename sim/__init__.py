@@ -1,9 +1,13 @@
-"""Simulated sensors, devices and fleets: real validation samples as MQTT sensor messages.
+"""Simulated sensors, devices and fleets: real validation samples as MQTT sensor messages, or from emulated
+microcontroller boards on a serial link.
 
 Nothing is imported here; the modules:
 
     data       what the sensors replay: a prepared reference model's validation.npz, or any .npz
     sensors    one sensor of one device: seeded, message ``seq`` a pure function of (samples, device, seed, seq)
     publisher  a device or a fleet publishing to a broker at a rate, bounded by count and time
-    cli        ``edgeline sim``
+    board      an emulated sensor board speaking the firmware bridge's protocol, in Python (``PythonBoard``)
+    mcu        the same board as C firmware on QEMU's Cortex-M4 (``EmulatedBoard``), built on first use
+    source     the daemon's ``sim`` source (``edgeline run --sim``)
+    cli        ``edgeline sim``, ``edgeline sim mcu``
 """

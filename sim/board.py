@@ -235,7 +235,8 @@ class BoardSession:
         due = self._last_heartbeat_us + int(HEARTBEAT_S * 1e6)
         if self.options.reliable and self._window:
             due = min(due, self._window[0].sent_at_us + int(RESEND_S * 1e6))
-        if self.sent < self.options.count and self.stream_on:
+        window_open = not self.options.reliable or len(self._window) < WINDOW
+        if self.sent < self.options.count and self.stream_on and window_open:  # a full window waits for an ACK
             due = min(due, self._next_sample_us)
         return due
 

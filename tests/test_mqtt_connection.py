@@ -4,6 +4,7 @@ with ``call_soon``, and its in-flight window counts what waits for a PUBACK, not
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 import time
@@ -474,3 +475,35 @@ def test_the_lean_reader_takes_packets_whole_or_cut_anywhere(
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_post_while_the_network_thread_drains_its_wake_up_is_never_left_asleep() -> None:
+    """A task posted from another thread while the network thread empties its wake-up socket must still wake the
+    next select. Before, the flag was cleared first: such a post's byte was swallowed by the same drain, the flag
+    stayed set, and every later post waited for the loop's 0.2 s tick (seen in benchmarks/firmware_bridge.py)."""
+    connection = MqttConnection(BrokerConfig(host="127.0.0.1", port=1), client_id="wake")
+    real = connection._wake_r
+
+    class PostingWhileRead:
+        """The wake-up socket, with another thread's post landing between the network thread's reads."""
+
+        posted = False
+
+        def recv(self, size: int) -> bytes:
+            data = real.recv(size)
+            if not self.posted:
+                self.posted = True
+                connection.call_soon(lambda: None)
+            return data
+
+    connection.call_soon(lambda: None)  # the wake-up the network thread is draining
+    connection._wake_r = PostingWhileRead()  # type: ignore[assignment]
+    connection._drain_wake()
+    connection._wake_r = real
+    readable, _, _ = select.select([real], [], [], 0)
+    # Either the flag is clear (the next post writes a byte) or a byte waits (the next select wakes): never neither.
+    assert not connection._wake_pending or readable
+    connection._posted.clear()
+    connection.call_soon(lambda: None)
+    readable, _, _ = select.select([real], [], [], 0)
+    assert readable, "a post after the drain did not wake the network thread"

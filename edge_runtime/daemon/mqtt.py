@@ -452,10 +452,14 @@ class MqttConnection:
             self._run_posted()
 
     def _drain_wake(self) -> None:
-        self._wake_pending = False  # before reading: a post after this point wakes the next select
+        """Empty the wake-up socket, then allow the next post to write to it. In that order: cleared first, a post
+        between the two would write a byte that the reads then swallow, leaving the flag set with nothing to wake
+        the next select (every later post waited a whole ``LOOP_TICK_S``). A post before the flag is cleared sends
+        nothing and needs nothing: the loop runs the posted tasks before it selects again."""
         with contextlib.suppress(OSError):  # BlockingIOError: nothing more to read
             while self._wake_r.recv(4096):
                 pass
+        self._wake_pending = False
 
     def _run_posted(self) -> None:
         posted = self._posted
