@@ -3,6 +3,7 @@
     board ─SAMPLES─► link ─► sensors/{device}/{stream}  ─► a daemon anywhere (`edgeline run`, default topics)
     board ◄─ANSWER── link ◄─ edgeline/+/{device}/result ◄─┘
     board ─RESULT──► link ─► boards/{device}/{stream}/result     (what a board ran itself)
+    board ◄─CONFIG── link ◄─ boards/{device}/config                (an operator's settings: rate, streams on/off)
 
 Every sample is published in the daemon's own payload format (``{"id", "data"}``, QoS 1), so a daemon with its
 default subscription answers it; its id (``stream.seq.index.t_us``) routes the answer back to the frame. The
@@ -41,7 +42,7 @@ from edgeline.errors import EdgelineError
 from edgeline.firmware_bridge.link import Board, BoardLink, StreamSpec, input_id, parse_input_id, sum_counters
 from edgeline.firmware_bridge.protocol import Frame
 from edgeline.firmware_bridge.source import sample_payload
-from edgeline.firmware_bridge.topics import DEFAULT_ANSWERS, DEFAULT_PUBLISH, DEFAULT_RESULTS
+from edgeline.firmware_bridge.topics import DEFAULT_ANSWERS, DEFAULT_CONFIG, DEFAULT_PUBLISH, DEFAULT_RESULTS
 
 __all__ = ["Bridge", "BridgeOptions"]
 
@@ -50,6 +51,8 @@ log = logging.getLogger("edgeline.bridge")
 SESSION_EXPIRY_S = 3600
 """The broker keeps the bridge's session (and the answers for its boards) this long while it is away."""
 STOP_WAIT_S = 5.0
+MAX_CONFIG_BYTES = 1024
+"""A CONFIG is a few settings: a larger payload is a mistake (it must fit one frame in any case)."""
 MAX_TRACKED = 65536
 """Input frames whose arrival time is kept for the round-trip latency (``total``), at most."""
 
@@ -59,6 +62,7 @@ class BridgeOptions:
     publish: str = DEFAULT_PUBLISH
     answers: str = DEFAULT_ANSWERS
     results: str = DEFAULT_RESULTS
+    board_config: str = DEFAULT_CONFIG
     qos: int = 1
     baudrate: int = 115200
     instance: str = ""
@@ -104,6 +108,10 @@ class Bridge:
         )
         self.connection.subscribe([], options.qos, self._on_answer)
         self.boards: dict[str, BoardLink] = {}
+        self._config_topics: dict[str, str] = {}
+        """Each board's config topic, to its device."""
+        self._configs: dict[str, dict[str, Any]] = {}
+        """Each board's last config: sent again when the board restarts."""
         self._lock = threading.Condition()
         self._unacknowledged = 0
         self._arrived: OrderedDict[tuple[str, int, int], float] = OrderedDict()
@@ -187,6 +195,12 @@ class Bridge:
                 log.info("board %s moved from %s to %s", board.device, other.url, link.url)
         if other is None:
             self.connection.add_subscription(self.options.answers.format(device=board.device), self.options.qos)
+            config_topic = self.options.board_config.format(device=board.device)
+            self._config_topics[config_topic] = board.device
+            self.connection.add_subscription(config_topic, self.options.qos)
+        config = self._configs.get(board.device)
+        if restarted and config is not None:  # it booted with its compiled-in settings: give it the operator's again
+            self._configure(link, board.device, config)
 
     def on_samples(
         self, link: BoardLink, board: Board, stream: StreamSpec, frame: Frame, samples: np.ndarray,
@@ -245,10 +259,36 @@ class Bridge:
     # -- answers (the MQTT network thread) ---------------------------------------------------------------------
     def _on_answer(self, topic: str, payload: bytes, ack: Callable[[], None] | None, reply: object) -> None:
         try:
-            self._route(topic, payload)
+            device = self._config_topics.get(topic)
+            if device is None:
+                self._route(topic, payload)
+            else:
+                self._board_config(device, payload)
         finally:
             if ack is not None:
                 ack()
+
+    def _board_config(self, device: str, payload: bytes) -> None:
+        """A CONFIG for a board, from its config topic (retained: a board that restarts, or a bridge that starts,
+        gets it again): kept, and sent down now if the board is here."""
+        try:
+            config = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            config = None
+        if not isinstance(config, dict) or len(payload) > MAX_CONFIG_BYTES:
+            self.metrics.count("configs_refused")
+            log.warning("board %s: a config that is not a JSON object of at most %d bytes, not sent: %r", device,
+                        MAX_CONFIG_BYTES, payload[:200])  # fmt: skip
+            return
+        self._configs[device] = config
+        link = self.boards.get(device)
+        if link is not None:
+            self._configure(link, device, config)
+
+    def _configure(self, link: BoardLink, device: str, config: dict[str, Any]) -> None:
+        if link.configure(config):
+            self.metrics.count("configs_sent")
+            log.info("board %s: sent its config %s", device, orjson.dumps(config).decode()[:300])
 
     def _route(self, topic: str, payload: bytes) -> None:
         try:

@@ -17,7 +17,7 @@ _INSTANCE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 def register(subparsers: Any) -> None:
-    from edgeline.firmware_bridge.topics import DEFAULT_ANSWERS, DEFAULT_PUBLISH, DEFAULT_RESULTS
+    from edgeline.firmware_bridge.topics import DEFAULT_ANSWERS, DEFAULT_CONFIG, DEFAULT_PUBLISH, DEFAULT_RESULTS
 
     parser = subparsers.add_parser(
         "bridge",
@@ -46,6 +46,13 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_RESULTS,
         metavar="TEMPLATE",
         help=f"where the boards' own results go, with {{device}} and {{stream}} (default {DEFAULT_RESULTS})",
+    )
+    parser.add_argument(
+        "--board-config",
+        default=DEFAULT_CONFIG,
+        metavar="TEMPLATE",
+        help=f"where a board's settings are published (JSON: rate_hz, streams on/off; retained), sent down as a "
+        f"CONFIG frame, with {{device}} (default {DEFAULT_CONFIG})",
     )
     parser.add_argument("--qos", type=int, choices=[0, 1], default=1, metavar="QOS", help="MQTT QoS (default 1)")
     parser.add_argument("--baudrate", type=int, default=115200, metavar="N", help="serial speed (default 115200)")
@@ -82,6 +89,7 @@ def run_bridge(args: argparse.Namespace) -> int:
         publish=_template("--publish", args.publish, ("device", "stream")),
         answers=_template("--answers", args.answers, ("device",), wildcards=True),
         results=_template("--results", args.results, ("device", "stream")),
+        board_config=_template("--board-config", args.board_config, ("device",)),
         qos=args.qos,
         baudrate=args.baudrate,
         instance=args.instance or "",

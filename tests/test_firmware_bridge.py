@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -417,6 +418,12 @@ def test_wire_faults_are_counted_exactly_and_cost_nothing_else(
             time.sleep(1.0)
             code, _, err = bridge.stop()
             assert code == 0, err[-3000:]
+            # one log line per change of state: lost, failing to open (while unplugged), open again; and a restart
+            said = [line.split(": ", 1)[-1] for line in err.splitlines() if "edgeline.bridge" in line]
+            assert sum(" lost: " in line for line in said) == 1, said
+            assert sum("retrying with back-off" in line for line in said) <= 1, said
+            assert sum("open again" in line for line in said) == 1, said
+            assert sum("restarted" in line for line in said) == 1, said
             counts = bridge_status(collector, "gw")["counts"]
             by_reason = Counter(bridge_status(collector, "gw")["boards"][0]["refused_by_reason"]) - before
             try:
@@ -492,3 +499,92 @@ def test_reliable_mode_loses_nothing_across_wire_faults_and_a_killed_bridge(
     answered = {parse_input_id(identity) for identity in results_of(collector)}
     assert answered >= wanted, f"lost: {sorted(wanted - answered)}"
     assert stats["sent"] == stats["acked"] == count and stats["resent"] > 0, stats
+
+
+class ScriptedBoard:
+    """A board written out by hand on a loopback port: answers HELLO_REQUEST, sends what the test says, and keeps
+    every frame the host sends it."""
+
+    def __init__(self) -> None:
+        import socket
+
+        from edgeline.firmware_bridge.protocol import Decoder
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"socket://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.received: list[Frame] = []
+        self.decoder = Decoder()
+        self.conn: Any = None
+        self.seq = 0
+        self.clock = 1000
+        self.hello = {**HELLO, "device": "s-1"}
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.listener.settimeout(TIMEOUT_S)
+        self.conn, _ = self.listener.accept()
+        self.conn.settimeout(0.2)
+        while True:
+            try:
+                data = self.conn.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            for frame in self.decoder.feed(data):
+                self.received.append(frame)
+                if frame.type == FrameType.HELLO_REQUEST:
+                    self.send(FrameType.HELLO, 0, json.dumps(self.hello).encode())
+
+    def send(self, kind: FrameType, stream: int, payload: bytes) -> None:
+        self.clock += 1000
+        self.conn.sendall(encode(Frame(kind, stream, self.seq, self.clock, payload)))
+        self.seq += 1
+
+    def restart(self) -> None:
+        self.seq, self.clock = 0, 10  # a new boot: its clock starts again
+        self.send(FrameType.HELLO, 0, json.dumps(self.hello).encode())
+
+    def configs(self) -> list[dict[str, Any]]:
+        return [json.loads(f.payload) for f in list(self.received) if f.type == FrameType.CONFIG]
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+def test_a_boards_own_results_go_up_and_an_operators_config_comes_down_again_after_a_restart(
+    broker: Broker, processes: list[Process]
+) -> None:
+    """RESULT frames (a board that runs the model itself) are published to its results topic; a config retained on
+    its config topic is sent down as a CONFIG frame when the bridge meets the board, and again when it restarts."""
+    import paho.mqtt.publish as mqtt_publish
+
+    setting = {"rate_hz": 2.5, "streams": {"1": False}}
+    mqtt_publish.single(
+        "boards/s-1/config", json.dumps(setting), qos=1, retain=True, hostname=broker.host, port=broker.port
+    )
+    collector = Collector(broker, "boards/#")
+    board = ScriptedBoard()
+    try:
+        processes.append(
+            bridge := Process("bridge", board.url, "--broker", f"{broker.host}:{broker.port}", "--instance", "gw",
+                              "--status-interval", "0.3")
+        )  # fmt: skip
+        wait_until(lambda: board.configs() == [setting], 30, "the retained config sent down")
+        record = {"id": "local-1", "label": "7", "score": 0.93, "model": "digits"}
+        board.send(FrameType.RESULT, 1, json.dumps(record).encode())
+        wait_until(lambda: any(t == "boards/s-1/digits/result" for t, _, _ in list(collector.messages)), 30, "result")
+        board.restart()
+        wait_until(lambda: board.configs() == [setting, setting], 30, "the config sent again after the restart")
+        code, _, err = bridge.stop()
+    finally:
+        collector.close()
+        board.close()
+    assert code == 0, err[-3000:]
+    published = [json.loads(p) for t, p, _ in collector.messages if t == "boards/s-1/digits/result"]
+    assert published == [record]
