@@ -6,7 +6,7 @@
     board ◄─CONFIG── link ◄─ boards/{device}/config                (an operator's settings: rate, streams on/off)
 
 Every sample is published in the daemon's own payload format (``{"id", "data"}``, QoS 1), so a daemon with its
-default subscription answers it; its id (``stream.seq.index.t_us``) routes the answer back to the frame. The
+default subscription answers it; its id (``stream.seq.index.t_us[.boot]``) routes the answer back to the frame. The
 bridge subscribes to the answers of each board it meets (by the ``device`` of its HELLO), once. In reliable mode a
 frame's ACK goes to the board once the broker has acknowledged every sample of it: a bridge killed at any moment
 loses nothing, since the board resends what was not acknowledged to the next one.
@@ -219,7 +219,7 @@ class Bridge:
             if not self._wait_for_room():  # stopping: not acknowledged, so a reliable board resends it to the next
                 self.metrics.count("unpublished_at_stop", len(samples) - index)  # bridge; any other board's is lost
                 return
-            payload = sample_payload(input_id(frame.stream, frame.seq, index, frame.t_us), sample)
+            payload = sample_payload(input_id(frame.stream, frame.seq, index, frame.t_us, board.boot), sample)
             done = partial(self._published, safe[index], failed if frame.ack_requested else None, arrived)
             self.connection.publish(topic, payload, qos=self.options.qos, done=done)
 

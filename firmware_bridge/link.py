@@ -97,6 +97,9 @@ class Board:
     device: str
     firmware: str
     streams: Mapping[int, StreamSpec]
+    boot: int | None = None
+    """The HELLO's ``boot``, a number that differs between the board's boots (a counter in flash, a random draw):
+    part of its inputs' ids, which could otherwise repeat after a restart. None: the board does not say."""
 
 
 def parse_hello(payload: bytes) -> Board:
@@ -147,13 +150,17 @@ def parse_hello(payload: bytes) -> Board:
             float(rate) if isinstance(rate, int | float) and not isinstance(rate, bool) else None,
             seq % SEQ_MODULO if isinstance(seq, int) and not isinstance(seq, bool) else None,
         )
-    return Board(device, str(hello.get("firmware", "")), streams)
+    boot = hello.get("boot")
+    if boot is not None and (not isinstance(boot, int) or isinstance(boot, bool) or not 0 <= boot < 1 << 64):
+        raise refuse(f"boot {boot!r} is not a number from 0 to 2**64 - 1")
+    return Board(device, str(hello.get("firmware", "")), streams, boot)
 
 
-def input_id(stream: int, seq: int, index: int, t_us: int) -> str:
-    """The id an input from a board carries through the daemon: ``stream.seq.index.t_us``, all numbers, so that an
-    answer on MQTT can be routed back down to the frame it answers (``parse_input_id``)."""
-    return f"{stream}.{seq}.{index}.{t_us}"
+def input_id(stream: int, seq: int, index: int, t_us: int, boot: int | None = None) -> str:
+    """The id an input from a board carries through the daemon: ``stream.seq.index.t_us``, and ``.boot`` when the
+    board's HELLO gives one; all numbers, so that an answer on MQTT can be routed back down to the frame it answers
+    (``parse_input_id``). A resend of a frame has the same id: duplicates are removed by it."""
+    return f"{stream}.{seq}.{index}.{t_us}" + ("" if boot is None else f".{boot}")
 
 
 def parse_input_id(text: object) -> tuple[int, int] | None:
@@ -161,7 +168,7 @@ def parse_input_id(text: object) -> tuple[int, int] | None:
     if not isinstance(text, str):
         return None
     parts = text.split(".")
-    if len(parts) != 4 or not all(p.isdigit() and len(p) <= 20 for p in parts):
+    if len(parts) not in (4, 5) or not all(p.isdigit() and len(p) <= 20 for p in parts):
         return None
     stream, seq = int(parts[0]), int(parts[1])
     return (stream, seq) if 1 <= stream <= MAX_STREAMS and seq < SEQ_MODULO else None

@@ -68,7 +68,7 @@ class FramesSource:
         topic = SENSOR_TOPIC.format(device=board.device, sensor=stream.name)
         down = partial(self._answer_down, link, frame.stream, frame.seq)
         for index, sample in enumerate(samples):
-            payload = sample_payload(input_id(frame.stream, frame.seq, index, frame.t_us), sample)
+            payload = sample_payload(input_id(frame.stream, frame.seq, index, frame.t_us, board.boot), sample)
             submit(
                 Message(
                     topic=topic, payload=payload, device=board.device, stream=stream.name, ack=safe[index],

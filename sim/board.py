@@ -155,6 +155,9 @@ class BoardSession:
     hellos: int = 0
     refused: int = 0
     stream_on: bool = True
+    boot_number: int = 0
+    """This boot's number in the HELLO (``boot``): the firmware counts resets in RAM a reset leaves alone, so does
+    ``PythonBoard``; a new board (a new emulator) starts at 0."""
     _rate_mhz: int = 0
     _control_seq: int = 0
     _data_seq: int = 0
@@ -249,7 +252,8 @@ class BoardSession:
         oldest = self._window[0].seq if self._window else self._data_seq
         stream = {"id": DATA_STREAM, "name": self.data.name, "dtype": "f32", "shape": list(self.data.shape),
                   "rate_hz": self._rate_mhz / 1000, "seq": oldest}  # fmt: skip
-        hello = {"device": self.options.device, "firmware": FIRMWARE, "protocol": 1, "streams": [stream]}
+        hello = {"device": self.options.device, "firmware": FIRMWARE, "protocol": 1, "boot": self.boot_number,
+                 "streams": [stream]}  # fmt: skip
         self.hellos += 1
         return self._control(FrameType.HELLO, now_us, json.dumps(hello).encode())
 
@@ -406,13 +410,14 @@ class PythonBoard:
     def _serve(self) -> None:
         boot = time.monotonic_ns()
         decoder = Decoder()
-        self._session = session = BoardSession(self.options, self.samples)
+        boots = 0
+        self._session = session = BoardSession(self.options, self.samples, boot_number=boots)
         self._write(session.boot(0))
         while not self._stopping.is_set():  # bounded by stop(): the board runs until its host stops it
             if self._reset_asked.is_set():
                 self._reset_asked.clear()
-                boot, decoder = time.monotonic_ns(), Decoder()
-                self._session = session = BoardSession(self.options, self.samples)
+                boot, decoder, boots = time.monotonic_ns(), Decoder(), boots + 1
+                self._session = session = BoardSession(self.options, self.samples, boot_number=boots)
                 self._write(session.boot(0))
             now = (time.monotonic_ns() - boot) // 1000
             wait_s = min(max(session.next_due_us() - now, 0) / 1e6, _POLL_S)

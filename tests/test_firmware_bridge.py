@@ -187,8 +187,8 @@ def test_a_board_on_another_port_keeps_its_name_and_two_live_boards_with_one_id_
 
 
 def test_input_ids_route_answers_back_and_nothing_else() -> None:
-    assert parse_input_id("3.65535.0.123456789") == (3, 65535)
-    for other in ("1.2.3", "0.1.0.0", "1.65536.0.0", "a.b.c.d", 7, None, "1.-2.0.0"):
+    assert parse_input_id("3.65535.0.123456789") == parse_input_id("3.65535.0.123456789.7") == (3, 65535)
+    for other in ("1.2.3", "0.1.0.0", "1.65536.0.0", "a.b.c.d", 7, None, "1.-2.0.0", "1.2.3.4.5.6"):
         assert parse_input_id(other) is None
 
 

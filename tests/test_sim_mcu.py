@@ -161,6 +161,7 @@ def test_a_board_says_hello_streams_its_samples_and_counts_answers(
     frames = host.until(lambda fs: any(f.seq != 0 for f in of(FrameType.HELLO, fs)), "HELLO, asked for")
     asked = hello(next(f for f in of(FrameType.HELLO, frames) if f.seq != 0))  # (not a boot HELLO: control seq 0)
     assert asked["device"] == "mcu-7" and asked["firmware"] == FIRMWARE and asked["protocol"] == 1
+    assert asked["boot"] == 0  # the first boot of this board
     (stream,) = asked["streams"]  # type: ignore[misc]
     assert {k: v for k, v in stream.items() if k != "seq"} == {
         "id": 1, "name": "digits", "dtype": "f32", "shape": [1, 8, 8], "rate_hz": 40.0,
@@ -174,6 +175,7 @@ def test_a_board_says_hello_streams_its_samples_and_counts_answers(
     )
     boot = hello(frames[0])  # a fresh control stream (seq 0) and a fresh data stream
     assert boot["streams"][0]["seq"] == 0  # type: ignore[index]
+    assert boot["boot"] == 1  # its count of boots survived the reset (RAM the reset leaves alone)
     sent = samples_from(frames, 0, count)
     for seq, frame in sent.items():
         assert frame.stream == 1 and frame.flags == 0

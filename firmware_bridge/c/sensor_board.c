@@ -52,7 +52,11 @@
 #define UART_DATA (*(volatile uint32_t *)0x40004000u)
 #define UART_STATE (*(volatile uint32_t *)0x40004004u)
 #define UART_CTRL (*(volatile uint32_t *)0x40004008u)
+#define UART_INTCLEAR (*(volatile uint32_t *)0x4000400Cu)
 #define UART_BAUDDIV (*(volatile uint32_t *)0x40004010u)
+#define UART_RX_INTERRUPT 8u /* CTRL bit 3; INTCLEAR bit 1 clears it */
+#define NVIC_ISER0 (*(volatile uint32_t *)0xE000E100u)
+#define UART0_RX_IRQ 0u /* mps2-an386: UART0's RX interrupt is IRQ 0 */
 #define UART_TX_FULL 1u
 #define UART_RX_FULL 2u
 
@@ -181,11 +185,29 @@ static void put_rate(text *t, uint32_t mhz) {
 
 static void send_text(uint8_t type, const text *t) { send_control(type, (const uint8_t *)t->buf, t->len); }
 
+/* This boot's number, so that the host's ids of this boot's inputs differ from the last boot's (the same seq can
+ * come at the same microsecond after every boot of a board that samples on a timer). A real board keeps it in flash or
+ * draws it from a random source; this one keeps it in RAM that a reset leaves alone (.noinit), so it counts the
+ * resets of one emulator's run and starts again at 0 in a new one. */
+#define BOOT_MAGIC 0xB007C0DEu
+__attribute__((section(".noinit"))) static uint32_t boot_magic, boot_count;
+
+static void count_boot(void) {
+    if (boot_magic == BOOT_MAGIC) {
+        boot_count++;
+    } else {
+        boot_magic = BOOT_MAGIC;
+        boot_count = 0;
+    }
+}
+
 static uint16_t oldest_held_seq(void) { return window_count ? window[window_head].seq : data_seq; }
 
 static void send_hello(void) {
     text t = {{0}, 0};
-    put_str(&t, "{\"device\": \"" DEVICE_ID "\", \"firmware\": \"" FIRMWARE "\", \"protocol\": 1, \"streams\": [");
+    put_str(&t, "{\"device\": \"" DEVICE_ID "\", \"firmware\": \"" FIRMWARE "\", \"protocol\": 1, \"boot\": ");
+    put_u32(&t, boot_count);
+    put_str(&t, ", \"streams\": [");
     put_str(&t, "{\"id\": 1, \"name\": \"" EL_STREAM_NAME "\", \"dtype\": \"f32\", \"shape\": " EL_SAMPLE_SHAPE);
     put_str(&t, ", \"rate_hz\": ");
     put_rate(&t, rate_mhz);
@@ -364,13 +386,15 @@ static void receive(uint64_t now) {
 
 static void board_main(void) {
     UART_BAUDDIV = 16u; /* the smallest divider the CMSDK UART takes: QEMU ignores the rate itself */
-    UART_CTRL = 3u;     /* TX and RX on */
+    UART_CTRL = 3u | UART_RX_INTERRUPT; /* TX and RX on; a received byte interrupts: it wakes the idle loop */
+    NVIC_ISER0 = 1u << UART0_RX_IRQ;
     SYST_RVR = SYSCLK_HZ / 1000u - 1u;
     SYST_CVR = 0;
     SYST_CSR = 7u; /* processor clock, interrupt, on */
     el_decoder_init(&decoder);
     period_us = 1000000000u / rate_mhz;
     uart_put(0); /* a reset may have cut a frame short: end it, or the host takes it and the HELLO for one frame */
+    count_boot();
     send_hello();
     next_sample = now_us();
     uint64_t last_heartbeat = next_sample;
@@ -390,8 +414,14 @@ static void board_main(void) {
             next_sample += period_us;
             if (next_sample + period_us < now) next_sample = now; /* waited on a full window: no burst to catch up */
         }
+        /* Nothing to do until the next tick (1 ms) or a byte from the host: sleep, as a board on a battery does
+         * (and an emulator then gives its host core back). A byte that came since the last poll has interrupted
+         * already, or interrupts now and ends the wait at once. */
+        if (!(UART_STATE & UART_RX_FULL)) __asm__ volatile("wfi");
     }
 }
+
+void uart0_rx_handler(void) { UART_INTCLEAR = 2u; /* the main loop takes the byte */ }
 
 /* ---- startup: -nostdlib, so the vector table, .data, .bss and libc's few string functions are ours ---------------- */
 
@@ -435,9 +465,10 @@ void fault_handler(void) {
     for (;;) {} /* a fault stops the board: the host sees its heartbeats stop */
 }
 
-__attribute__((section(".vectors"), used)) static const void *const VECTORS[16] = {
+__attribute__((section(".vectors"), used)) static const void *const VECTORS[17] = {
     &_stack_top,          (void *)reset_handler, (void *)fault_handler, (void *)fault_handler,
     (void *)fault_handler, (void *)fault_handler, (void *)fault_handler, 0,
     0,                    0,                     0,                     (void *)fault_handler,
     (void *)fault_handler, 0,                    (void *)fault_handler, (void *)systick_handler,
+    (void *)uart0_rx_handler, /* IRQ 0 */
 };
