@@ -423,7 +423,7 @@ def test_wire_faults_are_counted_exactly_and_cost_nothing_else(
             assert sum(" lost: " in line for line in said) == 1, said
             assert sum("retrying with back-off" in line for line in said) <= 1, said
             assert sum("open again" in line for line in said) == 1, said
-            assert sum("restarted" in line for line in said) == 1, said
+            assert sum("restarted" in line for line in said) == 1, [line for line in said if "restarted" in line]
             counts = bridge_status(collector, "gw")["counts"]
             by_reason = Counter(bridge_status(collector, "gw")["boards"][0]["refused_by_reason"]) - before
             try:

@@ -52,11 +52,7 @@
 #define UART_DATA (*(volatile uint32_t *)0x40004000u)
 #define UART_STATE (*(volatile uint32_t *)0x40004004u)
 #define UART_CTRL (*(volatile uint32_t *)0x40004008u)
-#define UART_INTCLEAR (*(volatile uint32_t *)0x4000400Cu)
 #define UART_BAUDDIV (*(volatile uint32_t *)0x40004010u)
-#define UART_RX_INTERRUPT 8u /* CTRL bit 3; INTCLEAR bit 1 clears it */
-#define NVIC_ISER0 (*(volatile uint32_t *)0xE000E100u)
-#define UART0_RX_IRQ 0u /* mps2-an386: UART0's RX interrupt is IRQ 0 */
 #define UART_TX_FULL 1u
 #define UART_RX_FULL 2u
 
@@ -386,8 +382,7 @@ static void receive(uint64_t now) {
 
 static void board_main(void) {
     UART_BAUDDIV = 16u; /* the smallest divider the CMSDK UART takes: QEMU ignores the rate itself */
-    UART_CTRL = 3u | UART_RX_INTERRUPT; /* TX and RX on; a received byte interrupts: it wakes the idle loop */
-    NVIC_ISER0 = 1u << UART0_RX_IRQ;
+    UART_CTRL = 3u;     /* TX and RX on */
     SYST_RVR = SYSCLK_HZ / 1000u - 1u;
     SYST_CVR = 0;
     SYST_CSR = 7u; /* processor clock, interrupt, on */
@@ -414,14 +409,8 @@ static void board_main(void) {
             next_sample += period_us;
             if (next_sample + period_us < now) next_sample = now; /* waited on a full window: no burst to catch up */
         }
-        /* Nothing to do until the next tick (1 ms) or a byte from the host: sleep, as a board on a battery does
-         * (and an emulator then gives its host core back). A byte that came since the last poll has interrupted
-         * already, or interrupts now and ends the wait at once. */
-        if (!(UART_STATE & UART_RX_FULL)) __asm__ volatile("wfi");
     }
 }
-
-void uart0_rx_handler(void) { UART_INTCLEAR = 2u; /* the main loop takes the byte */ }
 
 /* ---- startup: -nostdlib, so the vector table, .data, .bss and libc's few string functions are ours ---------------- */
 
@@ -465,10 +454,9 @@ void fault_handler(void) {
     for (;;) {} /* a fault stops the board: the host sees its heartbeats stop */
 }
 
-__attribute__((section(".vectors"), used)) static const void *const VECTORS[17] = {
+__attribute__((section(".vectors"), used)) static const void *const VECTORS[16] = {
     &_stack_top,          (void *)reset_handler, (void *)fault_handler, (void *)fault_handler,
     (void *)fault_handler, (void *)fault_handler, (void *)fault_handler, 0,
     0,                    0,                     0,                     (void *)fault_handler,
     (void *)fault_handler, 0,                    (void *)fault_handler, (void *)systick_handler,
-    (void *)uart0_rx_handler, /* IRQ 0 */
 };
