@@ -250,7 +250,10 @@ class Daemon:
             acks = []
         for message, answers in pairs:
             if message.on_answers is not None:
-                message.on_answers(answers)
+                try:  # the source's way back (a board's ANSWER frame): its failure must not cost the sinks
+                    message.on_answers(answers)
+                except Exception:
+                    log.exception("sending the answers of a message from %s back to its source failed", message.device)
             for answer in answers:
                 if answer.topic is None and self.echo is None:
                     self.metrics.count("unpublishable")
