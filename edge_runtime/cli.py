@@ -25,6 +25,7 @@ __all__ = ["build_parser", "main", "version"]
 COMMAND_MODULES: tuple[str, ...] = (
     "edgeline.export.cli",  # export
     "edgeline.commands",  # infer, verify
+    "edgeline.doctor",  # doctor
     "edgeline.bundle_cli",  # bundle show
     "edgeline.daemon.run_command",  # run
     "edgeline.device_profiles.cli",  # profiles

@@ -19,6 +19,7 @@ cpuinfo texts of other machines.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import re
 import subprocess
@@ -30,8 +31,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from edgeline.manifest import Device
 
-__all__ = ["ARM_CORES", "X86_64_LEVELS", "Machine", "from_facts", "mismatch", "normalise_arch", "this_machine"]
+__all__ = [
+    "ARM_CORES",
+    "EMULATOR_ENV",
+    "X86_64_LEVELS",
+    "Machine",
+    "from_facts",
+    "mismatch",
+    "normalise_arch",
+    "this_machine",
+]
 
+EMULATOR_ENV = "EDGELINE_EMULATOR"
+"""What emulates this process, as its emulator's wrapper names it (scripts/arm64.sh)."""
 ARM_IMPLEMENTER = 0x41
 """``CPU implementer`` of Arm Ltd's own cores in ``/proc/cpuinfo`` (MIDR_EL1.Implementer 'A')."""
 ARM_CORES: dict[int, str] = {
@@ -136,10 +148,13 @@ def from_facts(
     kernel_arch: str | None = None,
     brand: str | None = None,
     translated: bool = False,
+    emulator: str | None = None,
 ) -> Machine:
     """This machine from what it says of itself: ``platform.machine()``, the text of ``/proc/cpuinfo``, the kernel's
-    architecture (``/proc/sys/kernel/arch``), a CPU brand string (macOS ``machdep.cpu.brand_string``) and whether
-    Rosetta 2 translates the process."""
+    architecture (``/proc/sys/kernel/arch``), a CPU brand string (macOS ``machdep.cpu.brand_string``), whether
+    Rosetta 2 translates the process, and what the emulator says it is (``EDGELINE_EMULATOR``, which
+    scripts/arm64.sh sets: ``qemu-user 10.0.2 -cpu cortex-a72``): believed only when the kernel's architecture
+    shows an emulator, so a stray variable never makes a real device "emulated"."""
     arch = normalise_arch(machine)
     pairs = _cpuinfo_fields(cpuinfo)
     cores = _arm_cores(pairs)
@@ -158,7 +173,12 @@ def from_facts(
     if translated:
         emulated = "Rosetta 2"
     elif kernel_arch and normalise_arch(kernel_arch) != arch:
-        emulated = f"qemu-user or another emulator (the kernel is {normalise_arch(kernel_arch)})"
+        kernel = normalise_arch(kernel_arch)
+        emulated = (
+            f"{emulator} (the kernel is {kernel})"
+            if emulator
+            else f"qemu-user or another emulator (the kernel is {kernel})"
+        )
     return Machine(arch=arch, cpu=cpu, cores=frozenset(cores), flags=frozenset(flags), emulated=emulated)
 
 
@@ -210,4 +230,5 @@ def this_machine() -> Machine:
             translated=_sysctl("sysctl.proc_translated") == "1",
         )  # fmt: skip
     kernel_arch = _read("/proc/sys/kernel/arch").strip() or None
-    return from_facts(platform.machine(), _read("/proc/cpuinfo"), kernel_arch=kernel_arch)
+    emulator = os.environ.get(EMULATOR_ENV, "").strip() or None
+    return from_facts(platform.machine(), _read("/proc/cpuinfo"), kernel_arch=kernel_arch, emulator=emulator)

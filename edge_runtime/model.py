@@ -11,7 +11,7 @@ import numpy as np
 from edgeline.arrays import all_finite
 from edgeline.backends import Session, open_session
 from edgeline.bundle import Bundle, read_bundle
-from edgeline.errors import BundleError, PayloadError
+from edgeline.errors import BackendUnavailableError, BundleError, PayloadError
 from edgeline.manifest import Manifest, TensorSpec
 from edgeline.postprocess import Interpretation, interpret
 
@@ -314,7 +314,13 @@ def load(
     manifest = bundle.manifest
     name = backend or manifest.backend
     model_path = bundle.model_path
-    if model_file is not None:
+    if model_file is None:  # what `edgeline doctor BUNDLE` answers; export opens a named file to measure it
+        from edgeline.doctor import verdict_for
+
+        found = verdict_for(manifest, backend=backend)
+        if not found.runs:
+            raise BackendUnavailableError(f"{bundle.path} cannot run here: {found.reason}")
+    else:
         if model_file not in {entry.path for entry in manifest.files}:
             raise BundleError(f"{bundle.path}: {model_file} is not a file of the bundle")
         model_path = bundle.file(model_file)

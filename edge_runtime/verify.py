@@ -256,7 +256,7 @@ def _load_measured(path: Path, bundle: Bundle, backend: str | None) -> tuple[Mod
         resident = resident_mb_added(load_and_run)
     except BackendUnavailableError as exc:  # e.g. a Core ML bundle on Linux: say what was checked, then why not
         raise BackendUnavailableError(
-            f"{len(bundle.manifest.files)} files match their sizes and sha256, but the model cannot run here: {exc}"
+            f"{len(bundle.manifest.files)} files match their sizes and sha256, but {exc}"
         ) from exc
     return loaded[0], resident
 

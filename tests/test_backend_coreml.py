@@ -262,7 +262,7 @@ def test_verify_off_macos_checks_the_files_then_says_core_ml_runs_on_macos_only(
         return
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "files match their sizes and sha256, but the model cannot run here" in err
+    assert "files match their sizes and sha256, but " in err and " cannot run here: " in err
     assert err.endswith(f"{NOT_HERE} (this is {platform.system()})")
 
 

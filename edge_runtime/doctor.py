@@ -1,0 +1,646 @@
+"""``edgeline doctor [BUNDLE]``: what this machine is and what it can run, and whether a bundle runs here.
+
+Two parts, both read from facts gathered once (``Facts``) and decided by pure functions tested with other machines'
+facts:
+
+- ``report(facts)``: the machine (architecture, CPU and its features, cores, memory, OS, whether an emulator runs
+  it), the runtimes that import here with their versions, the accelerators present, and the device profiles this
+  machine is of the kind of (its figures may be held against their budgets) or can run bundles of.
+- ``verdict(manifest, files, facts)``: will this bundle run here, on which runtime and accelerator, with which
+  fallback, or why not. ``edgeline.model.load`` asks the same question before it opens a bundle, so ``run``,
+  ``verify`` and ``infer`` refuse what cannot run here (a Core ML model on Linux, a vela model with neither an
+  Ethos-U delegate nor a CPU copy, a QNN context binary for another SoC with no QDQ copy) with the verdict's reason,
+  exit code 2, before any model byte is parsed; a fallback is said once, loudly, by the session that takes it.
+
+The verdict is a prediction from the bundle's manifest and files; the session that opens the model then does what
+it says (a test holds the two together on every bundle it has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import platform
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edgeline.device_profiles import Profile
+    from edgeline.machine import Machine
+    from edgeline.manifest import Manifest
+
+__all__ = [
+    "RUNTIMES",
+    "TARGET_RUNTIMES",
+    "Facts",
+    "RuntimeFacts",
+    "Verdict",
+    "cpu_features",
+    "gather",
+    "register",
+    "report",
+    "verdict",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    package: str
+    module: str
+    install: str
+    """How to get it on a device."""
+
+
+RUNTIMES: dict[str, RuntimeInfo] = {
+    "litert": RuntimeInfo("ai-edge-litert", "ai_edge_litert.interpreter", "the base install (pip install edgeline)"),
+    "tflite-runtime": RuntimeInfo(
+        "tflite-runtime", "tflite_runtime.interpreter", "pip install tflite-runtime (2.14: Python <= 3.11, numpy < 2)"
+    ),
+    "onnxruntime": RuntimeInfo("onnxruntime", "onnxruntime", "pip install 'edgeline[onnx]'"),
+    "executorch": RuntimeInfo("executorch", "executorch.runtime", "pip install 'edgeline[executorch]' (brings torch)"),
+    "tflite-micro": RuntimeInfo(
+        "tflite-micro", "tflite_micro", "pip install 'edgeline[ethos-u]' (an x86-64 Linux wheel only)"
+    ),
+    "coreml": RuntimeInfo("coremltools", "coremltools", "macOS with pip install 'edgeline[coreml]'"),
+}
+"""The runtime backends (``edgeline.backends.RUNTIME_BACKENDS``) by the package and module they run on."""
+
+TARGET_RUNTIMES: dict[str, tuple[str, str | None]] = {
+    "litert": ("litert", None),
+    "executorch-xnnpack": ("executorch", None),
+    "executorch-coreml": ("executorch", "coreml"),
+    "onnxruntime": ("onnxruntime", None),
+    "qnn-htp": ("onnxruntime", "qnn-htp"),
+    "ethos-u": ("litert", "ethos-u"),
+    "tflite-micro": ("tflite-micro", None),
+    "coreml": ("coreml", "coreml"),
+}
+"""A profile target's export backend -> the runtime backend its bundles name and the accelerator they ask for
+(None: the CPU; an onnxruntime target asks for the profile's first provider). The device side cannot import the
+exporters; a test holds this table to their ``runtime_backend``."""
+
+QNN_CONTEXT_SUFFIX = "_qnn.bin"
+"""The context binary a qnn-htp bundle's EP-context model points at (``model.onnx`` -> ``model_qnn.bin``)."""
+ETHOS_U_CPU_MODEL = "model_int8.tflite"  # edgeline.backends.ethos_u.CPU_MODEL, without importing the backend
+COREML_ACCELERATORS = frozenset({"neural-engine", "gpu", "coreml"})
+CPU_PROVIDER = "CPUExecutionProvider"
+
+
+@dataclass(frozen=True)
+class RuntimeFacts:
+    version: str | None
+    """The installed distribution's version, or None when it is not installed."""
+    imports: bool | None
+    """Whether its module imported (None: not tried, only looked for)."""
+    error: str | None = None
+    providers: tuple[str, ...] = ()
+    """onnxruntime's execution providers."""
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What this machine says of itself. Gathered by ``gather``; tests build them for other machines."""
+
+    system: str
+    machine: Machine
+    runtimes: Mapping[str, RuntimeFacts]
+    ethos_u_delegate: str | None = None
+    """The Ethos-U external delegate's path, or None."""
+    ethos_u_missing: str = ""
+    qnn_missing: str | None = "not looked for"
+    """Why the QNN HTP provider cannot be used here, or None when it can."""
+    soc: str | None = None
+    """The SoC's name (``/sys/devices/soc0/machine`` on Qualcomm's Linux: ``QCS6490``), or None."""
+    cpu_count: int | None = None
+    memory_mb: tuple[int, int] | None = None
+    """(total, available) MiB, from /proc/meminfo."""
+    os_name: str = ""
+    kernel: str = ""
+    python: str = field(default_factory=platform.python_version)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _runtime_facts(backend: str, *, try_import: bool) -> RuntimeFacts:
+    info = RUNTIMES[backend]
+    version = _version(info.package)
+    found = version is not None or importlib.util.find_spec(info.module.partition(".")[0]) is not None
+    if not found:
+        return RuntimeFacts(version=None, imports=False, error=f"{info.package} is not installed")
+    if not try_import:
+        return RuntimeFacts(version=version, imports=None)
+    from edgeline.native_output import capture_native_output
+
+    logging.disable(logging.WARNING)  # coremltools, torchao and torch warn about their own setups on import
+    try:
+        with capture_native_output() as captured:
+            module = importlib.import_module(info.module)
+    except Exception as exc:  # an import can fail any way (a missing shared library, a numpy ABI mismatch)
+        return RuntimeFacts(version=version, imports=False, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        logging.disable(logging.NOTSET)
+    if captured.text.strip():
+        log.debug("importing %s printed:\n%s", info.module, captured.text.strip())
+    providers: tuple[str, ...] = ()
+    if backend == "onnxruntime":
+        try:
+            providers = tuple(module.get_available_providers())
+        except Exception as exc:  # onnxruntime's errors derive from Exception only
+            return RuntimeFacts(version=version, imports=False, error=f"get_available_providers: {exc}")
+    return RuntimeFacts(version=version, imports=True, providers=providers)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _meminfo() -> tuple[int, int] | None:
+    values: dict[str, int] = {}
+    for line in _read("/proc/meminfo").splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[key] = int(parts[0]) // 1024  # kB -> MiB
+    if "MemTotal" not in values:
+        return None
+    return values["MemTotal"], values.get("MemAvailable", values["MemTotal"])
+
+
+def _os_name() -> str:
+    for line in _read("/etc/os-release").splitlines():
+        if line.startswith("PRETTY_NAME="):
+            return line.partition("=")[2].strip().strip('"')
+    return f"{platform.system()} {platform.release()}".strip()
+
+
+def _soc() -> str | None:
+    name = _read("/sys/devices/soc0/machine").strip()
+    return name or None
+
+
+def gather(backends: Collection[str] | None = None, *, try_import: bool = True, qnn: bool = True) -> Facts:
+    """This machine's facts. ``backends``: the runtimes to look at (all by default); ``try_import``: import them
+    (what ``edgeline doctor`` reports) rather than only look for them (the check before a model is opened, which
+    imports its runtime right after); ``qnn``: ask onnxruntime-qnn for the HTP (it registers its provider library,
+    process-wide, so only when a bundle wants the HTP). onnxruntime is imported whenever it is wanted: its
+    providers are what it offers."""
+    from edgeline.machine import this_machine
+
+    wanted = list(RUNTIMES) if backends is None else [name for name in backends if name in RUNTIMES]
+    runtimes = {name: _runtime_facts(name, try_import=try_import or name == "onnxruntime") for name in wanted}
+    qnn_missing: str | None = "onnxruntime is not installed"
+    ort = runtimes.get("onnxruntime")
+    if not qnn:
+        qnn_missing = "not looked for"
+    elif ort is not None and ort.imports:
+        if importlib.util.find_spec("onnxruntime_qnn") is None:
+            qnn_missing = "onnxruntime-qnn is not installed (pip install 'edgeline[qnn]')"
+        else:
+            from edgeline.backends.onnxruntime import qnn_unavailable
+
+            qnn_missing = qnn_unavailable()
+    delegate, ethos_u_missing = _find_ethos_u_delegate()
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count()
+    return Facts(
+        system=platform.system(),
+        machine=this_machine(),
+        runtimes=runtimes,
+        ethos_u_delegate=delegate,
+        ethos_u_missing=ethos_u_missing,
+        qnn_missing=qnn_missing,
+        soc=_soc(),
+        cpu_count=cpus,
+        memory_mb=_meminfo(),
+        os_name=_os_name(),
+        kernel=platform.release(),
+    )
+
+
+def _find_ethos_u_delegate() -> tuple[str | None, str]:
+    from edgeline.backends.ethos_u import find_delegate  # imports nothing heavy until a model is read
+
+    path, why = find_delegate()
+    return (str(path) if path is not None else None), why
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The machine
+
+
+ARM_FEATURES = {
+    "neon": "asimd",
+    "fp16": "asimdhp",
+    "dotprod": "asimddp",
+    "i8mm": "i8mm",
+    "bf16": "bf16",
+    "sve": "sve",
+    "sve2": "sve2",
+    "sme": "sme",
+}
+"""What profiles and people call an Arm feature -> its name in /proc/cpuinfo's ``Features``."""
+X86_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
+
+
+def cpu_features(machine: Machine, cpuinfo: str) -> dict[str, bool]:
+    """The features that decide which kernels a runtime may use: Arm's by their profile names, x86's by Linux's."""
+    if machine.arch == "aarch64":
+        listed: set[str] = set()
+        for line in cpuinfo.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip().lower() == "features":
+                listed.update(value.split())
+        return {name: flag in listed for name, flag in ARM_FEATURES.items()}
+    if machine.arch == "x86_64":
+        return {name: name in machine.flags for name in X86_FEATURES}
+    return {}
+
+
+def _profile_runs(profile: Profile, facts: Facts) -> list[str]:
+    """The targets of ``profile`` whose bundles run here (on their accelerator or with a fallback)."""
+    runs = []
+    for target in profile.targets:
+        backend, accelerator = TARGET_RUNTIMES.get(target.backend, (target.backend, None))
+        if target.backend == "onnxruntime" and profile.onnxruntime is not None:
+            first = profile.onnxruntime.providers[0]
+            accelerator = None if first == CPU_PROVIDER else first
+        runtime = facts.runtimes.get(backend)
+        if runtime is None or runtime.version is None or runtime.imports is False:
+            continue
+        if (backend == "coreml" or accelerator == "coreml") and facts.system != "Darwin":
+            continue
+        if accelerator == "qnn-htp" and facts.qnn_missing is not None:
+            continue  # an EP-context model runs only on the HTP (its QDQ copy is a fallback, not this target)
+        label = f"{target.backend} {target.precision.value}"
+        if accelerator == "ethos-u" and facts.ethos_u_delegate is None:
+            label += " (CPU fallback)"
+        elif accelerator is not None and accelerator.endswith("ExecutionProvider"):
+            ort = facts.runtimes["onnxruntime"]
+            if accelerator not in ort.providers:
+                label += " (CPU fallback)"
+        runs.append(label)
+    return runs
+
+
+def report(facts: Facts, profiles: list[Profile], cpuinfo: str = "") -> dict[str, Any]:
+    """The machine, its runtimes and accelerators, and the profiles it matches or can run: the ``--json``
+    document of ``edgeline doctor``."""
+    from edgeline.machine import mismatch
+    from edgeline.manifest import Device
+
+    machine = facts.machine
+    ort = facts.runtimes.get("onnxruntime")
+    providers = ort.providers if ort is not None else ()
+    accelerators = {
+        "ethos-u": {
+            "present": facts.ethos_u_delegate is not None,
+            "detail": facts.ethos_u_delegate or facts.ethos_u_missing,
+        },
+        "qnn-htp": {
+            "present": facts.qnn_missing is None,
+            "detail": facts.qnn_missing
+            or ("the HTP emulator of the x86-64 wheel" if machine.arch == "x86_64" else "Qualcomm's HTP libraries"),
+        },
+        "cuda": {
+            "present": "CUDAExecutionProvider" in providers,
+            "detail": "onnxruntime providers: " + (", ".join(providers) or "onnxruntime not installed"),
+        },
+        "tensorrt": {
+            "present": "TensorrtExecutionProvider" in providers,
+            "detail": "onnxruntime providers: " + (", ".join(providers) or "onnxruntime not installed"),
+        },
+        "coreml": {
+            "present": facts.system == "Darwin",
+            "detail": "macOS" if facts.system == "Darwin" else f"Core ML runs on macOS only (this is {facts.system})",
+        },
+    }
+    matches, emulates, runs = [], [], {}
+    for profile in profiles:
+        device = Device(arch=profile.cpu.arch, cpu=profile.cpu.name)
+        if mismatch(device, machine) is None:
+            matches.append(profile.id)
+        elif machine.emulated is not None:
+            from dataclasses import replace
+
+            if mismatch(device, replace(machine, emulated=None)) is None:
+                emulates.append(profile.id)
+        targets = _profile_runs(profile, facts)
+        if targets:
+            runs[profile.id] = targets
+    return {
+        "machine": {
+            "arch": machine.arch,
+            "cpu": machine.cpu,
+            "cores": sorted(machine.cores),
+            "cpus": facts.cpu_count,
+            "features": cpu_features(machine, cpuinfo),
+            "memory_mb": None
+            if facts.memory_mb is None
+            else {"total": facts.memory_mb[0], "available": facts.memory_mb[1]},
+            "os": facts.os_name,
+            "system": facts.system,
+            "kernel": facts.kernel,
+            "python": facts.python,
+            "soc": facts.soc,
+            "emulated": machine.emulated,
+        },
+        "runtimes": {name: asdict(runtime) for name, runtime in facts.runtimes.items()},
+        "accelerators": accelerators,
+        "profiles": {
+            "matches": matches,
+            "emulates": emulates,
+            "runs": runs,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A bundle
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Will a bundle run here, and how."""
+
+    runs: bool
+    backend: str
+    model: str
+    """The bundle's file the runtime will open."""
+    accelerator: str | None
+    """What will run it (None: the CPU)."""
+    fallback: str | None
+    """Why it will not run on the accelerator it was built for, or None."""
+    reason: str
+    """Why it runs as it does, or why it cannot run here."""
+    emulated: str | None = None
+    """What emulates the accelerator or the machine here: its timings are not the device's."""
+    device: str | None = None
+    """Why this machine's figures are not the device's (``edgeline.machine.mismatch``), or None when they are."""
+    runtime: dict[str, str | None] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> list[str]:
+        on = self.accelerator or "the CPU"
+        first = (
+            f"runs here: {self.backend} opens {self.model} on {on}" if self.runs else f"cannot run here: {self.reason}"
+        )
+        lines = [first]
+        if self.runs:
+            lines.append(f"why: {self.reason}")
+        if self.fallback:
+            lines.append(f"FALLBACK: {self.fallback}")
+        if self.runtime:
+            needs = self.runtime.get("needs")
+            lines.append(
+                f"runtime: {self.runtime.get('package')} {self.runtime.get('version') or 'not installed'}"
+                + (f" (the bundle needs >= {needs})" if needs else "")
+            )
+        if self.emulated:
+            lines.append(f"emulated: {self.emulated}: timings here are not the device's")
+        lines.append(
+            "device: this machine is of the bundle's device kind: its budgets are checked here"
+            if self.device is None
+            else f"device: budgets not checked here: {self.device}"
+        )
+        return lines
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _refused(backend: str, model: str, reason: str, **extra: Any) -> Verdict:
+    return Verdict(runs=False, backend=backend, model=model, accelerator=None, fallback=None, reason=reason, **extra)
+
+
+def verdict(
+    manifest: Manifest,
+    files: Collection[str],
+    facts: Facts,
+    *,
+    backend: str | None = None,
+    profile: Profile | None = None,
+) -> Verdict:
+    """Whether the bundle of ``manifest`` (holding ``files``) runs on the machine of ``facts``, with ``backend``
+    instead of its own runtime if given. ``profile``: the bundle's profile where this install knows it (its QNN SoC)."""
+    from edgeline.machine import mismatch
+
+    name = backend or manifest.backend
+    model = manifest.model
+    machine = facts.machine
+    device = "the bundle does not name its device" if manifest.device is None else mismatch(manifest.device, machine)
+    info = RUNTIMES.get(name)
+    if info is None:
+        return _refused(name, model, f"unknown runtime backend {name!r}; valid: {', '.join(sorted(RUNTIMES))}")
+    runtime = facts.runtimes.get(name) or RuntimeFacts(version=None, imports=None)
+    needs = manifest.runtime.min_version if backend is None and manifest.runtime.package == info.package else None
+    described = {"package": info.package, "version": runtime.version, "needs": needs}
+    common: dict[str, Any] = {"runtime": described, "device": device, "emulated": machine.emulated}
+    accelerator = manifest.placement.accelerator if manifest.placement else None
+
+    if (name == "coreml" or accelerator in COREML_ACCELERATORS) and facts.system != "Darwin":
+        return _refused(name, model, f"Core ML runs on macOS only (this is {facts.system})", **common)
+    if runtime.version is None and runtime.imports is not True:
+        return _refused(name, model, f"its runtime {info.package} is not installed here: {info.install}", **common)
+    if runtime.imports is False:
+        return _refused(name, model, f"its runtime {info.package} does not import here: {runtime.error}", **common)
+    if needs and runtime.version and _version_tuple(runtime.version) < _version_tuple(needs):
+        return _refused(
+            name, model, f"it needs {info.package} >= {needs}; this machine has {runtime.version}", **common
+        )
+    if name == "tflite-micro" and machine.arch != "x86_64":
+        return _refused(name, model, "tflite-micro's Python wheel exists for x86-64 Linux only", **common)
+
+    if accelerator == "ethos-u":
+        if facts.ethos_u_delegate is not None:
+            why = f"the Ethos-U delegate {facts.ethos_u_delegate} runs the NPU's operators"
+            return Verdict(True, name, model, "ethos-u", None, why, **common)
+        missing = (
+            "the Python TFLite Micro has no Ethos-U driver" if name == "tflite-micro" else facts.ethos_u_missing
+        )
+        if ETHOS_U_CPU_MODEL in files and model != ETHOS_U_CPU_MODEL:
+            why = f"{missing}: the int8 model {ETHOS_U_CPU_MODEL} runs on the CPU instead (slower)"
+            return Verdict(True, name, ETHOS_U_CPU_MODEL, None, why, "vela's model needs the Ethos-U NPU", **common)
+        return _refused(
+            name, model, f"a vela model for the Ethos-U NPU, {missing}, and no {ETHOS_U_CPU_MODEL} "
+            "to run on the CPU", **common,
+        )  # fmt: skip
+    if accelerator == "qnn-htp" and name == "onnxruntime":
+        missing = facts.qnn_missing
+        if missing is None and profile is not None and facts.soc and facts.soc.lower() not in profile.name.lower():
+            soc = f"soc_model {profile.qnn.soc_model}, " if profile.qnn is not None else ""
+            missing = f"the context binary is for {soc}{profile.name}; this SoC is {facts.soc}"
+        if missing is None:
+            emulated = "the QNN HTP emulator (x86-64)" if machine.arch == "x86_64" else machine.emulated
+            common["emulated"] = emulated
+            return Verdict(True, name, model, "qnn-htp", None, "the QNN provider runs the context binary", **common)
+        stem = model.removesuffix(".onnx")
+        copy = f"{stem}.qdq.onnx"
+        if copy in files:
+            why = f"{missing}; the QDQ model {copy} runs on the CPU provider instead"
+            return Verdict(True, name, copy, None, why, "the context binary runs only on Qualcomm's HTP", **common)
+        if any(path.endswith(QNN_CONTEXT_SUFFIX) for path in files):
+            return _refused(
+                name, model, f"a QNN context binary for Qualcomm's HTP ({missing}), and the bundle keeps no QDQ "
+                f"copy ({copy}) for the CPU", **common,
+            )  # fmt: skip
+        return Verdict(True, name, model, None, missing, "a QDQ model the CPU provider runs too", **common)
+    if accelerator is not None and accelerator.endswith("ExecutionProvider") and name == "onnxruntime":
+        providers = runtime.providers
+        if accelerator in providers:
+            return Verdict(True, name, model, accelerator, None, f"onnxruntime has {accelerator}", **common)
+        why = f"{accelerator} is not in this onnxruntime (it has {', '.join(providers) or 'no providers listed'})"
+        return Verdict(True, name, model, None, why, "the CPU provider runs any ONNX model", **common)
+    if accelerator is not None and accelerator not in COREML_ACCELERATORS:
+        return Verdict(
+            True, name, model, accelerator, None, f"{info.package} is installed; the accelerator {accelerator} is "
+            "not checked ahead (the runtime says at load)", **common,
+        )  # fmt: skip
+    on = "on macOS" if name == "coreml" else "on the CPU"
+    installed = f"{info.package} {runtime.version}" if runtime.version else info.package
+    return Verdict(True, name, model, accelerator, None, f"{installed} runs it {on}", **common)
+
+
+def bundle_verdict(path: Path, *, backend: str | None = None, try_import: bool = True) -> Verdict:
+    """``verdict`` for the bundle at ``path`` on this machine (its integrity checked first)."""
+    from edgeline.bundle import read_bundle
+
+    bundle = read_bundle(path)
+    return verdict_for(bundle.manifest, backend=backend, try_import=try_import)
+
+
+def verdict_for(manifest: Manifest, *, backend: str | None = None, try_import: bool = False) -> Verdict:
+    """``verdict`` for a bundle already read, on this machine: the check ``edgeline.model.load`` makes first."""
+    name = backend or manifest.backend
+    wants_htp = manifest.placement is not None and manifest.placement.accelerator == "qnn-htp"
+    facts = gather([name], try_import=try_import, qnn=wants_htp)
+    profile = _known_profile(manifest.profile) if wants_htp else None
+    return verdict(manifest, {entry.path for entry in manifest.files}, facts, backend=backend, profile=profile)
+
+
+def _known_profile(profile_id: str) -> Profile | None:
+    from edgeline.device_profiles import ProfileError, load_profile
+
+    try:
+        return load_profile(profile_id)
+    except ProfileError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="what this machine is and can run; with BUNDLE, whether that bundle runs here",
+        description=(
+            "Print this machine's architecture, CPU and features, memory, OS, the runtimes that import, the "
+            "accelerators present and the device profiles it matches or can run. With BUNDLE: whether it runs here, "
+            "on which runtime and accelerator, with which fallback, or why not (exit code 1: it cannot). "
+            "`run`, `verify` and `infer` make the same check before they open a bundle."
+        ),
+    )
+    parser.add_argument(
+        "bundle", metavar="BUNDLE", type=Path, nargs="?", help="a bundle directory (written by `edgeline export`)"
+    )
+    parser.add_argument("--backend", metavar="RUNTIME", choices=sorted(RUNTIMES),
+                        help="ask about this runtime backend instead of the bundle's: %(choices)s")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from edgeline.device_profiles import list_profiles
+
+    if args.bundle is not None:
+        found = bundle_verdict(args.bundle, backend=args.backend)
+        if args.json:
+            print(json.dumps({"bundle": str(args.bundle), **found.as_dict()}, indent=2))
+        else:
+            from edgeline.bundle import read_bundle
+
+            manifest = read_bundle(args.bundle).manifest
+            print(f"{manifest.name} v{manifest.version} ({manifest.profile}, {manifest.backend} {manifest.precision})")
+            for line in found.describe():
+                print(f"  {line}")
+        return 0 if found.runs else 1
+    facts = gather()
+    document = report(facts, list_profiles(), _read("/proc/cpuinfo"))
+    if args.json:
+        print(json.dumps(document, indent=2))
+        return 0
+    for line in _describe_report(document):
+        print(line)
+    return 0
+
+
+def _describe_report(document: dict[str, Any]) -> list[str]:
+    machine = document["machine"]
+    features = ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in machine["features"].items())
+    memory = machine["memory_mb"]
+    lines = [
+        f"machine:      {machine['arch']}, {machine['cpu']}",
+        f"emulated:     {machine['emulated'] or 'no'}",
+        f"features:     {features or 'not known for this architecture'}",
+        f"cpus:         {machine['cpus']} usable by this process",
+        "memory:       "
+        + ("unknown" if memory is None else f"{memory['total']} MiB ({memory['available']} available)"),
+        f"os:           {machine['os']} (kernel {machine['kernel']}, Python {machine['python']})",
+    ]
+    if machine["soc"]:
+        lines.append(f"soc:          {machine['soc']}")
+    lines.append("runtimes:")
+    for name, runtime in document["runtimes"].items():
+        package = RUNTIMES[name].package
+        if runtime["imports"]:
+            state = f"{package} {runtime['version']}"
+            if runtime["providers"]:
+                state += f" ({', '.join(runtime['providers'])})"
+        elif runtime["version"] is None and runtime["imports"] is False:
+            state = f"not installed: {RUNTIMES[name].install}"
+        else:
+            state = f"{package} {runtime['version']} does not import: {runtime['error']}"
+        lines.append(f"  {name:15} {state}")
+    lines.append("accelerators:")
+    for name, accelerator in document["accelerators"].items():
+        lines.append(f"  {name:15} {'present' if accelerator['present'] else 'absent'}: {accelerator['detail']}")
+    profiles = document["profiles"]
+    lines.append(
+        "profiles:     this machine is of the kind of "
+        + (", ".join(profiles["matches"]) or "none of the profiles")
+        + " (a profile's device budgets are checked only on its kind)"
+    )
+    if profiles["emulates"]:
+        lines.append(f"              it emulates the CPU of {', '.join(profiles['emulates'])} (timings are not theirs)")
+    for profile_id, targets in profiles["runs"].items():
+        lines.append(f"  runs {profile_id:20} {', '.join(targets)}")
+    return lines
