@@ -35,6 +35,7 @@ keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 QEMU_MIN_MAJOR=10
 ROOTFS_PACKAGES="python3.11 python3.11-venv libstdc++6 libgcc-s1 libgomp1 coreutils"
 DEVICE_REQUIREMENTS='"onnxruntime>=1.24.2"'
+INSTALL_LAYOUT=1  # bump when write_python or build_venv change what an install holds: the installs are rebuilt
 TFLITE_REQUIREMENTS='"tflite-runtime==2.14.0" "numpy>=1.24,<2"'
 
 usage() {
@@ -169,7 +170,9 @@ EOF
 build_venv() {  # NAME REQUIREMENTS
     local venv="$base/$1" requirements="$2"
     local want
-    want="$(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1) $root $requirements"
+    # What the install depends on: pyproject's [project] tables (not its tool settings), and how it is laid out.
+    want="$({ sed -n '/^\[project/,/^\[tool/p' "$root/pyproject.toml"; echo "$INSTALL_LAYOUT"; } \
+        | sha256sum | cut -d' ' -f1) $root $requirements"
     if stamp_ok "$venv/.stamp" "$want" && [ -x "$venv/bin/python" ]; then
         return
     fi
