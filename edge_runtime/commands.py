@@ -190,11 +190,14 @@ def run_infer(args: argparse.Namespace) -> int:
         return 0
     if len(samples) > args.show:
         print(f"... {len(samples) - args.show} more samples")
+    from edgeline.machine import this_machine
+
     median = statistics.median(latencies) * 1000
+    emulated = model.emulator or this_machine().emulated
     print(
         f"{len(samples)} samples through {model.name} v{model.version} ({model.backend}, "
         f"{model.manifest.precision}), median {median:.3f} ms per sample on this machine"
-        + (f" ({model.emulator}: not the device's speed)" if model.emulator else "")
+        + (f" (emulated: {emulated}: not the device's speed)" if emulated else "")
     )
     fidelity = model.manifest.fidelity
     if labels is not None and post.kind in ("classify", "anomaly"):

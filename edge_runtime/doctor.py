@@ -217,6 +217,7 @@ def gather(backends: Collection[str] | None = None, *, try_import: bool = True, 
 
             qnn_missing = qnn_unavailable()
     delegate, ethos_u_missing = _find_ethos_u_delegate()
+    cpus: int | None
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -396,6 +397,9 @@ class Verdict:
     device: str | None = None
     """Why this machine's figures are not the device's (``edgeline.machine.mismatch``), or None when they are."""
     runtime: dict[str, str | None] = field(default_factory=dict)
+    cpu_instead: bool = False
+    """Open ``model`` on the CPU: a fallback the session cannot see for itself (a context binary for another SoC
+    would be handed to the HTP)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -482,9 +486,7 @@ def verdict(
         if facts.ethos_u_delegate is not None:
             why = f"the Ethos-U delegate {facts.ethos_u_delegate} runs the NPU's operators"
             return Verdict(True, name, model, "ethos-u", None, why, **common)
-        missing = (
-            "the Python TFLite Micro has no Ethos-U driver" if name == "tflite-micro" else facts.ethos_u_missing
-        )
+        missing = "the Python TFLite Micro has no Ethos-U driver" if name == "tflite-micro" else facts.ethos_u_missing
         if ETHOS_U_CPU_MODEL in files and model != ETHOS_U_CPU_MODEL:
             why = f"{missing}: the int8 model {ETHOS_U_CPU_MODEL} runs on the CPU instead (slower)"
             return Verdict(True, name, ETHOS_U_CPU_MODEL, None, why, "vela's model needs the Ethos-U NPU", **common)
@@ -493,25 +495,28 @@ def verdict(
             "to run on the CPU", **common,
         )  # fmt: skip
     if accelerator == "qnn-htp" and name == "onnxruntime":
-        missing = facts.qnn_missing
-        if missing is None and profile is not None and facts.soc and facts.soc.lower() not in profile.name.lower():
+        htp_missing = facts.qnn_missing
+        other_soc = htp_missing is None and profile and facts.soc and facts.soc.lower() not in profile.name.lower()
+        if other_soc:
+            assert profile is not None
             soc = f"soc_model {profile.qnn.soc_model}, " if profile.qnn is not None else ""
-            missing = f"the context binary is for {soc}{profile.name}; this SoC is {facts.soc}"
-        if missing is None:
+            htp_missing = f"the context binary is for {soc}{profile.name}; this SoC is {facts.soc}"
+        if htp_missing is None:
             emulated = "the QNN HTP emulator (x86-64)" if machine.arch == "x86_64" else machine.emulated
             common["emulated"] = emulated
             return Verdict(True, name, model, "qnn-htp", None, "the QNN provider runs the context binary", **common)
         stem = model.removesuffix(".onnx")
         copy = f"{stem}.qdq.onnx"
         if copy in files:
-            why = f"{missing}; the QDQ model {copy} runs on the CPU provider instead"
+            why = f"{htp_missing}; the QDQ model {copy} runs on the CPU provider instead"
+            common["cpu_instead"] = bool(other_soc)
             return Verdict(True, name, copy, None, why, "the context binary runs only on Qualcomm's HTP", **common)
         if any(path.endswith(QNN_CONTEXT_SUFFIX) for path in files):
             return _refused(
-                name, model, f"a QNN context binary for Qualcomm's HTP ({missing}), and the bundle keeps no QDQ "
+                name, model, f"a QNN context binary for Qualcomm's HTP ({htp_missing}), and the bundle keeps no QDQ "
                 f"copy ({copy}) for the CPU", **common,
             )  # fmt: skip
-        return Verdict(True, name, model, None, missing, "a QDQ model the CPU provider runs too", **common)
+        return Verdict(True, name, model, None, htp_missing, "a QDQ model the CPU provider runs too", **common)
     if accelerator is not None and accelerator.endswith("ExecutionProvider") and name == "onnxruntime":
         providers = runtime.providers
         if accelerator in providers:

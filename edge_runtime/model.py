@@ -317,9 +317,19 @@ def load(
     if model_file is None:  # what `edgeline doctor BUNDLE` answers; export opens a named file to measure it
         from edgeline.doctor import verdict_for
 
-        found = verdict_for(manifest, backend=backend)
-        if not found.runs:
-            raise BackendUnavailableError(f"{bundle.path} cannot run here: {found.reason}")
+        verdict = verdict_for(manifest, backend=backend)
+        if not verdict.runs:
+            raise BackendUnavailableError(f"{bundle.path} cannot run here: {verdict.reason}")
+        if verdict.cpu_instead:  # a fallback only the verdict sees: the CPU copy, on the CPU
+            session = open_session(
+                name,
+                bundle.file(verdict.model),
+                threads=usable_threads(threads or manifest.threads),
+                input_names=[spec.tensor or spec.name for spec in manifest.inputs],
+            )
+            session.fallback_reason = verdict.fallback  # type: ignore[attr-defined]
+            session.model_path = bundle.file(verdict.model)  # type: ignore[attr-defined]  # Model.model_file
+            return _checked(bundle, session, name, threads)
     else:
         if model_file not in {entry.path for entry in manifest.files}:
             raise BundleError(f"{bundle.path}: {model_file} is not a file of the bundle")
@@ -331,6 +341,12 @@ def load(
         input_names=[spec.tensor or spec.name for spec in manifest.inputs],
         accelerator=manifest.placement.accelerator if manifest.placement else None,
     )
+    return _checked(bundle, session, name, threads)
+
+
+def _checked(bundle: Bundle, session: Session, name: str, threads: int | None) -> Model:
+    """The model, once its inputs are what the manifest says."""
+    manifest = bundle.manifest
     found = session.input_specs()
     for declared, actual in zip(manifest.inputs, found, strict=True):
         if declared.shape != actual.shape or declared.dtype != actual.dtype:

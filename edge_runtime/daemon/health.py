@@ -98,6 +98,9 @@ class Metrics:
         self.accelerator: Mapping[str, str | None] | None = None
         """``{"wanted", "in_use", "fallback"}`` when the bundle was built for an accelerator (the daemon sets it),
         exposed as the ``edgeline_accelerator_fallback`` gauge; None for a CPU bundle."""
+        self.emulated: str | None = None
+        """What emulates this machine (``edgeline.machine``), exposed as the ``edgeline_emulated`` gauge: latency
+        figures taken under an emulator are not the device's."""
 
     # -- hot path ----------------------------------------------------------------------------------------------
     def count(self, name: str, n: int = 1) -> None:
@@ -250,6 +253,16 @@ class Metrics:
         _claim(taken, "edgeline_latency_seconds", _HISTOGRAM_SUFFIXES)
         _claim(taken, "edgeline_uptime_seconds", ("",))
         _claim(taken, "edgeline_accelerator_fallback", ("",))
+        _claim(taken, "edgeline_emulated", ("",))
+
+        if self.emulated is not None:
+            emulated = GaugeMetricFamily(
+                "edgeline_emulated",
+                "1: an emulator runs this daemon; its latencies are the emulator's, not the device's.",
+                labels=[*_LABELS, "emulator"],
+            )
+            emulated.add_metric([*labels, self.emulated], 1.0)
+            yield emulated
 
         if self.accelerator is not None:
             fallback = GaugeMetricFamily(

@@ -48,6 +48,7 @@ from edgeline.daemon.state import StateLock, default_state_dir, instance_id
 from edgeline.daemon.supervisor import Supervisor
 from edgeline.daemon.topics import TopicFilter, render_topic
 from edgeline.errors import EdgelineError
+from edgeline.machine import this_machine
 from edgeline.model import load
 
 __all__ = ["EXIT_FAILED", "Daemon"]
@@ -99,6 +100,7 @@ class Daemon:
         self.model.enable_batching(config.queue.max_batch)
         self.metrics = Metrics(model=name, version=self.model.version, instance=self.instance)
         self.metrics.accelerator = self.accelerator
+        self.metrics.emulated = this_machine().emulated
         self.processor = Processor(
             self.model,
             codec,
@@ -398,6 +400,8 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         extra: dict[str, Any] = {"queue_policy": self.queue.policy.value, "client_id": self.client_id}
+        if self.metrics.emulated is not None:  # its latencies are the emulator's
+            extra["emulated"] = self.metrics.emulated
         if self.metrics.accelerator is not None:
             extra["accelerator"] = dict(self.metrics.accelerator)
         source_status = getattr(self.source, "status", None)
@@ -538,6 +542,8 @@ class Daemon:
                 self.description, self.model.batching,
             )  # fmt: skip
             log.info("%s", self.expectation)
+            if self.metrics.emulated is not None:
+                log.info("emulated by %s: latencies here are the emulator's, not the device's", self.metrics.emulated)
             failed = self.supervisor.failed
             while not self.stopping.wait(0.2) and not self.source_done.is_set() and not failed.is_set():
                 if self.silence is not None:
