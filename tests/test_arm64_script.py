@@ -1,0 +1,136 @@
+"""``scripts/arm64.sh``, the emulated Pi: the emulator it uses, the core it pins, the host's files and loopback seen
+from inside, and what ``edgeline doctor`` says there.
+
+The first call builds the emulated userland and the device install under build/arm64 (minutes; cached after).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ARM64 = REPO / "scripts" / "arm64.sh"
+BUILD_TIMEOUT = 1200  # the first call builds everything: pip runs emulated
+RUN_TIMEOUT = 300
+
+pytestmark = [pytest.mark.emulated, pytest.mark.slow]
+
+CORES = {"cortex-a72": "0xd08", "cortex-a76": "0xd0b", "cortex-a55": "0xd05"}
+
+
+def arm64(*args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(ARM64), *args], capture_output=True, text=True, timeout=timeout, check=False, cwd=REPO
+    )
+
+
+@pytest.fixture(scope="module")
+def info() -> dict[str, object]:
+    done = arm64("--info", timeout=BUILD_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    found: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def test_the_emulator_is_qemu_user_10_and_the_install_is_the_device_one(info: dict[str, object]) -> None:
+    assert re.match(r"qemu-aarch64 version 10\.", str(info["qemu"])), info["qemu"]
+    assert info["machine"] == "aarch64" and info["cpu"] == "cortex-a72"
+    packages = info["packages"]
+    assert isinstance(packages, dict)
+    assert {"edgeline", "ai-edge-litert", "onnxruntime", "numpy"} <= set(packages)
+    done = arm64("python", "-c", "import importlib.util as u; print(u.find_spec('torch'))")
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr  # the base install: no torch
+
+
+@pytest.mark.parametrize("cpu", sorted(CORES))
+def test_the_core_is_pinned(info: dict[str, object], cpu: str) -> None:
+    done = arm64("--cpu", cpu, "cat", "/proc/cpuinfo")
+    assert done.returncode == 0, done.stderr
+    parts = set(re.findall(r"CPU part\s*:\s*(0x[0-9a-f]+)", done.stdout))
+    assert parts == {CORES[cpu]}, done.stdout[:400]
+    features = set(re.search(r"Features\s*:(.*)", done.stdout).group(1).split())  # type: ignore[union-attr]
+    # qemu's default (-cpu max) would show these; none of the three cores has them
+    assert not features & {"sve", "sve2", "sme", "i8mm", "bf16"}, features
+    assert ("asimddp" in features) is (cpu != "cortex-a72")  # dotprod: Armv8.2 (A76, A55), not the A72
+
+
+def test_an_unknown_core_is_refused(info: dict[str, object]) -> None:
+    done = arm64("--cpu", "max", "uname", "-m")
+    assert done.returncode == 2 and "--cpu max: choose cortex-a72" in done.stderr
+
+
+def test_host_files_are_seen_at_their_paths(info: dict[str, object], tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "sample.txt"
+    path.parent.mkdir()
+    path.write_text("from the host\n")
+    done = arm64(
+        "python", "-c", f"import pathlib, platform; print(platform.machine(), pathlib.Path({str(path)!r}).read_text())"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["aarch64", "from", "the", "host"]
+    written = tmp_path / "from-arm64.txt"
+    assert arm64("python", "-c", f"open({str(written)!r}, 'w').write('hi')").returncode == 0
+    assert written.read_text() == "hi"
+
+
+def test_the_hosts_loopback_is_reachable(info: dict[str, object]) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(RUN_TIMEOUT)
+    port = server.getsockname()[1]
+    got: list[bytes] = []
+
+    def accept() -> None:
+        with server, server.accept()[0] as conn:
+            conn.settimeout(RUN_TIMEOUT)
+            got.append(conn.recv(64))
+            conn.sendall(b"pong")
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    code = (
+        f"import socket; s = socket.create_connection(('127.0.0.1', {port}), timeout=60); s.sendall(b'ping'); "
+        "print(s.recv(64).decode())"
+    )
+    done = arm64("python", "-c", code)
+    thread.join(timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "pong", done.stderr
+    assert got == [b"ping"]
+
+
+def test_doctor_under_emulation_says_so_and_names_the_core(info: dict[str, object]) -> None:
+    done = arm64("--cpu", "cortex-a72", "edgeline", "doctor", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    machine = report["machine"]
+    assert machine["arch"] == "aarch64" and machine["cores"] == ["Cortex-A72"]
+    assert machine["emulated"].startswith("qemu-user 10.") and "-cpu cortex-a72" in machine["emulated"]
+    assert machine["features"]["neon"] and not machine["features"]["dotprod"] and not machine["features"]["sve"]
+    assert report["profiles"]["matches"] == []  # an emulator is never the device
+    assert report["profiles"]["emulates"] == ["rpi4"]
+    assert report["runtimes"]["litert"]["imports"] and report["runtimes"]["onnxruntime"]["imports"]
+    assert report["runtimes"]["executorch"]["version"] is None  # no torch on the device
+    assert "litert int8-static" in report["profiles"]["runs"]["rpi4"]
+
+
+def test_doctor_on_a_bundle_under_emulation_refuses_what_the_pi_lacks(
+    info: dict[str, object], built_litert_bundle: Path, tmp_path: Path
+) -> None:
+    runs = arm64("--cpu", "cortex-a76", "edgeline", "doctor", str(built_litert_bundle), "--json")
+    assert runs.returncode == 0, runs.stderr
+    verdict = json.loads(runs.stdout)
+    assert verdict["runs"] and verdict["backend"] == "litert" and verdict["accelerator"] is None
+    assert verdict["emulated"].startswith("qemu-user 10.") and verdict["device"] is not None
+    assert "-cpu cortex-a76" in verdict["device"]  # rpi5's core, emulated: still not the device
+    # the same bundle asked of a runtime the emulated Pi lacks: refused by doctor (1) and by verify (2)
+    refused = arm64("edgeline", "doctor", str(built_litert_bundle), "--backend", "executorch")
+    assert refused.returncode == 1 and "its runtime executorch is not installed here" in refused.stdout
+    verify = arm64("edgeline", "verify", str(built_litert_bundle), "--backend", "executorch")
+    assert verify.returncode == 2 and "cannot run here: its runtime executorch is not installed" in verify.stderr
+    assert "Traceback" not in verify.stderr
