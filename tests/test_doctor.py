@@ -277,3 +277,47 @@ def test_read_bundle_is_untouched_by_doctor(litert_bundle: Path) -> None:
     assert main(["doctor", str(litert_bundle)]) == 0
     assert (litert_bundle / "manifest.json").read_bytes() == before
     assert read_bundle(litert_bundle).manifest.name
+
+
+# --- held to the exporters and to the sessions (workstation: export needs torch) -----------------------------------
+
+
+@pytest.mark.workstation
+def test_the_target_table_is_what_the_exporters_write() -> None:
+    from edgeline.doctor import TARGET_RUNTIMES
+    from edgeline.export.backends import EXPORT_BACKENDS
+    from edgeline.registry import resolve
+
+    assert set(TARGET_RUNTIMES) == set(EXPORT_BACKENDS)
+    for target, (runtime, _accelerator) in TARGET_RUNTIMES.items():
+        exporter = resolve(EXPORT_BACKENDS, target, "export backend", RuntimeError)
+        written = getattr(exporter, "runtime_backend", None)
+        if target == "ethos-u":  # litert on Linux (the i.MX 93 runs it), tflite-micro elsewhere
+            assert runtime == "litert"
+            continue
+        assert written == runtime, f"{target}: the exporter writes {written}, the table says {runtime}"
+
+
+@pytest.mark.workstation
+@pytest.mark.slow
+def test_the_verdict_is_what_the_session_does_for_a_gpu_bundle_without_its_gpu(
+    tmp_path: Path, tiny_model_file: Path, sample_files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import edgeline
+
+    out = tmp_path / "jetson"
+    code = main(
+        ["export", f"{tiny_model_file}:model", "--profile", "jetson-orin-nano", "--backend", "onnxruntime",
+         "--precision", "fp32", "--calibration", str(sample_files["calibration"]), "--validation",
+         str(sample_files["validation"]), "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    capsys.readouterr()
+    assert main(["doctor", str(out), "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    model = edgeline.load(out)
+    assert said["accelerator"] == model.accelerator is None  # no TensorRT on this machine
+    assert said["model"] == model.model_file
+    assert model.accelerator_fallback is not None and said["fallback"] is not None
+    assert said["fallback"].startswith("TensorrtExecutionProvider is not in this onnxruntime")
+    assert "TensorrtExecutionProvider" in model.accelerator_fallback
