@@ -150,7 +150,7 @@ def _latency_check(model: Model, refusal: str | None) -> dict[str, Any]:
         "device": None if manifest.device is None else manifest.device.model_dump(),
         "machine": platform.machine(),
         "host": this_machine().describe(),
-        "emulator": model.emulator,
+        "emulator": model.emulator or this_machine().emulated,  # the accelerator's emulator, or the machine's
         "threads": model.threads,
         "manifest_threads": manifest.threads,
     }
@@ -171,6 +171,7 @@ def _memory_check(manifest: Manifest, resident_mb: float | None, refusal: str | 
         "export_resident_mb": None if manifest.memory is None else manifest.memory.resident_mb,
         "profile": manifest.profile,
         "host": this_machine().describe(),
+        "emulator": this_machine().emulated,
     }
     _judged(check, resident_mb, check["budget_mb"], "memory", refusal)
     return check
