@@ -474,7 +474,9 @@ def verdict(
     if runtime.version is None and runtime.imports is not True:
         return _refused(name, model, f"its runtime {info.package} is not installed here: {info.install}", **common)
     if runtime.imports is False:
-        return _refused(name, model, f"its runtime {info.package} does not import here: {runtime.error}", **common)
+        return _refused(
+            name, model, f"its runtime {info.package} does not import here ({runtime.error}): {info.install}", **common
+        )
     if needs and runtime.version and _version_tuple(runtime.version) < _version_tuple(needs):
         return _refused(
             name, model, f"it needs {info.package} >= {needs}; this machine has {runtime.version}", **common
