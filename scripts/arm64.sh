@@ -201,6 +201,9 @@ venv="$base/$([ "$flavour" = device ] && echo venv || echo venv-tflite)"
 
 export QEMU_CPU="$cpu"
 export QEMU_LD_PREFIX="$base/rootfs"
+# Emulated, numpy's OpenBLAS worker thread spins for the whole life of the process, BLAS call or not, and takes a
+# second host core (benchmarks/results/emulated_infer.md). edgeline's inference makes no BLAS call: one thread.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 export PATH="$venv/bin:$PATH"
 unset PYTHONHOME PYTHONPATH VIRTUAL_ENV
 export VIRTUAL_ENV="$venv"

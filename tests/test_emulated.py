@@ -616,10 +616,14 @@ def test_the_daemon_on_the_emulated_pi_answers_every_input_once_across_a_broker_
         assert (counts_seen["received"], counts_seen["results"], counts_seen["published"]) == (20, 20, 20), state
         assert counts_seen["errors"] == counts_seen["dropped"] == 0, state
         assert counts_seen["reconnects"] >= 1, state
+        # its latencies are the emulator's, and it says so: in its status and once in its log
+        emulated = str(state.get("emulated", ""))
+        assert emulated.startswith("qemu-user 10.") and f"-cpu {DAEMON_CPU}" in emulated, state
         assert daemon.process is not None and daemon.process.poll() is None, f"the daemon died:\n{daemon.tail()}"
         assert daemon.terminate() == 0, daemon.tail()
         log = daemon.text()
         assert "reconnected to" in log, f"the daemon never logged its reconnection:\n{log[-4000:]}"
+        assert log.count("latencies here are the emulator's, not the device's") == 1, log[-4000:]
         assert "Traceback" not in log, log[-4000:]
         outbox = state_dir / bundle.manifest["name"] / "outbox.sqlite"
         assert outbox.is_file(), f"no outbox in the state directory: {sorted(map(str, state_dir.rglob('*')))}"
