@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeline.arrays import all_finite
-from edgeline.backends import Session, open_session
+from edgeline.backends import RUNTIME_BACKENDS, Session, open_session
 from edgeline.bundle import Bundle, read_bundle
 from edgeline.errors import BackendUnavailableError, BundleError, PayloadError
 from edgeline.manifest import Manifest, TensorSpec
@@ -318,7 +318,7 @@ def load(
         from edgeline.doctor import verdict_for
 
         verdict = verdict_for(manifest, backend=backend)
-        if not verdict.runs:
+        if not verdict.runs and name in RUNTIME_BACKENDS:  # an unknown name: open_session lists the valid ones
             raise BackendUnavailableError(f"{bundle.path} cannot run here: {verdict.reason}")
         if verdict.cpu_instead:  # a fallback only the verdict sees: the CPU copy, on the CPU
             session = open_session(
