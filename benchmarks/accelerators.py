@@ -49,6 +49,21 @@ def single_target_profile(profile_id: str, backend: str, precision: str, work: P
     return path
 
 
+def export_target(ref: object, profile: Path, out: Path) -> object:
+    """The one target of ``profile`` exported for the prepared reference model ``ref`` into ``out``, as
+    ``edgeline export`` would: its ``TargetOutcome``."""
+    from edgeline.export.pipeline import ExportOptions, run_export
+    from edgeline.native_output import capture_native_output
+
+    with capture_native_output():
+        report = run_export(ExportOptions(
+            model=str(ref.model_path), profile=str(profile), calibration=ref.calibration_path,  # type: ignore[attr-defined]
+            validation=ref.validation_path, out=out, force=True,  # type: ignore[attr-defined]
+            task=ref.task if ref.task != "classify" else None,  # type: ignore[attr-defined]
+        ))  # fmt: skip
+    return report.outcomes[0]
+
+
 def fidelity_cell(outcome: object) -> str:
     """The export table's fidelity, tagged with where it was measured when that was not the bundle's own runtime."""
     from edgeline.export.report import TargetOutcome, fidelity_summary
@@ -74,10 +89,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from edgeline.device_profiles import load_profile
-    from edgeline.export.pipeline import ExportOptions, run_export
     from edgeline.export.reference import REFERENCE_MODELS, prepare
     from edgeline.export.report import TargetOutcome
-    from edgeline.native_output import capture_native_output
 
     work = args.work or Path(tempfile.mkdtemp(prefix="edgeline-accel-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -93,13 +106,7 @@ def main() -> int:
             profile = single_target_profile(profile_id, backend, precision, work)
             out = work / "bundles" / f"{name}-{profile_id}-{backend}-{precision}"
             try:
-                with capture_native_output():
-                    report = run_export(ExportOptions(
-                        model=str(ref.model_path), profile=str(profile), calibration=ref.calibration_path,
-                        validation=ref.validation_path, out=out, force=True,
-                        task=ref.task if ref.task != "classify" else None,  # type: ignore[arg-type]
-                    ))  # fmt: skip
-                outcome = report.outcomes[0]
+                outcome = export_target(ref, profile, out)
             except Exception as exc:  # a row says what went wrong, and the table goes on
                 outcome = TargetOutcome(backend, precision, 1, status="failed", reason=f"{type(exc).__name__}: {exc}")
             table.append(row(name, profile_id, outcome, load_profile(str(profile)).budgets))

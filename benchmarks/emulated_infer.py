@@ -30,8 +30,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from accelerators import single_target_profile  # benchmarks/accelerators.py, next to this script
+from accelerators import export_target, single_target_profile  # benchmarks/accelerators.py, next to this script
 from report import markdown_table, publish  # benchmarks/report.py, next to this script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,20 +208,12 @@ def bundle_for(name: str, profile_id: str, backend: str, precision: str, work: P
     out = work / "bundles" / f"{name}-{profile_id}-{backend}-{precision}"
     if (out / "manifest.json").is_file() and not fresh:
         return out
-    from edgeline.export.pipeline import ExportOptions, run_export
     from edgeline.export.reference import prepare
-    from edgeline.native_output import capture_native_output
 
     ref = prepare(name, work / name)
     profile = single_target_profile(profile_id, backend, precision, work)
     print(f"[{name}] exporting {profile_id} {backend} {precision}", file=sys.stderr, flush=True)
-    with capture_native_output():
-        report = run_export(ExportOptions(
-            model=str(ref.model_path), profile=str(profile), calibration=ref.calibration_path,
-            validation=ref.validation_path, out=out, force=True,
-            task=ref.task if ref.task != "classify" else None,  # type: ignore[arg-type]
-        ))  # fmt: skip
-    outcome = report.outcomes[0]
+    outcome: Any = export_target(ref, profile, out)
     if outcome.status != "selected" or not (out / "manifest.json").is_file():
         raise RuntimeError(f"{name} {profile_id} {backend} {precision}: {outcome.status}: {outcome.reason}")
     return out
