@@ -6,6 +6,8 @@
     │   └── IntegrityError     a file whose size or sha256 differs from the manifest
     ├── BackendUnavailableError  a backend whose optional dependency is not installed (names the extra)
     ├── PayloadError           model inputs of the wrong count, shape, dtype, or with NaN/Inf
+    ├── UpdateError            a signed update that cannot be published or fetched (keys, repository, link)
+    │   └── UpdateRefused      an update the device will not take: ``reason`` is one of ``REFUSAL_REASONS``
     └── ExportError            export failed for a reason the user can act on (defined in ``edgeline.export.errors``)
 
 ``edgeline.errors`` re-exports these; import them from there.
@@ -16,12 +18,15 @@ from __future__ import annotations
 
 __all__ = [
     "PAYLOAD_CODES",
+    "REFUSAL_REASONS",
     "BackendUnavailableError",
     "BundleError",
     "EdgelineError",
     "IntegrityError",
     "PayloadError",
     "ProfileError",
+    "UpdateError",
+    "UpdateRefused",
 ]
 
 
@@ -74,3 +79,32 @@ PAYLOAD_CODES = (
     "inference-failed",  # the runtime failed on a valid input (a bug or a broken model; logged)
     "invalid-topic",  # the answer's topic cannot be formed from the message's device (wildcards, over 64 KiB)
 )
+
+
+class UpdateError(EdgelineError):
+    """An update that cannot be published or fetched: keys, repository, or the link to it."""
+
+
+REFUSAL_REASONS = (
+    "bad-signature",  # unsigned, or signed by a key the pinned root does not trust
+    "tampered",  # a file whose length or hashes differ from its signed metadata
+    "rollback",  # metadata older than what the device has already seen (a replayed repository)
+    "downgrade",  # a bundle older than the one that runs
+    "expired",  # metadata past its expiry
+    "incompatible",  # another profile, another name, a runtime this device lacks, other inputs
+    "malformed",  # signed and intact, yet not a bundle this runtime can read
+    "self-test",  # the bundle's golden self-test failed here
+    "trial",  # its trial beside the previous version did not meet the gates
+    "revoked",  # the publisher withdrew it (a halted rollout)
+)
+
+
+class UpdateRefused(UpdateError):
+    """An update the device refuses; ``reason`` (one of ``REFUSAL_REASONS``) labels its counter."""
+
+    def __init__(self, message: str, *, reason: str, version: int | None = None):
+        super().__init__(message)
+        if reason not in REFUSAL_REASONS:
+            raise ValueError(f"unknown refusal reason {reason!r}; valid: {', '.join(REFUSAL_REASONS)}")
+        self.reason = reason
+        self.version = version

@@ -46,6 +46,7 @@ __all__ = [
     "gather",
     "register",
     "report",
+    "runtime_refusal",
     "verdict",
 ]
 
@@ -440,6 +441,32 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def _runtime_problem(info: RuntimeInfo, runtime: RuntimeFacts, needs: str | None) -> str | None:
+    if runtime.version is None and runtime.imports is not True:
+        return f"its runtime {info.package} is not installed here: {info.install}"
+    if runtime.imports is False:
+        return f"its runtime {info.package} does not import here ({runtime.error}): {info.install}"
+    if needs and runtime.version and _version_tuple(runtime.version) < _version_tuple(needs):
+        return f"it needs {info.package} >= {needs}; this machine has {runtime.version}"
+    return None
+
+
+def runtime_refusal(backend: str, package: str, min_version: str | None, *, try_import: bool = False) -> str | None:
+    """Why a bundle for runtime ``backend`` (needing ``package`` >= ``min_version``) cannot run on this machine, as
+    far as its runtime alone tells; None when it can. The rule ``verdict`` applies, for a signed update's metadata
+    before its archive is fetched."""
+    info = RUNTIMES.get(backend)
+    if info is None:
+        return f"unknown runtime backend {backend!r}; valid: {', '.join(sorted(RUNTIMES))}"
+    facts = gather([backend], try_import=try_import, qnn=False)
+    if backend == "coreml" and facts.system != "Darwin":
+        return f"Core ML runs on macOS only (this is {facts.system})"
+    if backend == "tflite-micro" and facts.machine.arch != "x86_64":
+        return "tflite-micro's Python wheel exists for x86-64 Linux only"
+    runtime = facts.runtimes.get(backend) or RuntimeFacts(None, None)
+    return _runtime_problem(info, runtime, min_version if package == info.package else None)
+
+
 def _refused(backend: str, model: str, reason: str, **extra: Any) -> Verdict:
     return Verdict(runs=False, backend=backend, model=model, accelerator=None, fallback=None, reason=reason, **extra)
 
@@ -471,16 +498,9 @@ def verdict(
 
     if (name == "coreml" or accelerator in COREML_ACCELERATORS) and facts.system != "Darwin":
         return _refused(name, model, f"Core ML runs on macOS only (this is {facts.system})", **common)
-    if runtime.version is None and runtime.imports is not True:
-        return _refused(name, model, f"its runtime {info.package} is not installed here: {info.install}", **common)
-    if runtime.imports is False:
-        return _refused(
-            name, model, f"its runtime {info.package} does not import here ({runtime.error}): {info.install}", **common
-        )
-    if needs and runtime.version and _version_tuple(runtime.version) < _version_tuple(needs):
-        return _refused(
-            name, model, f"it needs {info.package} >= {needs}; this machine has {runtime.version}", **common
-        )
+    problem = _runtime_problem(info, runtime, needs)
+    if problem is not None:
+        return _refused(name, model, problem, **common)
     if name == "tflite-micro" and machine.arch != "x86_64":
         return _refused(name, model, "tflite-micro's Python wheel exists for x86-64 Linux only", **common)
 

@@ -2,20 +2,26 @@
 
 from edgeline.device_profiles.errors import (
     PAYLOAD_CODES,
+    REFUSAL_REASONS,
     BackendUnavailableError,
     BundleError,
     EdgelineError,
     IntegrityError,
     PayloadError,
     ProfileError,
+    UpdateError,
+    UpdateRefused,
 )
 
 __all__ = [
     "PAYLOAD_CODES",
+    "REFUSAL_REASONS",
     "BackendUnavailableError",
     "BundleError",
     "EdgelineError",
     "IntegrityError",
     "PayloadError",
     "ProfileError",
+    "UpdateError",
+    "UpdateRefused",
 ]

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from edgeline.manifest import Manifest
     from edgeline.model import Model
 
-__all__ = ["device_budget_refusal", "run_verify"]
+__all__ = ["device_budget_refusal", "golden_check", "run_verify"]
 
 
 def _zeros(model: Model) -> list[Any]:
@@ -32,7 +32,7 @@ def _zeros(model: Model) -> list[Any]:
     return [np.zeros(spec.shape, dtype=np.float32) for spec in model.inputs]
 
 
-def _golden_check(model: Model) -> dict[str, Any]:
+def golden_check(model: Model) -> dict[str, Any]:
     import numpy as np
 
     from edgeline.samples import read_npz
@@ -287,7 +287,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 "accelerator": model.accelerator,
                 "accelerator_fallback": model.accelerator_fallback,
             },
-            _golden_check(model),
+            golden_check(model),
             _latency_check(model, refusal),
             _memory_check(manifest, resident, refusal),
         ]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from edgeline.arguments import bounded_int
 from edgeline.device_profiles.precision import Precision
 from edgeline.errors import EdgelineError
 from edgeline.export.backends import EXPORT_BACKENDS
@@ -59,6 +60,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--out", type=Path, metavar="DIR", help="bundle directory (default: bundles/NAME)")
     parser.add_argument("--name", help="bundle name (default: from MODEL)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument(
+        "--version",
+        type=bounded_int(1),
+        metavar="N",
+        help="the bundle's version, which `edgeline publish` and devices compare: versions of one name only grow "
+        "(default: 1, or one more than the bundle it replaces)",
+    )
     parser.add_argument(
         "--all",
         action="store_true",
@@ -133,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         labels=_read_labels(args.labels),
         threshold=args.threshold,
         all_targets=args.all,
+        version=args.version,
     )
     with Progress() as progress:
         report = run_export(options, progress)

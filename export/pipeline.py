@@ -69,6 +69,8 @@ class ExportOptions:
     threshold: float | None = None
     all_targets: bool = False
     """``--all``: try every target and write each that passes to OUT/BACKEND-PRECISION; the order still picks."""
+    version: int | None = None
+    """``--version``: the bundle's version; None: 1, or one more than the bundle it replaces."""
 
 
 def _targets(profile: Profile, backend: str | None, precision: Precision | None) -> list[Target]:
@@ -153,15 +155,24 @@ def _out_dir(options: ExportOptions, name: str) -> tuple[Path, int]:
     out = options.out or Path("bundles") / name
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not options.force:
         raise ExportError(f"output directory {out} exists; pass --force to replace it")
-    return out, _next_version(out)
+    return out, _next_version(out, options.version)
 
 
-def _next_version(path: Path) -> int:
-    """1, or one more than the bundle already at ``path`` (replaced with --force)."""
+def _next_version(path: Path, wanted: int | None = None) -> int:
+    """``wanted``, or else 1, or one more than the bundle already at ``path`` (replaced with --force). A wanted
+    version below the one it replaces is refused: versions of one name only grow."""
     try:
-        return bundle_io.read_manifest(path).version + 1
+        existing: int | None = bundle_io.read_manifest(path).version
     except EdgelineError:
-        return 1
+        existing = None
+    if wanted is None:
+        return 1 if existing is None else existing + 1
+    if existing is not None and wanted < existing:
+        raise ExportError(
+            f"--version {wanted}: {path} holds version {existing} of this bundle, and versions of one name only grow "
+            f"(give --version {existing + 1} or more, or another --out)"
+        )
+    return wanted
 
 
 def _destination(options: ExportOptions, out: Path, target: Target) -> Path:
@@ -345,7 +356,9 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
     staging = out.parent / f".{out.name}.staging"
     explicit = options.backend is not None and options.precision is not None
     destinations = [_destination(options, out, target) for target in targets]
-    versions = [_next_version(d) for d in destinations] if options.all_targets else [version] * len(targets)
+    versions = (
+        [_next_version(d, options.version) for d in destinations] if options.all_targets else [version] * len(targets)
+    )
     cleared = not options.all_targets
     try:
         for target, outcome, destination, version in zip(targets, report.outcomes, destinations, versions, strict=True):

@@ -249,6 +249,29 @@ class HealthConfig(_Section):
             raise ValueError(str(exc)) from exc
 
 
+class UpdatesConfig(_Section):
+    """Signed updates (``edgeline.updates``): where to look, the root metadata to trust, how often."""
+
+    repository: str | None = None
+    """A directory, a file:// URL or an http(s):// URL of a repository ``edgeline publish`` writes."""
+    trusted_root: Path | None = None
+    """The root.json of ``edgeline keys generate``, pinned on the device."""
+    check_interval_s: float = Field(default=300.0, gt=0, le=7 * 86400)
+
+    @model_validator(mode="after")
+    def _both(self) -> UpdatesConfig:
+        if (self.repository is None) != (self.trusted_root is None):
+            given = "repository" if self.repository is not None else "trusted_root"
+            raise ValueError(
+                f"updates.{given} is set alone: updates need a repository and the trusted root that signs it"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.repository is not None
+
+
 class DaemonConfig(_Section):
     daemon: DaemonSection = DaemonSection()
     source: SourceConfig = SourceConfig()
@@ -258,6 +281,7 @@ class DaemonConfig(_Section):
     queue: QueueConfig = QueueConfig()
     outbox: OutboxConfig = OutboxConfig()
     health: HealthConfig = HealthConfig()
+    updates: UpdatesConfig = UpdatesConfig()
     window: Window | None = None
 
     @model_validator(mode="after")
@@ -299,6 +323,9 @@ class DaemonConfig(_Section):
         source: dict[str, object] | None = None,
         state_dir: Path | None = None,
         instance: str | None = None,
+        updates: str | None = None,
+        trusted_root: Path | None = None,
+        check_interval_s: float | None = None,
     ) -> DaemonConfig:
         """The command line wins over the file; the result is validated like the file.
 
@@ -328,6 +355,12 @@ class DaemonConfig(_Section):
             data["daemon"]["state_dir"] = state_dir
         if instance is not None:
             data["daemon"]["instance"] = instance
+        if updates is not None:
+            data["updates"]["repository"] = updates
+        if trusted_root is not None:
+            data["updates"]["trusted_root"] = trusted_root
+        if check_interval_s is not None:
+            data["updates"]["check_interval_s"] = check_interval_s
         return _validate(data, "command line")
 
 

@@ -93,6 +93,7 @@ class Metrics:
         self._stages = {stage: _Stage() for stage in STAGES}
         self._providers: list[GaugeProvider] = []
         self._counter_providers: list[GaugeProvider] = []
+        self._labelled: list[tuple[str, str, str, Callable[[], Mapping[str, int]]]] = []
         self._failed_providers: set[int] = set()
         self._registry: CollectorRegistry | None = None
         self.accelerator: Mapping[str, str | None] | None = None
@@ -139,6 +140,14 @@ class Metrics:
         read at snapshot/scrape time and exposed as counters (``_total``), in the status message's ``counts``."""
         with self._lock:
             self._counter_providers.append(provider)
+
+    def labelled_counters(
+        self, name: str, label: str, help_text: str, provider: Callable[[], Mapping[str, int]]
+    ) -> None:
+        """Register counters of one family told apart by ``label`` (updates refused, by reason), exposed as
+        ``edgeline_<name>_total{<label>=...}``; the status message shows them where their owner puts them."""
+        with self._lock:
+            self._labelled.append((name, label, help_text, provider))
 
     # -- gauges ------------------------------------------------------------------------------------------------
     def gauges(self, provider: GaugeProvider) -> None:
@@ -254,6 +263,21 @@ class Metrics:
         _claim(taken, "edgeline_uptime_seconds", ("",))
         _claim(taken, "edgeline_accelerator_fallback", ("",))
         _claim(taken, "edgeline_emulated", ("",))
+        with self._lock:
+            labelled = list(self._labelled)
+        for name, label, help_text, provider in labelled:
+            metric = _metric_name(name)
+            if not _claim(taken, metric, _COUNTER_SUFFIXES):
+                continue
+            try:
+                values = dict(provider())
+            except Exception:
+                logger.warning("counter provider %r failed; its counters are omitted", provider, exc_info=True)
+                continue
+            family = CounterMetricFamily(metric, help_text, labels=[*_LABELS, label])
+            for key, value in sorted(values.items()):
+                family.add_metric([*labels, key], value)
+            yield family
 
         if self.emulated is not None:
             emulated = GaugeMetricFamily(

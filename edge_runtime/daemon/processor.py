@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from edgeline.errors import PayloadError
 from edgeline.manifest import Window
 from edgeline.model import Model
 
-__all__ = ["Processor"]
+__all__ = ["Processor", "Shadow"]
 
 log = logging.getLogger("edgeline.processor")
 
@@ -88,9 +88,9 @@ class Processor:
         self._sequence_lock = threading.Lock()  # drops are answered on the network thread
         self.instance = instance
         self.top_k = top_k
-        self._base: dict[str, Any] = {"model": model.name, "version": model.version}
-        if instance:
-            self._base["instance"] = instance
+        self.shadow: Shadow | None = None
+        """A trial (``edgeline.updates.trial``): the previous version runs beside ``model`` on every input. Set
+        and cleared on the worker thread only, between two batches."""
         self._evicted_seen = 0
         self.evictions_log = Repeated(log, "streams evicted with their partial windows (raise [input] max_streams)")
 
@@ -117,7 +117,7 @@ class Processor:
         """The answers of each message, in order. When the model takes batches (``Model.enable_batching``), every
         full batch of valid inputs runs in one call; the rest, and windowed models, run one by one."""
         size = self.model.batch_size
-        if size <= 1 or self.streams is not None or len(messages) < size:
+        if size <= 1 or self.streams is not None or len(messages) < size or self.shadow is not None:
             return [self.process(message) for message in messages]
         answers: list[list[Answer]] = [[] for _ in messages]
         pending: list[_Decoded] = []
@@ -211,17 +211,27 @@ class Processor:
                 self._sequence[device] = 1
             return self._sequence[device]
 
-    def _record(self, message: Message, sequence: int, identity: str | None) -> dict[str, Any]:
-        return {
+    def _record(
+        self, message: Message, sequence: int, identity: str | None, model: Model | None = None
+    ) -> dict[str, Any]:
+        model = model or self.model
+        record = {
             "id": identity if identity is not None else f"{message.device}-{sequence}",
             "device": message.device[:MAX_DEVICE_IN_RECORD],
             "seq": sequence,
-            **self._base,
+            "model": model.name,
+            "version": model.version,
         }
+        if self.instance:
+            record["instance"] = self.instance
+        return record
 
     def _infer(
         self, message: Message, sequence: int, identity: str | None, inputs: list[np.ndarray], window: int | None = None
     ) -> Answer:
+        if self.shadow is not None:
+            model, outputs, seconds = self.shadow.run(self.model, inputs)
+            return self._result(message, sequence, identity, inputs, outputs, seconds, window=window, model=model)
         start = time.perf_counter()
         outputs = self.model.predict(*inputs)
         seconds = time.perf_counter() - start
@@ -237,9 +247,11 @@ class Processor:
         seconds: float,
         batch: int = 1,
         window: int | None = None,
+        model: Model | None = None,
     ) -> Answer:
         """``seconds`` is the model call's time; for a batch, the whole call's, and ``batch`` says how many
-        samples it carried."""
+        samples it carried. ``model``: the version that answered (during a trial, possibly the previous one)."""
+        model = model or self.model
         topic = self._topic(self.publish, message.device)
         problem = topic_problem(topic)
         if problem is not None:
@@ -247,8 +259,8 @@ class Processor:
         for output in outputs:
             if not all_finite(output):
                 raise _ModelOutputError("the model's output holds NaN or Inf for this input")
-        interpreted = self.model.interpret(inputs, outputs, top_k=self.top_k).as_dict()
-        record = self._record(message, sequence, identity)
+        interpreted = model.interpret(inputs, outputs, top_k=self.top_k).as_dict()
+        record = self._record(message, sequence, identity, model)
         if window is not None:
             record["window"] = window
         record["outputs"] = [output.tolist() for output in outputs]
@@ -285,6 +297,13 @@ class Processor:
         if error_topic is not None and topic_problem(error_topic) is None:
             return [Answer(error_topic, payload, record, True)]
         return [Answer(None, payload, record, True)]
+
+
+class Shadow(Protocol):
+    """What runs an input during a trial: ``run`` returns the version that answers, its outputs and its model
+    call's seconds (``edgeline.updates.agent.TrialRunner``)."""
+
+    def run(self, model: Model, inputs: list[np.ndarray]) -> tuple[Model, list[np.ndarray], float]: ...
 
 
 class _ModelOutputError(RuntimeError):

@@ -61,6 +61,14 @@ def register(subparsers: Any) -> None:
         help="runtime backend to run the model with instead of the manifest's: %(choices)s",
     )
     run.add_argument("--stdout", action="store_true", help="also print every answer as a JSON line on stdout")
+    updates = run.add_argument_group("signed updates (edgeline publish): hot swap, trial, commit or roll back")
+    updates.add_argument(
+        "--updates", metavar="REPO", help="repository to check: a directory, file:// or http(s):// URL"
+    )
+    updates.add_argument(
+        "--trusted-root", type=Path, metavar="ROOT.json", help="the pinned root metadata (edgeline keys generate)"
+    )
+    updates.add_argument("--check-interval", type=float, metavar="S", help="seconds between checks (default 300)")
     sources = run.add_argument_group("sources other than MQTT (one at a time)")
     exclusive = sources.add_mutually_exclusive_group()
     exclusive.add_argument(
@@ -158,6 +166,9 @@ def run_daemon(args: argparse.Namespace) -> int:
         source={key: value for key, value in source.items() if value is not None},
         state_dir=args.state_dir,
         instance=args.instance,
+        updates=args.updates,
+        trusted_root=args.trusted_root,
+        check_interval_s=args.check_interval,
     )
     # A setting of another source would be dropped without a word: refuse it.
     for flag, value, kind in (

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgeline.daemon.codecs import example_payload, get_codec
 from edgeline.daemon.config import DaemonConfig
@@ -50,6 +50,10 @@ from edgeline.daemon.topics import TopicFilter, render_topic
 from edgeline.errors import EdgelineError
 from edgeline.machine import this_machine
 from edgeline.model import load
+
+if TYPE_CHECKING:
+    from edgeline.updates.agent import Swap, UpdateAgent
+    from edgeline.updates.store import State, Store
 
 __all__ = ["EXIT_FAILED", "Daemon"]
 
@@ -76,7 +80,19 @@ class Daemon:
         source: Source | None = None,
     ):
         self.config = config
-        self.model = load(bundle, backend=backend)
+        self._lock: StateLock | None = None
+        start_on, update_state, store = bundle, None, None
+        if config.updates.enabled:  # the committed version may be newer than the bundle given
+            from edgeline.bundle import read_bundle
+            from edgeline.updates.agent import starting_bundle
+            from edgeline.updates.store import Store
+
+            given = read_bundle(bundle).manifest
+            state_dir = (config.daemon.state_dir or default_state_dir()) / given.name
+            self._lock = StateLock(state_dir)  # before the update state is read or written
+            store = Store(state_dir / "updates")
+            start_on, update_state = starting_bundle(store, bundle, given.version)
+        self.model = load(start_on, backend=backend)
         name = self.model.name
         codec = get_codec(config.input.codec)
         if codec.name == "raw" and self.model.manifest.preprocess is not None:
@@ -120,7 +136,6 @@ class Daemon:
         self.echo = echo
         self._echo_lock = threading.Lock()
         self.notifier = notifier or SystemdNotifier()
-        self._lock: StateLock | None = None
         self.connection: MqttConnection | None = None
         self.sink: MqttSink | None = None
         if config.uses_broker:
@@ -172,6 +187,30 @@ class Daemon:
         )  # fmt: skip
         self.metrics.gauges(self._gauges)
         self.metrics.counters(self._counters)
+        self.updater: UpdateAgent | None = None
+        self.swap: Swap | None = None
+        if store is not None and update_state is not None:
+            self._attach_updates(store, update_state, start_on, backend)
+
+    def _attach_updates(self, store: Store, state: State, start_on: Path, backend: str | None) -> None:
+        from edgeline.updates.agent import Swap, UpdateAgent
+        from edgeline.updates.client import UpdateClient
+
+        updates = self.config.updates
+        assert updates.repository is not None and updates.trusted_root is not None
+        client = UpdateClient(updates.repository, updates.trusted_root, store.directory)
+        self.updater = UpdateAgent(
+            client=client, store=store, state=state, running=self.model, running_bundle=start_on,
+            device=self.instance, interval_s=updates.check_interval_s, backend=backend,
+            max_batch=self.config.queue.max_batch, on_event=lambda event: self._publish_status(),
+        )  # fmt: skip
+        self.swap = Swap(self.updater, self.processor)
+        self.updater.swap = self.swap
+        self.metrics.counters(self.updater.counters)
+        self.metrics.gauges(self.updater.gauges)
+        self.metrics.labelled_counters(
+            "update_refused", "reason", "Updates refused, by reason.", self.updater.refusal_counts
+        )
 
     @property
     def gate(self) -> IntakeGate | None:
@@ -328,6 +367,8 @@ class Daemon:
         progress = self.supervisor.progress
         while True:
             self._answer_evicted()
+            if self.swap is not None:
+                self._poll_swap()
             try:
                 batch = self.queue.get_batch(max_batch, timeout=0.5)
             except QueueEmpty:
@@ -346,6 +387,16 @@ class Daemon:
                 answers = [self.processor.refuse(m, "inference-failed", f"{type(exc).__name__}: {exc}") for m in batch]
             self._deliver(list(zip(batch, answers, strict=True)))
             progress.done()
+
+    def _poll_swap(self) -> None:
+        """Between two batches: where a new version starts answering, and where a trial ends."""
+        assert self.swap is not None
+        try:
+            self.swap.poll()
+        except Exception as exc:  # a bug of ours must not cost the worker: the running version keeps answering
+            log.error("the update swap failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+        self.model = self.processor.model
+        self.metrics.version = self.model.version
 
     def _answer_evicted(self) -> None:
         evicted = self.intake.take_evicted()
@@ -407,7 +458,14 @@ class Daemon:
         source_status = getattr(self.source, "status", None)
         if source_status is not None:  # the framed serial source: its board and what the wire did
             extra["source"] = source_status()
+        if self.updater is not None:
+            extra["update"] = self.updater.status()
         return self.metrics.snapshot(extra)
+
+    def _publish_status(self) -> None:
+        """The status message now (an update's step), besides its period."""
+        if self.connection is not None:
+            self.connection.publish(self.status_topic, json.dumps(self.status()).encode(), qos=1, retain=True)
 
     def _report(self) -> None:
         interval = self.config.health.status_interval_s
@@ -458,7 +516,8 @@ class Daemon:
         spawn = self.supervisor.spawn
         if self.connection is not None:
             assert self.sink is not None
-            self._lock = StateLock(self.state_dir)
+            if self._lock is None:
+                self._lock = StateLock(self.state_dir)
             box = self.config.outbox
             self.delivery = Delivery(
                 self._open_outbox(),
@@ -488,6 +547,9 @@ class Daemon:
         self._worker = spawn("edgeline-worker", self._work)
         spawn("edgeline-status", self._report)
         spawn("edgeline-source", self._read_source)
+        if self.updater is not None:
+            updater = self.updater
+            spawn("edgeline-updates", lambda: updater.run(self.stopping))
         self.notifier.notify("READY=1")
 
     def stop(self) -> None:

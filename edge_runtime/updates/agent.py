@@ -1,0 +1,558 @@
+"""The daemon's side of updates: a thread that checks the repository, and a swap the worker makes between two
+messages.
+
+    update thread (every check_interval_s)              worker thread (between two batches: ``Swap.poll``)
+    check ─► found ─► precheck ─► fetch (TUF: length,   ─► trial: the new version answers, the previous one runs
+    sha256) ─► unpack (manifest sha256, every file) ─►     beside it on the same inputs ─► judge ─► committed
+    open (doctor's verdict) ─► golden self-test ─►          (persisted) | rolled back (the previous version answers
+    propose                                                 again; the new one is refused from then on)
+
+Every step is an ``Event``: one log line, a counter, and the daemon's status published at once (``on_event``).
+Refusals that belong to the version (incompatible, malformed, self-test, trial, revoked) are persisted and never
+tried again; those that belong to the repository's state (bad signature, tampered, rollback, expired) are retried
+at the next check, and logged again only when they change.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edgeline.errors import REFUSAL_REASONS, BackendUnavailableError, EdgelineError, UpdateError, UpdateRefused
+from edgeline.updates.policy import TargetFacts, precheck
+from edgeline.updates.store import MAX_TRIAL_ATTEMPTS, Installed, State, Store
+from edgeline.updates.trial import Trial, agree
+
+if TYPE_CHECKING:
+    from edgeline.daemon.processor import Processor
+    from edgeline.model import Model
+    from edgeline.updates.client import UpdateClient
+
+__all__ = ["PERSISTED_REASONS", "Event", "Swap", "TrialRunner", "UpdateAgent", "starting_bundle"]
+
+log = logging.getLogger("edgeline.updates")
+
+PERSISTED_REASONS = frozenset({"incompatible", "malformed", "self-test", "trial", "revoked"})
+"""Refusals that belong to the version itself: remembered in the state directory, never tried again."""
+SAID_MEMORY = 64
+"""Messages remembered as said (oldest forgotten first)."""
+STEPS = ("checked", "found", "verified", "self-test", "trial", "committed", "rolled-back", "refused", "reverted")
+
+
+@dataclass(frozen=True)
+class Event:
+    step: str
+    version: int | None
+    message: str
+    reason: str | None = None
+    at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "version": self.version,
+            "message": self.message,
+            "reason": self.reason,
+            "at": self.at,
+        }
+
+
+def starting_bundle(store: Store, given: Path, given_version: int) -> tuple[Path, State]:
+    """The bundle to start on: the committed version when it is newer than the one given and still whole, else
+    the one given. A trial the last process did not finish counts one attempt against its version."""
+    from edgeline.bundle import read_bundle
+
+    state = store.load()
+    if state.trying is not None:
+        attempts = int(state.trying.get("attempts", 1))
+        version = int(state.trying["version"])
+        if attempts >= MAX_TRIAL_ATTEMPTS:
+            state.refused[version] = {
+                "reason": "trial",
+                "message": f"the process ended {attempts} times during its trial",
+            }
+            log.error("update v%d refused: the process ended %d times during its trial", version, attempts)
+        else:
+            log.warning("the trial of v%d was cut short (the process ended); it will be tried again", version)
+        state.trying = None if attempts >= MAX_TRIAL_ATTEMPTS else {"version": version, "attempts": attempts}
+        store.save(state)
+    committed = state.committed
+    if committed is not None and committed.version > given_version:
+        path = store.resolve(committed)
+        try:
+            read_bundle(path)
+        except EdgelineError as exc:
+            log.error("the committed v%d cannot be opened (%s): starting on %s", committed.version, exc, given)
+            return given, state
+        log.info("starting on the committed v%d (%s) rather than v%d given", committed.version, path, given_version)
+        return path, state
+    return given, state
+
+
+class TrialRunner:
+    """``Processor.shadow`` during a trial: the new version answers, the previous one runs beside it."""
+
+    def __init__(self, previous: Model, trial: Trial):
+        self.previous = previous
+        self.trial = trial
+
+    def _interpretable(self, model: Model, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> bool | None:
+        if self.trial.kind != "anomaly":
+            return None
+        return model.interpret(inputs, outputs).anomaly
+
+    def run(self, model: Model, inputs: list[np.ndarray]) -> tuple[Model, list[np.ndarray], float]:
+        from edgeline.errors import PayloadError
+
+        failure: str | None = None
+        new_outputs: list[np.ndarray] | None = None
+        new_s: float | None = None
+        start = time.perf_counter()
+        try:
+            new_outputs = model.predict(*inputs)
+            new_s = time.perf_counter() - start
+            if not Trial.finite(new_outputs):
+                failure = "NaN or Inf in its outputs"
+        except PayloadError:
+            raise  # the input's fault: both versions refuse it alike
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"[:300]
+        start = time.perf_counter()
+        try:
+            old_outputs: list[np.ndarray] | None = self.previous.predict(*inputs)
+            old_s: float | None = time.perf_counter() - start
+        except Exception:
+            old_outputs, old_s = None, None
+        if old_outputs is None or not Trial.finite(old_outputs):
+            # the previous version fails on it too: this input says nothing about the new one
+            if new_outputs is None:
+                raise RuntimeError(failure or "the model failed")
+            return model, new_outputs, new_s or 0.0
+        if failure is not None or new_outputs is None:
+            self.trial.record(new_ok=False, agreed=False, new_s=new_s, old_s=old_s, failure=failure)
+            return self.previous, old_outputs, old_s or 0.0
+        agreed = agree(
+            self.trial.kind, new_outputs, old_outputs, tolerance=self.trial.gates.tolerance,
+            new_flag=self._interpretable(model, inputs, new_outputs),
+            old_flag=self._interpretable(self.previous, inputs, old_outputs),
+        )  # fmt: skip
+        self.trial.record(new_ok=True, agreed=agreed, new_s=new_s, old_s=old_s)
+        return model, new_outputs, new_s or 0.0
+
+
+@dataclass
+class _Proposal:
+    model: Model
+    facts: TargetFacts
+    bundle: Path
+
+
+class Swap:
+    """The hand-over between the update thread (``propose``, ``revert``) and the worker (``poll``, between two
+    batches: the only place the processor's model changes)."""
+
+    def __init__(self, agent: UpdateAgent, processor: Processor):
+        self.agent = agent
+        self.processor = processor
+        self._lock = threading.Lock()
+        self._proposal: _Proposal | None = None
+        self._revert: tuple[Model, Installed, str] | None = None
+        self.runner: TrialRunner | None = None
+        self.busy = threading.Event()
+        """Set from a proposal until its trial ends: the update thread does not look for another meanwhile."""
+
+    def propose(self, model: Model, facts: TargetFacts, bundle: Path) -> None:
+        with self._lock:
+            self._proposal = _Proposal(model, facts, bundle)
+            self.busy.set()
+
+    def revert(self, model: Model, to: Installed, reason: str) -> None:
+        with self._lock:
+            self._revert = (model, to, reason)
+            self.busy.set()
+
+    def poll(self) -> None:
+        """Worker thread, between two batches."""
+        if self.runner is not None:
+            if self.runner.trial.done():
+                self._end_trial()
+            return
+        with self._lock:
+            proposal, self._proposal = self._proposal, None
+            revert, self._revert = self._revert, None
+        if revert is not None:
+            self._do_revert(*revert)
+        if proposal is not None:
+            self._start_trial(proposal)
+
+    def _start_trial(self, proposal: _Proposal) -> None:
+        agent = self.agent
+        previous = self.processor.model
+        facts = proposal.facts
+        agent.note_trying(facts.version)
+        trial = Trial(
+            version=facts.version,
+            previous_version=previous.version,
+            gates=facts.trial,
+            kind=proposal.model.manifest.postprocess.kind,
+            latency_budget_ms=agent.latency_budget(proposal.model),
+            latency_note=agent.latency_note(proposal.model),
+        )
+        self.runner = TrialRunner(previous, trial)
+        self.processor.shadow = self.runner
+        self.processor.model = proposal.model
+        agent.set_running(proposal.model)
+        agent.event(
+            "trial", facts.version,
+            f"v{facts.version} answers from now on, beside v{previous.version} for {facts.trial.inputs} inputs "
+            f"(or {facts.trial.seconds:g} s)",
+        )  # fmt: skip
+        self._bundle = proposal.bundle
+
+    def _end_trial(self) -> None:
+        assert self.runner is not None
+        runner, self.runner = self.runner, None
+        trial = runner.trial
+        judgement = trial.judge()
+        self.processor.shadow = None
+        agent = self.agent
+        agent.last_trial = judgement.figures
+        if judgement.commit:
+            agent.commit(trial.version, self._bundle, runner.previous)
+            agent.event("committed", trial.version, f"v{trial.version} committed: {judgement.reason}")
+        else:
+            self.processor.model = runner.previous
+            agent.set_running(runner.previous)
+            agent.refuse_version(trial.version, "trial", judgement.reason)
+            agent.event(
+                "rolled-back", trial.version,
+                f"v{trial.version} rolled back to v{runner.previous.version}: {judgement.reason}", reason="trial",
+            )  # fmt: skip
+        self.busy.clear()
+
+    def _do_revert(self, model: Model, to: Installed, reason: str) -> None:
+        old = self.processor.model
+        self.processor.model = model
+        self.agent.set_running(model)
+        self.agent.reverted(old.version, to)
+        self.agent.event(
+            "reverted", old.version, f"v{old.version} revoked ({reason}): back to v{to.version}", reason="revoked"
+        )
+        self.busy.clear()
+
+
+class UpdateAgent:
+    """Checks ``client``'s repository for newer versions of the running bundle and takes them through the steps."""
+
+    def __init__(
+        self,
+        *,
+        client: UpdateClient,
+        store: Store,
+        state: State,
+        running: Model,
+        running_bundle: Path,
+        device: str,
+        interval_s: float,
+        backend: str | None,
+        max_batch: int,
+        on_event: Callable[[Event], None] = lambda event: None,
+    ):
+        self.client = client
+        self.store = store
+        self.state = state
+        self.name = running.name
+        self.profile = running.manifest.profile
+        self.inputs = running.manifest.inputs
+        self.window = running.manifest.window
+        self.device = device
+        self.interval_s = interval_s
+        self.backend = backend
+        self.max_batch = max_batch
+        self.on_event = on_event
+        self.running_version = running.version
+        self.running_bundle = running_bundle
+        self.swap: Swap | None = None
+        self.counts: Counter[str] = Counter()
+        self.refusals: Counter[str] = Counter({reason: 0 for reason in REFUSAL_REASONS})
+        self.last: Event | None = None
+        self.last_trial: dict[str, Any] | None = None
+        self.last_refusal: Event | None = None
+        self._said: dict[str, None] = {}
+        self._lock = threading.Lock()
+
+    # -- the update thread ---------------------------------------------------------------------------------------
+    def run(self, stopping: threading.Event) -> None:
+        """Check at start, then every ``interval_s``; a failed check is logged and tried again at the next one.
+        While a trial runs, no new version is looked for."""
+        delay = 0.0
+        while not stopping.wait(delay):
+            delay = self.interval_s
+            if self.swap is not None and self.swap.busy.is_set():
+                delay = min(self.interval_s, 1.0)
+                continue
+            try:
+                self.check_once()
+            except Exception as exc:  # a bug of ours: said, and the thread goes on (the daemon keeps serving)
+                log.error("update check failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+                self.counts["check_errors"] += 1
+
+    def check_once(self) -> None:
+        from edgeline.model import load
+        from edgeline.verify import golden_check
+
+        assert self.swap is not None, "attach a Swap first"
+        self.counts["checks"] += 1
+        try:
+            choice, updater = self.client.check(
+                name=self.name, device=self.device, running=self.running_version, refused=set(self.state.refused)
+            )
+        except UpdateRefused as exc:
+            self._refused(exc, None)
+            return
+        except UpdateError as exc:
+            self.counts["unreachable"] += 1
+            self._say(logging.WARNING, f"update check: {exc}")
+            return
+        self.event("checked", None, f"checked {self.client.repository}", quiet=True)
+        if choice.running_revoked is not None:
+            self._revert_revoked(choice.running_revoked)
+            return
+        facts = choice.take
+        if facts is None:
+            newest = choice.newest_offered
+            if newest is not None and newest < self.running_version and newest not in self.state.refused:
+                self._say(
+                    logging.INFO,
+                    f"the repository offers v{newest} at most; v{self.running_version} runs here (no downgrade)",
+                )
+            return
+        self.event(
+            "found",
+            facts.version,
+            f"v{facts.version} found ({facts.backend} {facts.precision}); v{self.running_version} runs",
+        )
+        try:
+            precheck(facts, name=self.name, profile=self.profile)
+            offer = self.client.offer(updater, facts)
+            archive = self.client.fetch(updater, offer)
+            destination = self.store.bundle_dir(facts.version)
+            bundle = self.client.unpack(archive, offer, destination)
+            self.event(
+                "verified",
+                facts.version,
+                f"v{facts.version}: signature, hashes and manifest verified ({archive.stat().st_size} bytes)",
+            )
+            try:
+                model = load(bundle.path, backend=self.backend)
+            except BackendUnavailableError as exc:
+                raise UpdateRefused(
+                    f"v{facts.version} cannot run here: {exc}", reason="incompatible", version=facts.version
+                ) from exc
+            except EdgelineError as exc:
+                raise UpdateRefused(
+                    f"v{facts.version} cannot be opened: {exc}", reason="malformed", version=facts.version
+                ) from exc
+            self._check_same_io(model, facts.version)
+            golden = golden_check(model)
+            if not golden["ok"]:
+                raise UpdateRefused(
+                    f"v{facts.version} failed its golden self-test here: {golden.get('mismatched_samples')} of "
+                    f"{golden.get('samples')} samples off (max |error| {golden.get('max_abs_error')})",
+                    reason="self-test", version=facts.version,
+                )  # fmt: skip
+            self.event(
+                "self-test",
+                facts.version,
+                f"v{facts.version} passed its golden self-test ({golden.get('samples')} samples)",
+            )
+            model.enable_batching(self.max_batch)
+        except UpdateRefused as exc:
+            self._refused(exc, facts.version)
+            return
+        except UpdateError as exc:
+            self.counts["unreachable"] += 1
+            self._say(logging.WARNING, f"update of v{facts.version}: {exc}")
+            return
+        self.swap.propose(model, facts, bundle.path)
+
+    def _check_same_io(self, model: Model, version: int) -> None:
+        manifest = model.manifest
+        if manifest.inputs != self.inputs or manifest.window != self.window:
+            raise UpdateRefused(
+                f"v{version} takes other inputs than v{self.running_version} (a new input format is a new bundle "
+                "name, or a restart with the new bundle)",
+                reason="incompatible",
+                version=version,
+            )
+
+    def _revert_revoked(self, reason: str) -> None:
+        from edgeline.model import load
+
+        assert self.swap is not None
+        previous = self.state.previous
+        version = self.running_version
+        if previous is None:
+            self._say(
+                logging.ERROR,
+                f"v{version} was revoked ({reason}) but no previous version is kept here: it keeps running",
+            )
+            return
+        try:
+            model = load(self.store.resolve(previous), backend=self.backend)
+        except EdgelineError as exc:
+            self._say(
+                logging.ERROR,
+                f"v{version} was revoked ({reason}); the previous v{previous.version} cannot be opened: {exc}",
+            )
+            return
+        model.enable_batching(self.max_batch)
+        self.refuse_version(version, "revoked", reason)
+        self.swap.revert(model, previous, reason)
+
+    # -- called by the worker (Swap) -----------------------------------------------------------------------------
+    def set_running(self, model: Model) -> None:
+        self.running_version = model.version
+
+    def note_trying(self, version: int) -> None:
+        with self._lock:
+            attempts = 0
+            if self.state.trying and self.state.trying.get("version") == version:
+                attempts = int(self.state.trying.get("attempts", 0))
+            self.state.trying = {"version": version, "attempts": attempts + 1}
+            self.store.save(self.state)
+
+    def commit(self, version: int, bundle: Path, previous: Model) -> None:
+        with self._lock:
+            state = self.state
+            old = state.committed or Installed(previous.version, str(self.running_bundle.resolve()))
+            if old.version != previous.version:  # the given bundle ran, not the committed one
+                old = Installed(previous.version, str(self.running_bundle.resolve()))
+            state.previous = old
+            state.committed = Installed(version, self.store.relative(bundle))
+            state.trying = None
+            self.store.save(state)
+            self.running_bundle = bundle
+            self.store.prune(state)
+
+    def reverted(self, from_version: int, to: Installed) -> None:
+        with self._lock:
+            self.state.committed = to
+            self.state.previous = None
+            self.state.trying = None
+            self.store.save(self.state)
+            self.running_bundle = self.store.resolve(to)
+            self.store.prune(self.state)
+
+    def refuse_version(self, version: int, reason: str, message: str) -> None:
+        with self._lock:
+            self.state.refused[version] = {"reason": reason, "message": message[:500]}
+            if self.state.trying and self.state.trying.get("version") == version:
+                self.state.trying = None
+            self.store.save(self.state)
+            self.store.prune(self.state)
+        self.refusals[reason] += 1
+
+    def latency_budget(self, model: Model) -> float | None:
+        from edgeline.verify import device_budget_refusal
+
+        budget = model.manifest.budgets.max_latency_ms
+        if budget is None or device_budget_refusal(model, self.backend) is not None:
+            return None
+        return budget
+
+    def latency_note(self, model: Model) -> str:
+        from edgeline.verify import device_budget_refusal
+
+        if model.manifest.budgets.max_latency_ms is None:
+            return " (the profile sets no latency budget)"
+        refusal = device_budget_refusal(model, self.backend)
+        return f" (the budget is not judged here: {refusal})" if refusal else ""
+
+    # -- events ----------------------------------------------------------------------------------------------------
+    def _refused(self, exc: UpdateRefused, version: int | None) -> None:
+        version = exc.version if exc.version is not None else version
+        if version is not None and exc.reason in PERSISTED_REASONS:
+            self.refuse_version(version, exc.reason, str(exc))
+        else:
+            self.refusals[exc.reason] += 1
+        event = Event("refused", version, str(exc), reason=exc.reason)
+        with self._lock:
+            self.last_refusal = event
+        self.event("refused", version, f"update refused ({exc.reason}): {exc}", reason=exc.reason)
+
+    def _say(self, level: int, message: str) -> bool:
+        """Log ``message`` unless it was said already: a check that keeps ending the same way (a tampered archive on
+        a USB stick, a repository out of reach) is said once, and counted every time. Returns whether it was said."""
+        if message in self._said:
+            return False
+        self._said[message] = None
+        while len(self._said) > SAID_MEMORY:
+            self._said.pop(next(iter(self._said)))
+        log.log(level, "%s", message)
+        return True
+
+    def event(
+        self, step: str, version: int | None, message: str, *, reason: str | None = None, quiet: bool = False
+    ) -> None:
+        event = Event(step, version, message, reason)
+        self.counts[step] += 1
+        if quiet:
+            return
+        level = logging.WARNING if step in ("refused", "rolled-back", "reverted") else logging.INFO
+        if not self._say(level, message):
+            return
+        with self._lock:
+            self.last = event
+        try:
+            self.on_event(event)
+        except Exception:
+            log.exception("publishing the update event failed")
+
+    # -- status and metrics --------------------------------------------------------------------------------------
+    def counters(self) -> dict[str, float | int | bool | None]:
+        """Counters by step (``update_refused`` by reason is ``refusal_counts``, a labelled family)."""
+        counts: dict[str, float | int | bool | None] = {
+            f"update_{step.replace('-', '_')}": self.counts[step] for step in STEPS if step != "refused"
+        }
+        counts["update_unreachable"] = self.counts["unreachable"]
+        return counts
+
+    def refusal_counts(self) -> dict[str, int]:
+        return dict(self.refusals)
+
+    def gauges(self) -> dict[str, float | int | bool | None]:
+        runner = self.swap.runner if self.swap is not None else None
+        return {
+            "update_trial_active": runner is not None,
+            "update_trial_inputs": runner.trial.inputs if runner is not None else 0,
+        }
+
+    def status(self) -> dict[str, Any]:
+        runner = self.swap.runner if self.swap is not None else None
+        with self._lock:
+            state = self.state.as_dict()
+            last = self.last.as_dict() if self.last else None
+            refusal = self.last_refusal.as_dict() if self.last_refusal else None
+        return {
+            "repository": self.client.repository,
+            "device": self.device,
+            "running": self.running_version,
+            "state": "trial" if runner is not None else (last["step"] if last else "idle"),
+            "last": last,
+            "last_refusal": refusal,
+            "trial": runner.trial.figures() if runner is not None else None,
+            "last_trial": self.last_trial,
+            "committed": state["committed"],
+            "previous": state["previous"],
+            "refused": state["refused"],
+            "refusals": {k: v for k, v in self.refusals.items() if v},
+        }

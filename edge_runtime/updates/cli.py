@@ -1,0 +1,167 @@
+"""``edgeline keys generate`` and ``edgeline publish``: signing bundles for a fleet (``edgeline rollout`` lives in
+``edgeline.updates.rollout_cli``). Registering imports nothing heavy: python-tuf loads when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from edgeline.arguments import bounded_int
+
+__all__ = ["register"]
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range; valid: 0 to 1")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    keys = subparsers.add_parser(
+        "keys",
+        help="signing keys for updates",
+        description="Signing keys for a repository of updates (TUF roles: root, targets, snapshot, timestamp).",
+    )
+    actions = keys.add_subparsers(dest="keys_action", metavar="ACTION", required=True)
+    generate = actions.add_parser(
+        "generate",
+        help="create the four ed25519 keys and DIR/root.json, the root metadata devices pin",
+        description=(
+            "Create one ed25519 key per TUF role in DIR (root.key, targets.key, snapshot.key, timestamp.key; "
+            "owner-readable only) and DIR/root.json, the signed root metadata every device pins with "
+            "--trusted-root. Keep root.key offline: only a new root (key rotation, yearly renewal) needs it. "
+            "Set EDGELINE_KEY_PASSPHRASE to write (and later read) the keys encrypted."
+        ),
+    )
+    generate.add_argument("directory", metavar="DIR", type=Path, help="where the keys and root.json go")
+    generate.add_argument(
+        "--force", action="store_true", help="replace existing keys (every device must then be re-provisioned)"
+    )
+    generate.set_defaults(func=_generate)
+
+    publish = subparsers.add_parser(
+        "publish",
+        help="sign a bundle into an update repository",
+        description=(
+            "Add BUNDLE, packed as one archive, to the TUF repository REPO as a signed target whose metadata "
+            "carries what a device checks before fetching it (name, version, profile, backend, runtime, the "
+            "manifest's sha256, the trial's gates), then sign new targets, snapshot and timestamp metadata. "
+            "REPO is a directory: serve it over HTTP(S), rsync it or copy it to a USB stick. Without BUNDLE, "
+            "--refresh re-signs the current state with new expiry dates."
+        ),
+    )
+    publish.add_argument("bundle", metavar="BUNDLE", type=Path, nargs="?", help="a bundle directory (edgeline export)")
+    publish.add_argument(
+        "--repo", metavar="REPO", type=Path, required=True, help="the repository directory (created if new)"
+    )
+    publish.add_argument(
+        "--keys", metavar="DIR", type=Path, required=True, help="the keys directory (edgeline keys generate)"
+    )
+    publish.add_argument(
+        "--expires-days", metavar="N", type=_positive, default=None,
+        help="days until the timestamp metadata expires (default 30; targets and snapshot: 365 or N if longer)",
+    )  # fmt: skip
+    publish.add_argument("--refresh", action="store_true", help="re-sign the current state (no BUNDLE)")
+    publish.add_argument(
+        "--devices", metavar="ID,ID", default=None,
+        help="offer the bundle to these device instance ids only (default: every device; `edgeline rollout` widens it)",
+    )  # fmt: skip
+    gates = publish.add_argument_group("trial gates (checked on each device before the new version is committed)")
+    gates.add_argument(
+        "--trial-inputs", metavar="N", type=bounded_int(1, 1_000_000), help="inputs in the trial (default 200)"
+    )
+    gates.add_argument("--trial-seconds", metavar="S", type=_positive, help="longest trial, in seconds (default 600)")
+    gates.add_argument(
+        "--min-agreement",
+        metavar="F",
+        type=_fraction,
+        help="share of inputs answered as the previous version did (default 0.90)",
+    )
+    gates.add_argument(
+        "--max-error-rate",
+        metavar="F",
+        type=_fraction,
+        help="share of inputs the new version may fail where the previous answered (default 0.01)",
+    )
+    gates.add_argument(
+        "--tolerance",
+        metavar="F",
+        type=_positive,
+        help="non-classifiers: relative difference that still agrees (default 0.1)",
+    )
+    gates.add_argument(
+        "--max-latency-ms",
+        metavar="MS",
+        type=_positive,
+        help="p95 model latency on the device (default: the profile's budget)",
+    )
+    publish.add_argument("--json", action="store_true", help="print what was published as one JSON document")
+    publish.set_defaults(func=_publish)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from edgeline.updates.keys import generate
+
+    root = generate(args.directory, force=args.force)
+    print(f"wrote the root, targets, snapshot and timestamp keys and {root}")
+    print(f"devices pin {root}: edgeline run BUNDLE --updates REPO --trusted-root root.json")
+    print(f"keep {args.directory / 'root.key'} offline; publishing needs the other three")
+    return 0
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from edgeline.errors import UpdateError
+    from edgeline.updates.policy import Gates
+    from edgeline.updates.repository import Repository
+
+    repository = Repository(args.repo, args.keys)
+    if args.bundle is None:
+        if not args.refresh:
+            raise UpdateError("give a BUNDLE to publish, or --refresh to re-sign the current state")
+        version = repository.refresh(expires_days=args.expires_days)
+        print(f"re-signed {args.repo} (targets version {version})")
+        return 0
+    if args.refresh:
+        raise UpdateError("--refresh re-signs without a bundle; give one or the other")
+    chosen = {
+        "inputs": args.trial_inputs, "seconds": args.trial_seconds, "min_agreement": args.min_agreement,
+        "max_error_rate": args.max_error_rate, "tolerance": args.tolerance, "max_latency_ms": args.max_latency_ms,
+    }  # fmt: skip
+    gates = Gates(**{k: v for k, v in chosen.items() if v is not None})
+    audience = tuple(d.strip() for d in args.devices.split(",") if d.strip()) if args.devices is not None else None
+    published = repository.publish(args.bundle, gates=gates, audience=audience, expires_days=args.expires_days)
+    facts = published.facts
+    if args.json:
+        document = {"path": published.path, "archive": str(published.archive), "length": published.length}
+        document.update(targets_version=published.targets_version, **facts.model_dump(mode="json"))
+        print(json.dumps(document, indent=2))
+        return 0
+    who = "every device" if facts.audience is None else f"{len(facts.audience)} device(s)"
+    print(
+        f"published {facts.name} v{facts.version} ({facts.profile}, {facts.backend} {facts.precision}) as "
+        f"{published.path}: {published.length} bytes, offered to {who}; targets metadata v{published.targets_version}"
+    )
+    g = facts.trial
+    latency = f"{g.max_latency_ms} ms" if g.max_latency_ms else "the profile's budget"
+    print(
+        f"trial on each device: {g.inputs} inputs or {g.seconds:g} s, errors <= {g.max_error_rate:.1%}, "
+        f"agreement >= {g.min_agreement:.0%}, p95 latency <= {latency}"
+    )
+    return 0

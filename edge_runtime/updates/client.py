@@ -1,0 +1,212 @@
+"""The device's side of a signed update: TUF's ``Updater`` with the pinned root, over a local directory, a
+``file://`` URL (a USB stick, an rsync target) or HTTP(S).
+
+``UpdateClient.check`` refreshes the metadata (root chain, timestamp, snapshot, targets: every signature, version
+and expiry checked by python-tuf) and says which version this device should take. ``fetch`` downloads that
+target (its length and sha256 checked against the signed metadata while it arrives) and ``unpack`` opens it into a
+bundle whose manifest and files match. Every failure is an ``UpdateRefused`` with a reason: nothing of a refused
+update reaches a model parser.
+
+The list of targets is read from the targets metadata python-tuf has just verified and stored (``targets.json`` in
+its metadata directory, its documented cache); the chosen target is then asked of the ``Updater`` itself
+(``get_targetinfo``), so what is fetched is always what the trusted metadata says.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from edgeline.bundle import Bundle
+from edgeline.errors import UpdateError, UpdateRefused
+from edgeline.updates.archive import unpack
+from edgeline.updates.policy import Choice, TargetFacts, choose, target_path
+
+__all__ = ["LocalFetcher", "UpdateClient", "repository_urls"]
+
+log = logging.getLogger("edgeline.updates")
+
+
+def repository_urls(repository: str) -> tuple[str, str, bool]:
+    """(metadata base URL, targets base URL, local) for a directory, a ``file://`` URL or an HTTP(S) URL."""
+    parsed = urlparse(repository)
+    if parsed.scheme in ("http", "https"):
+        base = repository.rstrip("/")
+        return f"{base}/metadata/", f"{base}/targets/", False
+    if parsed.scheme == "file":
+        directory = Path(unquote(parsed.path))
+    elif parsed.scheme in ("",) or (len(parsed.scheme) == 1 and repository[1:3] == ":\\"):
+        directory = Path(repository)
+    else:
+        raise UpdateError(f"updates repository {repository!r}: use a directory, a file:// URL or an http(s):// URL")
+    base = directory.resolve().as_uri()
+    return f"{base}/metadata/", f"{base}/targets/", True
+
+
+def _fetcher_base() -> type:
+    from tuf.ngclient import FetcherInterface
+
+    return FetcherInterface
+
+
+class LocalFetcher(_fetcher_base()):  # type: ignore[misc]
+    """``file://`` URLs: a repository on a mounted medium. A missing file is a 404, as python-tuf expects from a
+    fetcher (it ends the walk along the root chain)."""
+
+    def _fetch(self, url: str) -> Iterator[bytes]:
+        from tuf.api.exceptions import DownloadHTTPError
+
+        path = Path(unquote(urlparse(url).path))
+        try:
+            handle = path.open("rb")
+        except FileNotFoundError as exc:
+            raise DownloadHTTPError(f"{path}: not found", 404) from exc
+        except OSError as exc:
+            raise DownloadHTTPError(f"{path}: {exc.strerror or exc}", 403) from exc
+        return self._chunks(handle)
+
+    @staticmethod
+    def _chunks(handle: Any) -> Iterator[bytes]:
+        with handle:
+            while chunk := handle.read(1 << 16):
+                yield chunk
+
+
+@dataclass(frozen=True)
+class Offer:
+    facts: TargetFacts
+    path: str
+    info: Any  # tuf.api.metadata.TargetFile, from the trusted metadata
+
+
+def refusal_from(exc: Exception, what: str) -> UpdateError:
+    """python-tuf's exceptions as edgeline's refusals (or, for a repository out of reach, an ``UpdateError``)."""
+    from tuf.api import exceptions as tuf_errors
+
+    text = f"{what}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, tuf_errors.UnsignedMetadataError):
+        return UpdateRefused(f"{text} (not signed by the keys the pinned root trusts)", reason="bad-signature")
+    if isinstance(exc, tuf_errors.LengthOrHashMismatchError):
+        return UpdateRefused(f"{text} (its bytes differ from the signed metadata)", reason="tampered")
+    if isinstance(exc, tuf_errors.BadVersionNumberError):
+        return UpdateRefused(f"{text} (older metadata than this device has seen: a replay)", reason="rollback")
+    if isinstance(exc, tuf_errors.ExpiredMetadataError):
+        return UpdateRefused(
+            f"{text} (the publisher re-signs it with `edgeline publish --refresh`; the running version keeps serving)",
+            reason="expired",
+        )
+    if isinstance(exc, tuf_errors.DownloadLengthMismatchError):
+        return UpdateRefused(f"{text} (longer than the signed metadata allows)", reason="tampered")
+    if isinstance(exc, tuf_errors.RepositoryError):
+        return UpdateRefused(text, reason="malformed")
+    return UpdateError(f"{text} (the repository cannot be read now; tried again at the next check)")
+
+
+class UpdateClient:
+    """One device's view of one repository. ``work`` holds python-tuf's metadata (``work/tuf``) and downloads."""
+
+    def __init__(self, repository: str, trusted_root: Path, work: Path):
+        try:
+            self.bootstrap = trusted_root.read_bytes()
+        except OSError as exc:
+            raise UpdateError(f"trusted root {trusted_root}: {exc.strerror or exc}") from exc
+        self.repository = repository
+        self.metadata_url, self.targets_url, self.local = repository_urls(repository)
+        self.work = work
+        self.metadata_dir = work / "tuf"
+        self.downloads = work / "downloads"
+
+    def _updater(self) -> Any:
+        from tuf.ngclient import Updater
+
+        self.metadata_dir.mkdir(parents=True, exist_ok=True)
+        self.downloads.mkdir(parents=True, exist_ok=True)
+        try:
+            return Updater(
+                str(self.metadata_dir),
+                self.metadata_url,
+                str(self.downloads),
+                self.targets_url,
+                fetcher=LocalFetcher() if self.local else None,
+                bootstrap=self.bootstrap,
+            )
+        except Exception as exc:
+            raise refusal_from(exc, "the pinned trusted root") from exc
+
+    def check(self, *, name: str, device: str, running: int, refused: Collection[int] = ()) -> tuple[Choice, Any]:
+        """Refresh the signed metadata and choose; returns the choice and the refreshed ``Updater``."""
+        from tuf.api.metadata import Metadata, Targets
+
+        updater = self._updater()
+        try:
+            updater.refresh()
+        except Exception as exc:
+            raise refusal_from(exc, f"repository {self.repository}") from exc
+        stored = Metadata[Targets].from_file(str(self.metadata_dir / "targets.json"))
+        facts = []
+        for path, info in stored.signed.targets.items():
+            if not path.startswith(f"{name}/"):
+                continue
+            try:
+                facts.append(TargetFacts.from_custom(path, info.custom))
+            except UpdateRefused as exc:
+                log.warning("%s", exc)
+        return choose(facts, name=name, device=device, running=running, refused=refused), updater
+
+    def offer(self, updater: Any, facts: TargetFacts) -> Offer:
+        path = target_path(facts.name, facts.version)
+        try:
+            info = updater.get_targetinfo(path)
+        except Exception as exc:
+            raise refusal_from(exc, f"target {path}") from exc
+        if info is None:
+            raise UpdateRefused(
+                f"target {path} is not in the trusted metadata", reason="malformed", version=facts.version
+            )
+        trusted = TargetFacts.from_custom(path, info.custom)
+        if trusted != facts:
+            raise UpdateRefused(f"target {path}: its metadata changed while it was read", reason="malformed")
+        return Offer(facts=trusted, path=path, info=info)
+
+    def fetch(self, updater: Any, offer: Offer) -> Path:
+        """The target's archive, downloaded and checked against its signed length and sha256."""
+        destination = self.downloads / f"{offer.facts.name}-v{offer.facts.version}.tar"
+        cached = updater.find_cached_target(offer.info, str(destination))
+        if cached:
+            return Path(cached)
+        try:
+            return Path(updater.download_target(offer.info, str(destination)))
+        except Exception as exc:
+            destination.unlink(missing_ok=True)
+            error = refusal_from(exc, f"target {offer.path}")
+            if isinstance(error, UpdateRefused):
+                error.version = offer.facts.version
+            raise error from exc
+
+    def unpack(self, archive: Path, offer: Offer, destination: Path) -> Bundle:
+        """The archive as a bundle directory at ``destination``; its manifest must be the signed one and agree with
+        the signed facts."""
+        if destination.exists():
+            shutil.rmtree(destination)
+        try:
+            bundle = unpack(archive, destination, manifest_sha=offer.facts.manifest_sha256)
+        except UpdateRefused as exc:
+            exc.version = offer.facts.version
+            raise
+        manifest, facts = bundle.manifest, offer.facts
+        if (manifest.name, manifest.version, manifest.profile, manifest.backend) != (
+            facts.name, facts.version, facts.profile, facts.backend,
+        ):  # fmt: skip
+            shutil.rmtree(destination, ignore_errors=True)
+            raise UpdateRefused(
+                f"{offer.path}: its manifest says {manifest.name} v{manifest.version} ({manifest.profile}, "
+                f"{manifest.backend}), its signed metadata {facts.name} v{facts.version}",
+                reason="tampered",
+                version=facts.version,
+            )
+        return bundle

@@ -1,0 +1,156 @@
+"""The signing keys of a repository: one ed25519 key per TUF role, and the root metadata that devices pin.
+
+    DIR/root.json        the signed root metadata: copy it to every device (``--trusted-root``)
+    DIR/1.root.json      the same, by version (a new root is signed by the old one: devices follow the chain)
+    DIR/root.key         the root key: keep it offline; only a new root (key rotation, renewal) needs it
+    DIR/targets.key      signs what bundles exist (``edgeline publish``, ``edgeline rollout``)
+    DIR/snapshot.key     signs which targets metadata is current
+    DIR/timestamp.key    signs that the snapshot is fresh: the key a gateway that re-signs often holds
+
+The private keys are PKCS#8 PEM files, readable by their owner only. When ``EDGELINE_KEY_PASSPHRASE`` is set they
+are written encrypted with it (and read with it): the passphrase never appears on a command line. A hardware token
+(a YubiKey or another PKCS#11 device) fits the same roles later: securesystemslib's ``HSMSigner`` signs with a key
+that never leaves it, and only the loading in ``signer`` would change (docs/updates.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgeline.errors import EdgelineError
+
+if TYPE_CHECKING:
+    from securesystemslib.signer import CryptoSigner
+    from tuf.api.metadata import Metadata, Root
+
+__all__ = [
+    "PASSPHRASE_ENV",
+    "ROLES",
+    "ROOT_EXPIRY_DAYS",
+    "KeysError",
+    "generate",
+    "load_root",
+    "signer",
+]
+
+ROLES = ("root", "targets", "snapshot", "timestamp")
+PASSPHRASE_ENV = "EDGELINE_KEY_PASSPHRASE"
+ROOT_EXPIRY_DAYS = 365
+"""The root metadata's life: renewed yearly with the offline root key (docs/updates.md, "Expiry")."""
+
+
+class KeysError(EdgelineError):
+    """A keys directory that is missing, incomplete, or holds keys its root does not trust."""
+
+
+def utc_in(days: float) -> datetime:
+    """``days`` from now, in UTC, to the second (TUF's expiry format has no fraction)."""
+    return (datetime.now(timezone.utc) + timedelta(days=days)).replace(microsecond=0)
+
+
+@dataclass(frozen=True)
+class KeyFiles:
+    directory: Path
+
+    def key(self, role: str) -> Path:
+        return self.directory / f"{role}.key"
+
+    @property
+    def root(self) -> Path:
+        return self.directory / "root.json"
+
+
+def _passphrase() -> bytes | None:
+    value = os.environ.get(PASSPHRASE_ENV)
+    return value.encode() if value else None
+
+
+def generate(directory: Path, *, force: bool = False) -> Path:
+    """Write the four keys and the signed root metadata (version 1) into ``directory``; return root.json's path.
+    An existing key is never overwritten unless ``force``: losing the root key means re-provisioning every device."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import (
+        BestAvailableEncryption,
+        Encoding,
+        NoEncryption,
+        PrivateFormat,
+    )
+    from securesystemslib.signer import CryptoSigner, SSlibKey
+    from tuf.api.metadata import Metadata, Root
+    from tuf.api.serialization.json import JSONSerializer
+
+    files = KeyFiles(directory)
+    existing = [files.key(role) for role in ROLES if files.key(role).exists()] + [files.root] * files.root.exists()
+    if existing and not force:
+        raise KeysError(
+            f"{directory} already holds {', '.join(p.name for p in existing)}: keys are never overwritten "
+            "(devices trust them); choose another directory, or --force to replace them and re-provision every device"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    passphrase = _passphrase()
+    encryption = BestAvailableEncryption(passphrase) if passphrase else NoEncryption()
+    root = Root(expires=utc_in(ROOT_EXPIRY_DAYS), consistent_snapshot=True)
+    signers = {}
+    for role in ROLES:
+        private = Ed25519PrivateKey.generate()
+        public = SSlibKey.from_crypto(private.public_key())
+        root.add_key(public, role)
+        signers[role] = CryptoSigner(private, public)
+        pem = private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, encryption)
+        _write_private(files.key(role), pem)
+    metadata = Metadata(root)
+    metadata.sign(signers["root"])
+    data = metadata.to_bytes(JSONSerializer(compact=False))
+    for path in (files.root, directory / "1.root.json"):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return files.root
+
+
+def _write_private(path: Path, pem: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(pem)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def load_root(directory: Path) -> Metadata[Root]:
+    """The newest signed root metadata of the keys directory (``Metadata[Root]``)."""
+    from tuf.api.metadata import Metadata, Root
+
+    path = KeyFiles(directory).root
+    if not path.is_file():
+        raise KeysError(f"{directory}: no root.json (create the keys with `edgeline keys generate {directory}`)")
+    try:
+        return Metadata[Root].from_file(str(path))
+    except Exception as exc:  # DeserializationError, OSError
+        raise KeysError(f"{path}: not a TUF root metadata file ({exc})") from exc
+
+
+def signer(directory: Path, role: str) -> CryptoSigner:
+    """The signer of ``role`` from ``directory``, checked against the keys the root trusts for that role."""
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+    from securesystemslib.signer import CryptoSigner, SSlibKey
+
+    path = KeyFiles(directory).key(role)
+    if not path.is_file():
+        raise KeysError(f"{directory}: no {role}.key (the {role} role's key signs this step)")
+    try:
+        private = load_pem_private_key(path.read_bytes(), password=_passphrase())
+    except TypeError as exc:  # encrypted without a passphrase, or a passphrase for a plain key
+        raise KeysError(f"{path}: {exc} (the passphrase is read from ${PASSPHRASE_ENV})") from exc
+    except ValueError as exc:
+        raise KeysError(f"{path}: cannot read the key ({exc}; a wrong ${PASSPHRASE_ENV}?)") from exc
+    public = SSlibKey.from_crypto(private.public_key())
+    root = load_root(directory).signed
+    if public.keyid not in root.roles[role].keyids:
+        raise KeysError(f"{path}: this key is not the {role} key that {directory}/root.json trusts")
+    return CryptoSigner(private, public)

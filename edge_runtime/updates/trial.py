@@ -1,0 +1,133 @@
+"""The trial of a new version beside the previous one, on the same inputs.
+
+During the trial the new version answers, and for every input the previous version runs too (its answer is not
+published): the two are compared, and the new version's failures and latencies are counted. An input the new
+version fails on (an exception, NaN or Inf out) while the previous one answers is answered by the previous one,
+naming its version: an update never costs a user an answer. The trial ends after ``gates.inputs`` inputs, or after
+``gates.seconds`` once ``gates.min_inputs`` have been seen; ``judge`` then says commit or roll back, and why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgeline.arrays import all_finite
+from edgeline.updates.policy import Gates
+
+__all__ = ["Judgement", "Trial", "agree"]
+
+
+def agree(kind: str, new: Sequence[np.ndarray], old: Sequence[np.ndarray], *, tolerance: float,
+          new_flag: bool | None = None, old_flag: bool | None = None) -> bool:  # fmt: skip
+    """Whether two versions answered one input alike: the same top-1 class for a classifier, the same flag for an
+    anomaly detector, else every output within ``tolerance`` of the previous one, relative to its largest
+    magnitude."""
+    if kind == "classify":
+        return int(np.argmax(new[0])) == int(np.argmax(old[0]))
+    if kind == "anomaly" and new_flag is not None and old_flag is not None:
+        return new_flag == old_flag
+    for a, b in zip(new, old, strict=True):
+        if a.shape != b.shape:
+            return False
+        scale = max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-12)
+        if float(np.max(np.abs(a.astype(np.float64) - b))) > tolerance * scale:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Judgement:
+    commit: bool
+    reason: str
+    figures: dict[str, Any]
+
+
+@dataclass
+class Trial:
+    version: int
+    previous_version: int
+    gates: Gates
+    kind: str
+    latency_budget_ms: float | None
+    """The bundle's latency budget where this machine can be held to it; None: compare with the previous version."""
+    latency_note: str = ""
+    started: float = field(default_factory=time.monotonic)
+    inputs: int = 0
+    failures: int = 0
+    agreed: int = 0
+    new_ms: list[float] = field(default_factory=list)
+    old_ms: list[float] = field(default_factory=list)
+    last_failure: str | None = None
+
+    def record(
+        self, *, new_ok: bool, agreed: bool, new_s: float | None, old_s: float | None, failure: str | None = None
+    ) -> None:
+        self.inputs += 1
+        if not new_ok:
+            self.failures += 1
+            self.last_failure = failure
+        elif agreed:
+            self.agreed += 1
+        if new_s is not None:
+            self.new_ms.append(new_s * 1000.0)
+        if old_s is not None:
+            self.old_ms.append(old_s * 1000.0)
+
+    @staticmethod
+    def finite(outputs: Sequence[np.ndarray]) -> bool:
+        return all(all_finite(o) for o in outputs)
+
+    def done(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        if self.inputs >= self.gates.inputs:
+            return True
+        return now - self.started >= self.gates.seconds and self.inputs >= min(self.gates.min_inputs, self.gates.inputs)
+
+    @staticmethod
+    def _p95(values: list[float]) -> float | None:
+        return float(np.percentile(np.asarray(values), 95)) if values else None
+
+    def figures(self) -> dict[str, Any]:
+        answered = self.inputs - self.failures
+        return {
+            "version": self.version,
+            "previous": self.previous_version,
+            "inputs": self.inputs,
+            "of": self.gates.inputs,
+            "failures": self.failures,
+            "error_rate": self.failures / self.inputs if self.inputs else None,
+            "agreement": self.agreed / answered if answered else None,
+            "p95_ms": self._p95(self.new_ms),
+            "previous_p95_ms": self._p95(self.old_ms),
+            "elapsed_s": round(time.monotonic() - self.started, 3),
+        }
+
+    def judge(self) -> Judgement:
+        f = self.figures()
+        g = self.gates
+        if f["error_rate"] is not None and f["error_rate"] > g.max_error_rate:
+            why = f"failed on {self.failures} of {self.inputs} inputs the previous version answered"
+            why += f" ({f['error_rate']:.1%} > {g.max_error_rate:.1%})"
+            if self.last_failure:
+                why += f", e.g. {self.last_failure}"
+            return Judgement(False, why, f)
+        if f["agreement"] is not None and f["agreement"] < g.min_agreement:
+            what = "top-1 class" if self.kind == "classify" else ("flag" if self.kind == "anomaly" else "outputs")
+            share = f"{f['agreement']:.1%} of inputs (< {g.min_agreement:.0%})"
+            return Judgement(False, f"agreed with v{self.previous_version} ({what}) on {share}", f)
+        p95, old = f["p95_ms"], f["previous_p95_ms"]
+        limit = g.max_latency_ms or self.latency_budget_ms
+        if p95 is not None and limit is not None and p95 > limit:
+            return Judgement(False, f"p95 model latency {p95:.3g} ms > {limit:g} ms{self.latency_note}", f)
+        if p95 is not None and limit is None and old is not None and p95 > max(2.0 * old, 1.0):
+            return Judgement(
+                False,
+                f"p95 model latency {p95:.3g} ms > twice v{self.previous_version}'s {old:.3g} ms{self.latency_note}",
+                f,
+            )
+        return Judgement(True, f"{self.inputs} inputs: error rate, agreement and latency within the gates", f)

@@ -1,0 +1,314 @@
+"""Hot swap, trial, commit and roll back: `edgeline run --updates` as its own process against a real Mosquitto, with
+a signed repository in a temporary directory (``tests.update_repo``).
+
+Inputs come from a persistent QoS 1 publisher, answers go to a persistent subscriber (``tests.faults``); every
+input's id must come back exactly once, naming the version that answered it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+
+from edgeline.updates.policy import Gates
+from tests.conftest import needs_torch
+from tests.faults import DurableCollector, DurablePublisher
+from tests.mqtt_broker import Broker, BrokerFactory
+from tests.test_daemon_durability import DaemonProcess, inputs, missing_answers, publish_in_background
+from tests.tiny_bundle import TINY_MODEL_SOURCE, export_tiny
+from tests.update_repo import UpdateRepo, versioned
+
+pytestmark = pytest.mark.device
+
+TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def durable_broker(broker_factory: BrokerFactory) -> Broker:
+    return broker_factory(persistence=True)
+
+
+@pytest.fixture
+def answers(durable_broker: Broker, unique_topic: str) -> Iterator[DurableCollector]:
+    collector = DurableCollector(durable_broker, f"{unique_topic}/results/#", protocol=mqtt.MQTTv5)
+    yield collector.start_and_subscribe()
+    collector.close()
+
+
+@pytest.fixture
+def publisher(durable_broker: Broker) -> Iterator[DurablePublisher]:
+    with DurablePublisher(durable_broker, protocol=mqtt.MQTTv5) as client:
+        assert client.wait_connected()
+        yield client
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> UpdateRepo:
+    return UpdateRepo(tmp_path / "updates")
+
+
+class UpdatingDaemon(DaemonProcess):
+    """``DaemonProcess`` with ``[updates]`` on ``repo``, checked every 0.3 s, and a Prometheus port."""
+
+    def __init__(self, repo: UpdateRepo, broker: Broker, topic: str, state_dir: Path) -> None:
+        self.metrics_port = free_port()
+        self.state = state_dir
+        config = (
+            f'[updates]\nrepository = "{repo.directory}"\ntrusted_root = "{repo.trusted_root}"\n'
+            "check_interval_s = 0.3\n"
+            f"[health]\nstatus_interval_s = 1.0\nprometheus_port = {self.metrics_port}\n"
+        )
+        super().__init__(repo.bundle(1), broker.address, topic, state_dir, config)
+
+    def wait_logged(self, needle: str, *, count: int = 1, timeout: float = TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while self.log_text().count(needle) < count:
+            if time.monotonic() > deadline:
+                pytest.fail(f"{needle!r} never logged {count} time(s):\n{self.log_text()[-4000:]}")
+            if self.process is not None and self.process.poll() is not None:
+                pytest.fail(f"the daemon exited ({self.process.returncode}):\n{self.log_text()[-4000:]}")
+            time.sleep(0.05)
+
+    def update_state(self) -> dict[str, object]:
+        path = self.state / "tiny" / "updates" / "state.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+
+
+@pytest.fixture
+def daemon(repo: UpdateRepo, durable_broker: Broker, unique_topic: str, tmp_path: Path) -> Iterator[UpdatingDaemon]:
+    process = UpdatingDaemon(repo, durable_broker, unique_topic, tmp_path / "state")
+    yield process
+    process.kill()
+
+
+def versions_by_id(collector: DurableCollector) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for payload in collector.payloads:
+        answer = json.loads(payload)
+        found.setdefault(str(answer["id"]), []).append(int(answer["version"]))
+    return found
+
+
+def latest_status(broker: Broker, daemon: UpdatingDaemon) -> dict[str, object]:
+    """The retained status message of the daemon."""
+    import subprocess
+
+    topic = "edgeline/tiny/durable/status"
+    out = subprocess.run(
+        ["mosquitto_sub", "-h", "127.0.0.1", "-p", str(broker.port), "-t", topic, "-C", "1", "-W", "5"],
+        capture_output=True, text=True, timeout=10, check=False,
+    )  # fmt: skip
+    assert out.stdout, f"no retained status on {topic}: {out.stderr}"
+    return dict(json.loads(out.stdout.splitlines()[0]))
+
+
+def test_a_swap_under_a_steady_qos1_stream_loses_and_duplicates_nothing(
+    daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
+    answers: DurableCollector, unique_topic: str,
+) -> None:  # fmt: skip
+    daemon.start(durable_broker)
+    messages = inputs(f"{unique_topic}/sensors/cam0/image", 400)
+    sender = publish_in_background(publisher, messages, rate=50.0)
+    time.sleep(2.0)
+    repo.publish(2, gates=Gates(inputs=40, seconds=120))
+    sender.join(TIMEOUT_S)
+    ids = {json.loads(payload)["id"] for _, payload in messages}
+    assert not missing_answers(answers, ids), daemon.log_text()[-3000:]
+    daemon.wait_logged("v2 committed")
+
+    versions = versions_by_id(answers)
+    assert all(len(v) == 1 for v in versions.values()), "an input was answered twice"
+    in_order = [versions[json.loads(payload)["id"]][0] for _, payload in messages]
+    first_v2 = in_order.index(2)
+    assert in_order[:first_v2] == [1] * first_v2 and first_v2 > 0, "v1 answered first"
+    assert set(in_order[first_v2:]) == {2}, "after the swap, only v2 answered (the same model: no fallback needed)"
+    errors = [json.loads(p) for p in answers.payloads if "error" in json.loads(p)]
+    assert not errors, errors[:3]
+
+    state = daemon.update_state()
+    assert state["committed"] == {"version": 2, "bundle": "bundles/v2"}
+    assert state["previous"]["version"] == 1 and state["trying"] is None
+    status = latest_status(durable_broker, daemon)
+    update = status["update"]
+    assert status["version"] == 2 and update["running"] == 2 and update["committed"]["version"] == 2
+    assert update["last_trial"]["inputs"] == 40 and update["last_trial"]["agreement"] == 1.0
+    metrics = daemon.metrics()
+    assert 'edgeline_update_committed_total{daemon="durable",model="tiny",version="2"} 1.0' in metrics
+    assert re.search(r'edgeline_update_refused_total\{[^}]*reason="tampered"[^}]*\} 0\.0', metrics)
+    for step in ("found", "verified", "passed its golden self-test", "answers from now on", "committed"):
+        assert step in daemon.log_text(), step
+
+    assert daemon.terminate() == 0
+    daemon.start(durable_broker)
+    daemon.wait_logged("starting on the committed v2")
+    more = inputs(f"{unique_topic}/sensors/cam1/image", 10, prefix="after")
+    publisher.publish_all(more)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in more})
+    assert {versions_by_id(answers)[f"after{i}"][0] for i in range(10)} == {2}
+
+
+def test_a_signed_bundle_failing_its_self_test_is_refused_and_never_answers(
+    daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
+    answers: DurableCollector, unique_topic: str,
+) -> None:  # fmt: skip
+    daemon.start(durable_broker)
+    repo.publish(2, break_golden=True)
+    daemon.wait_logged("update refused (self-test)")
+    messages = inputs(f"{unique_topic}/sensors/cam0/image", 30)
+    publisher.publish_all(messages)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages})
+    assert {v[0] for v in versions_by_id(answers).values()} == {1}
+    state = daemon.update_state()
+    assert state["refused"]["2"]["reason"] == "self-test" and state["committed"] is None
+    assert not (daemon.state / "tiny" / "updates" / "bundles" / "v2").exists(), "the refused bundle is removed"
+    time.sleep(1.5)  # several checks: a refused version is not fetched again
+    assert daemon.log_text().count("v2 found") == 1
+    assert re.search(r'edgeline_update_refused_total\{[^}]*reason="self-test"[^}]*\} 1\.0', daemon.metrics())
+
+
+def test_a_tampered_archive_is_refused_with_one_log_line_however_often_it_is_checked(
+    daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker
+) -> None:
+    published = repo.publish(2)
+    data = bytearray(published.archive.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    published.archive.write_bytes(bytes(data))
+    daemon.start(durable_broker)
+    daemon.wait_logged("update refused (tampered)")
+    time.sleep(2.0)  # about six more checks
+    log = daemon.log_text()
+    assert log.count("update refused (tampered)") == 1, log[-3000:]
+    status = latest_status(durable_broker, daemon)
+    assert status["update"]["refusals"]["tampered"] >= 3
+    assert status["update"]["refused"] == {}, "a repository's fault is not held against the version"
+    assert not (daemon.state / "tiny" / "updates" / "bundles" / "v2").exists()
+
+
+STEP_LOGS = {
+    "found": "v2 found",
+    "verified": "signature, hashes and manifest verified",
+    "self-test": "passed its golden self-test",
+    "trial": "answers from now on",
+    "committed": "v2 committed",
+}
+
+
+def started_on(daemon: UpdatingDaemon, start: int) -> int:
+    """The version the ``start``-th start (1-based) of the daemon announced."""
+    daemon.wait_logged("edgeline run: tiny v", count=start)
+    versions = re.findall(r"edgeline run: tiny v(\d+)", daemon.log_text())
+    return int(versions[start - 1])
+
+
+@pytest.mark.parametrize("step", list(STEP_LOGS))
+def test_sigkill_after_each_step_of_a_swap_restarts_on_one_committed_version(
+    step: str, daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
+    answers: DurableCollector, unique_topic: str,
+) -> None:  # fmt: skip
+    daemon.start(durable_broker)
+    messages = inputs(f"{unique_topic}/sensors/cam0/image", 600)
+    sender = publish_in_background(publisher, messages, rate=60.0)
+    repo.publish(2, gates=Gates(inputs=30, seconds=120))
+    daemon.wait_logged(STEP_LOGS[step])
+    daemon.kill()  # as soon as the step is logged (the steps before the trial take milliseconds: a kill lands in
+    # the step named or a later one)
+    committed = daemon.update_state().get("committed")
+    expected = committed["version"] if committed else 1
+    daemon.start(durable_broker)
+    assert started_on(daemon, 2) == expected, f"killed at {step}: committed {committed}"
+    # the swap is taken up again and completes; every input is answered (at least once: a kill may redeliver)
+    if step != "committed":
+        daemon.wait_logged("v2 committed")
+    sender.join(TIMEOUT_S)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages}), daemon.log_text()[-3000:]
+    assert daemon.update_state()["committed"]["version"] == 2
+    late = inputs(f"{unique_topic}/sensors/cam1/image", 10, prefix="late")
+    publisher.publish_all(late)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in late})
+    assert {versions_by_id(answers)[f"late{i}"][0] for i in range(10)} == {2}
+
+
+def test_a_version_whose_trial_the_process_never_survives_is_refused(
+    daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
+    answers: DurableCollector, unique_topic: str,
+) -> None:  # fmt: skip
+    daemon.start(durable_broker)
+    messages = inputs(f"{unique_topic}/sensors/cam0/image", 400)
+    sender = publish_in_background(publisher, messages, rate=40.0)
+    repo.publish(2, gates=Gates(inputs=100_000, seconds=3600))
+    for start in (1, 2):
+        daemon.wait_logged("answers from now on", count=start)
+        daemon.kill()
+        daemon.start(durable_broker)
+        assert started_on(daemon, start + 1) == 1
+    daemon.wait_logged("the process ended 2 times during its trial")
+    sender.join(TIMEOUT_S)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages})
+    state = daemon.update_state()
+    assert state["refused"]["2"]["reason"] == "trial" and state["trying"] is None and state["committed"] is None
+    late = inputs(f"{unique_topic}/sensors/cam1/image", 10, prefix="late")
+    publisher.publish_all(late)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in late})
+    assert {versions_by_id(answers)[f"late{i}"][0] for i in range(10)} == {1}
+
+
+RETRAINED_SOURCE = TINY_MODEL_SOURCE.replace(
+    "def model():\n    return Tiny()",
+    "def model():\n    torch.manual_seed(7)  # other weights: another training run\n    return Tiny()",
+)
+
+
+@pytest.mark.workstation
+def test_a_version_that_disagrees_in_its_trial_is_rolled_back_and_never_answers_after_it(
+    daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
+    answers: DurableCollector, unique_topic: str, sample_files: dict[str, Path], tmp_path: Path,
+) -> None:  # fmt: skip
+    needs_torch("exporting a retrained model")
+    source = tmp_path / "retrained.py"
+    source.write_text(RETRAINED_SOURCE)
+    assert RETRAINED_SOURCE != TINY_MODEL_SOURCE
+    exported = tmp_path / "retrained"
+    assert export_tiny(source, sample_files, exported) == 0
+    repo.repository.publish(
+        versioned(tmp_path / "v2", 2, source=exported, manifest={"name": "tiny"}), gates=Gates(inputs=40, seconds=120)
+    )
+
+    daemon.start(durable_broker)
+    messages = inputs(f"{unique_topic}/sensors/cam0/image", 300)
+    sender = publish_in_background(publisher, messages, rate=50.0)
+    daemon.wait_logged("v2 rolled back to v1")
+    sender.join(TIMEOUT_S)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages})
+    versions = versions_by_id(answers)
+    assert all(len(v) == 1 for v in versions.values()), "an input was answered twice"
+    in_order = [versions[json.loads(p)["id"]][0] for _, p in messages]
+    first, last = in_order.index(2), len(in_order) - 1 - in_order[::-1].index(2)
+    assert set(in_order[first : last + 1]) == {2} and last - first + 1 == 40, "v2 answered its 40 trial inputs"
+    assert set(in_order[last + 1 :]) == {1} and len(in_order) - last > 100, "only v1 after the trial"
+
+    state = daemon.update_state()
+    assert state["refused"]["2"]["reason"] == "trial" and state["committed"] is None
+    assert "agreed with v1" in state["refused"]["2"]["message"]
+    update = latest_status(durable_broker, daemon)["update"]
+    assert update["last"]["step"] == "rolled-back" and "agreed with v1" in update["last"]["message"]
+    assert update["last_trial"]["agreement"] < 0.9
+    time.sleep(1.0)
+    assert daemon.log_text().count("v2 found") == 1, "a rolled-back version is not tried again"
