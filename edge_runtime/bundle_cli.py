@@ -120,7 +120,7 @@ def describe_bundle(bundle: Bundle) -> dict[str, Any]:
             "files": len(sizes) + 1 + bool(signature_bytes),
             "max_model_bytes": manifest.budgets.max_model_bytes,
         },
-        # Signing is not implemented yet: a manifest.sig is reported, never taken as verified.
+        # Bundles are signed in an update repository (edgeline.updates); a manifest.sig is reported, never verified.
         "signature": {"present": signature.is_file(), "verified": False},
     }
 
@@ -229,8 +229,8 @@ def format_description(info: dict[str, Any]) -> str:
         f"in {size['files']} files (sizes and sha256 verified)",
         f"memory:       {_memory_line(info['memory'])}",
         "signature:    "
-        + ("manifest.sig present, not verified (this runtime does not check signatures yet)"
-           if signature["present"] else "unsigned (no manifest.sig)"),
+        + ("manifest.sig present, not verified (bundles are verified by an update repository's signed metadata)"
+           if signature["present"] else "none in the bundle (`edgeline publish` signs it in an update repository)"),
     ]  # fmt: skip
     if info["estimates"] is not None:
         lines.insert(lines.index(f"placement:    {_placement_line(info['placement'])}") + 1,

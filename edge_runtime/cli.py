@@ -26,7 +26,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "edgeline.export.cli",  # export
     "edgeline.commands",  # infer, verify
     "edgeline.doctor",  # doctor
-    "edgeline.updates.cli",  # keys, publish
+    "edgeline.updates.cli",  # keys, publish, rollout
     "edgeline.bundle_cli",  # bundle show
     "edgeline.daemon.run_command",  # run
     "edgeline.device_profiles.cli",  # profiles

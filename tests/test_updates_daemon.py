@@ -64,7 +64,7 @@ def repo(tmp_path: Path) -> UpdateRepo:
 class UpdatingDaemon(DaemonProcess):
     """``DaemonProcess`` with ``[updates]`` on ``repo``, checked every 0.3 s, and a Prometheus port."""
 
-    def __init__(self, repo: UpdateRepo, broker: Broker, topic: str, state_dir: Path) -> None:
+    def __init__(self, repo: UpdateRepo, broker: Broker, topic: str, state_dir: Path, version: int = 1) -> None:
         self.metrics_port = free_port()
         self.state = state_dir
         config = (
@@ -72,7 +72,7 @@ class UpdatingDaemon(DaemonProcess):
             "check_interval_s = 0.3\n"
             f"[health]\nstatus_interval_s = 1.0\nprometheus_port = {self.metrics_port}\n"
         )
-        super().__init__(repo.bundle(1), broker.address, topic, state_dir, config)
+        super().__init__(repo.bundle(version), broker.address, topic, state_dir, config)
 
     def wait_logged(self, needle: str, *, count: int = 1, timeout: float = TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -312,3 +312,45 @@ def test_a_version_that_disagrees_in_its_trial_is_rolled_back_and_never_answers_
     assert update["last_trial"]["agreement"] < 0.9
     time.sleep(1.0)
     assert daemon.log_text().count("v2 found") == 1, "a rolled-back version is not tried again"
+
+
+def test_a_revoked_version_sends_the_devices_that_committed_it_back_to_their_previous_one(
+    daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
+    answers: DurableCollector, unique_topic: str,
+) -> None:  # fmt: skip
+    daemon.start(durable_broker)
+    messages = inputs(f"{unique_topic}/sensors/cam0/image", 200)
+    sender = publish_in_background(publisher, messages, rate=50.0)
+    published = repo.publish(2, gates=Gates(inputs=20, seconds=60))
+    daemon.wait_logged("v2 committed")
+    repo.repository.update_target(published.path, lambda f: f.model_copy(update={"revoked": "halted by a rollout"}))
+    daemon.wait_logged("v2 revoked (halted by a rollout): back to v1")
+    sender.join(TIMEOUT_S)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages})
+    state = daemon.update_state()
+    assert state["committed"]["version"] == 1 and state["refused"]["2"]["reason"] == "revoked"
+    late = inputs(f"{unique_topic}/sensors/cam1/image", 10, prefix="late")
+    publisher.publish_all(late)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in late})
+    assert {versions_by_id(answers)[f"late{i}"][0] for i in range(10)} == {1}
+    assert daemon.terminate() == 0
+    daemon.start(durable_broker)
+    assert started_on(daemon, 2) == 1, "the revert is what is committed"
+
+
+def test_an_older_version_is_never_taken(
+    repo: UpdateRepo, durable_broker: Broker, unique_topic: str, tmp_path: Path
+) -> None:
+    repo.publish(1)
+    repo.publish(2)
+    daemon = UpdatingDaemon(repo, durable_broker, unique_topic, tmp_path / "state", version=3)
+    try:
+        daemon.start(durable_broker)
+        daemon.wait_logged("update refused (downgrade)")
+        time.sleep(1.0)
+        assert daemon.log_text().count("update refused (downgrade)") == 1
+        assert re.search(r'edgeline_update_refused_total\{[^}]*reason="downgrade"[^}]*\} [1-9]', daemon.metrics())
+        assert "found" not in daemon.log_text() and started_on(daemon, 1) == 3
+        assert daemon.update_state().get("refused", {}) == {}
+    finally:
+        daemon.kill()

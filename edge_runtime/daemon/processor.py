@@ -272,6 +272,8 @@ class Processor:
         payload = self.result_codec.encode(record, plain=True)
         self.metrics.observe("model", seconds)
         self.metrics.count("results")
+        if interpreted.get("anomaly"):  # the anomaly rate a rollout watches (edgeline.updates.rollout)
+            self.metrics.count("anomalies")
         return Answer(topic, payload, record, is_error=False)
 
     def _topic(self, template: str, device: str) -> str:

@@ -182,7 +182,7 @@ class Daemon:
         self.reload_requested = False
         """SIGHUP: drain like SIGTERM, then the command starts itself again (new configuration and bundle)."""
         self.metrics.declare(
-            "received", "results", "errors", "dropped", "published", "publish_refused", "batches", "disk_full",
+            "received", "results", "anomalies", "errors", "dropped", "published", "publish_refused", "batches", "disk_full",
             "intake_pauses", "outbox_read_back", "streams_evicted", "unpublishable",
         )  # fmt: skip
         self.metrics.gauges(self._gauges)

@@ -330,10 +330,13 @@ class UpdateAgent:
         if facts is None:
             newest = choice.newest_offered
             if newest is not None and newest < self.running_version and newest not in self.state.refused:
-                self._say(
-                    logging.INFO,
-                    f"the repository offers v{newest} at most; v{self.running_version} runs here (no downgrade)",
+                refusal = UpdateRefused(
+                    f"the repository offers v{newest} at most; v{self.running_version} runs here and versions "
+                    "never go back",
+                    reason="downgrade",
+                    version=newest,
                 )
+                self._refused(refusal, newest)
             return
         self.event(
             "found",

@@ -1,5 +1,6 @@
-"""``edgeline keys generate`` and ``edgeline publish``: signing bundles for a fleet (``edgeline rollout`` lives in
-``edgeline.updates.rollout_cli``). Registering imports nothing heavy: python-tuf loads when a command runs."""
+"""``edgeline keys generate``, ``edgeline publish`` and ``edgeline rollout``: signing bundles for a fleet.
+
+Registering imports nothing heavy: python-tuf loads when a command runs."""
 
 from __future__ import annotations
 
@@ -83,6 +84,10 @@ def register(subparsers: Any) -> None:
         "--devices", metavar="ID,ID", default=None,
         help="offer the bundle to these device instance ids only (default: every device; `edgeline rollout` widens it)",
     )  # fmt: skip
+    publish.add_argument(
+        "--hold", action="store_true",
+        help="offer the bundle to no device yet: `edgeline rollout NAME VERSION` takes it to the fleet in waves",
+    )  # fmt: skip
     gates = publish.add_argument_group("trial gates (checked on each device before the new version is committed)")
     gates.add_argument(
         "--trial-inputs", metavar="N", type=bounded_int(1, 1_000_000), help="inputs in the trial (default 200)"
@@ -115,6 +120,63 @@ def register(subparsers: Any) -> None:
     publish.add_argument("--json", action="store_true", help="print what was published as one JSON document")
     publish.set_defaults(func=_publish)
 
+    rollout = subparsers.add_parser(
+        "rollout",
+        help="take a published version to a fleet in waves, halting by itself on a regression",
+        description=(
+            "Offer NAME VERSION (published with --hold) to the fleet's canary devices first, watch their status "
+            "topics (swap outcome, error rate, anomaly rate, latency), then widen in waves twice the size of what "
+            "came before. A wave whose failure rate exceeds --max-failure-rate halts the rollout: the version is "
+            "revoked in the signed metadata, the devices that took it go back to their previous version, and the "
+            "rest never fetch it. Runs at a gateway beside the broker; exit 1 when halted."
+        ),
+    )
+    rollout.add_argument("name", metavar="NAME", help="the bundle name")
+    rollout.add_argument("version", metavar="VERSION", type=bounded_int(1), help="the version to roll out")
+    rollout.add_argument("--repo", metavar="REPO", type=Path, required=True, help="the repository directory")
+    rollout.add_argument("--keys", metavar="DIR", type=Path, required=True, help="the keys directory")
+    rollout.add_argument("--fleet", metavar="FLEET.toml", type=Path, required=True, help="the devices and their broker")
+    rollout.add_argument(
+        "--canary", metavar="K", type=bounded_int(1), default=1, help="devices in the first wave (default 1)"
+    )
+    rollout.add_argument(
+        "--max-failure-rate", metavar="R", type=_fraction, default=0.1,
+        help="share of a wave's devices that may fail before the rollout halts (default 0.1)",
+    )  # fmt: skip
+    rollout.add_argument(
+        "--wave-timeout", metavar="S", type=_positive, default=900.0, help="seconds for a wave's outcomes (default 900)"
+    )
+    rollout.add_argument(
+        "--soak",
+        metavar="S",
+        type=float,
+        default=60.0,
+        help="seconds a wave's devices are watched after they commit (default 60)",
+    )
+    rollout.add_argument("--json", action="store_true", help="print the outcome as one JSON document at the end")
+    rollout.set_defaults(func=_rollout)
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from edgeline.errors import UpdateError
+    from edgeline.updates.repository import Repository
+    from edgeline.updates.rollout import Rollout, RolloutOptions, load_fleet
+
+    fleet = load_fleet(args.fleet)
+    if fleet.name is not None and fleet.name != args.name:
+        raise UpdateError(f"{args.fleet} is the fleet of {fleet.name!r}, not {args.name!r}")
+    if args.soak < 0:
+        raise UpdateError("--soak: seconds, 0 or more")
+    options = RolloutOptions(
+        canary=args.canary, max_failure_rate=args.max_failure_rate, wave_timeout_s=args.wave_timeout, soak_s=args.soak
+    )
+    rollout = Rollout(Repository(args.repo, args.keys), fleet, args.name, args.version, options)
+    done = rollout.run()
+    if args.json:
+        print(json.dumps({"name": args.name, "version": args.version, "completed": done, "halted": rollout.halted,
+                          "devices": [o.as_dict() for o in rollout.outcomes.values()]}, indent=2))  # fmt: skip
+    return 0 if done else 1
+
 
 def _generate(args: argparse.Namespace) -> int:
     from edgeline.updates.keys import generate
@@ -145,7 +207,11 @@ def _publish(args: argparse.Namespace) -> int:
         "max_error_rate": args.max_error_rate, "tolerance": args.tolerance, "max_latency_ms": args.max_latency_ms,
     }  # fmt: skip
     gates = Gates(**{k: v for k, v in chosen.items() if v is not None})
+    if args.hold and args.devices is not None:
+        raise UpdateError("--hold offers the bundle to no device; --devices to some: give one or the other")
     audience = tuple(d.strip() for d in args.devices.split(",") if d.strip()) if args.devices is not None else None
+    if args.hold:
+        audience = ()
     published = repository.publish(args.bundle, gates=gates, audience=audience, expires_days=args.expires_days)
     facts = published.facts
     if args.json:
@@ -154,6 +220,8 @@ def _publish(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
         return 0
     who = "every device" if facts.audience is None else f"{len(facts.audience)} device(s)"
+    if facts.audience == ():
+        who = "no device yet (held for `edgeline rollout`)"
     print(
         f"published {facts.name} v{facts.version} ({facts.profile}, {facts.backend} {facts.precision}) as "
         f"{published.path}: {published.length} bytes, offered to {who}; targets metadata v{published.targets_version}"

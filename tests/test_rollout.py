@@ -1,0 +1,73 @@
+"""``edgeline rollout``: its waves, its judgement of a device's health, its fleet file; and, against a simulated
+fleet of real daemons on a real Mosquitto, a good version reaching every device and a bad canary halting it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgeline.cli import main
+from edgeline.errors import UpdateError
+from edgeline.updates.rollout import Health, load_fleet, regression, waves
+
+pytestmark = pytest.mark.device
+
+
+def test_waves_start_with_the_canaries_and_double_what_came_before() -> None:
+    devices = [f"d{i}" for i in range(10)]
+    assert [len(w) for w in waves(devices, 1)] == [1, 1, 2, 4, 2]
+    assert [len(w) for w in waves(devices, 3)] == [3, 3, 4]
+    assert waves(devices[:2], 5) == [["d0", "d1"]]
+    assert [d for w in waves(devices, 2) for d in w] == devices, "every device once, in order"
+
+
+def health(received: int, errors: int, results: int, anomalies: int, p99: float | None) -> Health:
+    return Health(received=received, errors=errors, results=results, anomalies=anomalies, p99_ms=p99, at=0.0)
+
+
+def test_a_regression_is_judged_against_the_devices_own_rates_before() -> None:
+    before = health(1000, 10, 990, 50, 2.0)  # 1% errors, 5% anomalies
+    same = health(1100, 11, 1089, 55, 2.2)
+    assert regression(before, same, max_error_increase=0.02, max_anomaly_increase=0.05) is None
+    errors = health(1100, 20, 1080, 54, 2.0)  # 10 errors in 100 inputs
+    assert "error rate 10.0%" in (regression(before, errors, max_error_increase=0.02, max_anomaly_increase=0.05) or "")
+    anomalies = health(1100, 10, 1090, 80, 2.0)  # 30 anomalies in 100 results
+    assert "anomaly rate" in (regression(before, anomalies, max_error_increase=0.02, max_anomaly_increase=0.05) or "")
+    slow = health(1100, 10, 1090, 55, 5.0)
+    assert "p99" in (regression(before, slow, max_error_increase=0.02, max_anomaly_increase=0.05) or "")
+    quiet = health(1000, 10, 990, 50, 2.0)
+    assert regression(before, quiet, max_error_increase=0.02, max_anomaly_increase=0.05) is None, "no inputs: no rate"
+
+
+def test_the_fleet_file_puts_canaries_first_and_refuses_mistakes(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        'name = "tiny"\n[broker]\nport = 1884\n'
+        '[[device]]\nid = "a"\n[[device]]\nid = "b"\ngroup = "canary"\n[[device]]\nid = "c"\n'
+    )
+    fleet = load_fleet(path)
+    assert fleet.ordered() == ["b", "a", "c"] and fleet.broker.port == 1884
+    path.write_text('[[device]]\nid = "a"\n[[device]]\nid = "a"\n')
+    with pytest.raises(UpdateError, match="twice"):
+        load_fleet(path)
+    path.write_text('[[device]]\nid = "a/b"\n')
+    with pytest.raises(UpdateError, match=r"device\.0\.id|device"):
+        load_fleet(path)
+    path.write_text("[broker]\nport = 1883\n")
+    with pytest.raises(UpdateError, match="device"):
+        load_fleet(path)
+
+
+def test_rollout_refuses_a_version_not_held_for_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.update_repo import UpdateRepo
+
+    repo = UpdateRepo(tmp_path / "u")
+    repo.publish(2)  # offered to every device at once: nothing left to roll out
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('name = "tiny"\n[[device]]\nid = "a"\n')
+    args = ["rollout", "tiny", "2", "--repo", str(repo.directory), "--keys", str(repo.keys), "--fleet", str(fleet)]
+    assert main(args) == 2
+    assert "publish it with --hold" in capsys.readouterr().err
+    assert main([*args[:2], "3", *args[3:]]) == 2
+    assert "v3 is not published" in capsys.readouterr().err
