@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from edgeline.model import Model, load
-from edgeline.updates.agent import TrialRunner
 from edgeline.updates.policy import Gates
+from edgeline.updates.swap import TrialRunner
 from edgeline.updates.trial import Trial, agree
 from tests.tiny_bundle import COMMITTED_BUNDLE
 from tests.update_repo import versioned
@@ -69,7 +69,7 @@ def test_the_judgement_names_the_gate_that_failed() -> None:
     slow = trial(inputs=10)
     for _ in range(10):
         slow.record(new_ok=True, agreed=True, new_s=0.030, old_s=0.002)
-    assert not slow.judge().commit and "twice" in slow.judge().reason, "without a budget: twice the previous p95"
+    assert not slow.judge().commit and "twice" in slow.judge().reason, "without a budget: twice the previous median"
     within = Trial(version=2, previous_version=1, gates=Gates(inputs=10), kind="classify", latency_budget_ms=50.0)
     for _ in range(10):
         within.record(new_ok=True, agreed=True, new_s=0.030, old_s=0.002)

@@ -52,8 +52,9 @@ from edgeline.machine import this_machine
 from edgeline.model import load
 
 if TYPE_CHECKING:
-    from edgeline.updates.agent import Swap, UpdateAgent
+    from edgeline.updates.agent import UpdateAgent
     from edgeline.updates.store import State, Store
+    from edgeline.updates.swap import Swap
 
 __all__ = ["EXIT_FAILED", "Daemon"]
 
@@ -182,8 +183,8 @@ class Daemon:
         self.reload_requested = False
         """SIGHUP: drain like SIGTERM, then the command starts itself again (new configuration and bundle)."""
         self.metrics.declare(
-            "received", "results", "anomalies", "errors", "dropped", "published", "publish_refused", "batches", "disk_full",
-            "intake_pauses", "outbox_read_back", "streams_evicted", "unpublishable",
+            "received", "results", "anomalies", "errors", "dropped", "published", "publish_refused", "batches",
+            "disk_full", "intake_pauses", "outbox_read_back", "streams_evicted", "unpublishable",
         )  # fmt: skip
         self.metrics.gauges(self._gauges)
         self.metrics.counters(self._counters)
@@ -193,8 +194,9 @@ class Daemon:
             self._attach_updates(store, update_state, start_on, backend)
 
     def _attach_updates(self, store: Store, state: State, start_on: Path, backend: str | None) -> None:
-        from edgeline.updates.agent import Swap, UpdateAgent
+        from edgeline.updates.agent import UpdateAgent
         from edgeline.updates.client import UpdateClient
+        from edgeline.updates.swap import Swap
 
         updates = self.config.updates
         assert updates.repository is not None and updates.trusted_root is not None

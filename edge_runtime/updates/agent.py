@@ -1,5 +1,5 @@
-"""The daemon's side of updates: a thread that checks the repository, and a swap the worker makes between two
-messages.
+"""The daemon's side of updates: a thread that checks the repository and takes a new version through its steps
+(the swap itself, on the worker thread, is ``edgeline.updates.swap``).
 
     update thread (every check_interval_s)              worker thread (between two batches: ``Swap.poll``)
     check ─► found ─► precheck ─► fetch (TUF: length,   ─► trial: the new version answers, the previous one runs
@@ -24,19 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from edgeline.errors import REFUSAL_REASONS, BackendUnavailableError, EdgelineError, UpdateError, UpdateRefused
-from edgeline.updates.policy import TargetFacts, precheck
+from edgeline.updates.policy import precheck
 from edgeline.updates.store import MAX_TRIAL_ATTEMPTS, Installed, State, Store
-from edgeline.updates.trial import Trial, agree
+from edgeline.updates.swap import Swap
 
 if TYPE_CHECKING:
-    from edgeline.daemon.processor import Processor
     from edgeline.model import Model
     from edgeline.updates.client import UpdateClient
 
-__all__ = ["PERSISTED_REASONS", "Event", "Swap", "TrialRunner", "UpdateAgent", "starting_bundle"]
+__all__ = ["PERSISTED_REASONS", "Event", "UpdateAgent", "starting_bundle"]
 
 log = logging.getLogger("edgeline.updates")
 
@@ -95,158 +92,6 @@ def starting_bundle(store: Store, given: Path, given_version: int) -> tuple[Path
         log.info("starting on the committed v%d (%s) rather than v%d given", committed.version, path, given_version)
         return path, state
     return given, state
-
-
-class TrialRunner:
-    """``Processor.shadow`` during a trial: the new version answers, the previous one runs beside it."""
-
-    def __init__(self, previous: Model, trial: Trial):
-        self.previous = previous
-        self.trial = trial
-
-    def _interpretable(self, model: Model, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> bool | None:
-        if self.trial.kind != "anomaly":
-            return None
-        return model.interpret(inputs, outputs).anomaly
-
-    def run(self, model: Model, inputs: list[np.ndarray]) -> tuple[Model, list[np.ndarray], float]:
-        from edgeline.errors import PayloadError
-
-        failure: str | None = None
-        new_outputs: list[np.ndarray] | None = None
-        new_s: float | None = None
-        start = time.perf_counter()
-        try:
-            new_outputs = model.predict(*inputs)
-            new_s = time.perf_counter() - start
-            if not Trial.finite(new_outputs):
-                failure = "NaN or Inf in its outputs"
-        except PayloadError:
-            raise  # the input's fault: both versions refuse it alike
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"[:300]
-        start = time.perf_counter()
-        try:
-            old_outputs: list[np.ndarray] | None = self.previous.predict(*inputs)
-            old_s: float | None = time.perf_counter() - start
-        except Exception:
-            old_outputs, old_s = None, None
-        if old_outputs is None or not Trial.finite(old_outputs):
-            # the previous version fails on it too: this input says nothing about the new one
-            if new_outputs is None:
-                raise RuntimeError(failure or "the model failed")
-            return model, new_outputs, new_s or 0.0
-        if failure is not None or new_outputs is None:
-            self.trial.record(new_ok=False, agreed=False, new_s=new_s, old_s=old_s, failure=failure)
-            return self.previous, old_outputs, old_s or 0.0
-        agreed = agree(
-            self.trial.kind, new_outputs, old_outputs, tolerance=self.trial.gates.tolerance,
-            new_flag=self._interpretable(model, inputs, new_outputs),
-            old_flag=self._interpretable(self.previous, inputs, old_outputs),
-        )  # fmt: skip
-        self.trial.record(new_ok=True, agreed=agreed, new_s=new_s, old_s=old_s)
-        return model, new_outputs, new_s or 0.0
-
-
-@dataclass
-class _Proposal:
-    model: Model
-    facts: TargetFacts
-    bundle: Path
-
-
-class Swap:
-    """The hand-over between the update thread (``propose``, ``revert``) and the worker (``poll``, between two
-    batches: the only place the processor's model changes)."""
-
-    def __init__(self, agent: UpdateAgent, processor: Processor):
-        self.agent = agent
-        self.processor = processor
-        self._lock = threading.Lock()
-        self._proposal: _Proposal | None = None
-        self._revert: tuple[Model, Installed, str] | None = None
-        self.runner: TrialRunner | None = None
-        self.busy = threading.Event()
-        """Set from a proposal until its trial ends: the update thread does not look for another meanwhile."""
-
-    def propose(self, model: Model, facts: TargetFacts, bundle: Path) -> None:
-        with self._lock:
-            self._proposal = _Proposal(model, facts, bundle)
-            self.busy.set()
-
-    def revert(self, model: Model, to: Installed, reason: str) -> None:
-        with self._lock:
-            self._revert = (model, to, reason)
-            self.busy.set()
-
-    def poll(self) -> None:
-        """Worker thread, between two batches."""
-        if self.runner is not None:
-            if self.runner.trial.done():
-                self._end_trial()
-            return
-        with self._lock:
-            proposal, self._proposal = self._proposal, None
-            revert, self._revert = self._revert, None
-        if revert is not None:
-            self._do_revert(*revert)
-        if proposal is not None:
-            self._start_trial(proposal)
-
-    def _start_trial(self, proposal: _Proposal) -> None:
-        agent = self.agent
-        previous = self.processor.model
-        facts = proposal.facts
-        agent.note_trying(facts.version)
-        trial = Trial(
-            version=facts.version,
-            previous_version=previous.version,
-            gates=facts.trial,
-            kind=proposal.model.manifest.postprocess.kind,
-            latency_budget_ms=agent.latency_budget(proposal.model),
-            latency_note=agent.latency_note(proposal.model),
-        )
-        self.runner = TrialRunner(previous, trial)
-        self.processor.shadow = self.runner
-        self.processor.model = proposal.model
-        agent.set_running(proposal.model)
-        agent.event(
-            "trial", facts.version,
-            f"v{facts.version} answers from now on, beside v{previous.version} for {facts.trial.inputs} inputs "
-            f"(or {facts.trial.seconds:g} s)",
-        )  # fmt: skip
-        self._bundle = proposal.bundle
-
-    def _end_trial(self) -> None:
-        assert self.runner is not None
-        runner, self.runner = self.runner, None
-        trial = runner.trial
-        judgement = trial.judge()
-        self.processor.shadow = None
-        agent = self.agent
-        agent.last_trial = judgement.figures
-        if judgement.commit:
-            agent.commit(trial.version, self._bundle, runner.previous)
-            agent.event("committed", trial.version, f"v{trial.version} committed: {judgement.reason}")
-        else:
-            self.processor.model = runner.previous
-            agent.set_running(runner.previous)
-            agent.refuse_version(trial.version, "trial", judgement.reason)
-            agent.event(
-                "rolled-back", trial.version,
-                f"v{trial.version} rolled back to v{runner.previous.version}: {judgement.reason}", reason="trial",
-            )  # fmt: skip
-        self.busy.clear()
-
-    def _do_revert(self, model: Model, to: Installed, reason: str) -> None:
-        old = self.processor.model
-        self.processor.model = model
-        self.agent.set_running(model)
-        self.agent.reverted(old.version, to)
-        self.agent.event(
-            "reverted", old.version, f"v{old.version} revoked ({reason}): back to v{to.version}", reason="revoked"
-        )
-        self.busy.clear()
 
 
 class UpdateAgent:

@@ -43,8 +43,9 @@ class Gates(_Frozen):
     ``min_inputs``), at most 1% of inputs failing where the previous version answered, top-1 agreement with the
     previous version on at least 90% of inputs (a retrained model may rightly change some answers; a broken one
     changes most), and a p95 model latency within the profile's budget measured on the device (without a budget:
-    at most twice the previous version's p95). Non-classifiers agree when every output is within ``tolerance``
-    of the previous one, relative to its largest magnitude; anomaly detectors when both flag the same inputs.
+    a median at most twice the previous version's, measured beside it). Non-classifiers agree when every output is
+    within ``tolerance`` of the previous one, relative to its largest magnitude; anomaly detectors when both flag the
+    same inputs.
     """
 
     inputs: int = Field(default=200, ge=1, le=1_000_000)
@@ -54,7 +55,7 @@ class Gates(_Frozen):
     min_agreement: float = Field(default=0.90, ge=0, le=1)
     tolerance: float = Field(default=0.1, ge=0)
     max_latency_ms: float | None = Field(default=None, gt=0)
-    """None: the bundle's ``budgets.max_latency_ms``; without one, twice the previous version's p95."""
+    """None: the bundle's ``budgets.max_latency_ms``; without one (or off its device), twice the previous median."""
 
 
 class Runtime(_Frozen):

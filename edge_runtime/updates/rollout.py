@@ -148,6 +148,7 @@ class StatusWatch:
 
     def __init__(self, fleet: Fleet, name: str):
         import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
 
         self.topic = fleet.status_topic.format(name=name, instance="+")
         self.instance_level = fleet.status_topic.split("/").index("{instance}")
@@ -155,7 +156,7 @@ class StatusWatch:
         self.latest: dict[str, dict[str, Any]] = {}
         self.seen_at: dict[str, float] = {}
         self.connected = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="", protocol=mqtt.MQTTv311)
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="", protocol=mqtt.MQTTv311)
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.client.connect_async(fleet.broker.host, fleet.broker.port, keepalive=30)
@@ -232,7 +233,8 @@ class Rollout:
         facts = self.repository.versions(self.name).get(self.version)
         if facts is None:
             raise UpdateError(
-                f"{self.repository.directory}: {self.name} v{self.version} is not published (publish it with --hold first)"
+                f"{self.repository.directory}: {self.name} v{self.version} is not published "
+                "(publish it with --hold first)"
             )
         if facts.revoked:
             raise UpdateError(f"{self.name} v{self.version} was revoked ({facts.revoked}); publish a new version")
@@ -259,7 +261,7 @@ class Rollout:
             for number, wave in enumerate(plan, 1):
                 baseline = {d: Health.of(s) for d in wave if (s := watch.get(d)[0]) is not None}
                 offered += [d for d in wave if d not in offered]
-                self.repository.update_target(self.path, lambda f: f.model_copy(update={"audience": tuple(offered)}))
+                self._offer(tuple(offered))
                 self.say(f"wave {number}/{len(plan)}: offered to {', '.join(wave)}")
                 self._await_outcomes(watch, wave, baseline)
                 self._soak(watch, wave, baseline)
@@ -279,9 +281,15 @@ class Rollout:
                         why += f" ({failed[0].device}: {failed[0].detail})"
                     self._halt(why)
                     return False
-        self.repository.update_target(self.path, lambda f: f.model_copy(update={"audience": None}))
+        self._offer(None)
         self.say(f"{self.name} v{self.version} reached every wave: offered to every device from now on")
         return True
+
+    def _offer(self, audience: tuple[str, ...] | None) -> None:
+        def widen(facts: TargetFacts) -> TargetFacts:
+            return facts.model_copy(update={"audience": audience})
+
+        self.repository.update_target(self.path, widen)
 
     def _outcome(self, device: str, status: dict[str, Any] | None, seen: float | None, was_reporting: bool) -> Outcome:
         now = time.monotonic()
