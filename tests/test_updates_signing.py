@@ -44,6 +44,7 @@ from edgeline.errors import REFUSAL_REASONS, UpdateError, UpdateRefused
 from edgeline.updates import archive
 from edgeline.updates.client import UpdateClient
 from edgeline.updates.policy import Gates, Runtime, TargetFacts, choose, precheck, target_path
+from tests.faults import Pki
 from tests.tiny_bundle import COMMITTED_BUNDLE
 from tests.update_repo import UpdateRepo, versioned
 
@@ -795,3 +796,37 @@ def test_a_missing_repository_directory_is_an_error_not_a_refusal(repo: UpdateRe
 def test_a_missing_trusted_root_is_a_clear_error(repo: UpdateRepo, tmp_path: Path) -> None:
     with pytest.raises(UpdateError, match="trusted root"):
         UpdateClient(str(repo.directory), tmp_path / "nowhere" / "root.json", tmp_path / "device")
+
+
+@pytest.fixture
+def served_tls(repo: UpdateRepo, pki: Pki) -> Iterator[str]:
+    """The repository over HTTPS on 127.0.0.1, with a certificate of the tests' own CA."""
+    import ssl
+
+    handler = functools.partial(_QuietHandler, directory=str(repo.directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki.server_cert, pki.server_key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_https_with_a_private_ca_named_by_ssl_cert_file(
+    repo: UpdateRepo, served_tls: str, pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet's own CA is trusted the way OpenSSL is told (docs/updates.md): SSL_CERT_FILE; without it the
+    certificate is not trusted and the check is an error, not a refusal."""
+    repo.publish(2)
+    monkeypatch.setenv("SSL_CERT_FILE", str(pki.other_ca_cert))
+    with pytest.raises(UpdateError) as untrusted:
+        device(served_tls, repo.trusted_root, tmp_path / "untrusted").check(name=NAME, device="d", running=1)
+    assert not isinstance(untrusted.value, UpdateRefused)
+    monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca_cert))
+    assert take(device(served_tls, repo.trusted_root, tmp_path / "device"), tmp_path / "unpacked").manifest.version == 2
