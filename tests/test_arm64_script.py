@@ -134,3 +134,44 @@ def test_doctor_on_a_bundle_under_emulation_refuses_what_the_pi_lacks(
     verify = arm64("edgeline", "verify", str(built_litert_bundle), "--backend", "executorch")
     assert verify.returncode == 2 and "cannot run here: its runtime executorch is not installed" in verify.stderr
     assert "Traceback" not in verify.stderr
+
+
+TAKE_UPDATE = """
+import json, sys
+from pathlib import Path
+from edgeline.errors import UpdateRefused
+from edgeline.model import load
+from edgeline.updates.client import UpdateClient
+from edgeline.verify import golden_check
+repo, root, work = sys.argv[1:4]
+client = UpdateClient(repo, Path(root), Path(work))
+choice, updater = client.check(name="tiny", device="pi", running=1)
+offer = client.offer(updater, choice.take)
+try:
+    archive = client.fetch(updater, offer)
+except UpdateRefused as exc:
+    print(json.dumps({"refused": exc.reason}))
+    raise SystemExit(0)
+bundle = client.unpack(archive, offer, Path(work) / "v2")
+print(json.dumps({"version": bundle.manifest.version, "golden": golden_check(load(bundle.path))["ok"]}))
+"""
+
+
+def test_the_emulated_pi_verifies_and_opens_a_signed_update(info: dict[str, object], tmp_path: Path) -> None:
+    """python-tuf and cryptography's ed25519 on the Pi's own wheels: the signed v2 is taken and passes its
+    self-test; the same archive with one byte changed is refused as tampered."""
+    from tests.update_repo import UpdateRepo
+
+    repo = UpdateRepo(tmp_path / "updates")
+    published = repo.publish(2)
+    script = tmp_path / "take.py"
+    script.write_text(TAKE_UPDATE)
+    runs = arm64("python", str(script), str(repo.directory), str(repo.trusted_root), str(tmp_path / "pi"))
+    assert runs.returncode == 0, runs.stderr
+    assert json.loads(runs.stdout.strip().splitlines()[-1]) == {"version": 2, "golden": True}
+    data = bytearray(published.archive.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    published.archive.write_bytes(bytes(data))
+    runs = arm64("python", str(script), str(repo.directory), str(repo.trusted_root), str(tmp_path / "pi-2"))
+    assert runs.returncode == 0, runs.stderr
+    assert json.loads(runs.stdout.strip().splitlines()[-1]) == {"refused": "tampered"}
