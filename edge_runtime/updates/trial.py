@@ -10,6 +10,7 @@ naming its version: an update never costs a user an answer. The trial ends after
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,10 @@ import numpy as np
 from edgeline.arrays import all_finite
 from edgeline.updates.policy import Gates
 
-__all__ = ["Judgement", "Trial", "agree"]
+__all__ = ["LATENCY_SAMPLES", "Judgement", "Trial", "agree"]
+
+LATENCY_SAMPLES = 10_000
+"""The latest calls whose times a trial keeps (a trial of a million inputs must not keep a million)."""
 
 
 def agree(kind: str, new: Sequence[np.ndarray], old: Sequence[np.ndarray], *, tolerance: float,
@@ -60,8 +64,8 @@ class Trial:
     inputs: int = 0
     failures: int = 0
     agreed: int = 0
-    new_ms: list[float] = field(default_factory=list)
-    old_ms: list[float] = field(default_factory=list)
+    new_ms: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
+    old_ms: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_SAMPLES))
     last_failure: str | None = None
 
     def record(
@@ -89,7 +93,7 @@ class Trial:
         return now - self.started >= self.gates.seconds and self.inputs >= min(self.gates.min_inputs, self.gates.inputs)
 
     @staticmethod
-    def _percentile(values: list[float], q: float) -> float | None:
+    def _percentile(values: deque[float], q: float) -> float | None:
         return float(np.percentile(np.asarray(values), q)) if values else None
 
     def figures(self) -> dict[str, Any]:
