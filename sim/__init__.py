@@ -9,5 +9,6 @@ Nothing is imported here; the modules:
     board      an emulated sensor board speaking the firmware bridge's protocol, in Python (``PythonBoard``)
     mcu        the same board as C firmware on QEMU's Cortex-M4 (``EmulatedBoard``), built on first use
     source     the daemon's ``sim`` source (``edgeline run --sim``)
-    cli        ``edgeline sim``, ``edgeline sim mcu``
+    fleet      N ``edgeline run`` daemons with their own state directories, fed and observed (``SimFleet``)
+    cli        ``edgeline sim``, ``edgeline sim mcu``, ``edgeline sim fleet``
 """

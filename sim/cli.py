@@ -7,6 +7,11 @@ speaking the firmware bridge's wire protocol, for ``edgeline run --serial`` and 
 
     edgeline sim mcu --data work --rate 10 --count 100 --reliable
 
+``edgeline sim fleet``: a fleet of real ``edgeline run`` daemons on one broker, fed inputs, checking one update
+repository (edgeline.sim.fleet), for ``edgeline rollout``:
+
+    edgeline sim fleet BUNDLE --devices 5 --broker 127.0.0.1:1883 --work work --updates REPO --trusted-root ROOT.json
+
 Registering imports neither numpy-heavy data nor paho-mqtt; running does.
 """
 
@@ -32,7 +37,7 @@ if TYPE_CHECKING:
     from edgeline.sim.publisher import PublishOptions
     from edgeline.sim.sensors import Sensor
 
-__all__ = ["add_sensor_arguments", "make_sensors", "publish_options", "register", "run_mcu"]
+__all__ = ["add_sensor_arguments", "make_sensors", "publish_options", "register", "run_fleet", "run_mcu"]
 
 DEFAULT_BROKER = "127.0.0.1:1883"
 DEFAULT_DEVICE = "sim"
@@ -43,23 +48,25 @@ BOARDS = ("qemu", "python")
 
 
 class _SimParser(CommandParser):
-    """``edgeline sim SENSOR ...``, and ``edgeline sim mcu ...`` with options of its own. argparse cannot take a
-    positional argument or a command at the same place, so the first word ``mcu`` hands the rest of the line to the
-    board's parser (``edgeline sim mcu: error: ...`` for its mistakes); any other word is a sensor, as before."""
+    """``edgeline sim SENSOR ...``, and ``edgeline sim mcu ...`` and ``edgeline sim fleet ...`` with options of their
+    own. argparse cannot take a positional argument or a command at the same place, so the first word ``mcu`` or
+    ``fleet`` hands the rest of the line to that parser (``edgeline sim mcu: error: ...`` for its mistakes); any
+    other word is a sensor, as before."""
 
-    mcu: argparse.ArgumentParser | None = None
+    words: dict[str, argparse.ArgumentParser]
 
     def parse_known_args(  # type: ignore[override]  # one signature for argparse's overloads
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         given = list(sys.argv[1:] if args is None else args)
-        if given[:1] == ["mcu"] and self.mcu is not None:
-            return self.mcu.parse_known_args(given[1:], namespace)
+        word = getattr(self, "words", {}).get(given[0]) if given else None
+        if word is not None:
+            return word.parse_known_args(given[1:], namespace)
         return super().parse_known_args(given, namespace)
 
 
 def register(subparsers: Any) -> None:
-    """Add ``sim`` (and ``sim mcu``) to the ``edgeline`` command."""
+    """Add ``sim`` (and ``sim mcu``, ``sim fleet``) to the ``edgeline`` command."""
     models = "; ".join(f"{sensor}: {', '.join(names)}" for sensor, names in SENSOR_MODELS.items())
     help_line = "simulated sensors: publish real validation samples to an MQTT broker, or be a board on a serial port"
     listed = subparsers.add_parser("sim", help=help_line)  # its line in `edgeline --help`, and the command's prog
@@ -70,10 +77,11 @@ def register(subparsers: Any) -> None:
         f"and time. Sensors and the reference models they feed: {models}.",
         epilog=f"{listed.prog} mcu [--board qemu|python] [--uart socket|pty] ...: an emulated sensor board on a "
         f"serial port (QEMU's mps2-an386 Cortex-M4, or Python), speaking the firmware bridge's protocol; see "
-        f"`{listed.prog} mcu --help`.",
+        f"`{listed.prog} mcu --help`. {listed.prog} fleet BUNDLE --devices N ...: a fleet of `edgeline run` "
+        f"daemons fed inputs, checking one update repository; see `{listed.prog} fleet --help`.",
     )
-    subparsers.choices["sim"] = parser  # the same command, parsed by the parser that also knows `sim mcu`
-    parser.mcu = _mcu_parser(f"{listed.prog} mcu")
+    subparsers.choices["sim"] = parser  # the same command, parsed by the parser that also knows `sim mcu`, `fleet`
+    parser.words = {"mcu": _mcu_parser(f"{listed.prog} mcu"), "fleet": _fleet_parser(f"{listed.prog} fleet")}
     add_sensor_arguments(parser)
     parser.add_argument(
         "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT", help=f"MQTT broker (default {DEFAULT_BROKER})"
@@ -139,6 +147,53 @@ def _mcu_parser(prog: str) -> argparse.ArgumentParser:
         help="where QEMU firmware builds are cached (default: build/mcu of the source tree, or ~/.cache/edgeline/mcu)",
     )
     parser.set_defaults(func=run_mcu)
+    return parser
+
+
+def _fleet_parser(prog: str) -> argparse.ArgumentParser:
+    parser = CommandParser(
+        prog=prog,
+        description="Start N `edgeline run` daemons of BUNDLE (devices PREFIX-01 ... PREFIX-NN, each its own "
+        "process, instance id and state directory DIR/ID, its log DIR/ID.log) on one broker, all checking one "
+        "update repository; feed each inputs at --rate on fleet/ID/sensors/image (answers on fleet/ID/results/image); "
+        "write the fleet file for `edgeline rollout --fleet`; print a line whenever a device's running version "
+        "changes, and a table of the devices at the end. Runs until Ctrl-C, SIGTERM or --for; exit 1 when a "
+        "daemon ended by itself meanwhile.",
+    )
+    parser.add_argument("bundle", metavar="BUNDLE", type=Path, help="the bundle every device starts on")
+    parser.add_argument(
+        "--devices", type=bounded_int(1, 100), required=True, metavar="N", help="fleet size (each device a process)"
+    )
+    parser.add_argument(
+        "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT", help=f"MQTT broker (default {DEFAULT_BROKER})"
+    )
+    parser.add_argument("--work", type=Path, required=True, metavar="DIR", help="the devices' state and logs")
+    parser.add_argument(
+        "--updates", metavar="REPO", help="the repository every device checks: a directory, file:// or http(s):// URL"
+    )
+    parser.add_argument("--trusted-root", type=Path, metavar="ROOT.json", help="its pinned root metadata")
+    parser.add_argument(
+        "--check-interval", type=float, default=5.0, metavar="S", help="seconds between update checks (default 5)"
+    )
+    parser.add_argument(
+        "--rate", type=float, default=5.0, metavar="HZ", help="inputs per second per device (default 5)"
+    )
+    parser.add_argument(
+        "--canary", type=bounded_int(0, 100), default=0, metavar="K", help="the first K devices form group canary"
+    )
+    parser.add_argument("--prefix", default="fleet", metavar="PREFIX", help="device ids PREFIX-01 ... (default fleet)")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        metavar="DIR_OR_NPZ",
+        help="samples to feed: `edgeline reference prepare digits --out DIR`, or an .npz (default: seeded random)",
+    )
+    parser.add_argument("--seed", type=bounded_int(0, 2**32 - 1), default=0, help="input order seed (default 0)")
+    parser.add_argument(
+        "--fleet-file", type=Path, metavar="FLEET.toml", help="where to write the fleet file (default DIR/fleet.toml)"
+    )
+    parser.add_argument("--for", dest="duration", type=float, metavar="SECONDS", help="stop after SECONDS")
+    parser.set_defaults(func=run_fleet)
     return parser
 
 
@@ -268,3 +323,55 @@ def run_mcu(args: argparse.Namespace) -> int:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    """``edgeline sim fleet``: until Ctrl-C, SIGTERM or --for; exit 1 when a daemon ended by itself meanwhile."""
+    import queue
+
+    from edgeline.sim.fleet import SimFleet, VersionChange
+
+    if args.duration is not None and not args.duration > 0:
+        raise EdgelineError(f"--for {args.duration:g}: seconds above 0")
+    changes: queue.SimpleQueue[VersionChange] = queue.SimpleQueue()
+    fleet = SimFleet(
+        args.bundle, args.devices, broker=args.broker, work=args.work, updates=args.updates,
+        trusted_root=args.trusted_root, check_interval_s=args.check_interval, prefix=args.prefix, rate_hz=args.rate,
+        groups={"canary": args.canary} if args.canary else None, data=args.data, seed=args.seed,
+        on_change=changes.put,  # printed here, not on the MQTT thread: a slow terminal must not hold it up
+    )  # fmt: skip
+    stopped = threading.Event()
+    in_main = threading.current_thread() is threading.main_thread()  # signal handlers go on the main thread only
+    previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set()) if in_main else None
+    reported: set[str] = set()
+
+    def report() -> None:
+        while not changes.empty():
+            print(changes.get(), flush=True)
+        for device, code in fleet.crashed().items():
+            if device not in reported:
+                reported.add(device)
+                print(f"{device}: its daemon exited ({code}); see {fleet.work / device}.log", flush=True)
+
+    try:
+        with fleet:
+            path = fleet.write_fleet_file(args.fleet_file or args.work / "fleet.toml")
+            updates = f"checking {args.updates} every {args.check_interval:g} s" if args.updates else "no updates"
+            print(
+                f"fleet of {args.devices} {fleet.name} devices on {fleet.broker} ({updates}), fed {fleet.inputs} at "
+                f"{args.rate:g} Hz each; fleet file {path}",
+                flush=True,
+            )
+            deadline = None if args.duration is None else time.monotonic() + args.duration
+            # each wait is short, so a signal or a change is seen at once
+            while not stopped.is_set() and (deadline is None or time.monotonic() < deadline):
+                report()
+                stopped.wait(0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic())))
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a fleet is stopped: not an error
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    report()
+    print(fleet.summary(), flush=True)
+    return 1 if reported else 0

@@ -3,13 +3,20 @@ fleet of real daemons on a real Mosquitto, a good version reaching every device 
 
 from __future__ import annotations
 
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from edgeline.cli import main
 from edgeline.errors import UpdateError
+from edgeline.sim.fleet import SimFleet
+from edgeline.updates.policy import Gates
 from edgeline.updates.rollout import Health, load_fleet, regression, waves
+from tests.mqtt_broker import Broker
+from tests.update_repo import UpdateRepo
 
 pytestmark = pytest.mark.device
 
@@ -60,8 +67,6 @@ def test_the_fleet_file_puts_canaries_first_and_refuses_mistakes(tmp_path: Path)
 
 
 def test_rollout_refuses_a_version_not_held_for_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.update_repo import UpdateRepo
-
     repo = UpdateRepo(tmp_path / "u")
     repo.publish(2)  # offered to every device at once: nothing left to roll out
     fleet = tmp_path / "fleet.toml"
@@ -71,3 +76,59 @@ def test_rollout_refuses_a_version_not_held_for_it(tmp_path: Path, capsys: pytes
     assert "publish it with --hold" in capsys.readouterr().err
     assert main([*args[:2], "3", *args[3:]]) == 2
     assert "v3 is not published" in capsys.readouterr().err
+
+
+# -- against a simulated fleet ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fleet_setup(tmp_path: Path, session_broker: Broker) -> Iterator[tuple[UpdateRepo, SimFleet, Path]]:
+    repo = UpdateRepo(tmp_path / "updates")
+    fleet = SimFleet(
+        repo.bundle(1), 4, broker=session_broker.address, work=tmp_path / "fleet", updates=str(repo.directory),
+        trusted_root=repo.trusted_root, check_interval_s=0.3, prefix=f"r{uuid.uuid4().hex[:6]}", rate_hz=10.0,
+        groups={"canary": 1},
+    )  # fmt: skip
+    with fleet:
+        yield repo, fleet, fleet.write_fleet_file(tmp_path / "fleet.toml")
+
+
+def rollout_args(repo: UpdateRepo, fleet_file: Path, *extra: str) -> list[str]:
+    return ["rollout", "tiny", "2", "--repo", str(repo.directory), "--keys", str(repo.keys), "--fleet", str(fleet_file),
+            "--soak", "1", "--wave-timeout", "60", *extra]  # fmt: skip
+
+
+def test_a_good_version_reaches_every_device_wave_by_wave(
+    fleet_setup: tuple[UpdateRepo, SimFleet, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo, fleet, fleet_file = fleet_setup
+    repo.publish(2, gates=Gates(inputs=15, seconds=60), audience=())
+    assert main([*rollout_args(repo, fleet_file), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "wave 1/3: offered to " + fleet.devices[0] in out and "wave 3/3" in out
+    assert repo.repository.versions("tiny")[2].audience is None, "offered to every device at the end"
+    fleet.wait_until(lambda: set(fleet.versions().values()) == {2}, 30, "every device on v2")
+    for device in fleet.devices:
+        assert fleet.version_sequence(device) == [1, 2], fleet.log(device)[-2000:]
+    canary_commit = min(fleet.log(d).count("v2 committed") for d in fleet.devices[:1])
+    assert canary_commit == 1
+
+
+def test_a_bad_canary_halts_the_rollout_and_the_rest_of_the_fleet_never_sees_the_version(
+    fleet_setup: tuple[UpdateRepo, SimFleet, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo, fleet, fleet_file = fleet_setup
+    repo.publish(2, break_golden=True, audience=())
+    assert main(rollout_args(repo, fleet_file)) == 1
+    out = capsys.readouterr().out
+    canary, rest = fleet.devices[0], fleet.devices[1:]
+    assert "HALTED: wave 1: 1 of 1 devices failed" in out and "self-test" in out
+    facts = repo.repository.versions("tiny")[2]
+    assert facts.revoked is not None and facts.audience == (canary,)
+    assert "v2 found" in fleet.log(canary)
+    time.sleep(1.5)  # several checks of every device after the halt
+    for device in rest:
+        assert "v2" not in fleet.log(device), f"{device} saw v2:\n{fleet.log(device)[-2000:]}"
+        assert fleet.version_sequence(device) == [1]
+    assert set(fleet.versions().values()) == {1}
+    assert all(fleet.alive(d) for d in fleet.devices)

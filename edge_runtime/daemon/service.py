@@ -88,6 +88,9 @@ class Daemon:
             from edgeline.updates.agent import starting_bundle
             from edgeline.updates.store import Store
 
+            root = config.updates.trusted_root
+            if root is not None and not root.is_file():  # said before the model is opened
+                raise EdgelineError(f"--trusted-root {root}: no such file (the root.json of `edgeline keys generate`)")
             given = read_bundle(bundle).manifest
             state_dir = (config.daemon.state_dir or default_state_dir()) / given.name
             self._lock = StateLock(state_dir)  # before the update state is read or written

@@ -117,6 +117,7 @@ class UpdateClient:
             raise UpdateError(f"trusted root {trusted_root}: {exc.strerror or exc}") from exc
         self.repository = repository
         self.metadata_url, self.targets_url, self.local = repository_urls(repository)
+        self.directory = Path(unquote(urlparse(self.metadata_url).path)).parent if self.local else Path()
         self.work = work
         self.metadata_dir = work / "tuf"
         self.downloads = work / "downloads"
@@ -146,6 +147,10 @@ class UpdateClient:
         try:
             updater.refresh()
         except Exception as exc:
+            if self.local and not (self.directory / "metadata" / "timestamp.json").is_file():
+                raise UpdateError(
+                    f"repository {self.repository}: nothing published there yet (no metadata/timestamp.json)"
+                ) from exc
             raise refusal_from(exc, f"repository {self.repository}") from exc
         stored = Metadata[Targets].from_file(str(self.metadata_dir / "targets.json"))
         facts = []

@@ -202,8 +202,8 @@ class Repository:
                     source = self.keys / "root.json"
                 else:
                     raise UpdateError(f"{self.keys}: {version}.root.json is missing (devices need every root version)")
-            shutil.copyfile(source, target)
-        shutil.copyfile(self.metadata_dir / f"{newest}.root.json", self.metadata_dir / "root.json")
+            _copy_atomically(source, target)
+        _copy_atomically(self.metadata_dir / f"{newest}.root.json", self.metadata_dir / "root.json")
 
     def _write(self, name: str, metadata: Any) -> None:
         from tuf.api.serialization.json import JSONSerializer
@@ -215,3 +215,10 @@ class Repository:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+
+
+def _copy_atomically(source: Path, target: Path) -> None:
+    """A device reading the repository meanwhile sees the old file or the new one, never half of one."""
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
