@@ -159,20 +159,15 @@ def _out_dir(options: ExportOptions, name: str) -> tuple[Path, int]:
 
 
 def _next_version(path: Path, wanted: int | None = None) -> int:
-    """``wanted``, or else 1, or one more than the bundle already at ``path`` (replaced with --force). A wanted
-    version below the one it replaces is refused: versions of one name only grow."""
+    """``wanted`` (``--version``), or else 1, or one more than the bundle already at ``path`` (replaced with
+    --force). That versions of one name only grow is the repository's rule: ``edgeline publish`` refuses a version
+    not above the newest it holds."""
+    if wanted is not None:
+        return wanted
     try:
-        existing: int | None = bundle_io.read_manifest(path).version
+        return bundle_io.read_manifest(path).version + 1
     except EdgelineError:
-        existing = None
-    if wanted is None:
-        return 1 if existing is None else existing + 1
-    if existing is not None and wanted < existing:
-        raise ExportError(
-            f"--version {wanted}: {path} holds version {existing} of this bundle, and versions of one name only grow "
-            f"(give --version {existing + 1} or more, or another --out)"
-        )
-    return wanted
+        return 1
 
 
 def _destination(options: ExportOptions, out: Path, target: Target) -> Path:
