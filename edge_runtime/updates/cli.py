@@ -153,6 +153,11 @@ def register(subparsers: Any) -> None:
         default=60.0,
         help="seconds a wave's devices are watched after they commit (default 60)",
     )
+    rollout.add_argument(
+        "--silent-after", metavar="S", type=_positive, default=60.0,
+        help="a device of the wave whose status is older than this fails (default 60; keep it above the daemons' "
+        "[health] status_interval_s)",
+    )  # fmt: skip
     rollout.add_argument("--json", action="store_true", help="print the outcome as one JSON document at the end")
     rollout.set_defaults(func=_rollout)
 
@@ -168,8 +173,9 @@ def _rollout(args: argparse.Namespace) -> int:
     if args.soak < 0:
         raise UpdateError("--soak: seconds, 0 or more")
     options = RolloutOptions(
-        canary=args.canary, max_failure_rate=args.max_failure_rate, wave_timeout_s=args.wave_timeout, soak_s=args.soak
-    )
+        canary=args.canary, max_failure_rate=args.max_failure_rate, wave_timeout_s=args.wave_timeout,
+        soak_s=args.soak, stale_after_s=args.silent_after,
+    )  # fmt: skip
     rollout = Rollout(Repository(args.repo, args.keys), fleet, args.name, args.version, options)
     done = rollout.run()
     if args.json:
