@@ -156,9 +156,11 @@ class UpdateAgent:
 
         assert self.swap is not None, "attach a Swap first"
         self.counts["checks"] += 1
+        with self._lock:  # the worker may be refusing a version (a trial's end) meanwhile
+            refused = set(self.state.refused)
         try:
             choice, updater = self.client.check(
-                name=self.name, device=self.device, running=self.running_version, refused=set(self.state.refused)
+                name=self.name, device=self.device, running=self.running_version, refused=refused
             )
         except UpdateRefused as exc:
             self._refused(exc, None)
@@ -371,7 +373,9 @@ class UpdateAgent:
         counts: dict[str, float | int | bool | None] = {
             f"update_{step.replace('-', '_')}": self.counts[step] for step in STEPS if step != "refused"
         }
+        counts["update_checks"] = self.counts["checks"]  # attempts; update_checked: those that read the repository
         counts["update_unreachable"] = self.counts["unreachable"]
+        counts["update_check_errors"] = self.counts["check_errors"]
         return counts
 
     def refusal_counts(self) -> dict[str, int]:
