@@ -151,3 +151,18 @@ def test_a_source_flag_replaces_the_files_source(tmp_path: Path) -> None:
         "bench",
     )
     assert load_config(path).with_overrides(source={"baudrate": 9600}).source.url == "/dev/ttyACM0"
+
+
+def test_updates_are_configured_by_the_file_or_the_flags_and_need_their_trusted_root(tmp_path: Path) -> None:
+    path = tmp_path / "daemon.toml"
+    path.write_text('[updates]\nrepository = "https://updates.example/fleet"\ntrusted_root = "/etc/root.json"\n')
+    config = load_config(path)
+    assert config.updates.enabled and config.updates.check_interval_s == 300.0
+    flagged = DaemonConfig().with_overrides(updates="/media/usb/repo", trusted_root=Path("root"), check_interval_s=5)
+    assert flagged.updates.repository == "/media/usb/repo" and flagged.updates.check_interval_s == 5
+    assert not DaemonConfig().updates.enabled
+    path.write_text('[updates]\nrepository = "/media/usb/repo"\n')
+    with pytest.raises(EdgelineError, match=r"updates\.repository is set alone"):
+        load_config(path)
+    with pytest.raises(EdgelineError, match="check_interval_s"):
+        DaemonConfig().with_overrides(updates="r", trusted_root=Path("t"), check_interval_s=0)
