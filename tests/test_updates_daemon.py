@@ -21,7 +21,7 @@ import pytest
 from edgeline.updates.policy import Gates
 from tests.conftest import needs_torch
 from tests.faults import DurableCollector, DurablePublisher
-from tests.mqtt_broker import Broker, BrokerFactory
+from tests.mqtt_broker import Broker, BrokerFactory, Collector
 from tests.test_daemon_durability import DaemonProcess, inputs, missing_answers, publish_in_background
 from tests.tiny_bundle import TINY_MODEL_SOURCE, export_tiny
 from tests.update_repo import UpdateRepo, versioned
@@ -125,6 +125,7 @@ def test_a_swap_under_a_steady_qos1_stream_loses_and_duplicates_nothing(
     answers: DurableCollector, unique_topic: str,
 ) -> None:  # fmt: skip
     daemon.start(durable_broker)
+    statuses = Collector(durable_broker, "edgeline/tiny/durable/status")
     messages = inputs(f"{unique_topic}/sensors/cam0/image", 400)
     sender = publish_in_background(publisher, messages, rate=50.0)
     time.sleep(2.0)
@@ -155,6 +156,10 @@ def test_a_swap_under_a_steady_qos1_stream_loses_and_duplicates_nothing(
     assert re.search(r'edgeline_update_refused_total\{[^}]*reason="tampered"[^}]*\} 0\.0', metrics)
     for step in ("found", "verified", "passed its golden self-test", "answers from now on", "committed"):
         assert step in daemon.log_text(), step
+    steps = [((json.loads(p).get("update") or {}).get("last") or {}).get("step") for p in statuses.payloads]
+    statuses.close()
+    seen = [step for i, step in enumerate(steps) if step and step != (steps[i - 1] if i else None)]
+    assert seen == ["found", "verified", "self-test", "trial", "committed"], "each step on the status topic, in order"
 
     assert daemon.terminate() == 0
     daemon.start(durable_broker)
