@@ -5,6 +5,8 @@
     broker_factory  fresh brokers with options (persistence, a TLS + password + ACL listener), stopped at teardown
     pki             a CA, server and client certificates for this session (``tests.faults.make_pki``)
     unique_topic    a topic prefix no other test uses, so tests sharing a broker cannot see each other
+    durable_broker  a persistent broker of one test; ``answers`` and ``publisher``: persistent MQTT 5 clients on it
+                    (``tests.faults``) that survive its restarts, for counting what is lost
     Collector       a paho-mqtt subscriber that keeps what arrives and waits for a count
 
 Each broker is Debian's ``mosquitto`` on a free loopback port, with a config generated in its own temporary
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 import pytest
 
 if TYPE_CHECKING:
-    from tests.faults import Pki
+    from tests.faults import DurableCollector, DurablePublisher, Pki
 
 __all__ = [
     "Broker",
@@ -558,6 +560,39 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def unique_topic() -> str:
     """A topic prefix of this test alone, e.g. ``edgeline-test/3f2a…``; build topics under it."""
     return f"edgeline-test/{uuid.uuid4().hex}"
+
+
+# -- a persistent broker, and clients that survive its restarts (tests.faults): what "nothing lost" is counted with
+
+
+@pytest.fixture
+def durable_broker(broker_factory: BrokerFactory) -> Broker:
+    """A Mosquitto of this test alone that saves its state (it may be SIGKILLed and restarted)."""
+    return broker_factory(persistence=True)
+
+
+@pytest.fixture
+def answers(durable_broker: Broker, unique_topic: str) -> Iterator[DurableCollector]:
+    """A persistent MQTT 5 subscriber to ``{unique_topic}/results/#`` on ``durable_broker``."""
+    import paho.mqtt.client as mqtt
+
+    from tests.faults import DurableCollector
+
+    collector = DurableCollector(durable_broker, f"{unique_topic}/results/#", protocol=mqtt.MQTTv5)
+    yield collector.start_and_subscribe()
+    collector.close()
+
+
+@pytest.fixture
+def publisher(durable_broker: Broker) -> Iterator[DurablePublisher]:
+    """A persistent MQTT 5 publisher on ``durable_broker`` that sends again what the broker did not acknowledge."""
+    import paho.mqtt.client as mqtt
+
+    from tests.faults import DurablePublisher
+
+    with DurablePublisher(durable_broker, protocol=mqtt.MQTTv5) as client:
+        assert client.wait_connected()
+        yield client
 
 
 class Collector:

@@ -101,25 +101,6 @@ class DaemonProcess:
 
 
 @pytest.fixture
-def durable_broker(broker_factory: BrokerFactory) -> Broker:
-    return broker_factory(persistence=True)
-
-
-@pytest.fixture
-def answers(durable_broker: Broker, unique_topic: str) -> Iterator[DurableCollector]:
-    collector = DurableCollector(durable_broker, f"{unique_topic}/results/#", protocol=mqtt.MQTTv5)
-    yield collector.start_and_subscribe()
-    collector.close()
-
-
-@pytest.fixture
-def publisher(durable_broker: Broker) -> Iterator[DurablePublisher]:
-    with DurablePublisher(durable_broker, protocol=mqtt.MQTTv5) as client:
-        assert client.wait_connected()
-        yield client
-
-
-@pytest.fixture
 def daemon(
     built_litert_bundle: Path, durable_broker: Broker, unique_topic: str, tmp_path: Path
 ) -> Iterator[DaemonProcess]:

@@ -10,19 +10,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import paho.mqtt.client as mqtt
 import pytest
 
 from edgeline.updates.policy import Gates
 from tests.conftest import needs_torch
 from tests.faults import DurableCollector, DurablePublisher
-from tests.mqtt_broker import Broker, BrokerFactory, Collector
+from tests.mqtt_broker import Broker, Collector, free_port
 from tests.test_daemon_durability import DaemonProcess, inputs, missing_answers, publish_in_background
 from tests.tiny_bundle import TINY_MODEL_SOURCE, export_tiny
 from tests.update_repo import UpdateRepo, versioned
@@ -31,31 +29,6 @@ pytestmark = pytest.mark.device
 
 TIMEOUT_S = 60.0
 HAVE_PROMETHEUS = importlib.util.find_spec("prometheus_client") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@pytest.fixture
-def durable_broker(broker_factory: BrokerFactory) -> Broker:
-    return broker_factory(persistence=True)
-
-
-@pytest.fixture
-def answers(durable_broker: Broker, unique_topic: str) -> Iterator[DurableCollector]:
-    collector = DurableCollector(durable_broker, f"{unique_topic}/results/#", protocol=mqtt.MQTTv5)
-    yield collector.start_and_subscribe()
-    collector.close()
-
-
-@pytest.fixture
-def publisher(durable_broker: Broker) -> Iterator[DurablePublisher]:
-    with DurablePublisher(durable_broker, protocol=mqtt.MQTTv5) as client:
-        assert client.wait_connected()
-        yield client
 
 
 @pytest.fixture
@@ -112,6 +85,14 @@ def versions_by_id(collector: DurableCollector) -> dict[str, list[int]]:
         answer = json.loads(payload)
         found.setdefault(str(answer["id"]), []).append(int(answer["version"]))
     return found
+
+
+def ten_more_answered_by(publisher: DurablePublisher, answers: DurableCollector, topic: str, prefix: str) -> set[int]:
+    """The versions that answered ten more inputs published now (each must be answered)."""
+    more = inputs(f"{topic}/sensors/cam1/image", 10, prefix=prefix)
+    publisher.publish_all(more)
+    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in more})
+    return {versions_by_id(answers)[f"{prefix}{i}"][0] for i in range(10)}
 
 
 def latest_status(broker: Broker, daemon: UpdatingDaemon) -> dict[str, object]:
@@ -172,10 +153,7 @@ def test_a_swap_under_a_steady_qos1_stream_loses_and_duplicates_nothing(
     assert daemon.terminate() == 0
     daemon.start(durable_broker)
     daemon.wait_logged("starting on the committed v2")
-    more = inputs(f"{unique_topic}/sensors/cam1/image", 10, prefix="after")
-    publisher.publish_all(more)
-    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in more})
-    assert {versions_by_id(answers)[f"after{i}"][0] for i in range(10)} == {2}
+    assert ten_more_answered_by(publisher, answers, unique_topic, "after") == {2}
 
 
 def test_a_signed_bundle_failing_its_self_test_is_refused_and_never_answers(
@@ -254,10 +232,7 @@ def test_sigkill_after_each_step_of_a_swap_restarts_on_one_committed_version(
     sender.join(TIMEOUT_S)
     assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages}), daemon.log_text()[-3000:]
     assert daemon.update_state()["committed"]["version"] == 2
-    late = inputs(f"{unique_topic}/sensors/cam1/image", 10, prefix="late")
-    publisher.publish_all(late)
-    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in late})
-    assert {versions_by_id(answers)[f"late{i}"][0] for i in range(10)} == {2}
+    assert ten_more_answered_by(publisher, answers, unique_topic, "late") == {2}
 
 
 def test_a_version_whose_trial_the_process_never_survives_is_refused(
@@ -278,10 +253,7 @@ def test_a_version_whose_trial_the_process_never_survives_is_refused(
     assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages})
     state = daemon.update_state()
     assert state["refused"]["2"]["reason"] == "trial" and state["trying"] is None and state["committed"] is None
-    late = inputs(f"{unique_topic}/sensors/cam1/image", 10, prefix="late")
-    publisher.publish_all(late)
-    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in late})
-    assert {versions_by_id(answers)[f"late{i}"][0] for i in range(10)} == {1}
+    assert ten_more_answered_by(publisher, answers, unique_topic, "late") == {1}
 
 
 RETRAINED_SOURCE = TINY_MODEL_SOURCE.replace(
@@ -343,10 +315,7 @@ def test_a_revoked_version_sends_the_devices_that_committed_it_back_to_their_pre
     assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages})
     state = daemon.update_state()
     assert state["committed"]["version"] == 1 and state["refused"]["2"]["reason"] == "revoked"
-    late = inputs(f"{unique_topic}/sensors/cam1/image", 10, prefix="late")
-    publisher.publish_all(late)
-    assert not missing_answers(answers, {json.loads(p)["id"] for _, p in late})
-    assert {versions_by_id(answers)[f"late{i}"][0] for i in range(10)} == {1}
+    assert ten_more_answered_by(publisher, answers, unique_topic, "late") == {1}
     assert daemon.terminate() == 0
     daemon.start(durable_broker)
     assert started_on(daemon, 2) == 1, "the revert is what is committed"

@@ -400,8 +400,9 @@ class Daemon:
             self.swap.poll()
         except Exception as exc:  # a bug of ours must not cost the worker: the running version keeps answering
             log.error("the update swap failed: %s: %s", type(exc).__name__, exc, exc_info=True)
-        self.model = self.processor.model
-        self.metrics.version = self.model.version
+        if self.processor.model is not self.model:
+            self.model = self.processor.model
+            self.metrics.version = self.model.version
 
     def _answer_evicted(self) -> None:
         evicted = self.intake.take_evicted()

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgeline.errors import EdgelineError
+from edgeline.updates.store import write_atomically
 
 if TYPE_CHECKING:
     from securesystemslib.signer import CryptoSigner
@@ -101,25 +102,13 @@ def generate(directory: Path, *, force: bool = False) -> Path:
         root.add_key(public, role)
         signers[role] = CryptoSigner(private, public)
         pem = private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, encryption)
-        _write_private(files.key(role), pem)
+        write_atomically(files.key(role), pem, mode=0o600)
     metadata = Metadata(root)
     metadata.sign(signers["root"])
     data = metadata.to_bytes(JSONSerializer(compact=False))
     for path in (files.root, directory / "1.root.json"):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_atomically(path, data)
     return files.root
-
-
-def _write_private(path: Path, pem: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(pem)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def load_root(directory: Path) -> Metadata[Root]:

@@ -14,7 +14,6 @@ Writes go to new file names first and ``timestamp.json`` is replaced last, so a 
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from edgeline.errors import UpdateError
 from edgeline.updates import keys as keyring
 from edgeline.updates.archive import manifest_sha256, pack
 from edgeline.updates.policy import Gates, Runtime, TargetFacts, target_path
+from edgeline.updates.store import write_atomically
 
 if TYPE_CHECKING:
     from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
@@ -202,23 +202,10 @@ class Repository:
                     source = self.keys / "root.json"
                 else:
                     raise UpdateError(f"{self.keys}: {version}.root.json is missing (devices need every root version)")
-            _copy_atomically(source, target)
-        _copy_atomically(self.metadata_dir / f"{newest}.root.json", self.metadata_dir / "root.json")
+            write_atomically(target, source.read_bytes())
+        write_atomically(self.metadata_dir / "root.json", (self.metadata_dir / f"{newest}.root.json").read_bytes())
 
     def _write(self, name: str, metadata: Any) -> None:
         from tuf.api.serialization.json import JSONSerializer
 
-        path = self.metadata_dir / name
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("wb") as handle:
-            handle.write(metadata.to_bytes(JSONSerializer(compact=False)))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-
-
-def _copy_atomically(source: Path, target: Path) -> None:
-    """A device reading the repository meanwhile sees the old file or the new one, never half of one."""
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.copyfile(source, tmp)
-    os.replace(tmp, target)
+        write_atomically(self.metadata_dir / name, metadata.to_bytes(JSONSerializer(compact=False)))

@@ -22,11 +22,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_TRIAL_ATTEMPTS", "Installed", "State", "Store"]
+__all__ = ["MAX_TRIAL_ATTEMPTS", "Installed", "State", "Store", "write_atomically"]
 
 log = logging.getLogger("edgeline.updates")
 MAX_TRIAL_ATTEMPTS = 2
 """A version whose trial was cut short by the process dying this many times is refused: it may be the cause."""
+
+
+def write_atomically(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data``: written to a temporary file (created with ``mode``), flushed to the disk,
+    renamed over ``path``, and the directory flushed. A reader (or a power cut) sees the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 @dataclass(frozen=True)
@@ -87,17 +104,7 @@ class Store:
 
     def save(self, state: State) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name("state.json.tmp")
-        with tmp.open("w", encoding="utf-8") as handle:
-            handle.write(json.dumps(state.as_dict(), indent=2) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, self.path)
-        fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_atomically(self.path, (json.dumps(state.as_dict(), indent=2) + "\n").encode())
 
     def bundle_dir(self, version: int) -> Path:
         return self.bundles / f"v{version}"

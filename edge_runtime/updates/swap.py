@@ -119,6 +119,8 @@ class Swap:
             if self.runner.trial.done():
                 self._end_trial()
             return
+        if self._proposal is None and self._revert is None:  # every batch: nothing to take, no lock
+            return
         with self._lock:
             proposal, self._proposal = self._proposal, None
             revert, self._revert = self._revert, None
