@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -181,7 +182,11 @@ def test_a_board_says_hello_streams_its_samples_and_counts_answers(
         assert frame.stream == 1 and frame.flags == 0
         assert frame.payload == images[1][seq % STORED].astype("<f4").tobytes()  # looping over the stored samples
     times = [sent[seq].t_us for seq in range(count)]
-    assert all(0.5 / 40 < (b - a) / 1e6 < 3 / 40 for a, b in itertools.pairwise(times)), times
+    gaps = [(b - a) / 1e6 for a, b in itertools.pairwise(times)]
+    # paced at its rate: the median gap is the period (one late wake-up of a busy CI machine does not move it) and the
+    # stream as a whole is never faster than 40 Hz (a late sample is caught up, never a burst ahead)
+    assert 0.8 / 40 < statistics.median(gaps) < 1.25 / 40, times
+    assert (times[-1] - times[0]) / 1e6 > 0.95 * (count - 1) / 40, times
 
     for seq in (0, 1, 1, 2):  # one answered twice: four answers, three inputs answered
         host.send(FrameType.ANSWER, stream=1, seq=seq, payload=b'{"id": "x", "result": 1}')
