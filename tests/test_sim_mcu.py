@@ -12,9 +12,11 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -282,15 +284,24 @@ def test_both_boards_send_the_same_hello_and_stats(
 
 
 def test_firmware_builds_are_cached_by_settings_and_data(
-    images: tuple[Path, np.ndarray], build_dir: Path, tmp_path: Path
+    images: tuple[Path, np.ndarray], build_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    compiles: list[list[str]] = []
+    real_run = subprocess.run
+
+    def counted(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        compiles.append(command)  # a spy: the real compiler still runs
+        return real_run(command, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counted)  # what edgeline.sim.mcu calls
     samples = load_board_samples(images[0])
     options = BoardOptions(device="cache-1", count=5)
     first = build_firmware(options, samples, build_dir)
-    start = time.monotonic()
+    already = len(compiles)  # 0 when an earlier test built the same firmware into this cache, else 1
     assert build_firmware(options, samples, build_dir) == first
-    assert time.monotonic() - start < 0.5
+    assert len(compiles) == already  # from the cache: the compiler did not run
     assert build_firmware(BoardOptions(device="cache-1", count=6), samples, build_dir) != first
+    assert len(compiles) == already + 1
     other = tmp_path / "other.npz"
     np.savez(other, x=images[1][:3])
     assert build_firmware(options, load_board_samples(other), build_dir) != first
