@@ -96,6 +96,7 @@ REFUSAL_REASONS = (
     "self-test",  # the bundle's golden self-test failed here
     "trial",  # its trial beside the previous version did not meet the gates
     "revoked",  # the publisher withdrew it (a halted rollout)
+    "no-room",  # not now: the state directory's disk or the memory a trial needs (tried again at the next check)
 )
 
 

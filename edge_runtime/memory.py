@@ -15,24 +15,30 @@ import gc
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["UNMEASURABLE", "resident_mb", "resident_mb_added"]
+__all__ = ["UNMEASURABLE", "available_mb", "resident_mb", "resident_mb_added"]
 
 STATUS = Path("/proc/self/status")
+MEMINFO = Path("/proc/meminfo")
 UNMEASURABLE = "this system has no /proc/self/status to read the resident set size from (Linux has)"
 
 
-def resident_mb(status: Path = STATUS) -> float | None:
-    """The process's resident set size in MB (MiB, as profiles count ``memory_mb``), or None where unreadable."""
+def _mb_field(path: Path, key: str) -> float | None:
+    """A ``KEY:  N kB`` line of a /proc file, in MB; None where the file or the line cannot be read."""
     try:
-        text = status.read_text(encoding="ascii", errors="replace")
+        text = path.read_text(encoding="ascii", errors="replace")
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{key}:"):
             fields = line.split()
             if len(fields) >= 3 and fields[2].lower() == "kb" and fields[1].isdigit():
                 return int(fields[1]) / 1024
     return None
+
+
+def resident_mb(status: Path = STATUS) -> float | None:
+    """The process's resident set size in MB (MiB, as profiles count ``memory_mb``), or None where unreadable."""
+    return _mb_field(status, "VmRSS")
 
 
 def resident_mb_added(load_and_run: Callable[[], object]) -> float | None:
@@ -47,3 +53,9 @@ def resident_mb_added(load_and_run: Callable[[], object]) -> float | None:
     after = resident_mb()
     del kept
     return None if after is None else max(0.0, after - before)
+
+
+def available_mb(meminfo: Path = MEMINFO) -> float | None:
+    """The memory this machine can give a new allocation without swapping, in MB (``MemAvailable`` in
+    ``/proc/meminfo``: free memory plus the caches the kernel would drop); None where unreadable."""
+    return _mb_field(meminfo, "MemAvailable")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import shutil
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,11 +23,13 @@ from edgeline.updates.policy import Gates
 from tests.conftest import needs_torch
 from tests.faults import DurableCollector, DurablePublisher
 from tests.mqtt_broker import Broker, Collector, free_port
+from tests.test_daemon_backpressure import small_disk
 from tests.test_daemon_durability import DaemonProcess, inputs, missing_answers, publish_in_background
 from tests.tiny_bundle import TINY_MODEL_SOURCE, export_tiny
 from tests.update_repo import UpdateRepo, versioned
 
 pytestmark = pytest.mark.device
+__all__ = ["small_disk"]  # the 4 MB tmpfs fixture (root only)
 
 TIMEOUT_S = 60.0
 HAVE_PROMETHEUS = importlib.util.find_spec("prometheus_client") is not None
@@ -39,15 +43,17 @@ def repo(tmp_path: Path) -> UpdateRepo:
 class UpdatingDaemon(DaemonProcess):
     """``DaemonProcess`` with ``[updates]`` on ``repo``, checked every 0.3 s, and a Prometheus port."""
 
-    def __init__(self, repo: UpdateRepo, broker: Broker, topic: str, state_dir: Path, version: int = 1) -> None:
+    def __init__(
+        self, repo: UpdateRepo, broker: Broker, topic: str, state_dir: Path, version: int = 1, config: str = ""
+    ) -> None:
         # /metrics needs prometheus-client (the metrics extra): the whole suite has it and checks the counters;
         # the device tier (scripts/test_device.sh) runs the base install, where the daemon serves none.
         self.metrics_port = free_port() if HAVE_PROMETHEUS else 0
         self.state = state_dir
-        config = (
+        config = (  # what the test adds comes last
             f'[updates]\nrepository = "{repo.directory}"\ntrusted_root = "{repo.trusted_root}"\n'
             "check_interval_s = 0.3\n"
-            f"[health]\nstatus_interval_s = 1.0\nprometheus_port = {self.metrics_port}\n"
+            f"[health]\nstatus_interval_s = 1.0\nprometheus_port = {self.metrics_port}\n{config}"
         )
         super().__init__(repo.bundle(version), broker.address, topic, state_dir, config)
 
@@ -340,3 +346,60 @@ def test_an_older_version_is_never_taken(
         assert daemon.update_state().get("refused", {}) == {}
     finally:
         daemon.kill()
+
+
+def test_an_update_the_disk_has_no_room_for_waits_and_is_taken_once_there_is(
+    small_disk: Path, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
+    answers: DurableCollector, unique_topic: str,
+) -> None:  # fmt: skip
+    reserve = 1 << 20  # the outbox may grow to 1 MB: an update must leave it that
+    daemon = UpdatingDaemon(
+        repo, durable_broker, unique_topic, small_disk / "state", config=f"[outbox]\nmax_bytes = {reserve}\n"
+    )
+    try:
+        daemon.start(durable_broker)
+        bundle = repo.bundle(2)
+        bundle_bytes = sum(f.stat().st_size for f in bundle.iterdir())  # the archive is longer (tar headers)
+        # leave the archive's size above the outbox's room: not twice it (download and unpacked), so no room
+        ballast = small_disk / "ballast"
+        ballast.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - reserve - bundle_bytes))
+        repo.publish(2, gates=Gates(inputs=10, seconds=120))
+        daemon.wait_logged("update refused (no-room)")
+        time.sleep(1.5)  # about five more checks, each refused: said once
+        log = daemon.log_text()
+        assert log.count("update refused (no-room)") == 1, log[-3000:]
+        assert "stay free for the outbox" in log
+        status = latest_status(durable_broker, daemon)
+        update = status["update"]
+        assert update["last_refusal"]["reason"] == "no-room" and update["last_refusal"]["version"] == 2
+        assert update["refusals"]["no-room"] >= 3 and update["refused"] == {}, "not held against the version"
+        updates_dir = small_disk / "state" / "tiny" / "updates"
+        assert not (updates_dir / "bundles" / "v2").exists()
+        assert not any((updates_dir / "downloads").iterdir()), "nothing was downloaded"
+
+        ballast.unlink()  # room again: the next check takes it, and the trial runs on the next inputs
+        daemon.wait_logged("passed its golden self-test")
+        messages = inputs(f"{unique_topic}/sensors/cam0/image", 20)
+        publisher.publish_all(messages)
+        assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages}), daemon.log_text()[-3000:]
+        daemon.wait_logged("v2 committed")
+        assert not any((updates_dir / "downloads").iterdir()), "the archive is gone once unpacked"
+    finally:
+        daemon.kill()
+
+
+def test_a_version_that_needs_more_memory_than_the_device_has_is_not_downloaded(
+    daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker
+) -> None:
+    source = json.loads((repo.bundle(1) / "manifest.json").read_text())
+    heavy = {**source["memory"], "resident_mb": 64 * 1024 * 1024}  # 64 TB: more than any machine has available
+    published = repo.publish(2, manifest={"memory": heavy})
+    assert published.facts.resident_mb == heavy["resident_mb"], "the measured memory is signed with the target"
+    daemon.start(durable_broker)
+    daemon.wait_logged("update refused (no-room)")
+    log = daemon.log_text()
+    assert "of memory are available here" in log and "runs its trial beside the running version" in log, log[-2000:]
+    updates_dir = daemon.state / "tiny" / "updates"
+    assert not any((updates_dir / "downloads").iterdir()) and not (updates_dir / "bundles" / "v2").exists()
+    assert daemon.update_state().get("refused", {}) == {}, "memory may be freed: tried again at the next check"
+    assert os.path.exists(updates_dir / "tuf"), "the metadata was read"

@@ -208,6 +208,7 @@ class Daemon:
             client=client, store=store, state=state, running=self.model, running_bundle=start_on,
             device=self.instance, interval_s=updates.check_interval_s, backend=backend,
             max_batch=self.config.queue.max_batch, on_event=lambda event: self._publish_status(),
+            reserve_bytes=self._outbox_room,
         )  # fmt: skip
         self.swap = Swap(self.updater, self.processor)
         self.updater.swap = self.swap
@@ -216,6 +217,16 @@ class Daemon:
         self.metrics.labelled_counters(
             "update_refused", "reason", "Updates refused, by reason.", self.updater.refusal_counts
         )
+
+    def _outbox_room(self) -> int:
+        """The bytes the durable outbox may still grow into on the state directory's disk: what an update leaves
+        free there (0 for an outbox in memory)."""
+        box = self.config.outbox
+        if not box.enabled:
+            return 0
+        outbox = self.outbox
+        used = outbox.stats().bytes if outbox is not None else 0
+        return max(0, box.max_bytes - used)
 
     @property
     def gate(self) -> IntakeGate | None:

@@ -16,6 +16,7 @@ at the next check, and logged again only when they change.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections import Counter
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeline.errors import REFUSAL_REASONS, BackendUnavailableError, EdgelineError, UpdateError, UpdateRefused
-from edgeline.updates.policy import precheck
+from edgeline.updates.policy import Room, TargetFacts, precheck, room_refusal
 from edgeline.updates.store import MAX_TRIAL_ATTEMPTS, Installed, State, Store
 from edgeline.updates.swap import Swap
 
@@ -110,6 +111,7 @@ class UpdateAgent:
         backend: str | None,
         max_batch: int,
         on_event: Callable[[Event], None] = lambda event: None,
+        reserve_bytes: Callable[[], int] = lambda: 0,
     ):
         self.client = client
         self.store = store
@@ -123,6 +125,8 @@ class UpdateAgent:
         self.backend = backend
         self.max_batch = max_batch
         self.on_event = on_event
+        self.reserve_bytes = reserve_bytes
+        """Bytes to leave free on the state directory's disk (the room the durable outbox may still grow into)."""
         self.running_version = running.version
         self.running_bundle = running_bundle
         self.swap: Swap | None = None
@@ -146,9 +150,9 @@ class UpdateAgent:
                 continue
             try:
                 self.check_once()
-            except Exception as exc:  # a bug of ours: said, and the thread goes on (the daemon keeps serving)
-                log.error("update check failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+            except Exception as exc:  # a bug of ours: said (once, with its traceback), and the thread goes on
                 self.counts["check_errors"] += 1
+                self._say(logging.ERROR, f"update check failed: {type(exc).__name__}: {exc}", exc_info=True)
 
     def check_once(self) -> None:
         from edgeline.model import load
@@ -193,13 +197,15 @@ class UpdateAgent:
         try:
             precheck(facts, name=self.name, profile=self.profile)
             offer = self.client.offer(updater, facts)
+            self._check_room(offer.facts, int(offer.info.length))
             archive = self.client.fetch(updater, offer)
             destination = self.store.bundle_dir(facts.version)
             bundle = self.client.unpack(archive, offer, destination)
+            archive.unlink(missing_ok=True)  # the unpacked bundle is verified again whenever it is opened
             self.event(
                 "verified",
                 facts.version,
-                f"v{facts.version}: signature, hashes and manifest verified ({archive.stat().st_size} bytes)",
+                f"v{facts.version}: signature, hashes and manifest verified ({offer.info.length} bytes)",
             )
             try:
                 model = load(bundle.path, backend=self.backend)
@@ -233,6 +239,18 @@ class UpdateAgent:
             self._say(logging.WARNING, f"update of v{facts.version}: {exc}")
             return
         self.swap.propose(model, facts, bundle.path)
+
+    def _check_room(self, facts: TargetFacts, length: int) -> None:
+        from edgeline.memory import available_mb
+
+        try:
+            free: int | None = shutil.disk_usage(self.store.directory).free
+        except OSError:
+            free = None
+        room = Room(free_bytes=free, reserve_bytes=max(0, self.reserve_bytes()), available_mb=available_mb())
+        problem = room_refusal(facts, length, room)
+        if problem is not None:
+            raise UpdateRefused(problem, reason="no-room", version=facts.version)
 
     def _check_same_io(self, model: Model, version: int) -> None:
         manifest = model.manifest
@@ -337,28 +355,39 @@ class UpdateAgent:
         event = Event("refused", version, str(exc), reason=exc.reason)
         with self._lock:
             self.last_refusal = event
-        self.event("refused", version, f"update refused ({exc.reason}): {exc}", reason=exc.reason)
+        # the figures of a "no-room" refusal move at every check: it is said again only for another version
+        key = f"no-room v{version}" if exc.reason == "no-room" else None
+        self.event("refused", version, f"update refused ({exc.reason}): {exc}", reason=exc.reason, key=key)
 
-    def _say(self, level: int, message: str) -> bool:
-        """Log ``message`` unless it was said already: a check that keeps ending the same way (a tampered archive on
-        a USB stick, a repository out of reach) is said once, and counted every time. Returns whether it was said."""
-        if message in self._said:
+    def _say(self, level: int, message: str, key: str | None = None, *, exc_info: bool = False) -> bool:
+        """Log ``message`` unless it (or ``key``, when given) was said already: a check that keeps ending the same
+        way (a tampered archive on a USB stick, a repository out of reach) is said once, and counted every time.
+        Returns whether it was said."""
+        key = message if key is None else key
+        if key in self._said:
             return False
-        self._said[message] = None
+        self._said[key] = None
         while len(self._said) > SAID_MEMORY:
             self._said.pop(next(iter(self._said)))
-        log.log(level, "%s", message)
+        log.log(level, "%s", message, exc_info=exc_info)
         return True
 
     def event(
-        self, step: str, version: int | None, message: str, *, reason: str | None = None, quiet: bool = False
+        self,
+        step: str,
+        version: int | None,
+        message: str,
+        *,
+        reason: str | None = None,
+        quiet: bool = False,
+        key: str | None = None,
     ) -> None:
         event = Event(step, version, message, reason)
         self.counts[step] += 1
         if quiet:
             return
         level = logging.WARNING if step in ("refused", "rolled-back", "reverted") else logging.INFO
-        if not self._say(level, message):
+        if not self._say(level, message, key):
             return
         with self._lock:
             self.last = event

@@ -10,7 +10,8 @@ object under ``"edgeline"`` (signed with the targets metadata, so it can be beli
 
 ``choose`` picks the newest version offered to this device that it has not refused; ``precheck`` refuses what the
 metadata alone shows cannot run here (another name or profile, a runtime missing or too old: the check
-``edgeline doctor`` makes) before the archive is downloaded.
+``edgeline doctor`` makes) before the archive is downloaded; ``room_refusal`` says when the device lacks, for now,
+the disk to download and unpack it or the memory to hold it beside the running version during its trial.
 """
 
 from __future__ import annotations
@@ -23,9 +24,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edgeline.errors import UpdateRefused
 
-__all__ = ["CUSTOM_KEY", "Choice", "Gates", "TargetFacts", "choose", "precheck", "target_path"]
+__all__ = [
+    "CUSTOM_KEY",
+    "MEMORY_MARGIN",
+    "Choice",
+    "Gates",
+    "Room",
+    "TargetFacts",
+    "choose",
+    "precheck",
+    "room_refusal",
+    "target_path",
+]
 
 CUSTOM_KEY = "edgeline"
+MEMORY_MARGIN = 1.5
+"""The memory a device must have available for a new version: its measured ``resident_mb`` times this (the figure
+was taken on the export machine; the device's allocator and runtime build differ)."""
+MB = 1 << 20
 
 
 def target_path(name: str, version: int) -> str:
@@ -33,7 +49,9 @@ def target_path(name: str, version: int) -> str:
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # A field a newer publisher adds is ignored, not refused: the signature already vouches for it, and a device
+    # that refused it would remember every later version as "malformed".
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
 
 class Gates(_Frozen):
@@ -75,6 +93,9 @@ class TargetFacts(_Frozen):
     trial: Gates = Gates()
     audience: tuple[str, ...] | None = None
     revoked: str | None = None
+    resident_mb: float | None = Field(default=None, ge=0)
+    """The manifest's ``memory.resident_mb``: what loading and running the model adds to a process, measured at
+    export (on the export machine, with the bundle's runtime); None where it was not measured."""
 
     def offered_to(self, device: str) -> bool:
         return self.audience is None or device in self.audience
@@ -149,3 +170,36 @@ def precheck(facts: TargetFacts, *, name: str, profile: str, inputs_of_running: 
         raise UpdateRefused(
             f"v{facts.version} cannot run here: {problem}", reason="incompatible", version=facts.version
         )
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a device has for an update, measured just before it downloads one."""
+
+    free_bytes: int | None  # on the state directory's filesystem; None where unknown
+    reserve_bytes: int  # kept free for others there: the room the durable outbox may still grow into
+    available_mb: float | None  # memory available without swapping (MemAvailable); None where unknown
+
+
+def room_refusal(facts: TargetFacts, length: int, room: Room) -> str | None:
+    """Why this device cannot take ``facts``'s version now (None: it can). The archive (``length`` bytes, signed)
+    and its unpacked bundle are on the disk at once while it unpacks, beside what the outbox may still need; during
+    the trial both versions are loaded. A figure that is unknown does not refuse."""
+    version = facts.version
+    if room.free_bytes is not None:
+        needed = 2 * length + room.reserve_bytes
+        if room.free_bytes < needed:
+            return (
+                f"v{version} needs {2 * length / MB:.1f} MB of disk to download and unpack, and "
+                f"{room.reserve_bytes / MB:.1f} MB stay free for the outbox; the state directory has "
+                f"{room.free_bytes / MB:.1f} MB free"
+            )
+    if facts.resident_mb is not None and room.available_mb is not None:
+        needed_mb = facts.resident_mb * MEMORY_MARGIN
+        if room.available_mb < needed_mb:
+            return (
+                f"v{version} adds {facts.resident_mb:.1f} MB when loaded (measured at export) and runs its trial "
+                f"beside the running version; {room.available_mb:.0f} MB of memory are available here, "
+                f"{needed_mb:.1f} MB needed"
+            )
+    return None

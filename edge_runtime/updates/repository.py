@@ -112,6 +112,7 @@ class Repository:
             postprocess=manifest.postprocess.kind,
             trial=gates or Gates(),
             audience=audience,
+            resident_mb=manifest.memory.resident_mb if manifest.memory is not None else None,
         )
         signers = self._signers()  # a wrong passphrase or key is said before anything is written
         path = target_path(manifest.name, manifest.version)

@@ -311,6 +311,9 @@ class Rollout:
             return Outcome(device, "committed")
         if seen is not None and now - seen > self.options.stale_after_s:
             return Outcome(device, "failed" if was_reporting else "unreachable", f"silent for {now - seen:.0f} s")
+        last_refusal = update.get("last_refusal") or {}
+        if last_refusal.get("version") == self.version:  # refused for now (no room, a bad download): tried again
+            return Outcome(device, "waiting", f"refused ({last_refusal.get('reason')}): {last_refusal.get('message')}")
         return Outcome(device, "waiting", str((update.get("last") or {}).get("step", "")))
 
     def _await_outcomes(self, watch: StatusWatch, wave: list[str], baseline: dict[str, Health]) -> None:
