@@ -32,7 +32,7 @@ import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -488,6 +488,128 @@ def test_a_device_offline_past_its_timestamps_expiry_takes_what_was_published_me
     bundle = take(client, tmp_path / "unpacked", running=2)
     assert bundle.manifest.version == 3
     assert timestamp_expiry(client.metadata_dir) > datetime.now(timezone.utc)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a new root: renewal and key rotation, followed by devices pinned to the first root
+
+
+def root_version(path: Path) -> int:
+    return int(json.loads(path.read_text())["signed"]["version"])
+
+
+def test_rotating_the_online_keys_leaves_pinned_devices_trusting_only_the_new_ones(
+    cli: RunCli, repo: UpdateRepo, tmp_path: Path
+) -> None:
+    repo.publish(2)
+    pinned = tmp_path / "pinned-root.json"  # what every device was provisioned with
+    shutil.copyfile(repo.trusted_root, pinned)
+    old_device = device(repo.directory, pinned, tmp_path / "old-device")
+    assert take(old_device, tmp_path / "v2").manifest.version == 2
+    stolen = tmp_path / "stolen"  # a copy of the gateway's keys, taken before the rotation
+    shutil.copytree(repo.keys, stolen)
+
+    before = {role: (repo.keys / f"{role}.key").read_bytes() for role in ("root", "targets", "snapshot", "timestamp")}
+    for role in ("targets", "snapshot"):
+        code, out, err = cli("keys", "rotate", repo.keys, role)
+        assert code == 0, err
+        assert "publish --refresh" in out, out
+    code, out, err = cli("keys", "rotate", repo.keys, "timestamp", "--repo", repo.directory)
+    assert code == 0, err
+    assert "wrote root version 4 (a new timestamp key" in out and f"re-signed {repo.directory}" in out, out
+    assert root_version(repo.keys / "root.json") == 4
+    assert [root_version(repo.directory / "metadata" / f"{v}.root.json") for v in (1, 2, 3, 4)] == [1, 2, 3, 4]
+    after = {role: (repo.keys / f"{role}.key").read_bytes() for role in before}
+    assert after["root"] == before["root"], "the root key stays"
+    assert all(after[r] != before[r] for r in ("targets", "snapshot", "timestamp")), "each rotated key is new"
+    assert stat.S_IMODE((repo.keys / "targets.key").stat().st_mode) == 0o600
+    assert not list(repo.keys.glob("*.new")), "no staged key is left"
+
+    repo.publish(3)
+    fresh = device(repo.directory, pinned, tmp_path / "fresh-device")  # provisioned before the rotation
+    assert take(fresh, tmp_path / "v3-fresh", running=2).manifest.version == 3
+    assert take(old_device, tmp_path / "v3-old", running=2).manifest.version == 3
+
+    # whoever holds the old keys can sign no more: what they publish is refused by every device
+    code, _, err = cli("publish", versioned(tmp_path / "evil", 4), "--repo", repo.directory, "--keys", stolen)
+    assert code == 0, err  # the old keys still sign (they are only keys), but devices no longer trust them
+    for client in (old_device, fresh):
+        refused("bad-signature", client.check, name=NAME, device="dev-1", running=3)
+
+
+def test_rotating_the_root_key_is_signed_by_both_roots_and_followed_by_devices(
+    cli: RunCli, repo: UpdateRepo, tmp_path: Path
+) -> None:
+    pinned = tmp_path / "pinned-root.json"
+    shutil.copyfile(repo.trusted_root, pinned)
+    old_root_key = (repo.keys / "root.key").read_bytes()
+    code, out, err = cli("keys", "rotate", repo.keys, "root", "--repo", repo.directory)
+    assert code == 0, err
+    second = json.loads((repo.keys / "2.root.json").read_text())
+    assert len(second["signatures"]) == 2, "signed by the old and the new root key"
+    assert (
+        second["signed"]["roles"]["root"]["keyids"]
+        != json.loads(pinned.read_text())["signed"]["roles"]["root"]["keyids"]
+    )
+    assert (repo.keys / "root.key").read_bytes() != old_root_key
+    repo.publish(2)
+    assert take(device(repo.directory, pinned, tmp_path / "device"), tmp_path / "v2").manifest.version == 2
+    code, out, err = cli("keys", "renew", repo.keys)  # the new root key signs the next root
+    assert code == 0 and "wrote root version 3 (the same keys" in out, err
+
+
+def test_renewing_a_lapsed_root_lets_devices_pinned_to_the_first_take_updates_again(
+    cli: RunCli, repo: UpdateRepo, tmp_path: Path
+) -> None:
+    from edgeline.updates.keys import new_root
+
+    pinned = tmp_path / "pinned-root.json"
+    shutil.copyfile(repo.trusted_root, pinned)
+    short = new_root(repo.keys, expires_days=2 / 86400)  # a root left to lapse
+    assert short.version == 2
+    repo.publish(2)
+    delay = (short.expires - datetime.now(timezone.utc)).total_seconds()
+    time.sleep(max(0.0, delay) + 0.2)
+    client = device(repo.directory, pinned, tmp_path / "device")
+    error = refused("expired", client.check, name=NAME, device="dev-1", running=1)
+    assert "root" in str(error) and "edgeline keys renew" in str(error), error
+
+    code, out, err = cli("keys", "renew", repo.keys, "--repo", repo.directory)
+    assert code == 0, err
+    assert "wrote root version 3 (the same keys" in out, out
+    renewed = json.loads((repo.keys / "root.json").read_text())["signed"]["expires"]
+    assert datetime.strptime(renewed, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc) > datetime.now(
+        timezone.utc
+    ) + timedelta(days=300)
+    assert take(client, tmp_path / "v2").manifest.version == 2  # walked 1 -> 2 (lapsed) -> 3
+
+
+def test_a_rotation_cut_short_says_which_file_holds_the_new_key(cli: RunCli, repo: UpdateRepo, tmp_path: Path) -> None:
+    old_key = (repo.keys / "targets.key").read_bytes()
+    assert cli("keys", "rotate", repo.keys, "targets")[0] == 0
+    # as if the process stopped between writing the new root and moving the new key into place
+    (repo.keys / "targets.key").rename(repo.keys / "targets.key.new")
+    (repo.keys / "targets.key").write_bytes(old_key)
+    message = user_error(
+        cli("publish", versioned(tmp_path / "v2", 2), "--repo", repo.directory, "--keys", repo.keys),
+        "edgeline publish",
+    )
+    assert "rotation was cut short" in message and "targets.key.new" in message, message
+
+
+def test_keys_renew_and_rotate_mistakes(cli: RunCli, repo: UpdateRepo, tmp_path: Path) -> None:
+    code, _, err = cli("keys", "rotate", repo.keys, "gateway")
+    assert code == 2 and "invalid choice: 'gateway'" in err, err
+    message = user_error(cli("keys", "renew", tmp_path / "nowhere"), "edgeline keys renew")
+    assert "no root.json" in message, message
+    others = tmp_path / "others"
+    assert cli("keys", "generate", others)[0] == 0
+    shutil.copyfile(others / "root.key", repo.keys / "root.key")
+    message = user_error(cli("keys", "rotate", repo.keys, "timestamp"), "edgeline keys rotate")
+    assert "not the root key" in message, message
+    assert root_version(repo.keys / "root.json") == 1 and not list(repo.keys.glob("*.new")), "nothing was written"
+    code, _, err = cli("keys", "renew", repo.keys, "--expires-days", "0")
+    assert code == 2 and "not a positive number" in err, err
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``edgeline keys generate``, ``edgeline publish`` and ``edgeline rollout``: signing bundles for a fleet.
+"""``edgeline keys generate|renew|rotate``, ``edgeline publish`` and ``edgeline rollout``: signing bundles for a fleet.
 
 Registering imports nothing heavy: python-tuf loads when a command runs."""
 
@@ -56,6 +56,37 @@ def register(subparsers: Any) -> None:
         "--force", action="store_true", help="replace existing keys (every device must then be re-provisioned)"
     )
     generate.set_defaults(func=_generate)
+    renew = actions.add_parser(
+        "renew",
+        help="sign the next root version with a new expiry date (yearly, with the offline root key)",
+        description=(
+            "Write DIR/N.root.json and DIR/root.json: the next version of the root metadata, the same keys, a new "
+            "expiry, signed with root.key. Devices keep the root they pinned and walk the chain to it. With --repo "
+            "the repository is re-signed at once so devices see it; otherwise run `edgeline publish --refresh`."
+        ),
+    )
+    rotate = actions.add_parser(
+        "rotate",
+        help="replace one role's key (a lost or exposed key) in a new root version",
+        description=(
+            "Replace ROLE's key with a new one (ROLE.key; the old key is deleted) and write the next root version, "
+            "which trusts only the new key, signed with the root key the current root trusts (rotating root: with "
+            "both the old and the new root key). Devices walk the chain from the root they pinned: nothing is "
+            "re-provisioned, and from then on they refuse what the old key signs. With --repo the repository is "
+            "re-signed with the new keys at once; otherwise run `edgeline publish --refresh`."
+        ),
+    )
+    rotate.add_argument("directory", metavar="DIR", type=Path, help="the keys directory")
+    rotate.add_argument("role", metavar="ROLE", choices=("root", "targets", "snapshot", "timestamp"),
+                        help="root, targets, snapshot or timestamp")  # fmt: skip
+    renew.add_argument("directory", metavar="DIR", type=Path, help="the keys directory")
+    for action in (renew, rotate):
+        action.add_argument(
+            "--expires-days", metavar="N", type=_positive, default=None, help="days until the new root expires (365)"
+        )
+        action.add_argument("--repo", metavar="REPO", type=Path, help="re-sign this repository with the new root")
+    renew.set_defaults(func=_new_root, role=None)
+    rotate.set_defaults(func=_new_root)
 
     publish = subparsers.add_parser(
         "publish",
@@ -191,6 +222,24 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"wrote the root, targets, snapshot and timestamp keys and {root}")
     print(f"devices pin {root}: edgeline run BUNDLE --updates REPO --trusted-root root.json")
     print(f"keep {args.directory / 'root.key'} offline; publishing needs the other three")
+    return 0
+
+
+def _new_root(args: argparse.Namespace) -> int:
+    from edgeline.updates.keys import ROOT_EXPIRY_DAYS, new_root
+    from edgeline.updates.repository import Repository
+
+    days = args.expires_days if args.expires_days is not None else ROOT_EXPIRY_DAYS
+    made = new_root(args.directory, rotate=args.role, expires_days=days)
+    what = f"a new {made.rotated} key, " if made.rotated else "the same keys, "
+    print(f"wrote root version {made.version} ({what}expires {made.expires:%Y-%m-%d %H:%M} UTC): {made.path}")
+    if args.repo is not None:
+        version = Repository(args.repo, args.directory).refresh()
+        print(f"re-signed {args.repo} (targets version {version}): devices take root v{made.version} at next check")
+    else:
+        print(f"devices see it once the repository is re-signed: edgeline publish --refresh --keys {args.directory} "
+              "--repo REPO")  # fmt: skip
+    print("devices keep the root.json they pinned: they walk the chain from it")
     return 0
 
 

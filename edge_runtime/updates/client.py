@@ -96,10 +96,12 @@ def refusal_from(exc: Exception, what: str) -> UpdateError:
     if isinstance(exc, tuf_errors.BadVersionNumberError):
         return UpdateRefused(f"{text} (older metadata than this device has seen: a replay)", reason="rollback")
     if isinstance(exc, tuf_errors.ExpiredMetadataError):
-        return UpdateRefused(
-            f"{text} (the publisher re-signs it with `edgeline publish --refresh`; the running version keeps serving)",
-            reason="expired",
+        fix = (
+            "the publisher signs a new root with the offline root key: `edgeline keys renew KEYS --repo REPO`"
+            if "root" in str(exc)
+            else "the publisher re-signs it with `edgeline publish --refresh`"
         )
+        return UpdateRefused(f"{text} ({fix}; the running version keeps serving)", reason="expired")
     if isinstance(exc, tuf_errors.DownloadLengthMismatchError):
         return UpdateRefused(f"{text} (longer than the signed metadata allows)", reason="tampered")
     if isinstance(exc, tuf_errors.RepositoryError):

@@ -7,6 +7,11 @@
     DIR/snapshot.key     signs which targets metadata is current
     DIR/timestamp.key    signs that the snapshot is fresh: the key a gateway that re-signs often holds
 
+A new root (``new_root``: ``edgeline keys renew`` and ``edgeline keys rotate``) is the next version of the root
+metadata, signed by the root key the previous version trusts (and, when the root key itself is replaced, by the new
+one too): a device walks the chain ``1.root.json``, ``2.root.json``, ... from the root it pins, so no device is
+re-provisioned. The repository picks the new root up at its next signing (``edgeline publish --refresh``).
+
 The private keys are PKCS#8 PEM files, readable by their owner only. When ``EDGELINE_KEY_PASSPHRASE`` is set they
 are written encrypted with it (and read with it): the passphrase never appears on a command line. A hardware token
 (a YubiKey or another PKCS#11 device) fits the same roles later: securesystemslib's ``HSMSigner`` signs with a key
@@ -19,7 +24,7 @@ import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from edgeline.errors import EdgelineError
 from edgeline.updates.store import write_atomically
@@ -33,8 +38,10 @@ __all__ = [
     "ROLES",
     "ROOT_EXPIRY_DAYS",
     "KeysError",
+    "NewRoot",
     "generate",
     "load_root",
+    "new_root",
     "signer",
 ]
 
@@ -70,9 +77,9 @@ def _passphrase() -> bytes | None:
     return value.encode() if value else None
 
 
-def generate(directory: Path, *, force: bool = False) -> Path:
-    """Write the four keys and the signed root metadata (version 1) into ``directory``; return root.json's path.
-    An existing key is never overwritten unless ``force``: losing the root key means re-provisioning every device."""
+def _new_key(path: Path) -> tuple[Any, Any]:
+    """A new ed25519 key written to ``path`` (owner-only; encrypted with the passphrase when one is set): its
+    (private key, public SSlibKey)."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import (
         BestAvailableEncryption,
@@ -80,9 +87,20 @@ def generate(directory: Path, *, force: bool = False) -> Path:
         NoEncryption,
         PrivateFormat,
     )
-    from securesystemslib.signer import CryptoSigner, SSlibKey
+    from securesystemslib.signer import SSlibKey
+
+    passphrase = _passphrase()
+    encryption = BestAvailableEncryption(passphrase) if passphrase else NoEncryption()
+    private = Ed25519PrivateKey.generate()
+    write_atomically(path, private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, encryption), mode=0o600)
+    return private, SSlibKey.from_crypto(private.public_key())
+
+
+def generate(directory: Path, *, force: bool = False) -> Path:
+    """Write the four keys and the signed root metadata (version 1) into ``directory``; return root.json's path.
+    An existing key is never overwritten unless ``force``: losing the root key means re-provisioning every device."""
+    from securesystemslib.signer import CryptoSigner
     from tuf.api.metadata import Metadata, Root
-    from tuf.api.serialization.json import JSONSerializer
 
     files = KeyFiles(directory)
     existing = [files.key(role) for role in ROLES if files.key(role).exists()] + [files.root] * files.root.exists()
@@ -92,23 +110,69 @@ def generate(directory: Path, *, force: bool = False) -> Path:
             "(devices trust them); choose another directory, or --force to replace them and re-provision every device"
         )
     directory.mkdir(parents=True, exist_ok=True)
-    passphrase = _passphrase()
-    encryption = BestAvailableEncryption(passphrase) if passphrase else NoEncryption()
     root = Root(expires=utc_in(ROOT_EXPIRY_DAYS), consistent_snapshot=True)
     signers = {}
     for role in ROLES:
-        private = Ed25519PrivateKey.generate()
-        public = SSlibKey.from_crypto(private.public_key())
+        private, public = _new_key(files.key(role))
         root.add_key(public, role)
         signers[role] = CryptoSigner(private, public)
-        pem = private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, encryption)
-        write_atomically(files.key(role), pem, mode=0o600)
     metadata = Metadata(root)
     metadata.sign(signers["root"])
-    data = metadata.to_bytes(JSONSerializer(compact=False))
-    for path in (files.root, directory / "1.root.json"):
-        write_atomically(path, data)
+    _write_root(directory, metadata)
     return files.root
+
+
+def _write_root(directory: Path, metadata: Metadata[Root]) -> None:
+    """``N.root.json`` first, then ``root.json``: the chain never misses the version root.json names."""
+    from tuf.api.serialization.json import JSONSerializer
+
+    data = metadata.to_bytes(JSONSerializer(compact=False))
+    write_atomically(directory / f"{metadata.signed.version}.root.json", data)
+    write_atomically(KeyFiles(directory).root, data)
+
+
+@dataclass(frozen=True)
+class NewRoot:
+    path: Path
+    version: int
+    expires: datetime
+    rotated: str | None
+
+
+def new_root(directory: Path, *, rotate: str | None = None, expires_days: float = ROOT_EXPIRY_DAYS) -> NewRoot:
+    """The next version of ``directory``'s root metadata, valid for ``expires_days``, signed with the root key the
+    current version trusts; with ``rotate``, that role's key is replaced by a new one first (the root role's new
+    root is signed by both the old and the new root key, as TUF asks). The old key of a rotated role is deleted:
+    nothing it signs is trusted any more once devices have the new root."""
+    from securesystemslib.signer import CryptoSigner
+    from tuf.api.metadata import Metadata
+
+    if rotate is not None and rotate not in ROLES:
+        raise KeysError(f"unknown role {rotate!r}; valid: {', '.join(ROLES)}")
+    if not expires_days > 0:
+        raise KeysError(f"expires_days must be above 0, not {expires_days}")
+    files = KeyFiles(directory)
+    current = load_root(directory)
+    old_root_signer = signer(directory, "root")  # refused here if root.key is not the key root.json trusts
+    root: Root = current.signed
+    root.version += 1
+    root.expires = utc_in(expires_days)
+    signers = [old_root_signer]
+    staged = files.key(rotate).with_suffix(".key.new") if rotate else None
+    if rotate is not None and staged is not None:
+        private, public = _new_key(staged)
+        for keyid in list(root.roles[rotate].keyids):
+            root.revoke_key(keyid, rotate)
+        root.add_key(public, rotate)
+        if rotate == "root":
+            signers.append(CryptoSigner(private, public))
+    metadata = Metadata(root)
+    for each in signers:
+        metadata.sign(each, append=True)
+    _write_root(directory, metadata)
+    if rotate is not None and staged is not None:
+        os.replace(staged, files.key(rotate))  # after the root that trusts it: a cut here leaves ROLE.key.new
+    return NewRoot(path=files.root, version=root.version, expires=root.expires, rotated=rotate)
 
 
 def load_root(directory: Path) -> Metadata[Root]:
@@ -141,5 +205,12 @@ def signer(directory: Path, role: str) -> CryptoSigner:
     public = SSlibKey.from_crypto(private.public_key())
     root = load_root(directory).signed
     if public.keyid not in root.roles[role].keyids:
-        raise KeysError(f"{path}: this key is not the {role} key that {directory}/root.json trusts")
+        staged = path.with_suffix(".key.new")
+        hint = (
+            f" (a rotation was cut short after writing the new root: {staged.name} holds the new key; rename it to "
+            f"{path.name})"
+            if staged.is_file()
+            else ""
+        )
+        raise KeysError(f"{path}: this key is not the {role} key that {directory}/root.json trusts{hint}")
     return CryptoSigner(private, public)
