@@ -37,13 +37,12 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from edgeline.daemon.config import BrokerAddress, BrokerConfig
-from edgeline.errors import EdgelineError
+from edgeline.sim.fleet_status import FleetError, FleetObserver, VersionChange, running_version, update_phase
 
 __all__ = [
     "ANSWER_TOPIC",
@@ -73,54 +72,6 @@ MAX_LAG_S = 1.0
 RANDOM_SAMPLES = 256
 _INSTANCE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 """What the daemon takes as ``--instance`` (and ``edgeline rollout`` as a device id)."""
-
-
-class FleetError(EdgelineError):
-    """A fleet that cannot be made, started or observed as asked; the message names the device and its log."""
-
-
-@dataclass(frozen=True)
-class VersionChange:
-    """A device's running version or its update phase changed: ``fleet-03: v1 -> v2 (committed)``.
-
-    ``before``: the version it ran before ``after`` (None the first time it is heard from); ``phase`` is
-    ``update_phase`` of its status.
-    """
-
-    device: str
-    before: int | None
-    after: int | None
-    phase: str
-
-    def __str__(self) -> str:
-        after = f"v{self.after}" if self.after is not None else "no version"
-        if self.before is None:
-            return f"{self.device}: {after} ({self.phase})"
-        return f"{self.device}: v{self.before} -> {after} ({self.phase})"
-
-
-def running_version(status: Mapping[str, Any]) -> int | None:
-    """The version a status message says is answering: its ``update.running``, else its ``version``."""
-    update = status.get("update")
-    value = update.get("running") if isinstance(update, dict) else None
-    value = status.get("version") if value is None else value
-    return value if isinstance(value, int) else None
-
-
-def update_phase(status: Mapping[str, Any]) -> str:
-    """Where the running version stands: ``trial``, ``committed``, ``rolled back``, ``reverted`` (a revoked version
-    left), or ``running`` (the bundle the daemon was given, or a daemon without updates)."""
-    update = status.get("update")
-    if not isinstance(update, dict):
-        return "running"
-    if update.get("state") == "trial" or update.get("trial") is not None:
-        return "trial"
-    committed = update.get("committed")
-    if isinstance(committed, dict) and committed.get("version") == running_version(status):
-        return "committed"
-    last = update.get("last")
-    step = last.get("step") if isinstance(last, dict) else None
-    return str(step).replace("-", " ") if step in ("rolled-back", "reverted") else "running"
 
 
 def assign_groups(devices: Sequence[str], groups: Mapping[str, int] | None) -> dict[str, str | None]:
@@ -163,32 +114,15 @@ def _toml_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-@dataclass
-class _Seen:
-    """What the observer knows of one device (guarded by the fleet's lock)."""
-
-    status: dict[str, Any] | None = None
-    status_at: float | None = None
-    statuses: int = 0
-    availability: str | None = None
-    onlines: int = 0
-    answered: int = 0
-    errors: int = 0
-    by_version: Counter[int] = field(default_factory=Counter)
-    version_runs: list[int] = field(default_factory=list)
-    fed: int = 0
-    reported: tuple[int | None, str] | None = None
-    before: int | None = None
-
-
 class SimFleet:
     """``count`` daemons running ``bundle`` on ``broker``, fed ``rate_hz`` inputs each, observed; see the module.
 
     ``start()`` clears the devices' retained messages, starts the daemons, waits (``start_timeout_s``) until each
     is online and has reported its status, then starts feeding. ``stop()`` stops feeding, SIGTERMs the daemons
-    (they drain), SIGKILLs what is left after ``stop_timeout_s``; it is idempotent. ``on_change`` is called on the
-    MQTT thread for every ``VersionChange`` (keep it short). A device is ``alive`` while it says "online" and its
-    last status is younger than ``stale_after_s`` (default: three status intervals and a second).
+    (they drain), SIGKILLs what is left after ``stop_timeout_s``; it is idempotent. What the daemons say is kept by
+    a ``FleetObserver``: ``on_change`` is called on the MQTT thread for every ``VersionChange`` (keep it short); a
+    device is ``alive`` while it says "online" and its last status is younger than ``stale_after_s`` (default: three
+    status intervals and a second).
     """
 
     def __init__(
@@ -237,14 +171,13 @@ class SimFleet:
         self.updates, self.trusted_root, self.check_interval_s = updates, trusted_root, check_interval_s
         self.rate_hz, self.data, self.seed = rate_hz, data, seed
         self.status_interval_s = status_interval_s
-        self.stale_after_s = stale_after_s if stale_after_s is not None else 3 * status_interval_s + 1.0
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
-        self.on_change = on_change
         self.inputs = "not loaded yet"
         """What the feeder sends, in words (set by ``start``)."""
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
-        self._seen = {device: _Seen() for device in self.devices}
+        stale_after_s = stale_after_s if stale_after_s is not None else 3 * status_interval_s + 1.0
+        self._observer = FleetObserver(self.name, self.devices, stale_after_s=stale_after_s, on_change=on_change)
+        self._lock = threading.Lock()
+        self._fed = dict.fromkeys(self.devices, 0)
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
         self._expected_exit: set[str] = set()
         self._stopping = threading.Event()
@@ -293,7 +226,7 @@ class SimFleet:
                 process.kill()
                 process.wait(5.0)
         if self._connection is not None:
-            self._quiet(0.2, limit_s=1.0)  # the daemons' last answers and "offline", on their way to us
+            self._observer.wait_quiet(0.2, limit_s=1.0)  # the daemons' last answers and "offline", on their way to us
             self._connection.close(2.0)
             self._connection = None
 
@@ -305,7 +238,7 @@ class SimFleet:
 
     def kill(self, device: str) -> None:
         """A crash: SIGKILL the device's daemon, no drain (its broker session stays; the broker says "offline")."""
-        process = self._processes.get(self._known(device))
+        process = self._processes.get(self._observer.known(device))
         if process is None or process.poll() is not None:
             raise FleetError(f"{device}: its daemon is not running")
         with self._lock:
@@ -315,7 +248,7 @@ class SimFleet:
 
     def restart(self, device: str) -> None:
         """Start the device's daemon again (after ``kill``, or after it ended), and wait until it is ready."""
-        process = self._processes.get(self._known(device))
+        process = self._processes.get(self._observer.known(device))
         if process is not None and process.poll() is None:
             raise FleetError(f"{device}: its daemon is running (pid {process.pid}); kill it first")
         if self._stopped or not self._started:
@@ -325,65 +258,47 @@ class SimFleet:
         self._launch(device, fresh_log=False)
         self._wait_ready([device])
 
-    # -- what the fleet saw ------------------------------------------------------------------------------------
+    # -- what the fleet heard: its observer's account, as ``FleetObserver`` documents each ------------------------
+    @property
+    def stale_after_s(self) -> float:
+        return self._observer.stale_after_s
+
     def status(self, device: str) -> dict[str, Any] | None:
-        """The latest status message of the device's daemon (retained or live), or None before any."""
-        with self._lock:
-            status = self._seen[self._known(device)].status
-            return dict(status) if status is not None else None
+        return self._observer.status(device)
 
     def versions(self) -> dict[str, int | None]:
-        """Each device's running version, as its latest status says (None before any)."""
-        with self._lock:
-            return {d: running_version(s.status) if s.status else None for d, s in self._seen.items()}
+        return self._observer.versions()
 
     def phases(self) -> dict[str, str | None]:
-        """Each device's ``update_phase`` (None before any status)."""
-        with self._lock:
-            return {d: update_phase(s.status) if s.status else None for d, s in self._seen.items()}
+        return self._observer.phases()
 
     def answered(self, device: str) -> int:
-        """Answers seen on the device's answer topic (results and coded errors)."""
-        with self._lock:
-            return self._seen[self._known(device)].answered
+        return self._observer.answered(device)
 
     def answers_by_version(self, device: str) -> Counter[int]:
-        """The device's answers by the ``version`` that answered them."""
-        with self._lock:
-            return Counter(self._seen[self._known(device)].by_version)
+        return self._observer.answers_by_version(device)
 
     def version_sequence(self, device: str) -> list[int]:
-        """The versions of the device's answers in the order they arrived, repeats collapsed: ``[1, 2]`` for a
-        device that answered with v1, then only with v2; ``[1, 2, 1]`` for one that went back."""
-        with self._lock:
-            return list(self._seen[self._known(device)].version_runs)
+        return self._observer.version_sequence(device)
 
     def errors(self, device: str) -> int:
-        """The device's coded error answers."""
-        with self._lock:
-            return self._seen[self._known(device)].errors
+        return self._observer.errors(device)
 
+    def status_age(self, device: str) -> float | None:
+        return self._observer.status_age(device)
+
+    def alive(self, device: str) -> bool:
+        return self._observer.alive(device)
+
+    # -- what the fleet did ------------------------------------------------------------------------------------
     def fed(self, device: str) -> int:
         """Inputs sent to the device (handed to the MQTT client)."""
         with self._lock:
-            return self._seen[self._known(device)].fed
-
-    def status_age(self, device: str) -> float | None:
-        """Seconds since the device's last status arrived; None before any."""
-        with self._lock:
-            at = self._seen[self._known(device)].status_at
-        return None if at is None else time.monotonic() - at
-
-    def alive(self, device: str) -> bool:
-        """Whether the broker says "online" for the device and its status is fresh: what a gateway can see."""
-        age = self.status_age(device)
-        with self._lock:
-            online = self._seen[device].availability == "online"
-        return online and age is not None and age < self.stale_after_s
+            return self._fed[self._observer.known(device)]
 
     def running(self, device: str) -> bool:
         """Whether the device's daemon process is running (this machine's view, not the broker's)."""
-        process = self._processes.get(self._known(device))
+        process = self._processes.get(self._observer.known(device))
         return process is not None and process.poll() is None
 
     def pids(self) -> dict[str, int]:
@@ -403,7 +318,7 @@ class SimFleet:
     def log(self, device: str) -> str:
         """The daemon's log (every start of it)."""
         try:
-            return self._log_path(self._known(device)).read_text(encoding="utf-8", errors="replace")
+            return self._log_path(self._observer.known(device)).read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
             return ""
 
@@ -419,13 +334,8 @@ class SimFleet:
     def wait_until(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
         """Until ``condition()`` holds (checked at every message and every 0.5 s); FleetError naming ``what`` and
         every device's state after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while not condition():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise FleetError(f"{what}: not within {timeout_s:g} s; {self.describe()}")
-                self._changed.wait(min(left, 0.5))
+        if not self._observer.wait_for(condition, timeout_s, poll_s=0.5):
+            raise FleetError(f"{what}: not within {timeout_s:g} s; {self.describe()}")
 
     def describe(self) -> str:
         """One line: each device's version, phase, liveness and answers."""
@@ -437,32 +347,12 @@ class SimFleet:
         return "; ".join(parts)
 
     def summary(self) -> str:
-        """A table: each device's version, update phase, answers, and answers by the version that gave them."""
-        crashed, phases = self.crashed(), self.phases()
-        rows = [("device", "version", "phase", "answered", "by version")]
-        for device, version in self.versions().items():
-            phase = phases[device] or "never reported"
-            if device in crashed:
-                phase = f"exited {crashed[device]}"
-            counts = ", ".join(f"v{v}: {n}" for v, n in sorted(self.answers_by_version(device).items()))
-            rows.append((device, "-" if version is None else f"v{version}", phase, str(self.answered(device)), counts))
-        widths = [max(len(row[column]) for row in rows) for column in range(4)]
-        return "\n".join(
-            "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4]
-            for row in rows
-        ).rstrip()
+        """A table: each device's version, update phase (or its daemon's exit), answers, and answers by version."""
+        return self._observer.table(self.crashed())
 
     # -- inside ------------------------------------------------------------------------------------------------
-    def _known(self, device: str) -> str:
-        if device not in self._seen:
-            raise FleetError(f"no device {device!r} in this fleet; its devices: {', '.join(self.devices)}")
-        return device
-
     def _log_path(self, device: str) -> Path:
         return self.work / f"{device}.log"
-
-    def _topic(self, device: str, kind: str) -> str:
-        return f"edgeline/{self.name}/{device}/{kind}"
 
     def _sensors(self) -> list[Any]:
         """One replaying sensor per device, over the samples of ``data`` or seeded random ones."""
@@ -495,14 +385,14 @@ class SimFleet:
             host=self.broker.host, port=self.broker.port, session_expiry_s=0, connect_timeout_s=5.0, keepalive_s=10
         )
         connection = MqttConnection(config, client_id=f"edgeline-sim-fleet-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        connection.subscribe([], 1, self._on_message)
+        connection.subscribe([], 1, self._observer.on_message)
         connection.start(_start_thread)
         self._connection = connection
         for device in self.devices:
-            for kind in ("status", "availability"):
-                connection.publish(self._topic(device, kind), b"", qos=1, retain=True)
-        for kind in ("status", "availability"):
-            connection.add_subscription(self._topic("+", kind), 1)
+            for topic in self._observer.retained_topics(device):
+                connection.publish(topic, b"", qos=1, retain=True)
+        for topic in self._observer.retained_topics("+"):
+            connection.add_subscription(topic, 1)
         connection.add_subscription(ANSWER_TOPIC.format(instance="+", device="+"), 1)
 
     def _command(self, device: str) -> list[str]:
@@ -520,9 +410,7 @@ class SimFleet:
     def _launch(self, device: str, *, fresh_log: bool) -> None:
         config = f"# written by edgeline sim fleet\n[health]\nstatus_interval_s = {self.status_interval_s!r}\n"
         (self.work / f"{device}.toml").write_text(config, encoding="utf-8")
-        with self._lock:
-            seen = self._seen[device]
-            seen.availability = None  # "online" counts from now on
+        self._observer.forget_availability(device)
         with self._log_path(device).open("wb" if fresh_log else "ab") as log:
             # a session of its own: a Ctrl-C at the terminal reaches the fleet, which stops its daemons in order
             self._processes[device] = subprocess.Popen(
@@ -533,38 +421,29 @@ class SimFleet:
     def _wait_ready(self, devices: Sequence[str]) -> None:
         """Until each device says "online" and has reported a status since its launch; FleetError naming the first
         daemon that ended meanwhile, or those not ready in time."""
-        with self._lock:
-            marks = {device: (self._seen[device].onlines, self._seen[device].statuses) for device in devices}
+        since = self._observer.progress(devices)
 
         def ready(device: str) -> bool:
-            seen = self._seen[device]
-            online, statuses = marks[device]
-            return seen.onlines > online and seen.availability == "online" and seen.statuses > statuses
+            return self._observer.ready(device, since[device])
 
-        deadline = time.monotonic() + self.start_timeout_s
-        with self._changed:
-            while not all(ready(device) for device in devices):
-                for device in devices:
-                    code = self._processes[device].poll()
-                    if code is not None:
-                        raise FleetError(
-                            f"{device}: its daemon exited ({code}) while starting: {_last_lines(self.log(device))} "
-                            f"(log {self._log_path(device)})"
-                        )
-                if time.monotonic() > deadline:
-                    late = [device for device in devices if not ready(device)]
-                    raise FleetError(
-                        f"{', '.join(late)}: not online with a status within {self.start_timeout_s:g} s "
-                        f"(logs {self._log_path(late[0])}...): {_last_lines(self.log(late[0]))}"
-                    )
-                self._changed.wait(0.2)
+        def settled() -> bool:
+            return all(map(ready, devices)) or any(self._processes[device].poll() is not None for device in devices)
 
-    def _quiet(self, quiet_s: float, *, limit_s: float) -> None:
-        """Until nothing has arrived for ``quiet_s`` (at most ``limit_s``)."""
-        end = time.monotonic() + limit_s
-        with self._changed:
-            while time.monotonic() < end and self._changed.wait(min(quiet_s, max(0.0, end - time.monotonic()))):
-                pass
+        self._observer.wait_for(settled, self.start_timeout_s, poll_s=0.2)
+        late = [device for device in devices if not ready(device)]
+        if not late:
+            return
+        for device in devices:
+            code = self._processes[device].poll()
+            if code is not None:
+                raise FleetError(
+                    f"{device}: its daemon exited ({code}) while starting: {_last_lines(self.log(device))} "
+                    f"(log {self._log_path(device)})"
+                )
+        raise FleetError(
+            f"{', '.join(late)}: not online with a status within {self.start_timeout_s:g} s "
+            f"(logs {self._log_path(late[0])}...): {_last_lines(self.log(late[0]))}"
+        )
 
     def _feed(self, sensors: Sequence[Any]) -> None:
         """Message ``j`` goes to device ``j % N`` (its message ``j // N``), due ``j / (rate_hz * N)`` s from now."""
@@ -584,72 +463,9 @@ class SimFleet:
             sensor = sensors[which]
             self._connection.publish(topics[which], encode_json(sensor.next_message(seq)), qos=1)
             with self._lock:
-                self._seen[sensor.device].fed += 1
+                self._fed[sensor.device] += 1
             index += 1
             due += interval
-
-    def _on_message(self, topic: str, payload: bytes, ack: Callable[[], None] | None, reply: object) -> None:
-        """The MQTT thread: one status, availability or answer of a device of ours (anything else is ignored)."""
-        try:
-            change = self._take(topic.split("/"), payload)
-        finally:
-            if ack is not None:
-                ack()
-        if change is not None and self.on_change is not None:
-            self.on_change(change)
-
-    def _take(self, levels: list[str], payload: bytes) -> VersionChange | None:
-        if len(levels) != 4 or not payload:  # an empty payload: a retained message cleared
-            return None
-        if levels[0] == "edgeline" and levels[1] == self.name and levels[3] in ("status", "availability"):
-            device, kind = levels[2], levels[3]
-        elif levels[0] == "fleet" and levels[2] == "results":
-            device, kind = levels[1], "results"
-        else:
-            return None
-        with self._changed:
-            seen = self._seen.get(device)
-            if seen is None:
-                return None
-            change = None
-            if kind == "availability":
-                seen.availability = payload.decode("utf-8", "replace")
-                seen.onlines += seen.availability == "online"
-            elif kind == "results":
-                answer = _json_object(payload)
-                seen.answered += 1
-                seen.errors += "error" in answer
-                version = answer.get("version")
-                if isinstance(version, int):
-                    seen.by_version[version] += 1
-                    if not seen.version_runs or seen.version_runs[-1] != version:
-                        seen.version_runs.append(version)
-            elif kind == "status":
-                status = _json_object(payload)
-                if not status:
-                    return None
-                seen.status, seen.status_at = status, time.monotonic()
-                seen.statuses += 1
-                change = self._change(device, seen, running_version(status), update_phase(status))
-            self._changed.notify_all()
-            return change
-
-    @staticmethod
-    def _change(device: str, seen: _Seen, version: int | None, phase: str) -> VersionChange | None:
-        if seen.reported == (version, phase):
-            return None
-        if seen.reported is not None and seen.reported[0] != version:
-            seen.before = seen.reported[0]
-        seen.reported = (version, phase)
-        return VersionChange(device, seen.before, version, phase)
-
-
-def _json_object(payload: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(payload)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _last_lines(text: str, count: int = 1) -> str:
