@@ -7,15 +7,19 @@ input's id must come back exactly once, naming the version that answered it.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import importlib.util
 import json
 import os
 import re
 import shutil
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,14 +48,15 @@ class UpdatingDaemon(DaemonProcess):
     """``DaemonProcess`` with ``[updates]`` on ``repo``, checked every 0.3 s, and a Prometheus port."""
 
     def __init__(
-        self, repo: UpdateRepo, broker: Broker, topic: str, state_dir: Path, version: int = 1, config: str = ""
-    ) -> None:
+        self, repo: UpdateRepo, broker: Broker, topic: str, state_dir: Path, version: int = 1, config: str = "",
+        repository: str | None = None,
+    ) -> None:  # fmt: skip
         # /metrics needs prometheus-client (the metrics extra): the whole suite has it and checks the counters;
         # the device tier (scripts/test_device.sh) runs the base install, where the daemon serves none.
         self.metrics_port = free_port() if HAVE_PROMETHEUS else 0
         self.state = state_dir
         config = (  # what the test adds comes last
-            f'[updates]\nrepository = "{repo.directory}"\ntrusted_root = "{repo.trusted_root}"\n'
+            f'[updates]\nrepository = "{repository or repo.directory}"\ntrusted_root = "{repo.trusted_root}"\n'
             "check_interval_s = 0.3\n"
             f"[health]\nstatus_interval_s = 1.0\nprometheus_port = {self.metrics_port}\n{config}"
         )
@@ -239,6 +244,87 @@ def test_sigkill_after_each_step_of_a_swap_restarts_on_one_committed_version(
     assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages}), daemon.log_text()[-3000:]
     assert daemon.update_state()["committed"]["version"] == 2
     assert ten_more_answered_by(publisher, answers, unique_topic, "late") == {2}
+
+
+class StallingServer:
+    """The repository over HTTP on 127.0.0.1 that sends the first half of each archive, then holds the rest until
+    ``release()`` (at most 60 s): a download the test can kill the daemon in the middle of."""
+
+    def __init__(self, directory: Path) -> None:
+        self.stalled = threading.Event()
+        self.released = threading.Event()
+        server_self = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, directory=str(directory), **kwargs)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if not self.path.startswith("/targets/"):
+                    super().do_GET()
+                    return
+                path = Path(self.translate_path(self.path))
+                if not path.is_file():
+                    self.send_error(404)
+                    return
+                data = path.read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                server_self.stalled.set()
+                server_self.released.wait(60.0)
+                with contextlib.suppress(OSError):  # the killed daemon's socket is gone
+                    self.wfile.write(data[len(data) // 2 :])
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def release(self) -> None:
+        self.released.set()
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def test_sigkill_in_the_middle_of_a_download_restarts_on_the_running_version_and_takes_the_update_whole(
+    repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher, answers: DurableCollector,
+    unique_topic: str, tmp_path: Path,
+) -> None:  # fmt: skip
+    server = StallingServer(repo.directory)
+    daemon = UpdatingDaemon(repo, durable_broker, unique_topic, tmp_path / "state", repository=server.url)
+    try:
+        daemon.start(durable_broker)
+        repo.publish(2, gates=Gates(inputs=10, seconds=120))
+        assert server.stalled.wait(TIMEOUT_S), f"the archive was never asked for:\n{daemon.log_text()[-3000:]}"
+        daemon.kill()  # half the archive has been sent, the rest is held: the process dies inside the download
+        assert "signature, hashes and manifest verified" not in daemon.log_text()
+        updates_dir = daemon.state / "tiny" / "updates"
+        assert not (updates_dir / "bundles" / "v2").exists()
+        assert not (updates_dir / "downloads" / "tiny-v2.tar").exists(), "a half archive never takes the final name"
+
+        server.release()
+        daemon.start(durable_broker)
+        assert started_on(daemon, 2) == 1, "nothing was committed: the running version comes back"
+        daemon.wait_logged("passed its golden self-test")  # downloaded again, whole, and verified
+        messages = inputs(f"{unique_topic}/sensors/cam0/image", 20)
+        publisher.publish_all(messages)
+        assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages}), daemon.log_text()[-3000:]
+        daemon.wait_logged("v2 committed")
+        assert daemon.update_state()["committed"]["version"] == 2
+    finally:
+        daemon.kill()
+        server.close()
 
 
 def test_a_version_whose_trial_the_process_never_survives_is_refused(
