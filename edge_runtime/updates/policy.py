@@ -178,7 +178,7 @@ class Room:
 
     free_bytes: int | None  # on the state directory's filesystem; None where unknown
     reserve_bytes: int  # kept free for others there: the room the durable outbox may still grow into
-    available_mb: float | None  # memory available without swapping (MemAvailable); None where unknown
+    available_mb: float | None  # memory this process may still take (MemAvailable, a cgroup limit); None: unknown
 
 
 def room_refusal(facts: TargetFacts, length: int, room: Room) -> str | None:
@@ -199,7 +199,8 @@ def room_refusal(facts: TargetFacts, length: int, room: Room) -> str | None:
         if room.available_mb < needed_mb:
             return (
                 f"v{version} adds {facts.resident_mb:.1f} MB when loaded (measured at export) and runs its trial "
-                f"beside the running version; {room.available_mb:.0f} MB of memory are available here, "
+                f"beside the running version; {room.available_mb:.0f} MB of memory are available to this process "
+                "(the machine's, or its service's memory limit), "
                 f"{needed_mb:.1f} MB needed"
             )
     return None
