@@ -3,6 +3,7 @@ fleet of real daemons on a real Mosquitto, a good version reaching every device 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -175,3 +176,25 @@ def test_a_canary_that_falls_silent_after_committing_halts_the_rollout_and_goes_
     fleet.wait_until(lambda: fleet.version_sequence(canary)[-1] == 1, 30, "the canary's answers from v1 again")
     for device in rest:
         assert "v2" not in fleet.log(device) and fleet.version_sequence(device) == [1]
+
+
+def test_a_canary_without_room_for_the_version_stops_the_rollout_without_revoking_it(
+    fleet_setup: tuple[UpdateRepo, SimFleet, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A version no device has the memory for (64 TB, by its signed measured figure): the canary says no-room,
+    which says nothing of the version; the rollout stops, revokes nothing, and the rest never see it."""
+    repo, fleet, fleet_file = fleet_setup
+    canary, rest = fleet.devices[0], fleet.devices[1:]
+    source = json.loads((repo.bundle(1) / "manifest.json").read_text())
+    repo.publish(2, manifest={"memory": {**source["memory"], "resident_mb": 64 * 1024 * 1024}}, audience=())
+    assert main([*rollout_args(repo, fleet_file), "--json"]) == 1
+    out = capsys.readouterr().out
+    document = json.loads(out[out.index("{\n") :])
+    assert document["halted"] is None and document["stopped"].startswith("wave 1: no device of it could judge")
+    assert document["devices"] == [{"device": canary, "state": "no-room", "detail": document["devices"][0]["detail"]}]
+    assert "refused (no-room)" in document["devices"][0]["detail"] and "memory" in document["devices"][0]["detail"]
+    facts = repo.repository.versions("tiny")[2]
+    assert facts.revoked is None and facts.audience == (canary,), "nothing revoked; offered to the canary only"
+    for device in rest:
+        assert "v2" not in fleet.log(device), f"{device} saw v2:\n{fleet.log(device)[-2000:]}"
+    assert set(fleet.versions().values()) == {1}

@@ -211,7 +211,8 @@ def _rollout(args: argparse.Namespace) -> int:
     done = rollout.run()
     if args.json:
         print(json.dumps({"name": args.name, "version": args.version, "completed": done, "halted": rollout.halted,
-                          "devices": [o.as_dict() for o in rollout.outcomes.values()]}, indent=2))  # fmt: skip
+                          "stopped": rollout.stopped, "devices": [o.as_dict() for o in rollout.outcomes.values()]},
+                         indent=2))  # fmt: skip
     return 0 if done else 1
 
 

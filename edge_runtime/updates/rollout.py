@@ -12,7 +12,9 @@ counts and latencies give the rates. No cloud service is involved: the gateway n
 directory and the targets, snapshot and timestamp keys.
 
 A device that was reporting before its wave and stops reporting during it counts as failed (a version that kills
-the daemon looks like this); a device never heard from is "unreachable", reported, and left out of the rate.
+the daemon looks like this); a device never heard from is "unreachable", and one without the disk or memory for the
+version now is "no-room" (it takes the version once it has room): both are said and left out of the rate. A wave
+that no device could judge stops the rollout without revoking anything.
 """
 
 from __future__ import annotations
@@ -198,10 +200,14 @@ class StatusWatch:
         self.client.loop_stop()
 
 
+UNJUDGED = frozenset({"unreachable", "no-room"})
+"""Outcomes that say nothing of the version: said, and left out of a wave's failure rate."""
+
+
 @dataclass
 class Outcome:
     device: str
-    state: str  # committed | failed | unreachable | waiting
+    state: str  # committed | failed | unreachable | no-room | waiting
     detail: str = ""
 
     def as_dict(self) -> dict[str, str]:
@@ -231,6 +237,7 @@ class Rollout:
     say: Callable[[str], None] = print
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     halted: str | None = None
+    stopped: str | None = None
 
     @property
     def path(self) -> str:
@@ -252,7 +259,8 @@ class Rollout:
         return facts
 
     def run(self) -> bool:
-        """The whole rollout; True when every wave passed, False when it halted."""
+        """The whole rollout; True when every wave passed, False when it halted (a regression: the version is
+        revoked) or stopped (no device of a wave could judge it: nothing is revoked)."""
         facts = self._facts()
         devices = self.fleet.ordered()
         plan = waves(devices, self.options.canary, self.options.factor)
@@ -273,17 +281,15 @@ class Rollout:
                 self._await_outcomes(watch, wave, baseline)
                 self._soak(watch, wave, baseline)
                 failed = [o for d in wave if (o := self.outcomes[d]).state == "failed"]
-                judged = [d for d in wave if self.outcomes[d].state != "unreachable"]
+                judged = [d for d in wave if self.outcomes[d].state not in UNJUDGED]
                 for device in wave:
                     outcome = self.outcomes[device]
                     self.say(f"  {device}: {outcome.state}{': ' + outcome.detail if outcome.detail else ''}")
-                rate = len(failed) / len(judged) if judged else 1.0
-                if not judged or rate > self.options.max_failure_rate:
-                    why = (
-                        f"wave {number}: {len(failed)} of {len(judged)} devices failed"
-                        if judged
-                        else (f"wave {number}: no device of it could be reached")
-                    )
+                if not judged:  # nothing was learnt of the version: stop, revoke nothing
+                    self._stop(number, wave)
+                    return False
+                if len(failed) / len(judged) > self.options.max_failure_rate:
+                    why = f"wave {number}: {len(failed)} of {len(judged)} devices failed"
                     if failed:
                         why += f" ({failed[0].device}: {failed[0].detail})"
                     self._halt(why)
@@ -312,8 +318,10 @@ class Rollout:
         if seen is not None and now - seen > self.options.stale_after_s:
             return Outcome(device, "failed" if was_reporting else "unreachable", f"silent for {now - seen:.0f} s")
         last_refusal = update.get("last_refusal") or {}
-        if last_refusal.get("version") == self.version:  # refused for now (no room, a bad download): tried again
-            return Outcome(device, "waiting", f"refused ({last_refusal.get('reason')}): {last_refusal.get('message')}")
+        if last_refusal.get("version") == self.version:  # refused for now: the device tries again at each check
+            detail = f"refused ({last_refusal.get('reason')}): {last_refusal.get('message')}"
+            # a full disk says nothing of the version: left out of the rate, like a device out of reach
+            return Outcome(device, "no-room" if last_refusal.get("reason") == "no-room" else "waiting", detail)
         return Outcome(device, "waiting", str((update.get("last") or {}).get("step", "")))
 
     def _await_outcomes(self, watch: StatusWatch, wave: list[str], baseline: dict[str, Health]) -> None:
@@ -360,6 +368,17 @@ class Rollout:
                 )  # fmt: skip
                 if why is not None:
                     self.outcomes[device] = Outcome(device, "failed", why)
+
+    def _stop(self, number: int, wave: list[str]) -> None:
+        """No device of the wave could judge the version (out of reach, or without room for it): the rollout stops
+        without revoking it, since nothing says it is bad; the devices offered it so far keep it offered."""
+        states = ", ".join(f"{d} {self.outcomes[d].state}" for d in wave)
+        self.stopped = f"wave {number}: no device of it could judge the version ({states})"
+        self.say(f"STOPPED: {self.stopped}")
+        self.say(
+            f"{self.name} v{self.version} is not revoked: it stays offered to the devices of the waves so far; run "
+            "the rollout again once they can be reached (or have room)"
+        )
 
     def _halt(self, why: str) -> None:
         self.halted = why
