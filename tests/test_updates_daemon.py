@@ -317,6 +317,7 @@ def test_sigkill_in_the_middle_of_a_download_restarts_on_the_running_version_and
         daemon.start(durable_broker)
         assert started_on(daemon, 2) == 1, "nothing was committed: the running version comes back"
         daemon.wait_logged("passed its golden self-test")  # downloaded again, whole, and verified
+        daemon.wait_logged("answers from now on")  # the trial has begun: the inputs below are its inputs
         messages = inputs(f"{unique_topic}/sensors/cam0/image", 20)
         publisher.publish_all(messages)
         assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages}), daemon.log_text()[-3000:]
@@ -464,7 +465,7 @@ def test_an_update_the_disk_has_no_room_for_waits_and_is_taken_once_there_is(
         assert not any((updates_dir / "downloads").iterdir()), "nothing was downloaded"
 
         ballast.unlink()  # room again: the next check takes it, and the trial runs on the next inputs
-        daemon.wait_logged("passed its golden self-test")
+        daemon.wait_logged("answers from now on")
         messages = inputs(f"{unique_topic}/sensors/cam0/image", 20)
         publisher.publish_all(messages)
         assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages}), daemon.log_text()[-3000:]

@@ -383,15 +383,17 @@ class Daemon:
         progress = self.supervisor.progress
         while True:
             self._answer_evicted()
-            if self.swap is not None:
-                self._poll_swap()
             try:
                 batch = self.queue.get_batch(max_batch, timeout=0.5)
             except QueueEmpty:
+                if self.swap is not None:  # a quiet stream: a trial that ends by its time, a revert, still happen
+                    self._poll_swap()
                 continue
             except QueueClosed:
                 self._answer_evicted()
                 return
+            if self.swap is not None:  # between two batches, as late as can be: a proposal made while this worker
+                self._poll_swap()  # waited for input answers from this batch on
             progress.begin()
             now = time.monotonic()
             for message in batch:
