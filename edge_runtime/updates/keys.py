@@ -158,9 +158,8 @@ def new_root(directory: Path, *, rotate: str | None = None, expires_days: float 
     root.version += 1
     root.expires = utc_in(expires_days)
     signers = [old_root_signer]
-    staged = files.key(rotate).with_suffix(".key.new") if rotate else None
-    if rotate is not None and staged is not None:
-        private, public = _new_key(staged)
+    if rotate is not None:
+        private, public = _new_key(files.key(rotate).with_suffix(".key.new"))
         for keyid in list(root.roles[rotate].keyids):
             root.revoke_key(keyid, rotate)
         root.add_key(public, rotate)
@@ -170,8 +169,8 @@ def new_root(directory: Path, *, rotate: str | None = None, expires_days: float 
     for each in signers:
         metadata.sign(each, append=True)
     _write_root(directory, metadata)
-    if rotate is not None and staged is not None:
-        os.replace(staged, files.key(rotate))  # after the root that trusts it: a cut here leaves ROLE.key.new
+    if rotate is not None:  # after the root that trusts it: a cut here leaves ROLE.key.new (``signer`` says so)
+        os.replace(files.key(rotate).with_suffix(".key.new"), files.key(rotate))
     return NewRoot(path=files.root, version=root.version, expires=root.expires, rotated=rotate)
 
 
