@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
+import tests.tiny_bundle
 from edgeline.cli import main
+from tests.cache import cached, cached_export
 from tests.tiny_bundle import (
     CLASSES,
     COMMITTED_BUNDLE,
@@ -23,9 +27,13 @@ from tests.tiny_bundle import (
     IMAGE_SHAPE,
     TINY_MODEL_SOURCE,
     export_sqrt,
-    export_tiny,
     write_samples,
 )
+
+# Hypothesis's own clocks are timing assertions: a per-example deadline (200 ms) and a health check that fails a
+# test whose inputs are slow to generate. On a busy machine both fail tests that are right; examples stay counted.
+settings.register_profile("edgeline", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("edgeline")
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 """False in the device tier: the base install, without the export extra."""
@@ -53,9 +61,16 @@ collect_ignore = [
     if importlib.util.find_spec(needs) is None
 ]
 
-pytest_plugins = ["tests.mqtt_broker"]  # real-Mosquitto fixtures: broker, session_broker, unique_topic
+pytest_plugins = [
+    "tests.mqtt_broker",  # real-Mosquitto fixtures: broker, session_broker, unique_topic
+    "tests.tiers",  # every test has one cost tier, and its time bound
+    "pytester",  # tests/test_suite_tiers.py runs small suites of its own
+]
 
-__all__ = ["CLASSES", "HAVE_TORCH", "IMAGE_SHAPE", "TINY_MODEL_SOURCE"]
+TINY_BUNDLE_PY = Path(tests.tiny_bundle.__file__)
+"""The exports of the tiny and sqrt bundles, their seeds and sources: part of their cache keys."""
+
+__all__ = ["CLASSES", "HAVE_TORCH", "IMAGE_SHAPE", "TINY_MODEL_SOURCE", "TinyExport"]
 
 
 def needs_torch(what: str) -> None:
@@ -90,17 +105,31 @@ def sample_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_samples(tmp_path_factory.mktemp("samples"))
 
 
+TinyExport = Callable[[str, str, str], Path]
+"""``tiny_export(profile, backend, precision)``: the tiny model's bundle for that target."""
+
+
 @pytest.fixture(scope="session")
-def built_litert_bundle(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_file: Path, sample_files: dict[str, Path]
-) -> Path:
-    """The pristine int8-static LiteRT bundle; never modify it, use ``litert_bundle``. Exported here with torch;
+def tiny_export(tiny_model_file: Path, sample_files: dict[str, Path]) -> TinyExport:
+    """The tiny model exported for a profile's target by ``edgeline export``, once for this code and these libraries
+    (tests/cache.py), whichever test or process asks first: never modify what it returns."""
+
+    def export(profile: str, backend: str, precision: str) -> Path:
+        needs_torch("the tiny_export fixture")
+        samples = ["--calibration", sample_files["calibration"], "--validation", sample_files["validation"]]
+        target = ["--profile", profile, "--backend", backend, "--precision", precision]
+        return cached_export(f"{tiny_model_file}:model", *samples, *target)
+
+    return export
+
+
+@pytest.fixture(scope="session")
+def built_litert_bundle(tiny_export: TinyExport) -> Path:
+    """The pristine int8-static LiteRT bundle for rpi5; never modify it, use ``litert_bundle``. Exported with torch;
     without it (the device tier), the committed copy made by the same export."""
     if not HAVE_TORCH:
         return COMMITTED_BUNDLE
-    out = tmp_path_factory.mktemp("exported") / "tiny"
-    assert export_tiny(tiny_model_file, sample_files, out) == 0, "exporting the tiny model for rpi5 failed"
-    return out
+    return tiny_export("rpi5", "litert", "int8-static")
 
 
 @pytest.fixture(scope="session")
@@ -109,9 +138,11 @@ def sqrt_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (never modify it). Exported here with torch; without it (the device tier), the committed copy."""
     if not HAVE_TORCH:
         return COMMITTED_SQRT_BUNDLE
-    out = tmp_path_factory.mktemp("exported") / "sqrt"
-    assert export_sqrt(tmp_path_factory.mktemp("sqrt_model"), out) == 0, "exporting the sqrt model (litert fp32) failed"
-    return out
+
+    def make(directory: Path) -> None:
+        assert export_sqrt(directory, directory / "sqrt") == 0, "exporting the sqrt model (litert fp32) failed"
+
+    return cached("bundle", [TINY_BUNDLE_PY], make) / "sqrt"
 
 
 @pytest.fixture
@@ -148,18 +179,22 @@ def model():
 def batchable_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An int8-static LiteRT bundle of a (1, 3, 8, 8) model whose graph takes any batch size (never modify it)."""
     needs_torch("the batchable_bundle fixture")
-    root = tmp_path_factory.mktemp("pooled_model")
-    source = root / "pooled.py"
-    source.write_text(POOLED_MODEL_SOURCE, encoding="utf-8")
-    rng = np.random.default_rng(20261121)
-    np.savez(root / "calibration.npz", image=rng.random((32, 3, 8, 8), dtype=np.float32))
-    np.savez(root / "validation.npz", image=rng.random((16, 3, 8, 8), dtype=np.float32), labels=np.arange(16) % 10)
-    out = tmp_path_factory.mktemp("exported") / "pooled"
-    args = ["export", f"{source}:model", "--profile", "rpi5", "--calibration", str(root / "calibration.npz"),
-            "--validation", str(root / "validation.npz"), "--backend", "litert", "--precision", "int8-static",
-            "--out", str(out)]  # fmt: skip
-    assert main(args) == 0, "exporting the pooled model for rpi5 (litert int8-static) failed"
-    return out
+
+    def make(directory: Path) -> None:
+        root = directory / "model"
+        root.mkdir()
+        source = root / "pooled.py"
+        source.write_text(POOLED_MODEL_SOURCE, encoding="utf-8")
+        rng = np.random.default_rng(20261121)
+        np.savez(root / "calibration.npz", image=rng.random((32, 3, 8, 8), dtype=np.float32))
+        np.savez(root / "validation.npz", image=rng.random((16, 3, 8, 8), dtype=np.float32), labels=np.arange(16) % 10)
+        out = directory / "pooled"
+        args = ["export", f"{source}:model", "--profile", "rpi5", "--calibration", str(root / "calibration.npz"),
+                "--validation", str(root / "validation.npz"), "--backend", "litert", "--precision", "int8-static",
+                "--out", str(out)]  # fmt: skip
+        assert main(args) == 0, "exporting the pooled model for rpi5 (litert int8-static) failed"
+
+    return cached("bundle", [POOLED_MODEL_SOURCE], make) / "pooled"
 
 
 LOOKUP_MODEL_SOURCE = '''\
@@ -189,15 +224,19 @@ def lookup_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An fp32 LiteRT bundle taking (1, 1, 3) indices in [0, 8); 300 passes every input check but the runtime's
     EMBEDDING_LOOKUP refuses it: a real ``inference-failed`` (never modify it)."""
     needs_torch("the lookup_bundle fixture")
-    root = tmp_path_factory.mktemp("lookup_model")
-    source = root / "lookup.py"
-    source.write_text(LOOKUP_MODEL_SOURCE, encoding="utf-8")
-    rng = np.random.default_rng(8)
-    np.savez(root / "calibration.npz", x=rng.integers(0, 8, (16, 1, 3)).astype(np.float32))
-    np.savez(root / "validation.npz", x=rng.integers(0, 8, (8, 1, 3)).astype(np.float32))
-    out = tmp_path_factory.mktemp("exported") / "lookup"
-    args = ["export", f"{source}:model", "--profile", "rpi5", "--calibration", str(root / "calibration.npz"),
-            "--validation", str(root / "validation.npz"), "--backend", "litert", "--precision", "fp32",
-            "--out", str(out)]  # fmt: skip
-    assert main(args) == 0, "exporting the lookup model for rpi5 (litert fp32) failed"
-    return out
+
+    def make(directory: Path) -> None:
+        root = directory / "model"
+        root.mkdir()
+        source = root / "lookup.py"
+        source.write_text(LOOKUP_MODEL_SOURCE, encoding="utf-8")
+        rng = np.random.default_rng(8)
+        np.savez(root / "calibration.npz", x=rng.integers(0, 8, (16, 1, 3)).astype(np.float32))
+        np.savez(root / "validation.npz", x=rng.integers(0, 8, (8, 1, 3)).astype(np.float32))
+        out = directory / "lookup"
+        args = ["export", f"{source}:model", "--profile", "rpi5", "--calibration", str(root / "calibration.npz"),
+                "--validation", str(root / "validation.npz"), "--backend", "litert", "--precision", "fp32",
+                "--out", str(out)]  # fmt: skip
+        assert main(args) == 0, "exporting the lookup model for rpi5 (litert fp32) failed"
+
+    return cached("bundle", [LOOKUP_MODEL_SOURCE], make) / "lookup"

@@ -89,11 +89,37 @@ def find_mosquitto() -> str:
     raise BrokerStartError(f"mosquitto is not installed (not on PATH, no {DEBIAN_MOSQUITTO}); {SETUP_HINT}")
 
 
+PORT_BAND_BASE = 20_000
+PORT_BAND_SIZE = 1_000
+"""Each pytest-xdist worker takes its ports from a band of its own below Linux's ephemeral range (32768 and up),
+so two workers never race for one port, and no client's ephemeral port lands on a port a test is about to bind."""
+_next_in_band: dict[int, int] = {}
+_band_lock = threading.Lock()
+
+
+def _worker_index() -> int:
+    """0 outside xdist; N for worker ``gwN`` (bands wrap after a dozen workers: still far apart in time)."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(name[2:]) % 12 if name.startswith("gw") and name[2:].isdigit() else 0
+
+
 def free_port(host: str = HOST) -> int:
-    """A port nobody listens on right now (the OS picks it); someone may take it before we bind it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """A loopback port nobody listens on right now, from this worker's own band, never the same twice in a row:
+    a restarted broker keeps its port, a new one gets the next. Someone outside the suite may still take it
+    before we bind it (``Broker.start`` tries again)."""
+    band = PORT_BAND_BASE + _worker_index() * PORT_BAND_SIZE
+    with _band_lock:
+        for _ in range(PORT_BAND_SIZE):
+            offset = _next_in_band.get(band, os.getpid() % PORT_BAND_SIZE)
+            _next_in_band[band] = (offset + 1) % PORT_BAND_SIZE
+            port = band + offset
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind((host, port))
+                except OSError:
+                    continue
+            return port
+    raise BrokerStartError(f"no free port in {band}-{band + PORT_BAND_SIZE - 1} on {host}")
 
 
 def write_password_file(path: Path, users: Mapping[str, str]) -> None:

@@ -23,8 +23,9 @@ from edgeline.export.backends import ExportRequest
 from edgeline.export.budgets import budget_violations
 from edgeline.export.conversion import convert
 from edgeline.export.errors import ExportError, LoweringError
-from edgeline.export.reference import prepare
+from edgeline.export.reference import Prepared
 from edgeline.manifest import Manifest
+from tests.cache import cached, cached_reference
 
 pytestmark = pytest.mark.slow  # trains two reference models (~30 s) and runs the HTP emulator
 
@@ -33,19 +34,22 @@ REFERENCES = ("resnet8", "ds_cnn")
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("qnn")
+def bundles() -> dict[str, Path]:
+    """Each reference model exported for the HTP once for this code (tests/cache.py); never modified here."""
     made = {}
     for name in REFERENCES:
-        prepared = prepare(name, root / "references" / name)
-        out = root / name
-        code = main(
-            ["export", str(prepared.model_path), "--profile", PROFILE,
-             "--calibration", str(prepared.calibration_path), "--validation", str(prepared.validation_path),
-             "--backend", "qnn-htp", "--precision", "int8-static", "--out", str(out)]
-        )  # fmt: skip
-        assert code == 0, name
-        made[name] = out
+        prepared = cached_reference(name)
+
+        def make(directory: Path, prepared: Prepared = prepared) -> None:
+            code = main(
+                ["export", str(prepared.model_path), "--profile", PROFILE,
+                 "--calibration", str(prepared.calibration_path), "--validation", str(prepared.validation_path),
+                 "--backend", "qnn-htp", "--precision", "int8-static", "--out", str(directory / "bundle")]
+            )  # fmt: skip
+            assert code == 0, prepared.name
+
+        inputs = [PROFILE, prepared.model_path, prepared.calibration_path, prepared.validation_path]
+        made[name] = cached("bundle", inputs, make) / "bundle"
     return made
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.conftest import TinyExport
 from tests.emulated_runner import infer_outputs
 from tests.mqtt_broker import Broker, BrokerFactory, Collector
 
@@ -147,23 +148,13 @@ def installs() -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def bundles(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_file: Path, sample_files: dict[str, Path]
-) -> dict[str, Exported]:
-    from edgeline.cli import main
-
-    root = tmp_path_factory.mktemp("emulated-bundles")
+def bundles(tiny_export: TinyExport) -> dict[str, Exported]:
+    """The tiny model for every profile and target here (exported once for this code: tests/cache.py)."""
     exported = {}
     for profile in PROFILES:
         for backend, precision in TARGETS:
             key = f"{profile}/{backend}-{precision}"
-            out = root / profile / f"{backend}-{precision}"
-            code = main(
-                ["export", f"{tiny_model_file}:model", "--profile", profile,
-                 "--calibration", str(sample_files["calibration"]), "--validation", str(sample_files["validation"]),
-                 "--backend", backend, "--precision", precision, "--out", str(out), "-q"]
-            )  # fmt: skip
-            assert code == 0, f"exporting {key} failed (exit {code})"
+            out = tiny_export(profile, backend, precision)
             manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
             exported[key] = Exported(key, profile, backend, precision, out, manifest)
     return exported

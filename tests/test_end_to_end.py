@@ -14,8 +14,9 @@ import pytest
 
 import edgeline
 from edgeline.cli import main
-from edgeline.export.reference import REFERENCE_MODELS, Prepared, prepare
+from edgeline.export.reference import REFERENCE_MODELS, Prepared
 from edgeline.samples import read_npz, sample_set
+from tests.cache import cached_reference
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +46,9 @@ max_accuracy_drop = 100.0
 
 
 @pytest.fixture(scope="session")
-def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Prepared]:
-    root = tmp_path_factory.mktemp("references")
-    return {name: prepare(name, root / name) for name in sorted(REFERENCE_MODELS)}
+def references() -> dict[str, Prepared]:
+    """Trained once for this code (tests/cache.py), shared with the other tests that need them."""
+    return {name: cached_reference(name) for name in sorted(REFERENCE_MODELS)}
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import pytest
 
 import edgeline
 from edgeline.cli import main
+from tests.cache import cached_export
 
 REPO = Path(__file__).resolve().parents[1]
 PRECISIONS = {
@@ -34,17 +35,13 @@ def bundles(
     assert "\nmin_quantized_share = 0.8\n" in text
     profile = root / "x86-64-open.toml"
     profile.write_text(text.replace("\nmin_quantized_share = 0.8\n", "\n"))
-    made = {}
-    for backend, precision in CASES:
-        out = root / f"{backend}-{precision}"
-        code = main(
-            ["export", f"{tiny_model_file}:model", "--profile", str(profile),
-             "--calibration", str(sample_files["calibration"]), "--validation", str(sample_files["validation"]),
-             "--backend", backend, "--precision", precision, "--out", str(out), "--json"]
-        )  # fmt: skip
-        assert code == 0, (backend, precision)
-        made[(backend, precision)] = out
-    return made
+    samples = ["--calibration", sample_files["calibration"], "--validation", sample_files["validation"]]
+    return {
+        (backend, precision): cached_export(
+            f"{tiny_model_file}:model", "--profile", profile, *samples, "--backend", backend, "--precision", precision
+        )
+        for backend, precision in CASES
+    }
 
 
 def manifest(bundle: Path) -> dict:

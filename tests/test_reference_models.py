@@ -26,6 +26,7 @@ from edgeline.export.reference import (
 from edgeline.export.reference import cli as reference_cli
 from edgeline.export.reference.data import CALIBRATION_SIZE, Dataset, bilinear_resize
 from edgeline.export.reference.training import accuracy, predict
+from tests.cache import cached_reference
 
 NAMES = ("digits", "resnet8", "ds_cnn", "vww", "autoencoder")
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +45,9 @@ def _run_cli(argv: list[str]) -> int:
 
 
 @pytest.fixture(scope="module")
-def prepared_digits(tmp_path_factory: pytest.TempPathFactory) -> Prepared:
-    return prepare("digits", tmp_path_factory.mktemp("references") / "digits")
+def prepared_digits() -> Prepared:
+    """Trained once for this code (tests/cache.py); never modified here."""
+    return cached_reference("digits")
 
 
 # --- registry -----------------------------------------------------------------------------------------------

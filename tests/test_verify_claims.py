@@ -21,6 +21,7 @@ from edgeline.cli import main
 from edgeline.machine import X86_64_LEVELS, Machine, from_facts, mismatch, normalise_arch, this_machine
 from edgeline.manifest import Device
 from edgeline.memory import resident_mb, resident_mb_added
+from tests.cache import cached_export
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
 
@@ -328,23 +329,17 @@ TINY_SHAPE = (1, 8, 8)
 
 
 @pytest.fixture(scope="module")
-def ethos_u_bundles(
-    tmp_path_factory: pytest.TempPathFactory, tiny_model_file: Path, sample_files: dict[str, Path]
-) -> dict[str, Path]:
+def ethos_u_bundles(tiny_model_file: Path, sample_files: dict[str, Path]) -> dict[str, Path]:
     """The tiny model for the i.MX 93 (LiteRT, vela for its Ethos-U65) and for a Cortex-M55 with an Ethos-U55
-    (TFLite Micro): real vela, real exports."""
+    (TFLite Micro): real vela, real exports (once for this code: tests/cache.py)."""
     from tests.conftest import needs_torch
 
     needs_torch("the ethos_u_bundles fixture")
-    made = {}
-    for profile, extra in (("imx93", []), ("ethos-u55-128", ["--backend", "ethos-u", "--precision", "int8-static"])):
-        out = tmp_path_factory.mktemp(profile) / "tiny"
-        code = main(["export", f"{tiny_model_file}:model", "--profile", profile, "--calibration",
-                     str(sample_files["calibration"]), "--validation", str(sample_files["validation"]),
-                     "--out", str(out), *extra])  # fmt: skip
-        assert code == 0, f"exporting the tiny model for {profile} failed"
-        made[profile] = out
-    return made
+    samples = ["--calibration", sample_files["calibration"], "--validation", sample_files["validation"]]
+    return {
+        profile: cached_export(f"{tiny_model_file}:model", "--profile", profile, *samples, *extra)
+        for profile, extra in (("imx93", []), ("ethos-u55-128", ["--backend", "ethos-u", "--precision", "int8-static"]))
+    }
 
 
 @pytest.mark.workstation

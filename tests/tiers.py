@@ -1,0 +1,88 @@
+"""Cost tiers: every test carries exactly one, so a developer can run the cheap part between two edits.
+
+    quick        in-process, no broker, no process of ours, no conversion of its own: the tier a developer runs
+                 between two edits (``bash scripts/test.sh --quick``). It may use the session's shared tiny
+                 bundles (``built_litert_bundle``, ``sqrt_bundle``): converted once, cached by content.
+    integration  a real Mosquitto, a daemon or bridge process, a pseudo-terminal, an emulated board: waits more
+                 than it computes
+    export       a real conversion (torch export, a quantizer, a compiler) or a reference model trained
+    emulated     the device side on an emulated arm64 CPU (qemu-user, ``scripts/arm64.sh``)
+
+A module whose tests all cost the same says so once (``pytestmark``); otherwise each test or class says its own.
+Markers never override each other: ``-m quick`` selects exactly the tests marked quick. The tiers are orthogonal
+to ``device`` and ``workstation`` (which install a test needs); all are registered in pyproject.toml.
+
+This plugin refuses to run a collection in which a test has no tier or two, or is marked quick while it asks for a
+fixture that starts a broker or converts a model; each tier also bounds its tests' time (pytest-timeout), unless a
+test sets its own ``timeout``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+__all__ = ["COSTLY_FIXTURES", "TIERS", "TIMEOUT_S", "tier_problems"]
+
+TIERS = ("quick", "integration", "export", "emulated")
+TIMEOUT_S = {"quick": 120, "integration": 300, "export": 1200, "emulated": 1800}
+"""Per test, fixtures included: a hang fails its own test rather than the whole run. The quick tier's bound leaves
+room for the session's tiny bundles being converted once on a cold cache."""
+
+COSTLY_FIXTURES = {
+    "broker": "integration",
+    "session_broker": "integration",
+    "broker_factory": "integration",
+    "durable_broker": "integration",
+    "answers": "integration",
+    "publisher": "integration",
+    "batchable_bundle": "export",
+    "lookup_bundle": "export",
+}
+"""Fixtures a quick test must not use, and the tier their cost puts a test in."""
+
+_HELP = "mark it with one of pytest.mark." + ", pytest.mark.".join(TIERS) + " (tests/tiers.py says which is which)"
+
+
+def tier_problems(items: list[pytest.Item]) -> list[str]:
+    """One line per test whose tier is missing, doubled, or cheaper than a fixture it uses."""
+    problems = []
+    for item in items:
+        tiers = sorted({marker.name for marker in item.iter_markers() if marker.name in TIERS})
+        if not tiers:
+            problems.append(f"{item.nodeid}: no tier: {_HELP}")
+        elif len(tiers) > 1:
+            problems.append(f"{item.nodeid}: two tiers ({', '.join(tiers)}): keep the one its cost puts it in")
+        elif tiers[0] == "quick":
+            costly = sorted(
+                f"{name} ({COSTLY_FIXTURES[name]})"
+                for name in getattr(item, "fixturenames", ())
+                if name in COSTLY_FIXTURES
+            )
+            if costly:
+                problems.append(f"{item.nodeid}: marked quick but uses {', '.join(costly)}")
+    return problems
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Before ``-m`` deselects anything: every collected test has one tier; each gets its tier's time bound; the
+    collection is put in the order that keeps every core busy (``START_ORDER``)."""
+    problems = tier_problems(items)
+    if problems:
+        raise pytest.UsageError("tests without a proper cost tier:\n  " + "\n  ".join(problems))
+    module_rank: dict[str, int] = {}
+    for item in items:
+        tier = next(marker.name for marker in item.iter_markers() if marker.name in TIERS)
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TIMEOUT_S[tier]))
+        module = item.nodeid.split("::", 1)[0]
+        module_rank[module] = max(module_rank.get(module, 0), COST_ORDER.index(tier))
+    items.sort(key=lambda item: START_ORDER.index(COST_ORDER[module_rank[item.nodeid.split("::", 1)[0]]]))
+
+
+COST_ORDER = ("quick", "integration", "export", "emulated")
+"""A module costs what its dearest test costs."""
+START_ORDER = ("export", "integration", "quick", "emulated")
+"""Whole modules, in this order (a stable sort: modules stay whole, so their fixtures are made once per process):
+conversions first, while every core is free for them; the emulated tier last, so the emulated installs that
+scripts/test.sh starts building at once are ready when it comes (its tests wait for the build's lock otherwise)."""
