@@ -1,4 +1,5 @@
-"""The error tree of edgeline. It lives here, in the lowest folder, so every other folder can use it.
+"""The error tree of edgeline. Its root lives here, in the lowest folder, so every other folder can use it; a
+subclass that only one module raises lives beside it, named in brackets.
 
     EdgelineError              a user's mistake or an environment problem: exit code 2, one clear line
     ├── ProfileError           unknown profile id, broken profile file, invalid field
@@ -8,9 +9,20 @@
     ├── PayloadError           model inputs of the wrong count, shape, dtype, or with NaN/Inf
     ├── UpdateError            a signed update that cannot be published or fetched (keys, repository, link)
     │   └── UpdateRefused      an update the device will not take: ``reason`` is one of ``REFUSAL_REASONS``
-    └── ExportError            export failed for a reason the user can act on (defined in ``edgeline.export.errors``)
+    ├── KeysError              [edgeline.updates.keys] a keys directory missing, incomplete or not trusted
+    ├── BrokerRefused          [edgeline.daemon.mqtt] the broker could not be reached or refused us at start
+    ├── DiskFull               [edgeline.daemon.outbox] an outbox write failed for lack of space
+    ├── OutboxClosed           [edgeline.daemon.outbox] a call after ``close``
+    ├── FrameError             [edgeline.firmware_bridge.protocol] a frame refused
+    ├── FleetError             [edgeline.sim.fleet_status] a simulated fleet that cannot be made or observed
+    └── ExportError            [edgeline.export.errors] export failed for a reason the user can act on
+        ├── ModelLoadError
+        ├── CalibrationError
+        ├── TraceError
+        ├── LoweringError
+        └── BudgetError
 
-``edgeline.errors`` re-exports these; import them from there.
+``edgeline.errors`` re-exports the classes defined here; import them from there.
 Anything that is not an ``EdgelineError`` reaching the command line is a bug of ours.
 """
 

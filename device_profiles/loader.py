@@ -19,7 +19,10 @@ from edgeline.device_profiles.schema import Profile
 from edgeline.device_profiles.validation import describe_validation_error
 
 if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -92,16 +92,23 @@ def _row_size(topic: str, payload: bytes) -> int:
     return len(payload) + len(topic.encode()) + ROW_OVERHEAD
 
 
+# SQLite's result codes, by number: the sqlite3 module names them only from Python 3.11 on, when its exceptions also
+# start carrying ``sqlite_errorcode``; on 3.10 the message alone decides.
+_SQLITE_CORRUPT = 11
+_SQLITE_FULL = 13
+_SQLITE_NOTADB = 26
+
+
 def _is_full(exc: BaseException) -> bool:
     if isinstance(exc, sqlite3.Error):
-        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)
+        return getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL or "disk is full" in str(exc)
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _corrupt(exc: sqlite3.Error) -> bool:
     """An error that says the file is not a usable database (as opposed to locked, read-only or full)."""
     code = getattr(exc, "sqlite_errorcode", None)
-    return code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or "malformed" in str(exc)
+    return code in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or "malformed" in str(exc)
 
 
 def _set_aside(path: Path, exc: BaseException) -> Path:

@@ -303,7 +303,7 @@ class Processor:
 
 class Shadow(Protocol):
     """What runs an input during a trial: ``run`` returns the version that answers, its outputs and its model
-    call's seconds (``edgeline.updates.agent.TrialRunner``)."""
+    call's seconds (``edgeline.updates.swap.TrialRunner``)."""
 
     def run(self, model: Model, inputs: list[np.ndarray]) -> tuple[Model, list[np.ndarray], float]: ...
 

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -21,11 +21,10 @@ from edgeline.updates.store import Installed
 from edgeline.updates.trial import Trial, agree
 
 if TYPE_CHECKING:
-    from edgeline.daemon.processor import Processor
     from edgeline.model import Model
     from edgeline.updates.agent import UpdateAgent
 
-__all__ = ["Swap", "TrialRunner"]
+__all__ = ["Swap", "TrialRunner", "Worker"]
 
 
 class TrialRunner:
@@ -82,6 +81,19 @@ class TrialRunner:
         return model, new_outputs, new_s or 0.0
 
 
+class Worker(Protocol):
+    """What the swap changes between two batches: the daemon's ``Processor``, its model and the shadow beside it
+    during a trial. A protocol, so that updates never import the daemon (the daemon imports updates)."""
+
+    model: Model
+
+    @property
+    def shadow(self) -> object: ...
+
+    @shadow.setter
+    def shadow(self, runner: TrialRunner | None) -> None: ...
+
+
 @dataclass
 class _Proposal:
     model: Model
@@ -93,7 +105,7 @@ class Swap:
     """The hand-over between the update thread (``propose``, ``revert``) and the worker (``poll``, between two
     batches: the only place the processor's model changes)."""
 
-    def __init__(self, agent: UpdateAgent, processor: Processor):
+    def __init__(self, agent: UpdateAgent, processor: Worker):
         self.agent = agent
         self.processor = processor
         self._lock = threading.Lock()
