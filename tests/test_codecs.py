@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from edgeline.daemon.codecs import CODECS, Decoded, get_codec
-from edgeline.errors import PAYLOAD_CODES, BackendUnavailableError, EdgelineError, PayloadError
+from edgeline.errors import DAEMON_CODES, PAYLOAD_CODES, BackendUnavailableError, EdgelineError, PayloadError
 from edgeline.manifest import Quantization, TensorSpec, Window
 from edgeline.quantization import quantize
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_devi
 
 PROPERTY = settings(deadline=None, max_examples=100)
 # What a codec may answer; the size limit is the caller's, checked before decoding.
-DECODE_CODES = {"invalid-input", "malformed", "missing-input", "wrong-shape", "wrong-dtype", "non-finite"}
+DECODE_CODES = set(PAYLOAD_CODES) - {"oversized", *DAEMON_CODES}
 
 MAP_CODECS = ("json", "cbor", "msgpack")
 PACKERS: dict[str, Callable[[Any], bytes]] = {
