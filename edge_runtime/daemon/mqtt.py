@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from edgeline.daemon.config import BrokerAddress, BrokerConfig
-from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Message, Reply
 from edgeline.daemon.paho_lean import in_flight, lean_client_or_stock, raw_topic
 from edgeline.daemon.reconnect import SHORT_LIVED_S, Backoff, Lost
 from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
+from edgeline.lograte import Repeated
 
 __all__ = ["AnswerFormat", "BrokerRefused", "MqttConnection", "MqttSink", "MqttSource", "PublishDone"]
 

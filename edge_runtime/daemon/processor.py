@@ -28,12 +28,12 @@ import numpy as np
 from edgeline.arrays import all_finite
 from edgeline.daemon.codecs import Codec, Decoded
 from edgeline.daemon.health import Metrics
-from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.salvage import readable_id
 from edgeline.daemon.topics import render_topic, topic_problem
 from edgeline.daemon.windowing import StreamWindows
 from edgeline.errors import PAYLOAD_CODES, PayloadError
+from edgeline.lograte import Repeated
 from edgeline.manifest import Window
 from edgeline.model import Model
 
