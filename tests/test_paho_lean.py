@@ -286,6 +286,18 @@ def test_the_pins_cover_every_method_the_lean_client_overrides() -> None:
     assert overridden <= set(paho_lean.PINNED_SOURCES), overridden - set(paho_lean.PINNED_SOURCES)
 
 
+@pytest.mark.parametrize("checked", [True, False], ids=["checked paho", "another paho"])
+def test_a_topic_that_is_not_utf8_is_shown_only_where_paho_is_the_checked_one(
+    checked: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not checked:
+        monkeypatch.setattr(paho_lean, "internals_usable", lambda: False)  # as after a refused check
+    connection = MqttConnection(BrokerConfig(), client_id="no-connection")  # never connected: no broker needed
+    connection._on_message(connection._client, None, mqtt.MQTTMessage(1, b"bad\xfftopic"))
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "not UTF-8" in r.getMessage()]
+    assert ("bad\\xfftopic" in line) is checked, line
+
+
 def test_the_private_reads_of_the_connection_pass_through_the_check() -> None:
     """On the checked paho, ``MqttConnection`` reads a message's raw topic and the messages in flight."""
     assert paho_lean.raw_topic(mqtt.MQTTMessage(1, b"\xff")) == b"\xff"
