@@ -29,6 +29,7 @@ Anything that is not an ``EdgelineError`` reaching the command line is a bug of 
 from __future__ import annotations
 
 __all__ = [
+    "DAEMON_CODES",
     "PAYLOAD_CODES",
     "REFUSAL_REASONS",
     "BackendUnavailableError",
@@ -77,6 +78,12 @@ class PayloadError(EdgelineError):
         self.code = code
 
 
+DAEMON_CODES = (
+    "dropped",  # the queue was full (policy drop-oldest): the input was never run
+    "inference-failed",  # the runtime failed on a valid input (a bug or a broken model; logged)
+    "invalid-topic",  # the answer's topic cannot be formed from the message's device (wildcards, over 64 KiB)
+)
+"""The codes of ``PAYLOAD_CODES`` that are not about the payload itself, but answered the same way by the daemon."""
 PAYLOAD_CODES = (
     # a field that no code below covers: an id that is neither text nor an integer, an input given twice
     "invalid-input",
@@ -86,11 +93,10 @@ PAYLOAD_CODES = (
     "wrong-shape",  # element count or shape does not fit the model input
     "wrong-dtype",  # values of a type that is not a real number
     "non-finite",  # NaN or Inf
-    # Not about the payload itself, but answered the same way by the daemon:
-    "dropped",  # the queue was full (policy drop-oldest): the input was never run
-    "inference-failed",  # the runtime failed on a valid input (a bug or a broken model; logged)
-    "invalid-topic",  # the answer's topic cannot be formed from the message's device (wildcards, over 64 KiB)
+    *DAEMON_CODES,
 )
+"""Every code an error answer can carry (``{"id", "error": {"code", "message"}}``): the one list. The daemon, the
+README's list (held equal by ``tests/test_docs.py``) and the tests take it from here."""
 
 
 class UpdateError(EdgelineError):

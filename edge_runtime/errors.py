@@ -1,6 +1,7 @@
 """Errors of the runtime side; the tree is drawn in ``edgeline.device_profiles.errors``."""
 
 from edgeline.device_profiles.errors import (
+    DAEMON_CODES,
     PAYLOAD_CODES,
     REFUSAL_REASONS,
     BackendUnavailableError,
@@ -14,6 +15,7 @@ from edgeline.device_profiles.errors import (
 )
 
 __all__ = [
+    "DAEMON_CODES",
     "PAYLOAD_CODES",
     "REFUSAL_REASONS",
     "BackendUnavailableError",

@@ -1,14 +1,21 @@
-"""Name -> "module:attribute" registries, resolved on first use: runtime and export backends, codecs, sources."""
+"""Name -> "module:attribute" registries, resolved on first use: runtime and export backends, codecs, sources.
+
+The one lazy loader of ``edgeline``: ``resolve`` for a registry's entry, ``import_optional`` for a module an entry
+needs in turn (a codec's parser). Both turn a module this install left out into a ``BackendUnavailableError`` that
+names what is missing, so that nothing is imported before it is asked for and a device without an extra gets a
+sentence, not a traceback.
+"""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 from edgeline.errors import BackendUnavailableError, EdgelineError
 
-__all__ = ["resolve"]
+__all__ = ["import_optional", "resolve"]
 
 
 def resolve(registry: Mapping[str, str], name: str, kind: str, error: type[EdgelineError]) -> Any:
@@ -17,11 +24,17 @@ def resolve(registry: Mapping[str, str], name: str, kind: str, error: type[Edgel
     if target is None:
         raise error(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}")
     module_name, _, attribute = target.partition(":")
+    return getattr(import_optional(module_name, f"the {kind} {name!r}"), attribute)
+
+
+def import_optional(module: str, needed_by: str, install: str | None = None) -> ModuleType:
+    """Import ``module``, which ``needed_by`` (``"the cbor codec"``) needs. One this install left out (a folder, or an
+    optional package) raises ``BackendUnavailableError`` naming the missing module and, when given, how to
+    ``install`` it."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:  # a folder or optional package this install left out
-        missing = exc.name or module_name
-        raise BackendUnavailableError(
-            f"the {kind} {name!r} is not available in this install: {missing} is missing"
-        ) from exc
-    return getattr(module, attribute)
+        return importlib.import_module(module)
+    except ImportError as exc:
+        missing = exc.name or module
+        hint = f" ({install})" if install else ""
+        text = f"{needed_by} is not available in this install: {missing} is missing{hint}"
+        raise BackendUnavailableError(text) from exc

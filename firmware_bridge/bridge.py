@@ -35,7 +35,6 @@ import orjson
 
 from edgeline.daemon.config import BrokerAddress, BrokerConfig
 from edgeline.daemon.health import Metrics, MetricsServer
-from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.mqtt import MqttConnection
 from edgeline.daemon.topics import topic_problem
 from edgeline.errors import EdgelineError
@@ -43,6 +42,7 @@ from edgeline.firmware_bridge.link import Board, BoardLink, StreamSpec, input_id
 from edgeline.firmware_bridge.protocol import Frame
 from edgeline.firmware_bridge.source import sample_payload
 from edgeline.firmware_bridge.topics import DEFAULT_ANSWERS, DEFAULT_CONFIG, DEFAULT_PUBLISH, DEFAULT_RESULTS
+from edgeline.lograte import Repeated
 
 __all__ = ["Bridge", "BridgeOptions"]
 

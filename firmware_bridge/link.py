@@ -29,6 +29,7 @@ import orjson
 
 from edgeline.errors import EdgelineError
 from edgeline.firmware_bridge.protocol import (
+    MAX_PAYLOAD,
     SEQ_MODULO,
     Decoder,
     Frame,
@@ -138,7 +139,7 @@ def parse_hello(payload: bytes) -> Board:
             not isinstance(shape, list)
             or not shape
             or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
-            or int(np.prod(shape)) * DTYPES[dtype].itemsize > 4096
+            or int(np.prod(shape)) * DTYPES[dtype].itemsize > MAX_PAYLOAD
         ):
             raise refuse(f"{where}.shape {shape!r} is not a list of positive sizes that fits in a frame")
         rate, seq = entry.get("rate_hz"), entry.get("seq")
@@ -386,7 +387,7 @@ class BoardLink:
 
     def answer(self, stream: int, seq: int, payload: bytes) -> bool:
         """Send an answer down to the board, as the ANSWER of its input ``stream``/``seq``."""
-        sent = len(payload) <= 4096 - 18 and self.send(Frame(int(FrameType.ANSWER), stream, seq, _now_us(), payload))
+        sent = len(payload) <= MAX_PAYLOAD and self.send(Frame(int(FrameType.ANSWER), stream, seq, _now_us(), payload))
         if sent:
             self.counters.answers_sent += 1
         else:

@@ -26,10 +26,12 @@ from edgeline.errors import EdgelineError
 
 __all__ = [
     "ACK",
+    "CRC_SIZE",
     "FLAG_ACK_REQUESTED",
     "HEADER",
     "MAX_ENCODED",
     "MAX_FRAME",
+    "MAX_PAYLOAD",
     "MUST_UNDERSTAND",
     "SEQ_MODULO",
     "VERSION",
@@ -47,9 +49,13 @@ __all__ = [
 VERSION = 1
 HEADER = struct.Struct("<BBBBHQ")  # version, type, flags, stream, seq, t_us: 14 bytes
 _CRC = struct.Struct("<I")
+CRC_SIZE = _CRC.size
+"""The CRC-32 after the payload (``EL_CRC_SIZE`` in the C header)."""
 ACK = struct.Struct("<BH")  # an ACK's payload: stream, seq
 MAX_FRAME = 4096
 """The largest frame, decoded: header, payload and CRC."""
+MAX_PAYLOAD = MAX_FRAME - HEADER.size - CRC_SIZE
+"""The largest payload a frame carries (``EL_MAX_PAYLOAD``): what a sample or an answer must fit in."""
 MAX_ENCODED = MAX_FRAME + MAX_FRAME // 254 + 2
 """The largest frame on the wire, COBS overhead and the delimiter included."""
 SEQ_MODULO = 1 << 16
@@ -121,12 +127,12 @@ def decode(packet: bytes) -> Frame:
         body = bytes(cobs.decode(packet))
     except cobs.DecodeError as exc:
         raise FrameError("cobs", f"not a COBS-encoded frame: {exc}") from exc
-    if len(body) < HEADER.size + _CRC.size:
+    if len(body) < HEADER.size + CRC_SIZE:
         raise FrameError("short", f"{len(body)} bytes: shorter than a frame's header and CRC")
     if len(body) > MAX_FRAME:
         raise FrameError("size", f"a frame of {len(body)} bytes is larger than the protocol's {MAX_FRAME}")
-    (crc,) = _CRC.unpack_from(body, len(body) - _CRC.size)
-    if zlib.crc32(body[: -_CRC.size]) != crc:
+    (crc,) = _CRC.unpack_from(body, len(body) - CRC_SIZE)
+    if zlib.crc32(body[:-CRC_SIZE]) != crc:
         raise FrameError("crc", "the CRC-32 does not match the frame's bytes")
     version, kind, flags, stream, seq, t_us = HEADER.unpack_from(body)
     if version != VERSION:
@@ -135,7 +141,7 @@ def decode(packet: bytes) -> Frame:
         raise FrameError("flags", f"flags 0x{flags:02x} set a bit of 4-7 that version {VERSION} does not define")
     if kind not in _TYPES:
         raise FrameError("type", f"frame type {kind} is not one of version {VERSION}'s")
-    return Frame(kind, stream, seq, t_us, body[HEADER.size : -_CRC.size], flags, version)
+    return Frame(kind, stream, seq, t_us, body[HEADER.size : -CRC_SIZE], flags, version)
 
 
 def pack_ack(stream: int, seq: int) -> bytes:

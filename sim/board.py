@@ -32,8 +32,8 @@ from typing import Protocol
 from edgeline.errors import EdgelineError
 from edgeline.firmware_bridge.protocol import (
     FLAG_ACK_REQUESTED,
-    HEADER,
-    MAX_FRAME,
+    MAX_PAYLOAD,
+    SEQ_MODULO,
     Decoder,
     Frame,
     FrameType,
@@ -64,7 +64,6 @@ HEARTBEAT_S = 1.0
 MAX_RATE_HZ = 100_000.0
 SAMPLE_BUDGET = 512 * 1024
 """Bytes of samples a board carries (the firmware compiles them into flash): the first that fit are replayed."""
-_MAX_SAMPLE_BYTES = MAX_FRAME - HEADER.size - 4
 _DEVICE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _POLL_S = 0.05
 _WRITE_TIMEOUT_S = 2.0
@@ -126,9 +125,9 @@ def load_board_samples(data: Path | str | None, sensor: str = "digits") -> Board
     loaded = load_sensor_samples(data, resolve_model(sensor))
     x = np.ascontiguousarray(loaded.x, dtype="<f4")
     size = x[0].nbytes
-    if size > _MAX_SAMPLE_BYTES:
+    if size > MAX_PAYLOAD:
         raise EdgelineError(
-            f"{loaded.source}: a sample of {size} bytes does not fit one frame ({_MAX_SAMPLE_BYTES} bytes of payload)"
+            f"{loaded.source}: a sample of {size} bytes does not fit one frame ({MAX_PAYLOAD} bytes of payload)"
         )
     kept = x[: max(1, SAMPLE_BUDGET // size)]
     return BoardSamples(tuple(row.tobytes() for row in kept), tuple(x.shape[1:]), loaded.source, sensor)
@@ -245,7 +244,7 @@ class BoardSession:
 
     def _control(self, kind: FrameType, now_us: int, payload: bytes = b"") -> bytes:
         wire = encode(Frame(kind, 0, self._control_seq, now_us, payload))
-        self._control_seq = (self._control_seq + 1) % 65536
+        self._control_seq = (self._control_seq + 1) % SEQ_MODULO
         return wire
 
     def _hello(self, now_us: int) -> bytes:
@@ -263,7 +262,7 @@ class BoardSession:
         wire = encode(Frame(FrameType.SAMPLES, DATA_STREAM, self._data_seq, now_us, payload, flags))
         if self.options.reliable:
             self._window.append(_Held(self._data_seq, wire, now_us))
-        self._data_seq = (self._data_seq + 1) % 65536
+        self._data_seq = (self._data_seq + 1) % SEQ_MODULO
         self.sent += 1
         return wire
 
@@ -274,7 +273,7 @@ class BoardSession:
         return [held.wire for held in self._window]
 
     def _release(self, seq: int) -> None:
-        while self._window and (seq - self._window[0].seq) % 65536 < 0x8000:
+        while self._window and (seq - self._window[0].seq) % SEQ_MODULO < SEQ_MODULO // 2:
             self._window.pop(0)
             self.acked += 1
 

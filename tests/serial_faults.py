@@ -26,7 +26,7 @@ from collections import Counter
 
 from cobs import cobs
 
-from edgeline.firmware_bridge.protocol import HEADER, FrameType
+from edgeline.firmware_bridge.protocol import CRC_SIZE, HEADER, FrameType
 
 __all__ = ["FrameRelay"]
 
@@ -218,7 +218,7 @@ class FrameRelay:
             self.injected["garbage"] += 1
         if fault == "flip":
             body = bytearray(cobs.decode(packet))
-            at = HEADER.size + self.rng.randrange(len(body) - HEADER.size - 4)  # in the payload
+            at = HEADER.size + self.rng.randrange(len(body) - HEADER.size - CRC_SIZE)  # in the payload
             body[at] ^= 1 << self.rng.randrange(8)
             packet = cobs.encode(bytes(body))
             self.injected["flip"] += 1

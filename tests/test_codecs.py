@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from edgeline.daemon.codecs import CODECS, Decoded, get_codec
-from edgeline.errors import PAYLOAD_CODES, EdgelineError, PayloadError
+from edgeline.errors import DAEMON_CODES, PAYLOAD_CODES, BackendUnavailableError, EdgelineError, PayloadError
 from edgeline.manifest import Quantization, TensorSpec, Window
 from edgeline.quantization import quantize
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_devi
 
 PROPERTY = settings(deadline=None, max_examples=100)
 # What a codec may answer; the size limit is the caller's, checked before decoding.
-DECODE_CODES = {"invalid-input", "malformed", "missing-input", "wrong-shape", "wrong-dtype", "non-finite"}
+DECODE_CODES = set(PAYLOAD_CODES) - {"oversized", *DAEMON_CODES}
 
 MAP_CODECS = ("json", "cbor", "msgpack")
 PACKERS: dict[str, Callable[[Any], bytes]] = {
@@ -80,6 +80,18 @@ def test_an_unknown_codec_is_a_user_error_listing_the_valid_names() -> None:
     with pytest.raises(EdgelineError, match="unknown codec 'protobuf'; valid: cbor, json, msgpack, raw") as info:
         get_codec("protobuf")
     assert not isinstance(info.value, PayloadError)
+
+
+@pytest.mark.parametrize(("codec", "package"), [("json", "orjson"), ("cbor", "cbor2"), ("msgpack", "msgpack")])
+def test_a_codec_whose_package_is_missing_names_it_and_how_to_install_it(
+    codec: str, package: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through ``edgeline.registry``, the one lazy loader: a sentence, not a traceback."""
+    monkeypatch.setitem(sys.modules, package, None)  # as if left out: importing it raises ImportError
+    expected = f"the {codec} codec is not available in this install: {package} is missing (pip install {package})"
+    with pytest.raises(BackendUnavailableError) as info:
+        get_codec(codec)
+    assert str(info.value) == expected
 
 
 def test_importing_the_daemon_pieces_loads_no_codec_library_nor_torch() -> None:

@@ -24,6 +24,7 @@ from edgeline.backends import RUNTIME_BACKENDS
 from edgeline.backends.ethos_u import CPU_MODEL
 from edgeline.backends.onnxruntime import CPU_COPY_SUFFIX
 from edgeline.bundle import MANIFEST_FILE, SIGNATURE_FILE
+from edgeline.errors import PAYLOAD_CODES
 from edgeline.export.backends import EXPORT_BACKENDS
 from edgeline.manifest import Golden, Manifest
 
@@ -111,6 +112,14 @@ def test_every_markdown_file_a_document_names_is_in_the_repository(document: Pat
 def test_the_readme_points_to_the_architecture_document() -> None:
     assert ARCHITECTURE.is_file(), "docs/architecture.md is missing"
     assert "docs/architecture.md" in _code_spans((ROOT / "README.md").read_text(encoding="utf-8"))
+
+
+def test_the_readme_lists_exactly_the_error_codes_of_the_code() -> None:
+    """The README's table of error codes is a copy of ``PAYLOAD_CODES`` for readers: held equal to it, in order."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("| code | when |", 1)[1].split("\n\n", 1)[0]
+    codes = re.findall(r"^\| `([a-z-]+)` \|", table, flags=re.MULTILINE)
+    assert codes == list(PAYLOAD_CODES), "README.md's error codes differ from edgeline.errors.PAYLOAD_CODES"
 
 
 def _words(spans: list[str]) -> set[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeline.firmware_bridge.protocol import HEADER, MAX_FRAME, Decoder, Frame, FrameType, encode
+from edgeline.firmware_bridge.protocol import MAX_PAYLOAD, Decoder, Frame, FrameType, encode
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER_FILE = REPO / "firmware_bridge" / "c" / "edgeline_frame.h"
@@ -63,7 +63,7 @@ def _c_bytes(data: bytes) -> str:
 
 def _vectors() -> list[Frame]:
     rng = random.Random(0)
-    lengths = [0, 1, 2, 235, 236, 237, 253, 254, 255, 508, 509, 1000, MAX_FRAME - HEADER.size - 4]
+    lengths = [0, 1, 2, 235, 236, 237, 253, 254, 255, 508, 509, 1000, MAX_PAYLOAD]
     made = []
     for index, length in enumerate(lengths):
         # runs of non-zero bytes across COBS's 254-byte blocks, and zeros in every position class

@@ -4,17 +4,23 @@ reads) is refused by the CRC or the framing, counted by reason, and costs no lat
 
 from __future__ import annotations
 
+import re
 import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import edgeline.firmware_bridge
 from edgeline.firmware_bridge.protocol import (
+    CRC_SIZE,
     FLAG_ACK_REQUESTED,
     HEADER,
     MAX_ENCODED,
     MAX_FRAME,
+    MAX_PAYLOAD,
+    VERSION,
     Decoder,
     Frame,
     FrameError,
@@ -34,9 +40,21 @@ frames = st.builds(
     stream=st.integers(0, 255),
     seq=st.integers(0, 65535),
     t_us=st.integers(0, 2**64 - 1),
-    payload=st.binary(max_size=MAX_FRAME - HEADER.size - 4),
+    payload=st.binary(max_size=MAX_PAYLOAD),
     flags=st.integers(0, 15),
 )
+
+
+def test_the_c_header_states_the_sizes_of_the_python_side() -> None:
+    """The board's header and the host agree on every size by name, so neither side writes ``4096 - 18``."""
+    header = (Path(edgeline.firmware_bridge.__file__).parent / "c" / "edgeline_frame.h").read_text()
+    defined = dict(re.findall(r"^#define (EL_\w+) (.+)$", header, flags=re.MULTILINE))
+    numbers = {name: int(value.rstrip("u")) for name, value in defined.items() if re.fullmatch(r"\d+u?", value)}
+    assert numbers["EL_VERSION"] == VERSION
+    assert numbers["EL_HEADER_SIZE"] == HEADER.size
+    assert numbers["EL_CRC_SIZE"] == CRC_SIZE
+    assert numbers["EL_MAX_FRAME"] == MAX_FRAME
+    assert defined["EL_MAX_PAYLOAD"] == "(EL_MAX_FRAME - EL_HEADER_SIZE - EL_CRC_SIZE)"
 
 
 @given(frames)

@@ -45,7 +45,7 @@ from edgeline.bundle import MANIFEST_FILE, read_bundle
 from edgeline.daemon.codecs import CODECS, Decoded, get_codec
 from edgeline.daemon.sources import LineFramer, parse_record
 from edgeline.daemon.topics import TopicFilter
-from edgeline.errors import PAYLOAD_CODES, BundleError, EdgelineError, IntegrityError, PayloadError
+from edgeline.errors import DAEMON_CODES, PAYLOAD_CODES, BundleError, EdgelineError, IntegrityError, PayloadError
 from edgeline.manifest import Quantization, TensorSpec, Window
 from edgeline.quantization import dequantize
 from edgeline.samples import read_npz
@@ -55,7 +55,7 @@ pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_devi
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE = settings(deadline=None, max_examples=120, suppress_health_check=[HealthCheck.too_slow])
 # What a decoder may answer: the size limit is checked by the caller, the last two are the daemon's own.
-DECODE_CODES = set(PAYLOAD_CODES) - {"oversized", "dropped", "inference-failed"}
+DECODE_CODES = set(PAYLOAD_CODES) - {"oversized", *DAEMON_CODES}
 MAP_CODECS = ("json", "cbor", "msgpack")
 
 

@@ -154,6 +154,19 @@ def _packet_queue_with_other_parameters(
     return mqtt.MQTT_ERR_SUCCESS
 
 
+def _handle_pubackcomp_with_another_body(self: Any, cmd: str) -> Any:
+    """paho's ``_handle_pubackcomp`` after a patch release: the same name, the same parameters and the same fields,
+    and another body (say, a new check of the reason code) that the lean override would skip unseen."""
+    packet = self._in_packet["packet"]
+    if len(packet) < 2:
+        return mqtt.MQTT_ERR_PROTOCOL
+    mid = packet[0] << 8 | packet[1]
+    with self._out_message_mutex:
+        if mid in self._out_messages:
+            return self._do_on_publish(mid, None, None)
+    return mqtt.MQTT_ERR_SUCCESS
+
+
 def _fresh_clients(change: Callable[[mqtt.Client], None]) -> Callable[[pytest.MonkeyPatch], None]:
     """A change to what paho's ``Client.__init__`` leaves on a new client."""
 
@@ -167,6 +180,16 @@ def _fresh_clients(change: Callable[[mqtt.Client], None]) -> Callable[[pytest.Mo
         monkeypatch.setattr(mqtt.Client, "__init__", changed_init)
 
     return patch
+
+
+def _messages_keeping_their_topic_as_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    init = mqtt.MQTTMessage.__init__
+
+    def changed_init(self: mqtt.MQTTMessage, mid: int = 0, topic: bytes = b"") -> None:
+        init(self, mid, topic)
+        self._topic = topic.decode(errors="replace")  # type: ignore[assignment]
+
+    monkeypatch.setattr(mqtt.MQTTMessage, "__init__", changed_init)
 
 
 def _rename(client: mqtt.Client, old: str, new: str) -> None:
@@ -206,6 +229,14 @@ PAHO_CHANGES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
         lambda mp: mp.setattr(mqtt.Client, "_packet_queue", _packet_queue_with_other_parameters),
         "Client._packet_queue('command', 'packet', 'mid', 'qos', 'message_info')",
     ),
+    "a method's body changed (a patch release)": (
+        lambda mp: mp.setattr(mqtt.Client, "_handle_pubackcomp", _handle_pubackcomp_with_another_body),
+        "Client._handle_pubackcomp is not the body the lean client was reviewed against",
+    ),
+    "a message's raw topic kept as text": (
+        _messages_keeping_their_topic_as_text,
+        "MQTTMessage._topic does not hold the topic's bytes",
+    ),
     "a module name gone": (
         lambda mp: mp.delattr(mqtt, "mqtt_ms_wait_for_puback"),
         "paho.mqtt.client.mqtt_ms_wait_for_puback is gone",
@@ -229,6 +260,49 @@ def test_a_change_in_pahos_internals_falls_back_to_the_stock_client_with_one_war
     assert paho_lean.lean_client_or_stock() is paho_lean.stock_client()
     (warning,) = warnings_of(caplog)
     assert expected in warning and "stock client" in warning
+    assert f"it loses {paho_lean.STOCK_LOSES}" in warning  # what running on it costs, said with the fallback
+    # MqttConnection's own reads of paho's internals take the public path too
+    assert paho_lean.raw_topic(mqtt.MQTTMessage(1, b"\xff")) is None
+    assert paho_lean.in_flight(mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)) is None
+    assert len(warnings_of(caplog)) == 1
+
+
+def test_the_pinned_sources_are_the_installed_pahos() -> None:
+    """Upgrading paho (even a patch release) fails here, naming each method whose body changed: re-read it beside
+    its override in ``paho_lean.lean_client``, then pin the new digest in ``PINNED_SOURCES``."""
+    changed = {
+        name: paho_lean.source_sha256(getattr(mqtt.Client, name))
+        for name, pinned in paho_lean.PINNED_SOURCES.items()
+        if paho_lean.source_sha256(getattr(mqtt.Client, name)) != pinned
+    }
+    assert changed == {}, f"paho-mqtt {paho.mqtt.__version__} changed these methods; re-review, then pin: {changed}"
+
+
+def test_the_pins_cover_every_method_the_lean_client_overrides() -> None:
+    """A new override of a paho method needs its pin: otherwise a change to its body would go unseen."""
+    overridden = {name for name in vars(paho_lean.lean_client()) if hasattr(mqtt.Client, name)} - {
+        "__init__", "__doc__", "__module__", "__qualname__", "__firstlineno__", "__static_attributes__",
+    }  # fmt: skip
+    assert overridden <= set(paho_lean.PINNED_SOURCES), overridden - set(paho_lean.PINNED_SOURCES)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked paho", "another paho"])
+def test_a_topic_that_is_not_utf8_is_shown_only_where_paho_is_the_checked_one(
+    checked: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not checked:
+        monkeypatch.setattr(paho_lean, "internals_usable", lambda: False)  # as after a refused check
+    connection = MqttConnection(BrokerConfig(), client_id="no-connection")  # never connected: no broker needed
+    connection._on_message(connection._client, None, mqtt.MQTTMessage(1, b"bad\xfftopic"))
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "not UTF-8" in r.getMessage()]
+    assert ("bad\\xfftopic" in line) is checked, line
+
+
+def test_the_private_reads_of_the_connection_pass_through_the_check() -> None:
+    """On the checked paho, ``MqttConnection`` reads a message's raw topic and the messages in flight."""
+    assert paho_lean.raw_topic(mqtt.MQTTMessage(1, b"\xff")) == b"\xff"
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+    assert paho_lean.in_flight(client) == (client._out_messages, client._out_message_mutex)
 
 
 def test_the_environment_forces_the_stock_client_and_refuses_other_values(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -100,6 +100,15 @@ def test_errors_are_mirrored_to_the_error_topic(model: edgeline.Model) -> None:
     assert all(a.is_error for a in answers)
 
 
+def test_an_answer_carries_only_a_code_of_the_one_list(model: edgeline.Model) -> None:
+    """``refuse`` takes its code as text from the daemon's threads; a code outside ``PAYLOAD_CODES`` is a bug of
+    ours, raised, never an answer with a code no reader knows."""
+    worker = processor(model)
+    assert worker.refuse(message({"id": "a"}), "dropped", "queue full")[0].record["error"]["code"] == "dropped"
+    with pytest.raises(ValueError, match="unknown error code 'queue-full'"):
+        worker.refuse(message({"id": "b"}), "queue-full", "queue full")
+
+
 def test_windows_per_device(model: edgeline.Model) -> None:
     """An (8 rows x 8 channels) window over streamed rows, hop 4: rows from two devices never mix."""
     proc = processor(model, window=Window(size=8, hop=4, channels=8))

@@ -18,7 +18,6 @@ Decoded arrays may be read-only views of the payload: copy before writing into t
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import math
@@ -31,10 +30,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from edgeline.arrays import all_finite
-from edgeline.errors import BackendUnavailableError, EdgelineError, PayloadError
+from edgeline.errors import EdgelineError, PayloadError
 from edgeline.manifest import TensorSpec, Window
 from edgeline.quantization import dequantize
-from edgeline.registry import resolve
+from edgeline.registry import import_optional, resolve
 
 __all__ = [
     "CODECS",
@@ -149,7 +148,7 @@ class JsonCodec:
     name = "json"
 
     def __init__(self, *, simdjson: bool = True) -> None:
-        orjson = _optional("orjson", self.name)
+        orjson = import_optional("orjson", f"the {self.name} codec", "pip install orjson")
         self._loads = orjson.loads
         self._dumps = orjson.dumps
         self._error = orjson.JSONDecodeError
@@ -228,7 +227,7 @@ class CborCodec:
     name = "cbor"
 
     def __init__(self) -> None:
-        cbor2 = _optional("cbor2", self.name)
+        cbor2 = import_optional("cbor2", f"the {self.name} codec", "pip install cbor2")
         self._decoder = cbor2.CBORDecoder
         self._errors = (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError)
         self._dumps = cbor2.dumps
@@ -254,7 +253,7 @@ class MsgpackCodec:
     name = "msgpack"
 
     def __init__(self) -> None:
-        msgpack = _optional("msgpack", self.name)
+        msgpack = import_optional("msgpack", f"the {self.name} codec", "pip install msgpack")
         self._unpackb = msgpack.unpackb
         self._errors = (ValueError, TypeError, OverflowError, RecursionError)  # msgpack's own errors are ValueErrors
         self._packb = msgpack.packb
@@ -269,13 +268,6 @@ class MsgpackCodec:
     def encode(self, record: Mapping[str, Any], *, plain: bool = False) -> bytes:
         encoded: bytes = self._packb(record if plain else _plain_record(record), use_bin_type=True)
         return encoded
-
-
-def _optional(module: str, codec: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise BackendUnavailableError(f"the {codec} codec needs the {module} package: pip install {module}") from exc
 
 
 def _decode_map(

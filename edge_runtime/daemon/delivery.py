@@ -35,9 +35,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from edgeline.daemon.health import Metrics
-from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.mqtt import MqttConnection, MqttSink
 from edgeline.daemon.outbox import DiskFull, MemoryOutbox, Outbox, OutboxClosed, Pending
+from edgeline.lograte import Repeated
 
 __all__ = ["COMMIT_BACKLOG", "Delivery"]
 

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from edgeline.errors import EdgelineError
+from edgeline.lograte import Repeated
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector, CollectorRegistry
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["LATENCY_BUCKETS", "LATENCY_WINDOW", "STAGES", "Metrics", "MetricsServer", "SystemdNotifier"]
 
 logger = logging.getLogger(__name__)
+MAX_PROVIDERS_SAID = 1024
+"""Failing gauge providers remembered as said: far more than a daemon registers."""
 
 STAGES = ("queued", "model", "publish", "total")
 """Latency stages, in seconds: waiting in the queue; in the model call; from the answer being ready to the broker's
@@ -94,7 +97,8 @@ class Metrics:
         self._providers: list[GaugeProvider] = []
         self._counter_providers: list[GaugeProvider] = []
         self._labelled: list[tuple[str, str, str, Callable[[], Mapping[str, int]]]] = []
-        self._failed_providers: set[int] = set()
+        self._failed_providers = Repeated(logger, "", every_s=math.inf, remember=MAX_PROVIDERS_SAID)
+        """A provider that raises is said once (with its traceback), whatever it raises next."""
         self._registry: CollectorRegistry | None = None
         self.accelerator: Mapping[str, str | None] | None = None
         """``{"wanted", "in_use", "fallback"}`` when the bundle was built for an accelerator (the daemon sets it),
@@ -166,9 +170,9 @@ class Metrics:
             try:
                 current = provider()
             except Exception:
-                if id(provider) not in self._failed_providers:
-                    self._failed_providers.add(id(provider))
-                    logger.warning("gauge provider %r failed; its gauges are omitted", provider, exc_info=True)
+                self._failed_providers.happened(
+                    1, f"gauge provider {provider!r} failed; its gauges are omitted", key=id(provider), exc_info=True
+                )
                 continue
             values.update((key, value) for key, value in current.items() if value is not None)
         return values

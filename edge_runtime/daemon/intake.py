@@ -30,9 +30,9 @@ from collections import deque
 from collections.abc import Callable
 
 from edgeline.daemon.health import Metrics
-from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueFull
+from edgeline.lograte import Repeated
 
 __all__ = ["MAX_HELD", "Intake", "IntakeGate"]
 

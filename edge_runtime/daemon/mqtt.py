@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from edgeline.daemon.config import BrokerAddress, BrokerConfig
-from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Message, Reply
-from edgeline.daemon.paho_lean import lean_client_or_stock
+from edgeline.daemon.paho_lean import in_flight, lean_client_or_stock, raw_topic
 from edgeline.daemon.reconnect import SHORT_LIVED_S, Backoff, Lost
 from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
+from edgeline.lograte import Repeated
 
 __all__ = ["AnswerFormat", "BrokerRefused", "MqttConnection", "MqttSink", "MqttSource", "PublishDone"]
 
@@ -573,7 +573,9 @@ class MqttConnection:
         try:
             topic = message.topic
         except UnicodeDecodeError:
-            self.bad_topic_log.happened(1, f"acknowledged and ignored, e.g. {message._topic[:200]!r}")
+            raw = raw_topic(message)
+            example = "" if raw is None else f", e.g. {raw[:200]!r}"
+            self.bad_topic_log.happened(1, f"acknowledged and ignored{example}")
             if message.qos > 0:
                 client.ack(message.mid, message.qos)  # on the network thread: a poison message is not kept for ever
             return
@@ -603,12 +605,13 @@ class MqttConnection:
     def _drop_expired_resends(self, client: Any) -> None:
         """Before paho sends again what was in flight when the link dropped (right after this CONNACK): forget the
         answers whose time to live is over, so that none is delivered late (``done(False, "expired")``).
-        Reads paho's ``_out_messages`` (checked at start by ``edgeline.daemon.paho_lean``)."""
+        Reads paho's ``_out_messages`` through ``paho_lean.in_flight``: nothing where paho is not the checked one."""
         if not self._expires:
             return
-        out, mutex = getattr(client, "_out_messages", None), getattr(client, "_out_message_mutex", None)
-        if out is None or mutex is None:
+        held = in_flight(client)
+        if held is None:
             return
+        out, mutex = held
         now = time.time()
         with mutex:
             expired = [mid for mid in out if self._expires.get(mid, now + 1) <= now]

@@ -45,8 +45,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgeline.daemon.lograte import Repeated
 from edgeline.errors import EdgelineError
+from edgeline.lograte import Repeated
 
 __all__ = ["DiskFull", "MemoryOutbox", "Outbox", "OutboxClosed", "OutboxStats", "Pending", "row_size"]
 

@@ -15,17 +15,29 @@ before ``check()`` has found, once, that the installed paho is the one it was wr
       keys of ``IN_PACKET_KEYS``, a queued packet with those of ``OUT_PACKET_KEYS``);
     - paho's own methods still read and write those fields under those names (``USES``, in their source): above
       all the keepalive clock, which ``_check_keepalive`` reads and the lean reader and writer advance;
-    - the module-level names it uses exist (``MODULE_NAMES``), and the names it adds are not paho's (``OURS``).
+    - the module-level names it uses exist (``MODULE_NAMES``), and the names it adds are not paho's (``OURS``);
+    - the source of every paho method it overrides or re-implements is, byte for byte, the one it was written
+      against (``PINNED_SOURCES``: a sha256 of ``inspect.getsource``): a patch release that changes a body without
+      renaming anything (a fix in ``_packet_write``, a new branch in ``_handle_publish``) would otherwise be
+      overridden unseen. ``tests/test_paho_lean.py`` holds the pins equal to the installed paho's, so upgrading paho
+      fails a test naming the methods to re-review.
 
 ``lean_client_or_stock()`` is what ``MqttConnection`` asks for: the lean client when the check passes; otherwise
-paho's own ``Client`` (``stock_client()``: correct, slower), after ONE warning naming what differed. Setting
-``EDGELINE_PAHO_STOCK=1`` in the environment forces the stock client (the tests run the connection both ways).
+paho's own ``Client`` (``stock_client()``), after ONE warning naming what differed and what the stock path loses
+(``STOCK_LOSES``). Setting ``EDGELINE_PAHO_STOCK=1`` in the environment forces the stock client (the tests run the
+connection both ways).
+
+``MqttConnection`` itself reads three private names of paho, on either client: a message's raw ``_topic`` (to show
+a topic that is not UTF-8) and the client's ``_out_messages`` under ``_out_message_mutex`` (to drop the answers in
+flight whose time to live ran out before paho sends them again). It reads them through ``raw_topic`` and
+``in_flight``, which answer None, the public path's answer, unless the same check passed.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import hashlib
 import inspect
 import logging
 import os
@@ -38,10 +50,16 @@ from typing import Any, Literal
 from edgeline.errors import EdgelineError
 
 __all__ = [
+    "PINNED_SOURCES",
     "STOCK_ENV",
+    "STOCK_LOSES",
     "check",
+    "in_flight",
+    "internals_usable",
     "lean_client",
     "lean_client_or_stock",
+    "raw_topic",
+    "source_sha256",
     "stock_client",
 ]
 
@@ -346,9 +364,39 @@ MODULE_NAMES = (
     "DISCONNECT", "PUBLISH", "MQTTMessage", "MQTTv5", "MQTT_LOG_DEBUG", "MQTT_LOG_ERR", "mqtt_ms_wait_for_puback",
     "time_func",
 )  # fmt: skip
-MESSAGE_FIELDS = ("timestamp", "payload", "qos", "retain", "dup", "properties", "state", "info")
+MESSAGE_FIELDS = ("timestamp", "payload", "qos", "retain", "dup", "properties", "state", "info", "_topic")
+"""Fields of paho's ``MQTTMessage`` the lean client sets, and ``_topic``, which ``raw_topic`` reads."""
 OURS = ("_chunk", "_chunk_at", "buffered", "on_input_fast", "publish_at_least_once")
 """Names the lean client adds: paho must not have them."""
+PINNED_SOURCES: dict[str, str] = {
+    # overridden
+    "reconnect": "3ecdf1a8299e8c8ae12b7055a3e47e7dee1b97d257863da5ec43237ef753001a",
+    "_sock_recv": "c3b9043a46dd81b79a601a321a2479154ec158c75243f4f4ad7431474efa1d62",
+    "_packet_read": "bbe32d8af1e37955175d7835c8b0a16a61435dbc40e563f447f08b102c776347",
+    "_packet_write": "d097b7b51bed128df99bf5e6ba0bc2f502bffbd38cbe136f9d0b1280057ef02b",
+    "_packet_queue": "e298fa9ab31e5f79c1c6d08d303b049db9a2bcf681dcac1cd510b2fb519d3a26",
+    "_handle_publish": "1bbaa3ef0e3afc6dea0423a41e67170930c024827e2e8dbf69b5d61c304b675d",
+    "_handle_pubackcomp": "04d39ba283b1f3bee9aa99f5b27b112eca549f889a58a8a5720d7f7873b09428",
+    # re-implemented by publish_at_least_once (with _packet_queue, above)
+    "publish": "5c00cd3dcebceaae0eeac2e40402cd18fb64664c78343a6673ce0776a1608ec4",
+    "_send_publish": "4edd21dd50f58a287ce343e596d53de053ed97b2596a3dd2f6f75e61fd7cafd4",
+}
+"""paho 2.2.0's ``Client`` methods that the lean client replaces, by the sha256 of their source (``source_sha256``).
+A body that changed is a paho the lean client was not reviewed against, even where every name is still there: the
+check fails, and the stock client runs. After upgrading paho, re-read each method whose pin fails beside its
+override, then pin the new digests."""
+STOCK_LOSES = (
+    "speed: paho's network thread takes about as much CPU as the model under load (three or four recv calls and "
+    "MQTT 5 objects per packet); answers whose time to live ran out while in flight are no longer dropped before a "
+    "reconnection sends them again (they arrive late); a message on a topic that is not UTF-8 is logged without "
+    "its topic"
+)
+"""What the stock path gives up, said in its one warning."""
+
+
+def source_sha256(function: Any) -> str:
+    """The sha256 of a function's source, as ``inspect.getsource`` reads it (what ``PINNED_SOURCES`` holds)."""
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
 
 
 def _version(mqtt_package: Any) -> tuple[int, ...] | None:
@@ -429,6 +477,17 @@ def _check() -> list[str]:
     message = mqtt.MQTTMessage(1, b"t")
     found += [f"MQTTMessage.{name} is gone" for name in MESSAGE_FIELDS if not hasattr(message, name)]
     found += [f"MQTTMessageInfo.{name} is gone" for name in ("rc", "mid") if not hasattr(message.info, name)]
+    if getattr(message, "_topic", None) != b"t":
+        found.append("MQTTMessage._topic does not hold the topic's bytes")
+    for method, pinned in PINNED_SOURCES.items():
+        try:
+            digest = source_sha256(getattr(mqtt.Client, method))
+        except (AttributeError, OSError, TypeError) as exc:
+            found.append(f"the source of paho's Client.{method} cannot be read ({exc})")
+            continue
+        if digest != pinned:
+            found.append(f"paho's Client.{method} is not the body the lean client was reviewed against (sha256 "
+                         f"{digest[:12]}..., pinned {pinned[:12]}...)")  # fmt: skip
     for method, names in USES.items():
         try:
             source = inspect.getsource(getattr(mqtt.Client, method))
@@ -451,16 +510,21 @@ def _forced_stock() -> bool:
 
 
 @functools.cache
-def _checked() -> type:
-    found = check()
-    if not found:
-        return lean_client()
-    log.warning(
-        "paho-mqtt is not what edgeline's lean MQTT client was written for (%s): using paho's stock client, correct "
-        "but slower",
-        "; ".join(found),
-    )
-    return stock_client()
+def _checked() -> tuple[str, ...]:
+    """``check()``, made once per process; what differs is said once, with what the stock path loses."""
+    found = tuple(check())
+    if found:
+        log.warning(
+            "paho-mqtt is not what edgeline's lean MQTT client was written for (%s): using paho's stock client, "
+            "correct, but it loses %s",
+            "; ".join(found), STOCK_LOSES,
+        )  # fmt: skip
+    return found
+
+
+def internals_usable() -> bool:
+    """Whether paho's internals are those this module and ``MqttConnection`` were written against (checked once)."""
+    return not _checked()
 
 
 def lean_client_or_stock() -> type:
@@ -468,4 +532,21 @@ def lean_client_or_stock() -> type:
     client (``stock_client()``) otherwise, after one warning naming what differed, or when ``EDGELINE_PAHO_STOCK=1``."""
     if _forced_stock():
         return stock_client()
-    return _checked()
+    return lean_client() if internals_usable() else stock_client()
+
+
+def raw_topic(message: Any) -> bytes | None:
+    """The bytes of a paho message's topic (paho's ``MQTTMessage._topic``: its ``topic`` raises for one that is not
+    UTF-8), or None where paho's internals are not the checked ones."""
+    if not internals_usable():
+        return None
+    topic: bytes = message._topic
+    return topic
+
+
+def in_flight(client: Any) -> tuple[dict[int, Any], Any] | None:
+    """paho's messages in flight by mid and the lock paho holds over them (``_out_messages``,
+    ``_out_message_mutex``), or None where paho's internals are not the checked ones."""
+    if not internals_usable():
+        return None
+    return client._out_messages, client._out_message_mutex

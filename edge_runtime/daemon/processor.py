@@ -28,12 +28,12 @@ import numpy as np
 from edgeline.arrays import all_finite
 from edgeline.daemon.codecs import Codec, Decoded
 from edgeline.daemon.health import Metrics
-from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.salvage import readable_id
 from edgeline.daemon.topics import render_topic, topic_problem
 from edgeline.daemon.windowing import StreamWindows
-from edgeline.errors import PayloadError
+from edgeline.errors import PAYLOAD_CODES, PayloadError
+from edgeline.lograte import Repeated
 from edgeline.manifest import Window
 from edgeline.model import Model
 
@@ -183,7 +183,10 @@ class Processor:
                 answers[item.index] = self._failure(item.message, item.sequence, item.identity, exc)
 
     def refuse(self, message: Message, code: str, text: str) -> list[Answer]:
-        """The one answer of an input that never reaches the processor (``dropped`` from a full queue)."""
+        """The one answer of an input that never reaches the processor (``dropped`` from a full queue). ``code`` is
+        one of ``PAYLOAD_CODES``, the one list of the codes an answer carries: another is a bug of ours."""
+        if code not in PAYLOAD_CODES:
+            raise ValueError(f"unknown error code {code!r}; valid: {', '.join(PAYLOAD_CODES)}")
         sequence = self._next_sequence(message.device)
         self.metrics.count("received")
         return self._error(message, sequence, self._readable_id(message), code, text)

@@ -16,6 +16,7 @@ at the next check, and logged again only when they change.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import threading
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeline.errors import REFUSAL_REASONS, BackendUnavailableError, EdgelineError, UpdateError, UpdateRefused
+from edgeline.lograte import Repeated
 from edgeline.updates.policy import Room, TargetFacts, precheck, room_refusal
 from edgeline.updates.store import MAX_TRIAL_ATTEMPTS, Installed, State, Store
 from edgeline.updates.swap import Swap
@@ -135,7 +137,8 @@ class UpdateAgent:
         self.last: Event | None = None
         self.last_trial: dict[str, Any] | None = None
         self.last_refusal: Event | None = None
-        self._said: dict[str, None] = {}
+        self._said = Repeated(log, "", every_s=math.inf, remember=SAID_MEMORY)
+        """Each message (or key) is said once, and counted every time: ``_say``."""
         self._lock = threading.Lock()
 
     # -- the update thread ---------------------------------------------------------------------------------------
@@ -363,14 +366,7 @@ class UpdateAgent:
         """Log ``message`` unless it (or ``key``, when given) was said already: a check that keeps ending the same
         way (a tampered archive on a USB stick, a repository out of reach) is said once, and counted every time.
         Returns whether it was said."""
-        key = message if key is None else key
-        if key in self._said:
-            return False
-        self._said[key] = None
-        while len(self._said) > SAID_MEMORY:
-            self._said.pop(next(iter(self._said)))
-        log.log(level, "%s", message, exc_info=exc_info)
-        return True
+        return self._said.happened(1, message, key=message if key is None else key, level=level, exc_info=exc_info)
 
     def event(
         self,

@@ -7,6 +7,12 @@ target (its length and sha256 checked against the signed metadata while it arriv
 bundle whose manifest and files match. Every failure is an ``UpdateRefused`` with a reason: nothing of a refused
 update reaches a model parser.
 
+Only python-tuf's own exceptions (``RepositoryError``: what the metadata or a target says is wrong; ``DownloadError``:
+what its fetcher could not get) and the transport's (``OSError``: a file, a socket, a full disk;
+``urllib3.exceptions.HTTPError``: what urllib3 raises while a body streams) are translated; anything else (an
+``AttributeError``, a ``RuntimeError`` from python-tuf's state machine) is a bug, and reaches the update thread's
+top as one, never a refusal that would be remembered against a good version.
+
 The list of targets is read from the targets metadata python-tuf has just verified and stored (``targets.json`` in
 its metadata directory, its documented cache); the chosen target is then asked of the ``Updater`` itself
 (``get_targetinfo``), so what is fetched is always what the trusted metadata says.
@@ -14,6 +20,7 @@ its metadata directory, its documented cache); the chosen target is then asked o
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 from collections.abc import Collection, Iterator
@@ -27,7 +34,7 @@ from edgeline.errors import UpdateError, UpdateRefused
 from edgeline.updates.archive import unpack
 from edgeline.updates.policy import Choice, TargetFacts, choose, target_path
 
-__all__ = ["LocalFetcher", "UpdateClient", "repository_urls"]
+__all__ = ["LocalFetcher", "UpdateClient", "refusal_from", "repository_urls", "tuf_errors"]
 
 log = logging.getLogger("edgeline.updates")
 
@@ -77,6 +84,18 @@ class LocalFetcher(_fetcher_base()):  # type: ignore[misc]
                 yield chunk
 
 
+@functools.cache
+def tuf_errors() -> tuple[type[Exception], ...]:
+    """What python-tuf and its transport raise for a repository that cannot be trusted or read: python-tuf's two
+    roots, the OS's (a local file, a socket, the disk downloads land on) and urllib3's, which python-tuf's fetcher
+    lets through while a body streams (``Urllib3Fetcher._chunks`` re-raises a ``MaxRetryError`` that is not a
+    timeout). Imported on first use, as python-tuf is."""
+    import urllib3.exceptions
+    from tuf.api.exceptions import DownloadError, RepositoryError
+
+    return (RepositoryError, DownloadError, OSError, urllib3.exceptions.HTTPError)
+
+
 @dataclass(frozen=True)
 class Offer:
     facts: TargetFacts
@@ -85,26 +104,27 @@ class Offer:
 
 
 def refusal_from(exc: Exception, what: str) -> UpdateError:
-    """python-tuf's exceptions as edgeline's refusals (or, for a repository out of reach, an ``UpdateError``)."""
-    from tuf.api import exceptions as tuf_errors
+    """python-tuf's exceptions (one of ``tuf_errors()``) as edgeline's refusals (or, for a repository out of reach,
+    an ``UpdateError``)."""
+    from tuf.api import exceptions as tuf_exceptions
 
     text = f"{what}: {type(exc).__name__}: {exc}"
-    if isinstance(exc, tuf_errors.UnsignedMetadataError):
+    if isinstance(exc, tuf_exceptions.UnsignedMetadataError):
         return UpdateRefused(f"{text} (not signed by the keys the pinned root trusts)", reason="bad-signature")
-    if isinstance(exc, tuf_errors.LengthOrHashMismatchError):
+    if isinstance(exc, tuf_exceptions.LengthOrHashMismatchError):
         return UpdateRefused(f"{text} (its bytes differ from the signed metadata)", reason="tampered")
-    if isinstance(exc, tuf_errors.BadVersionNumberError):
+    if isinstance(exc, tuf_exceptions.BadVersionNumberError):
         return UpdateRefused(f"{text} (older metadata than this device has seen: a replay)", reason="rollback")
-    if isinstance(exc, tuf_errors.ExpiredMetadataError):
+    if isinstance(exc, tuf_exceptions.ExpiredMetadataError):
         fix = (
             "the publisher signs a new root with the offline root key: `edgeline keys renew KEYS --repo REPO`"
             if "root" in str(exc)
             else "the publisher re-signs it with `edgeline publish --refresh`"
         )
         return UpdateRefused(f"{text} ({fix}; the running version keeps serving)", reason="expired")
-    if isinstance(exc, tuf_errors.DownloadLengthMismatchError):
+    if isinstance(exc, tuf_exceptions.DownloadLengthMismatchError):
         return UpdateRefused(f"{text} (longer than the signed metadata allows)", reason="tampered")
-    if isinstance(exc, tuf_errors.RepositoryError):
+    if isinstance(exc, tuf_exceptions.RepositoryError):
         return UpdateRefused(text, reason="malformed")
     return UpdateError(f"{text} (the repository cannot be read now; tried again at the next check)")
 
@@ -138,7 +158,7 @@ class UpdateClient:
                 fetcher=LocalFetcher() if self.local else None,
                 bootstrap=self.bootstrap,
             )
-        except Exception as exc:
+        except tuf_errors() as exc:
             raise refusal_from(exc, "the pinned trusted root") from exc
 
     def check(self, *, name: str, device: str, running: int, refused: Collection[int] = ()) -> tuple[Choice, Any]:
@@ -148,7 +168,7 @@ class UpdateClient:
         updater = self._updater()
         try:
             updater.refresh()
-        except Exception as exc:
+        except tuf_errors() as exc:
             if self.local and not (self.directory / "metadata" / "timestamp.json").is_file():
                 raise UpdateError(
                     f"repository {self.repository}: nothing published there yet (no metadata/timestamp.json)"
@@ -169,7 +189,7 @@ class UpdateClient:
         path = target_path(facts.name, facts.version)
         try:
             info = updater.get_targetinfo(path)
-        except Exception as exc:
+        except tuf_errors() as exc:
             raise refusal_from(exc, f"target {path}") from exc
         if info is None:
             raise UpdateRefused(
@@ -188,7 +208,7 @@ class UpdateClient:
             return Path(cached)
         try:
             return Path(updater.download_target(offer.info, str(destination)))
-        except Exception as exc:
+        except tuf_errors() as exc:
             destination.unlink(missing_ok=True)
             error = refusal_from(exc, f"target {offer.path}")
             if isinstance(error, UpdateRefused):
