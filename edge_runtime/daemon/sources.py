@@ -35,6 +35,7 @@ import orjson
 
 from edgeline.daemon.config import SourceConfig
 from edgeline.daemon.messages import Message
+from edgeline.daemon.reconnect import Retry
 from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
 from edgeline.registry import resolve
@@ -48,6 +49,10 @@ SOURCES = {"sim": "edgeline.sim.source:SimSource", "frames": "edgeline.firmware_
 """Sources from other folders (``edgeline.sim``, ``edgeline.firmware_bridge``), by name: imported only when a
 configuration asks for them."""
 READ_CHUNK = 65536
+SERIAL_RETRY_FIRST_S = 1.0
+SERIAL_RETRY_MAX_S = 30.0
+"""A serial port that went away is tried again after 1 s, then 2, 4, ... at most every 30 s (no jitter: only
+this process opens it)."""
 
 
 class Source(Protocol):
@@ -140,7 +145,7 @@ class SerialSource:
     def run(self, submit: Submit, stopping: threading.Event) -> None:
         import serial
 
-        backoff = 1.0
+        retry = Retry(SERIAL_RETRY_FIRST_S, SERIAL_RETRY_MAX_S, jitter=False)
         while not stopping.is_set():
             port = self._port
             self._port = None
@@ -148,12 +153,12 @@ class SerialSource:
                 try:
                     port = self._open_port()
                 except EdgelineError as exc:
-                    log.warning("%s; retrying in %g s", exc, backoff)
-                    stopping.wait(backoff)
-                    backoff = min(backoff * 2, 30.0)
+                    delay = retry.next_delay()
+                    log.warning("%s; retrying in %g s", exc, delay)
+                    stopping.wait(delay)
                     continue
                 log.info("serial %s reopened", self.url)
-            backoff = 1.0
+            retry.reset()
             framer = LineFramer(self.max_payload_bytes)
             try:
                 while not stopping.is_set():
