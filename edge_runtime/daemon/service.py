@@ -39,7 +39,7 @@ from edgeline.daemon.intake import Intake, IntakeGate
 from edgeline.daemon.lograte import Repeated
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.mqtt import AnswerFormat, MqttConnection, MqttSink, MqttSource
-from edgeline.daemon.outbox import MemoryOutbox, Outbox
+from edgeline.daemon.outbox import MemoryOutbox, Outbox, OutboxInterface
 from edgeline.daemon.processor import Processor
 from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty
 from edgeline.daemon.silence import SilenceWatch
@@ -163,7 +163,7 @@ class Daemon:
         self.expected_payload = example_payload(codec.name, self.model.inputs, window)
         """What a message for this model looks like (values abbreviated): logged at start and when silent."""
         silence_s = config.input.silence_warning_s
-        watched = isinstance(self.source, MqttSource) and silence_s > 0
+        watched = self.source.subscribed and silence_s > 0
         self.silence = SilenceWatch(self.filters, silence_s) if watched else None
         self._metrics_server: MetricsServer | None = None
         self.delivery: Delivery | None = None
@@ -234,7 +234,7 @@ class Daemon:
         return self.intake.gate
 
     @property
-    def outbox(self) -> Outbox | MemoryOutbox | None:
+    def outbox(self) -> OutboxInterface | None:
         """Where answers wait for the broker (None without a broker, or before ``start``)."""
         return self.delivery.outbox if self.delivery is not None else None
 
@@ -265,7 +265,7 @@ class Daemon:
     @property
     def expectation(self) -> str:
         where = ""
-        if isinstance(self.source, MqttSource):
+        if self.source.subscribed:
             where = f" on {', '.join(f.pattern for f in self.filters)} (the device is the first + level)"
         return f"expecting {self.config.input.codec} messages{where}, e.g. {self.expected_payload}"
 
@@ -463,9 +463,7 @@ class Daemon:
         if self.gate is not None:
             counters["intake_paused_seconds"] = int(self.gate.paused_seconds())
         counters["inputs_redelivered"] = self.intake.shed_total
-        source_counters = getattr(self.source, "counters", None)
-        if source_counters is not None:  # a source that counts what its link did (the framed serial source)
-            counters.update(source_counters())
+        counters.update(self.source.counters())  # what the source's link counted (the framed serial source)
         return counters
 
     def status(self) -> dict[str, Any]:
@@ -474,9 +472,9 @@ class Daemon:
             extra["emulated"] = self.metrics.emulated
         if self.metrics.accelerator is not None:
             extra["accelerator"] = dict(self.metrics.accelerator)
-        source_status = getattr(self.source, "status", None)
+        source_status = self.source.status()
         if source_status is not None:  # the framed serial source: its board and what the wire did
-            extra["source"] = source_status()
+            extra["source"] = source_status
         if self.updater is not None:
             extra["update"] = self.updater.status()
         return self.metrics.snapshot(extra)
@@ -513,7 +511,7 @@ class Daemon:
         return found
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
-    def _open_outbox(self) -> Outbox | MemoryOutbox:
+    def _open_outbox(self) -> OutboxInterface:
         box = self.config.outbox
         if not box.enabled:
             return MemoryOutbox(max_answers=box.max_answers, max_bytes=box.max_bytes, ttl_s=box.ttl_s)
