@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
+from edgeline.daemon.reconnect import Retry
 from edgeline.errors import EdgelineError
 from edgeline.firmware_bridge.protocol import (
     MAX_PAYLOAD,
@@ -286,7 +287,7 @@ class BoardLink:
     def run(self, stopping: threading.Event) -> None:
         import serial
 
-        backoff = BACKOFF_FIRST_S
+        retry = Retry(BACKOFF_FIRST_S, BACKOFF_MAX_S, jitter=False)  # reset only once the port worked again
         failing: str | None = None  # the last failure to open, said once
         flapping = False  # the port opens and fails at once, again and again: said once
         first = True
@@ -299,8 +300,7 @@ class BoardLink:
                     if failing != str(exc):  # one line per change of state, not one per attempt
                         failing = str(exc)
                         log.warning("%s; retrying with back-off up to %g s", exc, BACKOFF_MAX_S)
-                    stopping.wait(backoff)
-                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    stopping.wait(retry.next_delay())
                     continue
             if not first:
                 self.counters.reopens += 1
@@ -312,13 +312,13 @@ class BoardLink:
             except (serial.SerialException, OSError) as exc:
                 if self.counters.frames > frames:  # it worked, then went away: a change of state worth a line
                     log.warning("serial %s lost: %s; reopening", self.url, exc)
-                    flapping, backoff = False, BACKOFF_FIRST_S
+                    flapping = False
+                    retry.reset()
                 else:  # it opens and fails at once (a port another program holds): back off, say it once
                     if not flapping:
                         log.warning("serial %s opens but fails at once: %s; retrying with back-off", self.url, exc)
                     flapping = True
-                    stopping.wait(backoff)
-                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    stopping.wait(retry.next_delay())
             finally:
                 self.connected.clear()
                 with self._write_lock:

@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 
 from edgeline.daemon.messages import Answer, Message
+from edgeline.daemon.sources import SourceBase
 from edgeline.daemon.topics import SENSOR_TOPIC
 from edgeline.firmware_bridge.link import Board, BoardLink, StreamSpec, input_id
 from edgeline.firmware_bridge.protocol import Frame
@@ -38,8 +39,9 @@ def sample_payload(identity: str, sample: np.ndarray) -> bytes:
     return orjson.dumps({"id": identity, "data": np.ascontiguousarray(sample)}, option=_NUMPY)
 
 
-class FramesSource:
-    finite = False
+class FramesSource(SourceBase):
+    """Boards on one serial port (see the module); what its link counted and the board it talks to are the
+    daemon's ``counters`` and ``status``."""
 
     def __init__(self, url: str, *, baudrate: int, device: str | None = None):
         self.link = BoardLink(url, self, baudrate=baudrate)
@@ -92,5 +94,5 @@ class FramesSource:
     def counters(self) -> dict[str, int]:
         return {f"serial_{name}": value for name, value in self.link.counters.as_dict().items()}
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any] | None:
         return self.link.status()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from edgeline.daemon.messages import Message
+from edgeline.daemon.sources import SourceBase
 from edgeline.errors import EdgelineError
 from edgeline.sim.cli import add_sensor_arguments, make_sensors, publish_options
 from edgeline.sim.publisher import Pacing, fleet_messages
@@ -27,7 +28,7 @@ class _Arguments(argparse.ArgumentParser):
         raise EdgelineError(f"--sim: {message}")
 
 
-class SimSource:
+class SimSource(SourceBase):
     finite = True
 
     def __init__(self, arguments: str, *, device: str | None = None):

@@ -26,6 +26,7 @@ from edgeline.daemon.config import DaemonConfig
 from edgeline.daemon.health import SystemdNotifier
 from edgeline.daemon.messages import Message
 from edgeline.daemon.service import EXIT_FAILED, Daemon
+from edgeline.daemon.sources import SourceBase
 from tests.mqtt_broker import Broker, Collector
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
@@ -119,10 +120,9 @@ def test_a_nan_output_inside_a_batch_costs_one_answer(sqrt_bundle: Path, tmp_pat
             )
 
 
-class CrashingSource:
+class CrashingSource(SourceBase):
     """A live source that fails after a few messages, as a driver or a USB port might."""
 
-    finite = False
     description = "a source that crashes"
 
     def __init__(self, messages: list[Message]):
@@ -182,8 +182,7 @@ def test_the_watchdog_stops_while_the_worker_is_stuck(built_litert_bundle: Path,
         feed: list[Message] = []
         gate, entered = threading.Event(), threading.Event()
 
-        class HeldSource:
-            finite = False
+        class HeldSource(SourceBase):
             description = "a test source"
 
             def open(self) -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edgeline.daemon.reconnect import SHORT_LIVED_S, TAKEOVER_AFTER, TAKEOVER_BACKOFF_S, Backoff, Lost
+from edgeline.daemon.reconnect import SHORT_LIVED_S, TAKEOVER_AFTER, TAKEOVER_BACKOFF_S, Backoff, Lost, Retry
 
 pytestmark = pytest.mark.device
 
@@ -75,3 +75,17 @@ def test_a_broker_that_restarts_again_and_again_is_no_takeover() -> None:
         now += backoff.next_delay(accepted=True)
         now += backoff.next_delay(accepted=False)  # refused while the broker starts again
     assert backoff.takeovers == 0
+
+
+def test_retry_without_jitter_doubles_to_its_cap_and_starts_afresh_after_a_reset() -> None:
+    retry = Retry(1.0, 30.0, jitter=False)  # the serial source's: 1, 2, 4, ... at most 30 s
+    assert [retry.next_delay() for _ in range(7)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    retry.reset()
+    assert retry.next_delay() == 1.0
+
+
+def test_retry_with_jitter_stays_within_half_a_step_and_the_step() -> None:
+    retry = Retry(0.5, 10.0, jitter=True)
+    for attempt in range(1, 12):
+        step = min(10.0, 0.5 * 2 ** (attempt - 1))
+        assert step / 2 <= retry.next_delay() <= step

@@ -36,7 +36,7 @@ from typing import TypeVar
 
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.mqtt import MqttConnection, MqttSink
-from edgeline.daemon.outbox import DiskFull, MemoryOutbox, Outbox, OutboxClosed, Pending
+from edgeline.daemon.outbox import DiskFull, OutboxClosed, OutboxInterface, Pending
 from edgeline.lograte import Repeated
 
 __all__ = ["COMMIT_BACKLOG", "Delivery"]
@@ -66,7 +66,7 @@ class Delivery:
 
     def __init__(
         self,
-        outbox: Outbox | MemoryOutbox,
+        outbox: OutboxInterface,
         connection: MqttConnection,
         sink: MqttSink,
         metrics: Metrics,
@@ -86,7 +86,7 @@ class Delivery:
         self.fail = fail
         """Ends the process (the supervisor's): an outbox that cannot be read any more."""
         self.refused_log = Repeated(log, "answers the broker refused (not retried)")
-        self.durable = isinstance(outbox, Outbox)
+        self.durable = outbox.durable
         self._commits: queue.Queue[tuple[list[Row], Acks] | None] = queue.Queue(COMMIT_BACKLOG)
         self._committer: threading.Thread | None = None
         self._acknowledged: deque[int] = deque()
@@ -156,7 +156,6 @@ class Delivery:
         what the broker acknowledged meanwhile, in one transaction (one fsync); then hand the answers and the
         inputs' acknowledgements to the network thread in one go. The worker goes on with the next batch
         meanwhile; it waits only when ``COMMIT_BACKLOG`` batches are queued."""
-        assert isinstance(self.outbox, Outbox)
         commits, outbox = self._commits, self.outbox
         interval = self.commit_interval_s
         held: deque[tuple[list[Row], Acks]] = deque()  # taken, not stored yet (the disk was full)

@@ -41,6 +41,7 @@ from edgeline.daemon.config import BrokerAddress, BrokerConfig
 from edgeline.daemon.messages import Message, Reply
 from edgeline.daemon.paho_lean import in_flight, lean_client_or_stock, raw_topic
 from edgeline.daemon.reconnect import SHORT_LIVED_S, Backoff, Lost
+from edgeline.daemon.sources import SourceBase
 from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
 from edgeline.lograte import Repeated
@@ -715,7 +716,7 @@ class MqttConnection:
         return self.window - self.in_flight
 
 
-class MqttSource:
+class MqttSource(SourceBase):
     """Subscriptions as a source: every message becomes a ``Message`` whose ``ack`` is its PUBACK.
 
     The handler is installed before the connection starts: with a persistent session the broker sends what it
@@ -723,7 +724,7 @@ class MqttSource:
     thread starts right after the connection), the network thread waits for it.
     """
 
-    finite = False
+    subscribed = True
 
     def __init__(self, connection: MqttConnection, filters: Sequence[TopicFilter], qos: int):
         self.connection = connection

@@ -20,6 +20,10 @@ at the broker, MQTT 5's message expiry carries the rest of its time to live.
 is read back only for what the client could not take at once (it was disconnected, or its queue was full), and
 after a restart. Removals are batched: the acknowledged answers of a whole stretch go in the next commit.
 
+Two outboxes, one interface (``OutboxInterface``): ``Outbox`` on disk and ``MemoryOutbox`` (``[outbox] enabled =
+false``). The delivery path and the daemon hold an ``OutboxInterface``; ``durable`` tells them whether a commit
+is worth a thread of its own.
+
 One SQLite connection, used under a lock from the committer (add, remove, expire), the network thread (take, on
 refills) and the status thread (stats): every operation is a short transaction.
 
@@ -44,11 +48,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from edgeline.errors import EdgelineError
 from edgeline.lograte import Repeated
 
-__all__ = ["DiskFull", "MemoryOutbox", "Outbox", "OutboxClosed", "OutboxStats", "Pending", "row_size"]
+__all__ = [
+    "DiskFull", "MemoryOutbox", "Outbox", "OutboxClosed", "OutboxInterface", "OutboxStats", "Pending", "row_size",
+]  # fmt: skip
 
 log = logging.getLogger("edgeline.outbox")
 
@@ -133,7 +140,7 @@ OnDrop = Callable[[list[int]], None]
 """Told the seqs of the answers the bounds dropped, once that is committed (``add``)."""
 
 
-def _overflow_detail(box: Outbox | MemoryOutbox, count: int, bounds: bool) -> str:
+def _overflow_detail(box: OutboxInterface, count: int, bounds: bool) -> str:
     if bounds:
         return f"{count} dropped ({box.max_answers} answers, {box.max_bytes} bytes at most)"
     return f"{count} dropped while the disk was full"
@@ -179,7 +186,44 @@ class OutboxStats:
     """Corrupted outbox files set aside at open (0 or 1)."""
 
 
+class OutboxInterface(Protocol):
+    """What the delivery path and the daemon use of an outbox: ``Outbox`` (SQLite) and ``MemoryOutbox`` both are one."""
+
+    @property
+    def path(self) -> Path | None:
+        """The database file; None for an outbox in memory."""
+
+    @property
+    def durable(self) -> bool:
+        """True when ``add`` returns only once the answers are on disk (slow: the delivery path gives it a committer
+        thread); False when it returns at once (memory)."""
+
+    max_answers: int
+    max_bytes: int
+    ttl_s: float
+    overflow_log: Repeated
+    expiry_log: Repeated
+
+    def add(
+        self, answers: Sequence[ANSWER_ROW], *, remove: Sequence[int] = (), on_drop: OnDrop | None = None
+    ) -> list[Pending]: ...
+    def take(self, limit: int, *, after: int = 0) -> list[Pending]: ...
+    def remove(self, seqs: Sequence[int]) -> None: ...
+    def expire(self) -> int: ...
+    def drop(self, seq: int) -> None: ...
+    def count_expired(self, count: int) -> None: ...
+    def count_overflow(self, count: int, *, bounds: bool = True) -> None: ...
+    @property
+    def depth(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    def stats(self) -> OutboxStats: ...
+    def close(self) -> None: ...
+
+
 class Outbox:
+    durable = True
+
     def __init__(
         self,
         path: Path,
@@ -477,6 +521,7 @@ class MemoryOutbox:
     and that thread may itself be waiting for the worker's queue)."""
 
     path = None
+    durable = False
 
     def __init__(self, *, max_answers: int = 100_000, max_bytes: int = 64 << 20, ttl_s: float = 86400.0):
         self.max_answers = max_answers

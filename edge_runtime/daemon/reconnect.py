@@ -1,4 +1,8 @@
-"""When to try the broker again, and whether another client is taking our session: pure, the clock passed in.
+"""When to try again: the one back-off of the daemon and the firmware bridge, pure, the clock passed in.
+
+``Retry`` is the delay arithmetic every reconnecting part uses (the broker, a serial port, a board's link): a step
+that doubles from ``first_s`` up to a cap, with or without full jitter. ``Backoff`` is the broker's policy on top of
+it, which also tells whether another client is taking our session:
 
     attempt fails, or a connection ends ──► the next delay: full jitter, uniform in [step/2, step], the step
                                             doubling from 0.5 s up to ``[broker] reconnect_max_s``
@@ -19,7 +23,7 @@ from __future__ import annotations
 import random
 from enum import Enum
 
-__all__ = ["SHORT_LIVED_S", "TAKEOVER_AFTER", "TAKEOVER_BACKOFF_S", "Backoff", "Lost"]
+__all__ = ["SHORT_LIVED_S", "TAKEOVER_AFTER", "TAKEOVER_BACKOFF_S", "Backoff", "Lost", "Retry"]
 
 SHORT_LIVED_S = 5.0
 """A connection the broker ends within this long after accepting it is short-lived."""
@@ -27,6 +31,36 @@ TAKEOVER_AFTER = 3
 """Short-lived connections in a row that say another client uses our client id (when no reason code says so)."""
 TAKEOVER_BACKOFF_S = 60.0
 """The longest wait between attempts while our session is being taken over."""
+
+
+class Retry:
+    """Capped exponential delays: ``first_s``, doubling at each attempt, at most ``max_s``.
+
+    With ``jitter`` a delay is uniform in [step/2, step] (full jitter, halved): many clients that lost one broker
+    at once do not come back at once. Without it the step itself, for a port only this process opens (a serial
+    device), where a predictable retry reads better in the log.
+    """
+
+    def __init__(self, first_s: float, max_s: float, *, jitter: bool):
+        self.first_s = first_s
+        self.max_s = max_s
+        self.jitter = jitter
+        self.attempt = 0
+        """Attempts since the last ``reset``: the next delay is the one of attempt ``attempt + 1``."""
+
+    def delay(self, attempt: int, cap_s: float | None = None) -> float:
+        """The delay after failed attempt number ``attempt`` (from 1), at most ``cap_s`` (default ``max_s``)."""
+        step = min(self.max_s if cap_s is None else cap_s, self.first_s * 2 ** max(attempt - 1, 0))
+        return random.uniform(step / 2, step) if self.jitter else step
+
+    def next_delay(self) -> float:
+        """One more failed attempt: how long to wait before the next."""
+        self.attempt += 1
+        return self.delay(self.attempt)
+
+    def reset(self) -> None:
+        """It worked: the next failure waits ``first_s`` again."""
+        self.attempt = 0
 
 
 class Lost(Enum):
@@ -39,8 +73,12 @@ class Lost(Enum):
 
 
 class Backoff:
+    """The broker's reconnection policy (see the module): ``Retry`` with jitter from 0.5 s, its cap raised while
+    our session is being taken over."""
+
     def __init__(self, max_s: float):
         self.max_s = max_s
+        self._retry = Retry(0.5, max_s, jitter=True)
         self.attempt = 0
         self.short_lived = 0
         """Connections in a row that the broker ended soon after accepting them."""
@@ -82,5 +120,4 @@ class Backoff:
         if not accepted:
             self._refused = True
         self.attempt = 1 if accepted and not self.short_lived else self.attempt + 1
-        step = min(self.cap_s, 0.5 * 2 ** max(self.attempt - 1, 0))
-        return random.uniform(step / 2, step)
+        return self._retry.delay(self.attempt, self.cap_s)

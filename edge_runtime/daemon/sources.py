@@ -16,6 +16,9 @@ so windowing, the queue policy, error answers and sinks are the same whatever th
     sim      simulated sensors in-process (``edgeline.sim.source``, registered here by name and imported only when
              asked for).
 
+Every source is a ``Source``; ``SourceBase`` gives the parts most sources do not have (counters, a status, topics
+subscribed to) their defaults, so the daemon asks every source the same questions instead of probing for them.
+
 Lines are bounded: a line longer than the payload limit is skipped to its end and answered ``oversized``, never
 buffered whole.
 """
@@ -29,17 +32,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import orjson
 
 from edgeline.daemon.config import SourceConfig
 from edgeline.daemon.messages import Message
+from edgeline.daemon.reconnect import Retry
 from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
 from edgeline.registry import resolve
 
-__all__ = ["LineFramer", "ReplaySource", "SerialSource", "Source", "make_source", "parse_record"]
+__all__ = ["LineFramer", "ReplaySource", "SerialSource", "Source", "SourceBase", "make_source", "parse_record"]
 
 log = logging.getLogger("edgeline.source")
 
@@ -48,19 +52,51 @@ SOURCES = {"sim": "edgeline.sim.source:SimSource", "frames": "edgeline.firmware_
 """Sources from other folders (``edgeline.sim``, ``edgeline.firmware_bridge``), by name: imported only when a
 configuration asks for them."""
 READ_CHUNK = 65536
+SERIAL_RETRY_FIRST_S = 1.0
+SERIAL_RETRY_MAX_S = 30.0
+"""A serial port that went away is tried again after 1 s, then 2, 4, ... at most every 30 s (no jitter: only
+this process opens it)."""
 
 
 class Source(Protocol):
     description: str
     """For the start-up line and logs, e.g. ``serial /dev/ttyUSB0 at 115200 baud``."""
-    finite: bool
-    """True when the source ends by itself (a file, a bounded simulation): the daemon then drains and exits."""
+
+    @property
+    def finite(self) -> bool:
+        """True when the source ends by itself (a file, a bounded simulation): the daemon then drains and exits."""
+
+    @property
+    def subscribed(self) -> bool:
+        """True when messages come from the daemon's topic subscriptions (MQTT): the daemon names those topics in
+        what it expects and warns when one falls silent. A source it reads (a port, a file) is never "silent"."""
 
     def open(self) -> None:
         """Fail fast, with an ``EdgelineError`` naming what is wrong, before the daemon says it is ready."""
 
     def run(self, submit: Submit, stopping: threading.Event) -> None:
         """Submit messages until the source ends or ``stopping`` is set."""
+
+    def counters(self) -> dict[str, int]:
+        """What the source's own link counted (the framed serial source's ``serial_*``), added to the daemon's
+        counters (status message, ``/metrics``); empty for most sources."""
+
+    def status(self) -> dict[str, Any] | None:
+        """The status message's ``source`` field (the framed serial source: its board, what the wire did); None:
+        no such field."""
+
+
+class SourceBase:
+    """The defaults of ``Source``'s optional parts: a live source, not subscribed, nothing counted, no status."""
+
+    finite = False
+    subscribed = False
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def status(self) -> dict[str, Any] | None:
+        return None
 
 
 class LineFramer:
@@ -111,10 +147,8 @@ def _device_of(topic: str, filters: Sequence[TopicFilter]) -> str | None:
     return next((device for f in filters if (device := f.device(topic)) is not None), None)
 
 
-class SerialSource:
+class SerialSource(SourceBase):
     """JSON lines from a serial port; the stream key is ``device`` (default: the port's name)."""
-
-    finite = False
 
     def __init__(self, url: str, *, baudrate: int, device: str | None, max_payload_bytes: int):
         self.url = url
@@ -140,7 +174,7 @@ class SerialSource:
     def run(self, submit: Submit, stopping: threading.Event) -> None:
         import serial
 
-        backoff = 1.0
+        retry = Retry(SERIAL_RETRY_FIRST_S, SERIAL_RETRY_MAX_S, jitter=False)
         while not stopping.is_set():
             port = self._port
             self._port = None
@@ -148,12 +182,12 @@ class SerialSource:
                 try:
                     port = self._open_port()
                 except EdgelineError as exc:
-                    log.warning("%s; retrying in %g s", exc, backoff)
-                    stopping.wait(backoff)
-                    backoff = min(backoff * 2, 30.0)
+                    delay = retry.next_delay()
+                    log.warning("%s; retrying in %g s", exc, delay)
+                    stopping.wait(delay)
                     continue
                 log.info("serial %s reopened", self.url)
-            backoff = 1.0
+            retry.reset()
             framer = LineFramer(self.max_payload_bytes)
             try:
                 while not stopping.is_set():
@@ -201,7 +235,7 @@ def parse_record(line: bytes, filters: Sequence[TopicFilter], default_device: st
     return Message(topic="replay", payload=line, device=default_device), None
 
 
-class ReplaySource:
+class ReplaySource(SourceBase):
     """Recorded messages from a file or stdin (``-``); see the module docstring for the line forms."""
 
     finite = True

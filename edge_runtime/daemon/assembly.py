@@ -1,0 +1,257 @@
+"""Building a daemon: everything ``edgeline run`` opens and checks before it starts, in one place.
+
+    build_parts     the update state (the committed version may be newer than the bundle given), the model, the
+                    codec and window checks, the names (state directory, instance, client id, topics), the metrics,
+                    the processor, the queue, the broker connection and its sink, the source, the update client
+    attach_updates  the update thread's agent and the worker's swap, around the processor
+    open_outbox     at start: the outbox on disk, or in memory
+
+The daemon (``edgeline.daemon.service``) only wires what these return, so every refusal (a codec that does not fit
+the bundle, a window that does not fill the input, a topic that would answer itself, a missing trusted root) is an
+``EdgelineError`` raised here, before anything runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgeline.daemon.codecs import example_payload, get_codec
+from edgeline.daemon.config import DaemonConfig, OutboxConfig
+from edgeline.daemon.guards import check_topics, check_window
+from edgeline.daemon.health import Metrics
+from edgeline.daemon.messages import Message
+from edgeline.daemon.mqtt import AnswerFormat, MqttConnection, MqttSink, MqttSource
+from edgeline.daemon.outbox import MemoryOutbox, Outbox, OutboxInterface
+from edgeline.daemon.processor import Processor
+from edgeline.daemon.queueing import BoundedQueue, DropPolicy
+from edgeline.daemon.sources import Source, make_source
+from edgeline.daemon.state import StateLock, default_state_dir, instance_id
+from edgeline.daemon.topics import TopicFilter, render_topic
+from edgeline.errors import EdgelineError
+from edgeline.machine import this_machine
+from edgeline.model import Model, load
+
+if TYPE_CHECKING:
+    from edgeline.updates.agent import UpdateAgent
+    from edgeline.updates.client import UpdateClient
+    from edgeline.updates.store import State, Store
+    from edgeline.updates.swap import Swap
+
+__all__ = [
+    "ANSWER_FORMATS", "DaemonParts", "UpdatePlan", "accelerator_of", "attach_updates", "build_parts", "open_outbox",
+]  # fmt: skip
+
+log = logging.getLogger("edgeline.daemon")
+
+ANSWER_FORMATS = {
+    "json": AnswerFormat("application/json", utf8=True),
+    "cbor": AnswerFormat("application/cbor", utf8=False),
+    "msgpack": AnswerFormat("application/vnd.msgpack", utf8=False),
+}
+"""What answers are, by the codec they are written in (MQTT 5 Content Type and Payload Format Indicator)."""
+COUNTERS = (
+    "received", "results", "anomalies", "errors", "dropped", "published", "publish_refused", "batches",
+    "disk_full", "intake_pauses", "outbox_read_back", "streams_evicted", "unpublishable",
+)  # fmt: skip
+"""The daemon's own counters, declared at 0 so that the status message and ``/metrics`` always carry them."""
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """What ``[updates] enabled`` opened: the device's repository client, the update state and the bundle the
+    daemon starts on (the committed version, when newer than the one given)."""
+
+    client: UpdateClient
+    store: Store
+    state: State
+    bundle: Path
+    backend: str | None
+
+
+@dataclass(frozen=True)
+class DaemonParts:
+    """The opened, checked parts of a daemon, not running yet."""
+
+    config: DaemonConfig
+    processor: Processor
+    queue: BoundedQueue[Message]
+    metrics: Metrics
+    source: Source
+    connection: MqttConnection | None
+    """The broker: a source (MQTT) and the sink of answers, or None without a broker."""
+    sink: MqttSink | None
+    state_dir: Path
+    instance: str
+    filters: list[TopicFilter]
+    client_id: str
+    availability_topic: str
+    status_topic: str
+    expected_payload: str
+    """What a message for this model looks like (values abbreviated): logged at start and when silent."""
+    lock: StateLock | None
+    """The state directory's lock, when the update state needed it before the model was opened."""
+    updates: UpdatePlan | None
+
+
+def accelerator_of(model: Model) -> dict[str, str | None] | None:
+    """What the bundle was built for and what runs it here, for the status message and the metrics; None for a
+    bundle built for the CPU."""
+    placement = model.manifest.placement
+    if placement is None or placement.accelerator is None:
+        return None
+    return {"wanted": placement.accelerator, "in_use": model.accelerator, "fallback": model.accelerator_fallback}
+
+
+def build_parts(
+    bundle: Path,
+    config: DaemonConfig,
+    *,
+    backend: str | None = None,
+    source: Source | None = None,
+    waiting: Callable[[], int] = lambda: 0,
+) -> DaemonParts:
+    """Open and check everything ``config`` names for ``bundle``; ``source`` replaces the configured one (tests),
+    ``waiting`` tells the connection's reconnection line how many answers wait in the outbox."""
+    start_on, lock, kept = bundle, None, None
+    if config.updates.enabled:  # the committed version may be newer than the bundle given
+        start_on, lock, kept = _update_state(bundle, config)
+    model = load(start_on, backend=backend)
+    name = model.name
+    codec = get_codec(config.input.codec)
+    if codec.name == "raw" and model.manifest.preprocess is not None:
+        # raw payloads are the model's own tensors; predict() would apply the preprocessing a second time
+        raise EdgelineError(
+            f"{bundle}: the raw codec sends the model's own tensors, but this bundle preprocesses its inputs; "
+            "use json, cbor or msgpack"
+        )
+    window = config.window if config.window is not None else model.manifest.window
+    check_window(window, model.inputs)
+    state_dir = (config.daemon.state_dir or default_state_dir()) / name
+    instance = config.daemon.instance or instance_id(state_dir)
+    filters = [TopicFilter(pattern) for pattern in config.input.subscribe]
+    check_topics(config, name=name, instance=instance, filters=filters)
+    client_id = config.broker.client_id.format(name=name, instance=instance)
+    availability_topic = render_topic(config.health.availability_topic, device="", name=name, instance=instance)
+
+    model.enable_batching(config.queue.max_batch)
+    metrics = Metrics(model=name, version=model.version, instance=instance)
+    metrics.accelerator = accelerator_of(model)
+    metrics.emulated = this_machine().emulated
+    metrics.declare(*COUNTERS)
+    processor = Processor(
+        model,
+        codec,
+        metrics,
+        publish=config.output.publish,
+        error_topic=config.output.error_topic,
+        max_payload_bytes=config.input.max_payload_bytes,
+        window=window,
+        max_streams=config.input.max_streams,
+        result_codec=get_codec("json") if codec.name == "raw" else None,
+        instance=instance,
+    )
+    connection, sink = None, None
+    if config.uses_broker:
+        connection = MqttConnection(
+            config.broker, client_id=client_id, will=(availability_topic, b"offline"), waiting=waiting
+        )
+        sink = MqttSink(connection, config.output.qos, ANSWER_FORMATS["json" if codec.name == "raw" else codec.name])
+    if source is None:
+        source = _configured_source(config, connection, filters)
+    return DaemonParts(
+        config=config,
+        processor=processor,
+        queue=BoundedQueue(config.queue.capacity, DropPolicy(config.queue_policy)),
+        metrics=metrics,
+        source=source,
+        connection=connection,
+        sink=sink,
+        state_dir=state_dir,
+        instance=instance,
+        filters=filters,
+        client_id=client_id,
+        availability_topic=availability_topic,
+        status_topic=render_topic(config.health.status_topic, device="", name=name, instance=instance),
+        expected_payload=example_payload(codec.name, model.inputs, window),
+        lock=lock,
+        updates=_update_plan(config, *kept, start_on, backend) if kept is not None else None,
+    )
+
+
+def _update_state(bundle: Path, config: DaemonConfig) -> tuple[Path, StateLock, tuple[Store, State]]:
+    """The bundle to start on, and the state directory's lock, taken before the update state is read or written."""
+    from edgeline.bundle import read_bundle
+    from edgeline.updates.agent import starting_bundle
+    from edgeline.updates.store import Store
+
+    root = config.updates.trusted_root
+    if root is not None and not root.is_file():  # said before the model is opened
+        raise EdgelineError(f"--trusted-root {root}: no such file (the root.json of `edgeline keys generate`)")
+    given = read_bundle(bundle).manifest
+    state_dir = (config.daemon.state_dir or default_state_dir()) / given.name
+    lock = StateLock(state_dir)
+    store = Store(state_dir / "updates")
+    start_on, state = starting_bundle(store, bundle, given.version)
+    return start_on, lock, (store, state)
+
+
+def _update_plan(config: DaemonConfig, store: Store, state: State, start_on: Path, backend: str | None) -> UpdatePlan:
+    """The repository client (it reads the trusted root), once the model has opened."""
+    from edgeline.updates.client import UpdateClient
+
+    updates = config.updates
+    assert updates.repository is not None and updates.trusted_root is not None
+    client = UpdateClient(updates.repository, updates.trusted_root, store.directory)
+    return UpdatePlan(client=client, store=store, state=state, bundle=start_on, backend=backend)
+
+
+def _configured_source(config: DaemonConfig, connection: MqttConnection | None, filters: list[TopicFilter]) -> Source:
+    if config.source.kind == "mqtt":
+        assert connection is not None
+        return MqttSource(connection, filters, config.input.qos)
+    made = make_source(config.source, filters=filters, max_payload_bytes=config.input.max_payload_bytes)
+    assert made is not None
+    return made
+
+
+def attach_updates(
+    plan: UpdatePlan,
+    processor: Processor,
+    *,
+    device: str,
+    config: DaemonConfig,
+    on_event: Callable[[], None],
+    reserve_bytes: Callable[[], int],
+) -> tuple[UpdateAgent, Swap]:
+    """The update thread's agent and the swap the worker polls between two batches (no I/O: the client is open)."""
+    from edgeline.updates.agent import UpdateAgent
+    from edgeline.updates.swap import Swap
+
+    updater = UpdateAgent(
+        client=plan.client, store=plan.store, state=plan.state, running=processor.model, running_bundle=plan.bundle,
+        device=device, interval_s=config.updates.check_interval_s, backend=plan.backend,
+        max_batch=config.queue.max_batch, on_event=lambda event: on_event(), reserve_bytes=reserve_bytes,
+    )  # fmt: skip
+    swap = Swap(updater, processor)
+    updater.swap = swap
+    return updater, swap
+
+
+def open_outbox(box: OutboxConfig, state_dir: Path) -> OutboxInterface:
+    """At start, under the state directory's lock: the outbox on disk, or in memory (``[outbox] enabled = false``)."""
+    if not box.enabled:
+        return MemoryOutbox(max_answers=box.max_answers, max_bytes=box.max_bytes, ttl_s=box.ttl_s)
+    outbox = Outbox(
+        state_dir / "outbox.sqlite",
+        max_answers=box.max_answers,
+        max_bytes=box.max_bytes,
+        ttl_s=box.ttl_s,
+        synchronous=box.synchronous,
+    )
+    if outbox.depth:
+        log.info("%d answers left by the last run wait in the outbox", outbox.depth)
+    return outbox
