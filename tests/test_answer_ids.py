@@ -23,7 +23,7 @@ from edgeline.daemon.messages import Message
 from edgeline.daemon.processor import Processor
 from edgeline.daemon.salvage import readable_id
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 DIGITS_400 = "9" * 400
 NESTED_10K = "[" * 10_000 + "1" + "]" * 10_000

@@ -20,7 +20,7 @@ ARM64 = REPO / "scripts" / "arm64.sh"
 BUILD_TIMEOUT = 1200  # the first call builds everything: pip runs emulated
 RUN_TIMEOUT = 300
 
-pytestmark = [pytest.mark.emulated, pytest.mark.slow]
+pytestmark = pytest.mark.emulated
 
 CORES = {"cortex-a72": "0xd08", "cortex-a76": "0xd0b", "cortex-a55": "0xd05"}
 

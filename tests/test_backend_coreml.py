@@ -100,6 +100,7 @@ def _spec(bundle: Path) -> Any:
     return ct.models.MLModel(str(bundle / "model.mlpackage"), skip_model_load=True).get_spec()
 
 
+@pytest.mark.quick
 def test_the_bundled_profile_rejects_a_package_mostly_in_float_weights(
     tiny_model_file: Path, sample_files: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -117,6 +118,7 @@ def test_the_bundled_profile_rejects_a_package_mostly_in_float_weights(
         )
 
 
+@pytest.mark.export
 def test_export_for_the_iphone_picks_coreml_fp16_and_says_fidelity_was_not_measured(
     tiny_model_file: Path, sample_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -140,6 +142,7 @@ def test_export_for_the_iphone_picks_coreml_fp16_and_says_fidelity_was_not_measu
     assert all(fidelity[key] is None for key in numbers)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", PACKAGES)
 def test_the_package_is_the_torch_models_and_asks_what_the_profile_asks(
     name: str, exported: ExportReport, tiny_model_file: Path
@@ -188,6 +191,7 @@ def _independent_counts(bundle: Path) -> tuple[int, int, dict[str, int]]:
     return ops, compressed, float_weights
 
 
+@pytest.mark.quick
 def test_placement_is_counted_from_the_program(exported: ExportReport) -> None:
     fp16 = _manifest(_bundle(exported, "coreml-fp16")).placement
     int8 = _manifest(_bundle(exported, "coreml-int8-weights")).placement
@@ -205,11 +209,13 @@ def test_placement_is_counted_from_the_program(exported: ExportReport) -> None:
         assert "when the model loads on the device" in placement.unknown["accelerator_ops"]
 
 
+@pytest.mark.quick
 def test_int8_weights_make_a_smaller_package(exported: ExportReport) -> None:
     fp16, int8 = (_manifest(_bundle(exported, name)) for name in PACKAGES)
     assert sum(e.size for e in int8.model_entries) < sum(e.size for e in fp16.model_entries)
 
 
+@pytest.mark.quick
 def test_the_manifest_hashes_every_file_of_the_package_and_nothing_else_is_accepted(
     exported: ExportReport, tmp_path: Path
 ) -> None:
@@ -230,6 +236,7 @@ def test_the_manifest_hashes_every_file_of_the_package_and_nothing_else_is_accep
         bundle_io.read_bundle(bundle)
 
 
+@pytest.mark.quick
 def test_executorch_coreml_delegates_the_model_and_cannot_run_here(exported: ExportReport) -> None:
     bundle = _bundle(exported, "executorch-coreml-fp16")
     manifest = _manifest(bundle)
@@ -247,6 +254,7 @@ def test_executorch_coreml_delegates_the_model_and_cannot_run_here(exported: Exp
             edgeline.load(bundle)
 
 
+@pytest.mark.quick
 def test_the_cpu_target_closes_the_list(exported: ExportReport) -> None:
     last = exported.outcomes[-1]
     assert (last.backend, last.precision) == ("executorch-xnnpack", "int8-static")
@@ -254,6 +262,7 @@ def test_the_cpu_target_closes_the_list(exported: ExportReport) -> None:
     assert NOT_HERE in format_report(exported)
 
 
+@pytest.mark.quick
 def test_verify_off_macos_checks_the_files_then_says_core_ml_runs_on_macos_only(
     exported: ExportReport, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -267,6 +276,7 @@ def test_verify_off_macos_checks_the_files_then_says_core_ml_runs_on_macos_only(
     assert err.endswith(f"{NOT_HERE} (this is {platform.system()})")
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(sys.platform != "darwin", reason=NOT_HERE)
 @pytest.mark.parametrize("name", PACKAGES)
 def test_predict_on_macos(
@@ -313,6 +323,7 @@ def float_reference_bundle(
     return out
 
 
+@pytest.mark.export
 def test_verify_measures_fidelity_against_a_float_reference_golden(
     float_reference_bundle: Path, tiny_model_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -335,6 +346,7 @@ def test_verify_measures_fidelity_against_a_float_reference_golden(
     assert "fidelity against the float model (golden.npz): 16 samples" in capsys.readouterr().out
 
 
+@pytest.mark.export
 def test_verify_fails_a_bundle_that_disagrees_with_the_float_reference(
     float_reference_bundle: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -369,6 +381,7 @@ def _request(module: Any, names: tuple[str, ...] = ("image",)) -> ExportRequest:
     )
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("settings", "names", "message"),
     [
@@ -386,6 +399,7 @@ def test_a_package_that_is_not_what_the_profile_or_the_model_asks_is_refused(
         check_package(spec, _request(_float_model(tiny_model_file), names), settings, package)
 
 
+@pytest.mark.export
 def test_a_coreml_target_without_a_coreml_section_is_refused_in_one_line(
     tiny_model_file: Path, sample_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -405,6 +419,7 @@ def test_a_coreml_target_without_a_coreml_section_is_refused_in_one_line(
     assert "Traceback" not in err
 
 
+@pytest.mark.integration
 def test_the_runtime_side_imports_neither_torch_nor_coremltools() -> None:
     code = (
         "import sys, edgeline.backends.coreml\n"

@@ -24,6 +24,8 @@ from edgeline.cli import main
 from edgeline.device_profiles import load_profile
 from edgeline.export.reference import CATALOGUE
 
+pytestmark = pytest.mark.export
+
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ("digits", "resnet8", "ds_cnn", "vww", "autoencoder")
 

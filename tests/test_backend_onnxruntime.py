@@ -20,6 +20,8 @@ import edgeline
 from edgeline.cli import main
 from edgeline.errors import BundleError
 
+pytestmark = pytest.mark.export
+
 GPU = "TensorrtExecutionProvider"
 
 

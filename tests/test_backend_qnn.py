@@ -27,7 +27,7 @@ from edgeline.export.reference import Prepared
 from edgeline.manifest import Manifest
 from tests.cache import cached, cached_reference
 
-pytestmark = pytest.mark.slow  # trains two reference models (~30 s) and runs the HTP emulator
+pytestmark = pytest.mark.export  # trains two reference models (~30 s) and runs the HTP emulator
 
 PROFILE = "snapdragon-8-gen-3"
 REFERENCES = ("resnet8", "ds_cnn")

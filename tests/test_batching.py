@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import edgeline
 from edgeline.daemon.codecs import get_codec
@@ -22,17 +23,20 @@ def images(count: int, seed: int) -> list[np.ndarray]:
     return [rng.random((1, 3, 8, 8), dtype=np.float32) for _ in range(count)]
 
 
+@pytest.mark.quick
 def test_a_graph_fixed_to_batch_1_runs_one_sample_per_call(built_litert_bundle: Path) -> None:
     model = edgeline.load(built_litert_bundle)  # conv -> flatten(1): a reshape to [1, 256] in the graph
     assert model.enable_batching(16) == 1
     assert "fixed to a batch of 1" in model.batching
 
 
+@pytest.mark.export
 def test_batching_off_when_asked_for_one(batchable_bundle: Path) -> None:
     model = edgeline.load(batchable_bundle)
     assert model.enable_batching(1) == 1 and model.batching == "off"
 
 
+@pytest.mark.export
 def test_batches_give_the_single_sample_outputs(batchable_bundle: Path) -> None:
     model = edgeline.load(batchable_bundle)
     assert model.enable_batching(8) == 8, model.batching
@@ -46,6 +50,7 @@ def test_batches_give_the_single_sample_outputs(batchable_bundle: Path) -> None:
         np.testing.assert_array_equal(answer[0], model.predict(sample)[0])
 
 
+@pytest.mark.export
 def test_a_bad_sample_costs_only_its_own_answer(batchable_bundle: Path) -> None:
     model = edgeline.load(batchable_bundle)
     model.enable_batching(4)
@@ -61,6 +66,7 @@ def test_a_bad_sample_costs_only_its_own_answer(batchable_bundle: Path) -> None:
         np.testing.assert_array_equal(answer[0], model.predict(samples[index])[0])
 
 
+@pytest.mark.export
 def test_the_processor_batches_full_batches_and_answers_every_message_in_order(batchable_bundle: Path) -> None:
     model = edgeline.load(batchable_bundle)
     model.enable_batching(4)

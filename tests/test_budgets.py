@@ -11,6 +11,8 @@ from edgeline.device_profiles import Budgets, Precision
 from edgeline.export.budgets import budget_violations
 from edgeline.manifest import Fidelity, Placement
 
+pytestmark = pytest.mark.quick
+
 BUDGETS = Budgets(max_model_bytes=1000, max_accuracy_drop=1.0, min_cosine=0.99)
 
 

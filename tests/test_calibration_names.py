@@ -92,6 +92,7 @@ def pair_bundle(tmp_path_factory: pytest.TempPathFactory, pair_model: Path, pair
     return out
 
 
+@pytest.mark.export
 @pytest.mark.workstation
 def test_arrays_are_taken_by_name_and_numpys_default_names_by_position(
     pair_bundle: Path, pair_samples: dict[str, Path]
@@ -105,6 +106,7 @@ def test_arrays_are_taken_by_name_and_numpys_default_names_by_position(
     np.testing.assert_array_equal(golden["input_1"], validation["mask"][:count])
 
 
+@pytest.mark.export
 @pytest.mark.workstation
 @pytest.mark.parametrize("role", ["calibration", "validation"])
 @pytest.mark.parametrize(
@@ -132,6 +134,7 @@ def test_a_file_whose_array_names_differ_from_forwards_is_refused_naming_both(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.export
 @pytest.mark.workstation
 def test_infer_on_the_device_takes_arrays_the_same_way(
     pair_bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -156,6 +159,7 @@ def test_infer_on_the_device_takes_arrays_the_same_way(
     )
 
 
+@pytest.mark.quick
 @pytest.mark.device
 def test_infer_refuses_a_one_input_file_named_otherwise_and_takes_arr_0(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

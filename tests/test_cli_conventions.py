@@ -72,12 +72,14 @@ def _one_error_line(capsys: pytest.CaptureFixture[str], argv: list[str | Path], 
 # --version and a light --help
 
 
+@pytest.mark.integration
 def test_version_is_the_installed_distributions() -> None:
     done = _edgeline("--version")
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"edgeline {distribution_version('edgeline')}\n"
 
 
+@pytest.mark.integration
 def test_version_of_a_source_tree_that_is_not_installed(tmp_path: Path) -> None:
     """-S: no site-packages, so no distribution metadata; the package comes from a tree of links to the folders.
     Run outside the work tree: an editable install leaves edgeline.egg-info there, metadata a -m run would find."""
@@ -106,6 +108,7 @@ print(json.dumps({"code": code, "modules": sorted(sys.modules)}), file=sys.stder
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("path", _command_paths(build_parser()), ids=lambda path: " ".join(path) or "edgeline")
 def test_help_imports_neither_numpy_pydantic_nor_torch(path: tuple[str, ...]) -> None:
     done = subprocess.run([sys.executable, "-c", HELP_SCRIPT, *path], capture_output=True, text=True, timeout=60)
@@ -146,11 +149,13 @@ printf '%s\\n' "${{COMPREPLY[@]}}"
     return [line for line in lines[1:] if line]
 
 
+@pytest.mark.integration
 def test_the_bash_script_is_valid_bash(bash_script: Path) -> None:
     done = subprocess.run(["bash", "-n", str(bash_script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.integration
 def test_bash_offers_the_commands_options_and_choices(bash_script: Path) -> None:
     commands = [path[0] for path in _command_paths(build_parser()) if len(path) == 1]
     assert _complete_in_bash(bash_script, "") == commands
@@ -169,6 +174,7 @@ def test_bash_offers_the_commands_options_and_choices(bash_script: Path) -> None
     assert _complete_in_bash(bash_script, "infer", "") == []  # a BUNDLE: bash falls back to file names
 
 
+@pytest.mark.integration
 def test_the_zsh_script_runs_in_zsh() -> None:
     zsh = shutil.which("zsh")
     assert zsh is not None, "zsh is not installed (scripts/setup.sh installs it with apt-get)"
@@ -185,6 +191,7 @@ def test_the_zsh_script_runs_in_zsh() -> None:
 # -v, -q and --log-level, before or after the command
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("argv", "level"),
     [
@@ -199,11 +206,13 @@ def test_logging_flags_at_every_level(argv: list[str], level: str) -> None:
     assert build_parser().parse_args(argv).log_level == level
 
 
+@pytest.mark.quick
 def test_verbose_and_quiet_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     message = _one_error_line(capsys, ["profiles", "list", "-v", "-q"], "profiles list")
     assert message == "argument -q/--quiet: not allowed with argument -v/--verbose"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("before", "after", "shown"),
     [
@@ -229,6 +238,7 @@ def test_the_start_up_line_of_run_is_a_log_record(
 # choices and help
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("command", "expected"),
     [
@@ -257,6 +267,7 @@ def test_help_lists_the_choices(command: list[str], expected: list[str], capsys:
         assert fragment in text
 
 
+@pytest.mark.quick
 def test_every_positional_argument_and_choice_has_help() -> None:
     for parser in _parsers(build_parser()):
         for action in parser._actions:
@@ -270,6 +281,7 @@ def test_every_positional_argument_and_choice_has_help() -> None:
 # no silent fixes: ranges and flags of another source are refused in one line
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("flag", "value", "valid"),
     [("--top-k", "0", "1 or more"), ("--threads", "0", "1 or more"), ("--show", "-3", "0 or more")],
@@ -281,6 +293,7 @@ def test_numbers_out_of_range_are_refused_with_the_range(
     assert message == f"argument {flag}: {value} is out of range; valid: {valid}"
 
 
+@pytest.mark.quick
 def test_a_negative_seed_is_refused_with_the_range(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     message = _one_error_line(
         capsys, ["reference", "prepare", "digits", "--out", tmp_path, "--seed", "-1"], "reference prepare"
@@ -288,6 +301,7 @@ def test_a_negative_seed_is_refused_with_the_range(capsys: pytest.CaptureFixture
     assert message == "argument --seed: -1 is out of range; valid: 0 or more"
 
 
+@pytest.mark.quick
 def test_ranges_that_depend_on_the_model_and_the_machine(
     capsys: pytest.CaptureFixture[str], built_litert_bundle: Path, sample_files: dict[str, Path]
 ) -> None:
@@ -299,6 +313,7 @@ def test_ranges_that_depend_on_the_model_and_the_machine(
     assert message == f"--threads {cpus + 1}: this process may use {cpus} CPUs here; valid: 1 to {cpus}"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("source", "flag", "expected"),
     [
@@ -314,6 +329,7 @@ def test_a_setting_of_another_source_is_refused(
     assert message.startswith(expected)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path", _command_paths(build_parser()), ids=lambda path: " ".join(path) or "edgeline")
 def test_an_unknown_flag_is_the_error_of_the_command_it_was_given_to(
     capsys: pytest.CaptureFixture[str], path: tuple[str, ...]
@@ -327,6 +343,7 @@ def test_an_unknown_flag_is_the_error_of_the_command_it_was_given_to(
     assert len(lines) == 1 and lines[0].startswith(prefix), err
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "argv",
     [
@@ -349,6 +366,7 @@ def test_an_unknown_flag_after_a_valid_command_line(capsys: pytest.CaptureFixtur
 # --json: one document for a report
 
 
+@pytest.mark.quick
 def test_profiles_list_and_show_print_one_json_document(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profiles", "list", "--json"]) == 0
     profiles = json.loads(capsys.readouterr().out)
@@ -359,6 +377,7 @@ def test_profiles_list_and_show_print_one_json_document(capsys: pytest.CaptureFi
     assert rpi5["cpu"]["cores"] >= 1 and rpi5["targets"][0]["threads"] >= 1
 
 
+@pytest.mark.quick
 def test_reference_list_prints_one_json_document(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["reference", "list", "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)
@@ -387,6 +406,7 @@ def runtime_chatter(built_litert_bundle: Path) -> list[str]:
     return lines
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("command", ["verify", "infer"])
 def test_chatter_is_kept_off_the_terminal(
     built_litert_bundle: Path, sample_files: dict[str, Path], runtime_chatter: list[str], command: str
@@ -407,6 +427,7 @@ def test_chatter_is_kept_off_the_terminal(
         assert quiet.stdout.splitlines()[0] == verbose.stdout.splitlines()[0]
 
 
+@pytest.mark.integration
 def test_chatter_is_shown_when_verify_fails(litert_bundle: Path, runtime_chatter: list[str]) -> None:
     golden = litert_bundle / "golden.npz"
     with np.load(golden, allow_pickle=False) as arrays:
@@ -429,6 +450,7 @@ LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARN
 """The start of a line the daemon logs (``edgeline.cli.LOG_FORMAT``)."""
 
 
+@pytest.mark.integration
 def test_run_logs_records_only_the_runtime_s_chatter_in_one_debug_record(
     built_litert_bundle: Path, runtime_chatter: list[str], tmp_path: Path
 ) -> None:

@@ -76,6 +76,7 @@ def _replace(args: list[str | Path], option: str, value: str | Path) -> list[str
 # edgeline export: profile, model, options
 
 
+@pytest.mark.export
 def test_unknown_profile_lists_the_valid_ones(user_error: RunError, export_args: list[str | Path]) -> None:
     message = user_error(*_replace(export_args, "--profile", "rpi9"))
     assert "unknown profile 'rpi9'" in message
@@ -83,12 +84,14 @@ def test_unknown_profile_lists_the_valid_ones(user_error: RunError, export_args:
         assert profile in message
 
 
+@pytest.mark.export
 def test_a_model_file_that_does_not_exist(user_error: RunError, export_args: list[str | Path], tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.py"
     message = user_error(*_with_model(export_args, f"{missing}:model"))
     assert message == f"model file {missing}: no such file"
 
 
+@pytest.mark.export
 def test_a_missing_function_lists_the_callables(
     user_error: RunError, export_args: list[str | Path], tiny_model_file: Path
 ) -> None:
@@ -97,6 +100,7 @@ def test_a_missing_function_lists_the_callables(
     assert "callables there: Tiny, model" in message
 
 
+@pytest.mark.export
 def test_a_function_returning_something_else_than_a_module(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -105,6 +109,7 @@ def test_a_function_returning_something_else_than_a_module(
     assert message == f"{source}:model returned list, expected a torch.nn.Module"
 
 
+@pytest.mark.export
 def test_a_model_file_whose_import_raises(user_error: RunError, export_args: list[str | Path], tmp_path: Path) -> None:
     source = _write(tmp_path / "broken.py", "import math\n\nraise RuntimeError('no GPU here')\n\ndef model(): ...\n")
     message = user_error(*_with_model(export_args, f"{source}:model"))
@@ -112,18 +117,21 @@ def test_a_model_file_whose_import_raises(user_error: RunError, export_args: lis
     assert f"{source}:3" in message  # where it raised
 
 
+@pytest.mark.export
 def test_a_function_that_raises(user_error: RunError, export_args: list[str | Path], tmp_path: Path) -> None:
     source = _write(tmp_path / "raises.py", "def model():\n    raise ValueError('weights not found')\n")
     message = user_error(*_with_model(export_args, f"{source}:model"))
     assert "raised ValueError: weights not found" in message
 
 
+@pytest.mark.export
 @pytest.mark.parametrize("spec", ["tiny.py", "tiny", ":model", "tiny.py:"])
 def test_a_model_spec_without_file_and_function(user_error: RunError, export_args: list[str | Path], spec: str) -> None:
     message = user_error(*_with_model(export_args, spec))
     assert f"MODEL {spec!r}: expected path/to/file.py:function, package.module:function or a .pt2 file" in message
 
 
+@pytest.mark.export
 def test_an_unknown_backend_lists_the_valid_ones(user_error: RunError, export_args: list[str | Path]) -> None:
     from edgeline.export.backends import EXPORT_BACKENDS
 
@@ -133,6 +141,7 @@ def test_an_unknown_backend_lists_the_valid_ones(user_error: RunError, export_ar
     assert user_error(*export_args, "--backend", "tensorrt") == expected
 
 
+@pytest.mark.export
 def test_a_precision_the_backend_cannot_export_lists_the_valid_ones(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -141,6 +150,7 @@ def test_a_precision_the_backend_cannot_export_lists_the_valid_ones(
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.export
 def test_a_profile_without_the_asked_target_lists_its_targets(
     user_error: RunError, export_args: list[str | Path]
 ) -> None:
@@ -149,6 +159,7 @@ def test_a_profile_without_the_asked_target_lists_its_targets(
     assert "litert/int8-static, executorch-xnnpack/int8-static, litert/fp16, litert/fp32" in message
 
 
+@pytest.mark.export
 def test_an_existing_output_directory_is_left_alone_without_force(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -163,6 +174,7 @@ def test_an_existing_output_directory_is_left_alone_without_force(
     assert sorted(path.name for path in out.parent.iterdir()) == ["tiny"], "no staging directory may be left behind"
 
 
+@pytest.mark.export
 def test_an_output_path_that_is_a_file_is_refused(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -174,11 +186,13 @@ def test_an_output_path_that_is_a_file_is_refused(
     assert out.read_text(encoding="utf-8") == "a file"
 
 
+@pytest.mark.export
 def test_an_invalid_bundle_name(user_error: RunError, export_args: list[str | Path]) -> None:
     message = user_error(*export_args, "--name", "../evil")
     assert message == "--name '../evil': a bundle name is letters, digits, '.', '_' and '-' (128 at most)"
 
 
+@pytest.mark.export
 def test_a_name_taken_from_the_model_file_is_checked_too(
     user_error: RunError, export_args: list[str | Path], tiny_model_file: Path, tmp_path: Path
 ) -> None:
@@ -191,6 +205,7 @@ def test_a_name_taken_from_the_model_file_is_checked_too(
 # edgeline export: sample files
 
 
+@pytest.mark.export
 def test_a_calibration_file_that_does_not_exist(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -199,6 +214,7 @@ def test_a_calibration_file_that_does_not_exist(
     assert message == f"calibration file {missing}: no such file"
 
 
+@pytest.mark.export
 def test_a_calibration_file_that_is_not_an_npz(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -208,6 +224,7 @@ def test_a_calibration_file_that_is_not_an_npz(
     assert message.startswith(f"calibration file {garbage}: not a readable .npz file")
 
 
+@pytest.mark.export
 def test_a_calibration_file_saved_with_np_save(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -219,6 +236,7 @@ def test_a_calibration_file_saved_with_np_save(
     assert ".npz" in message
 
 
+@pytest.mark.export
 def test_a_calibration_file_with_the_wrong_number_of_arrays(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -228,6 +246,7 @@ def test_a_calibration_file_with_the_wrong_number_of_arrays(
     assert "holds 2 input arrays (image, mask) but the model's forward takes 1 (image)" in message
 
 
+@pytest.mark.export
 def test_a_calibration_sample_shape_the_model_rejects(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -237,6 +256,7 @@ def test_a_calibration_sample_shape_the_model_rejects(
     assert "the model rejected a calibration sample of shape [1, 1, 7, 7]" in message
 
 
+@pytest.mark.export
 @pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.bool_])
 def test_a_calibration_file_with_a_non_float_dtype(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path, dtype: type
@@ -247,6 +267,7 @@ def test_a_calibration_file_with_a_non_float_dtype(
     assert f"[image]: dtype {np.dtype(dtype)}, expected floating point" in message
 
 
+@pytest.mark.export
 def test_validation_samples_of_another_shape_than_calibration(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -256,6 +277,7 @@ def test_validation_samples_of_another_shape_than_calibration(
     assert "sample shape [1, 8, 9] differs from the calibration's [1, 8, 8]" in message
 
 
+@pytest.mark.export
 def test_validation_labels_of_the_wrong_count(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -265,6 +287,7 @@ def test_validation_labels_of_the_wrong_count(
     assert "[labels]: 3 labels for 4 samples" in message
 
 
+@pytest.mark.export
 def test_a_labels_file_with_the_wrong_count(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -273,11 +296,13 @@ def test_a_labels_file_with_the_wrong_count(
     assert message == f"--labels gives 3 labels but the model has {CLASSES} outputs"
 
 
+@pytest.mark.export
 def test_a_labels_file_that_does_not_exist(user_error: RunError, export_args: list[str | Path], tmp_path: Path) -> None:
     message = user_error(*export_args, "--labels", tmp_path / "labels.txt")
     assert message.startswith(f"--labels {tmp_path / 'labels.txt'}: ")
 
 
+@pytest.mark.export
 def test_validation_labels_outside_the_model_classes(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -315,6 +340,7 @@ def model():
 '''
 
 
+@pytest.mark.export
 def test_an_operator_litert_cannot_lower_names_it_and_the_backend_that_can(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -332,12 +358,14 @@ def test_an_operator_litert_cannot_lower_names_it_and_the_backend_that_can(
 # edgeline infer and profiles
 
 
+@pytest.mark.quick
 def test_infer_on_a_missing_bundle(user_error: RunError, sample_files: dict[str, Path], tmp_path: Path) -> None:
     missing = tmp_path / "no-bundle"
     message = user_error("infer", missing, "--input", sample_files["validation"])
     assert message == f"{missing}: no such bundle"
 
 
+@pytest.mark.quick
 def test_infer_on_a_directory_that_is_not_a_bundle(
     user_error: RunError, sample_files: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -345,11 +373,13 @@ def test_infer_on_a_directory_that_is_not_a_bundle(
     assert message == f"{tmp_path}: not a bundle (no manifest.json)"
 
 
+@pytest.mark.quick
 def test_infer_on_a_file(user_error: RunError, sample_files: dict[str, Path]) -> None:
     message = user_error("infer", sample_files["calibration"], "--input", sample_files["validation"])
     assert "a bundle is a directory holding manifest.json" in message
 
 
+@pytest.mark.quick
 def test_infer_with_inputs_of_the_wrong_shape(user_error: RunError, litert_bundle: Path, tmp_path: Path) -> None:
     path = tmp_path / "wrong.npz"
     np.savez(path, image=np.zeros((3, 1, 4, 4), np.float32))
@@ -358,11 +388,13 @@ def test_infer_with_inputs_of_the_wrong_shape(user_error: RunError, litert_bundl
     assert "(expected [N, 1, 8, 8])" in message
 
 
+@pytest.mark.quick
 def test_infer_with_a_missing_input_file(user_error: RunError, litert_bundle: Path, tmp_path: Path) -> None:
     message = user_error("infer", litert_bundle, "--input", tmp_path / "nothing.npz")
     assert message == f"input file {tmp_path / 'nothing.npz'}: no such file"
 
 
+@pytest.mark.quick
 def test_infer_with_an_input_saved_with_np_save(user_error: RunError, litert_bundle: Path, tmp_path: Path) -> None:
     path = tmp_path / "samples.npy"
     np.save(path, np.zeros((2, *IMAGE_SHAPE), np.float32))
@@ -370,6 +402,7 @@ def test_infer_with_an_input_saved_with_np_save(user_error: RunError, litert_bun
     assert str(path) in message and ".npz" in message
 
 
+@pytest.mark.quick
 def test_infer_with_nan_in_the_inputs(user_error: RunError, litert_bundle: Path, tmp_path: Path) -> None:
     images = np.zeros((2, *IMAGE_SHAPE), np.float32)
     images[1, 0, 3, 3] = np.nan
@@ -379,11 +412,13 @@ def test_infer_with_nan_in_the_inputs(user_error: RunError, litert_bundle: Path,
     assert "contains NaN or Inf" in message
 
 
+@pytest.mark.quick
 def test_profiles_show_an_unknown_id(user_error: RunError) -> None:
     message = user_error("profiles", "show", "nope")
     assert f"unknown profile 'nope'; valid profiles: {', '.join(profile_ids())}" in message
 
 
+@pytest.mark.export
 def test_validation_labels_that_are_not_whole_numbers_are_refused(
     user_error: RunError, export_args: list[str | Path], tmp_path: Path
 ) -> None:
@@ -393,6 +428,7 @@ def test_validation_labels_that_are_not_whole_numbers_are_refused(
     assert f"{path}[labels]: labels are class indices (whole numbers); found 2.5 at index 2" in message
 
 
+@pytest.mark.export
 def test_labels_stored_as_whole_floats_count_as_classes(
     export_args: list[str | Path], sample_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

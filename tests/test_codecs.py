@@ -24,7 +24,7 @@ from edgeline.errors import DAEMON_CODES, PAYLOAD_CODES, BackendUnavailableError
 from edgeline.manifest import Quantization, TensorSpec, Window
 from edgeline.quantization import quantize
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 PROPERTY = settings(deadline=None, max_examples=100)
 # What a codec may answer; the size limit is the caller's, checked before decoding.

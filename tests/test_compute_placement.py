@@ -22,7 +22,7 @@ from edgeline.cli import main
 from edgeline.device_profiles import Precision, load_profile
 from edgeline.export.backends import ExportRequest, get_exporter
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.export
 
 MODELS = '''\
 from pathlib import Path

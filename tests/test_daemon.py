@@ -20,7 +20,7 @@ import pytest
 import edgeline
 from tests.mqtt_broker import Broker, Collector
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.integration, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 TIMEOUT_S = 20.0
 

@@ -111,6 +111,7 @@ def answered(results: Collector, count: int, timeout: float = TIMEOUT_S) -> dict
     return answers
 
 
+@pytest.mark.integration
 def test_a_backlog_of_50000_waits_at_the_broker_and_every_input_is_answered(
     broker: Broker, built_litert_bundle: Path, unique_topic: str, tmp_path: Path
 ) -> None:
@@ -222,6 +223,7 @@ def _one_packet(buffer: bytes) -> bytes | None:
     return buffer[: index + length] if len(buffer) >= index + length else None
 
 
+@pytest.mark.integration
 def test_a_broker_slow_to_acknowledge_holds_the_inputs_back_and_loses_none(
     broker: Broker, built_litert_bundle: Path, unique_topic: str, tmp_path: Path
 ) -> None:
@@ -283,6 +285,7 @@ def fill(filler: Path) -> Path:
     return filler
 
 
+@pytest.mark.integration
 def test_a_full_disk_pauses_intake_and_every_input_is_answered_once_it_has_room(
     broker: Broker, built_litert_bundle: Path, unique_topic: str, small_disk: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -324,6 +327,7 @@ def test_a_full_disk_pauses_intake_and_every_input_is_answered_once_it_has_room(
     assert len(said) == 1, [r.getMessage() for r in said]  # logged once, however many retries and episodes
 
 
+@pytest.mark.quick
 def test_a_corrupted_outbox_is_set_aside_and_a_new_one_started(tmp_path: Path) -> None:
     from edgeline.daemon.outbox import Outbox
 
@@ -343,6 +347,7 @@ def test_a_corrupted_outbox_is_set_aside_and_a_new_one_started(tmp_path: Path) -
     again.close()
 
 
+@pytest.mark.quick
 def test_clones_of_one_image_get_different_instance_ids(tmp_path: Path) -> None:
     state = tmp_path / "state"
     first = instance_id(state, identity="/etc/machine-id=0123456789abcdef0123456789abcdef")
@@ -352,6 +357,7 @@ def test_clones_of_one_image_get_different_instance_ids(tmp_path: Path) -> None:
     assert first.split("-")[0] == clone.split("-")[0]  # the host name stays readable in front
 
 
+@pytest.mark.integration
 def test_two_clients_with_one_client_id_back_off_and_say_so_once(
     broker: Broker, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -382,6 +388,7 @@ def test_two_clients_with_one_client_id_back_off_and_say_so_once(
     assert attempts <= 14, f"{attempts} reconnections in 20 s: no real back-off"  # unchecked: about 50 in 20 s
 
 
+@pytest.mark.quick
 def test_shared_subscriptions_get_a_short_session_expiry_unless_one_is_set() -> None:
     from edgeline.daemon.config import SESSION_EXPIRY_S, SHARED_SESSION_EXPIRY_S
 

@@ -38,12 +38,14 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
+@pytest.mark.quick
 def test_defaults_without_a_file() -> None:
     config = load_config(None)
     assert config == DaemonConfig()
     assert config.queue.policy is None and config.queue_policy == "block"  # MQTT at QoS 1: the broker holds the backlog
 
 
+@pytest.mark.quick
 def test_file_is_read(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, GOOD))
     assert (config.broker.port, config.input.subscribe, config.input.codec) == (
@@ -55,6 +57,7 @@ def test_file_is_read(tmp_path: Path) -> None:
     assert config.window is not None and config.window.channels == 128
 
 
+@pytest.mark.quick
 def test_flags_override_the_file(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, GOOD)).with_overrides(
         broker="localhost:1884", subscribe=["a/+/b", "c/+"], publish="out/{device}", codec="json", qos=1
@@ -70,6 +73,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert config.queue.capacity == 64  # untouched by flags
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("text", "named"),
     [
@@ -99,11 +103,13 @@ def test_errors_name_the_key(tmp_path: Path, text: str, named: str) -> None:
     assert named in str(error.value)
 
 
+@pytest.mark.quick
 def test_valid_values_are_listed(tmp_path: Path) -> None:
     with pytest.raises(EdgelineError, match=r"queue\.policy: 'drop-newest' is not valid; valid: drop-oldest, block"):
         load_config(write(tmp_path, "[queue]\npolicy = 'drop-newest'\n"))
 
 
+@pytest.mark.quick
 def test_an_unknown_key_lists_the_valid_keys_of_its_table(tmp_path: Path) -> None:
     """The same wording as a profile's (one formatter for profiles, manifests and daemon configurations)."""
     expected = r"queue\.max_batches: unknown key; valid keys: capacity, policy, max_batch$"
@@ -111,6 +117,7 @@ def test_an_unknown_key_lists_the_valid_keys_of_its_table(tmp_path: Path) -> Non
         load_config(write(tmp_path, "[queue]\nmax_batches = 4\n"))
 
 
+@pytest.mark.quick
 def test_broken_toml_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(EdgelineError, match="not valid TOML"):
         load_config(write(tmp_path, "[input\n"))
@@ -118,12 +125,14 @@ def test_broken_toml_and_missing_file(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("broker", [":1883", "host:port", "host:x", "::1:1883", "[::1", "host:70000"])
 def test_bad_broker_flag(broker: str) -> None:
     with pytest.raises(EdgelineError, match="--broker"):
         DaemonConfig().with_overrides(broker=broker)
 
 
+@pytest.mark.quick
 def test_each_source_has_its_stated_queue_policy_and_sink() -> None:
     mqtt = DaemonConfig()
     assert (mqtt.queue_policy, mqtt.uses_broker) == ("block", True)
@@ -141,6 +150,7 @@ def test_each_source_has_its_stated_queue_policy_and_sink() -> None:
     assert explicit.queue_policy == "drop-oldest"
 
 
+@pytest.mark.quick
 def test_a_source_flag_replaces_the_files_source(tmp_path: Path) -> None:
     path = write(tmp_path, "[source]\nkind = 'serial'\nurl = '/dev/ttyACM0'\ndevice = 'bench'\n")
     config = load_config(path).with_overrides(source={"kind": "replay", "path": "rec.jsonl"})
@@ -153,6 +163,7 @@ def test_a_source_flag_replaces_the_files_source(tmp_path: Path) -> None:
     assert load_config(path).with_overrides(source={"baudrate": 9600}).source.url == "/dev/ttyACM0"
 
 
+@pytest.mark.quick
 def test_updates_are_configured_by_the_file_or_the_flags_and_need_their_trusted_root(tmp_path: Path) -> None:
     path = tmp_path / "daemon.toml"
     path.write_text('[updates]\nrepository = "https://updates.example/fleet"\ntrusted_root = "/etc/root.json"\n')

@@ -36,7 +36,7 @@ from edgeline.daemon.service import Daemon
 from tests.faults import BlackHoleProxy, DurableCollector, DurablePublisher, kill_and_restart
 from tests.mqtt_broker import Broker, BrokerFactory, Collector
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.integration, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 TIMEOUT_S = 60.0
 INSTANCE = "durable"

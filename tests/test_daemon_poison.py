@@ -29,7 +29,7 @@ from edgeline.daemon.service import EXIT_FAILED, Daemon
 from edgeline.daemon.sources import SourceBase
 from tests.mqtt_broker import Broker, Collector
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.integration, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 TIMEOUT_S = 30.0
 LONG_DEVICE = "d" * 70_000

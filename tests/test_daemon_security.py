@@ -32,7 +32,7 @@ import edgeline
 from tests.faults import DurablePublisher, Pki, make_pki
 from tests.mqtt_broker import Broker, BrokerFactory, Collector
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.integration, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 TIMEOUT_S = 30.0
 EXIT_WITHIN_S = 15.0

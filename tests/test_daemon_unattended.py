@@ -38,7 +38,7 @@ from tests.mqtt_broker import Broker, Collector, free_port
 from tests.test_daemon_backpressure import config_for, fill, payload, publish_all
 from tests.test_daemon_durability import missing_answers
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.integration, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 TIMEOUT_S = 30.0
 TTL_S = 2.0

@@ -50,6 +50,7 @@ def edgeline_without_torch(*args: str) -> subprocess.CompletedProcess[str]:
 # -- the base install -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "command",
     [
@@ -75,6 +76,7 @@ ACCELERATOR_EXTRAS = {"qnn-htp": "qnn"}
 """First targets that need an extra on the device by design: the accelerator is what the profile is for."""
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("profile_id", profile_ids())
 def test_a_profiles_first_target_runs_on_its_own_device_install(profile_id: str) -> None:
     from edgeline.export.backends import EXPORT_BACKENDS
@@ -101,6 +103,7 @@ BASE_INSTALL_BUNDLES = {"litert": COMMITTED_BUNDLE}
 """A bundle for each runtime backend of the base install."""
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("backend", sorted(BASE_INSTALL_BACKENDS))
 def test_the_base_install_backends_run_a_bundle_without_torch(backend: str, tmp_path: Path) -> None:
     samples = write_samples(tmp_path)
@@ -119,6 +122,7 @@ def test_the_base_install_backends_run_a_bundle_without_torch(backend: str, tmp_
     assert all(0 <= record["class_index"] < 10 for record in records)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("committed", list(COMMITTED_BUNDLES.values()), ids=list(COMMITTED_BUNDLES))
 def test_the_committed_bundle_is_valid_and_small(committed: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", str(committed), "--json"]) == 0
@@ -127,6 +131,7 @@ def test_the_committed_bundle_is_valid_and_small(committed: Path, capsys: pytest
     assert sum(path.stat().st_size for path in committed.iterdir()) < 32 * 1024
 
 
+@pytest.mark.quick
 @pytest.mark.workstation  # compares with a fresh export
 @pytest.mark.parametrize(
     ("fixture", "committed"),
@@ -160,6 +165,7 @@ def test_the_committed_bundle_describes_what_the_exporter_writes_today(
 # -- run and sim meet on their defaults -------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_the_defaults_of_run_and_sim_agree() -> None:
     from edgeline.cli import build_parser
 
@@ -171,6 +177,7 @@ def test_the_defaults_of_run_and_sim_agree() -> None:
     assert (sim.topic, config.input.subscribe) == (SENSOR_TOPIC, (SENSOR_SUBSCRIPTION,))
 
 
+@pytest.mark.integration
 def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path) -> None:
     """`edgeline run BUNDLE --broker H:P` and `edgeline sim digits --broker H:P`, no topic or QoS flags: every message
     the simulator sends is answered."""
@@ -214,6 +221,7 @@ def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path) -> Non
     assert "nothing received" not in stderr
 
 
+@pytest.mark.integration
 def test_the_daemon_warns_once_when_its_subscription_stays_silent(broker: Broker, tmp_path: Path) -> None:
     config = tmp_path / "daemon.toml"
     config.write_text("[input]\nsilence_warning_s = 0.2\n", encoding="utf-8")
@@ -231,6 +239,7 @@ def test_the_daemon_warns_once_when_its_subscription_stays_silent(broker: Broker
     assert stderr.count(f"nothing received on {SENSOR_SUBSCRIPTION} for 0.2 s") == 1, stderr
 
 
+@pytest.mark.quick
 def test_silence_is_reported_once_per_silent_spell_and_per_subscription() -> None:
     now = [0.0]
     watch = SilenceWatch([TopicFilter("a/+/x"), TopicFilter("b/#")], 60.0, clock=lambda: now[0])
@@ -247,6 +256,7 @@ def test_silence_is_reported_once_per_silent_spell_and_per_subscription() -> Non
     assert watch.newly_silent() == ["b/#"]  # a new spell, of that subscription only
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("specs", "window"),
     [
@@ -276,6 +286,7 @@ def test_the_example_payload_names_fields_the_codec_accepts(
 # -- bundle show ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_bundle_show_json_carries_the_manifests_numbers(tmp_path: Path) -> None:
     done = edgeline_without_torch("bundle", "show", str(COMMITTED_BUNDLE), "--json")
     assert done.returncode == 0, done.stderr
@@ -294,6 +305,7 @@ def test_bundle_show_json_carries_the_manifests_numbers(tmp_path: Path) -> None:
     assert info["signature"] == {"present": False, "verified": False}
 
 
+@pytest.mark.quick
 def test_bundle_show_text_and_a_signature_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import shutil
 
@@ -318,6 +330,7 @@ def _without_timing(record: dict[str, object]) -> dict[str, object]:
     return {key: value for key, value in record.items() if key not in ("timestamp", "latency_ms", "line")}
 
 
+@pytest.mark.integration
 def test_infer_answers_json_lines_as_the_daemon_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rng = np.random.default_rng(3)
     images = rng.random((4, 64), dtype=np.float32)
@@ -348,6 +361,7 @@ def test_infer_answers_json_lines_as_the_daemon_does(tmp_path: Path, capsys: pyt
     assert [{k: v for k, v in r.items() if k != "instance"} for r in daemon] == mine
 
 
+@pytest.mark.quick
 def test_infer_takes_one_json_message_and_refuses_an_empty_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -24,7 +24,7 @@ from edgeline.device_profiles import (
 from edgeline.device_profiles import loader as profile_loader
 from edgeline.export.backends import EXPORT_BACKENDS
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 REQUIRED_IDS = [
     "cortex-m4",

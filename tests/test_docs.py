@@ -28,6 +28,8 @@ from edgeline.errors import PAYLOAD_CODES
 from edgeline.export.backends import EXPORT_BACKENDS
 from edgeline.manifest import Golden, Manifest
 
+pytestmark = pytest.mark.quick
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - the base install carries tomli on 3.10

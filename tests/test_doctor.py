@@ -92,6 +92,7 @@ def _rewrite(bundle: Path, **changes: Any) -> None:
 # --- the verdict, on other machines' facts -----------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_a_litert_bundle_runs_on_the_cpu_and_a_pi4_is_its_device_kind_only_for_a_pi4_profile(
     built_litert_bundle: Path,
 ) -> None:
@@ -105,6 +106,7 @@ def test_a_litert_bundle_runs_on_the_cpu_and_a_pi4_is_its_device_kind_only_for_a
     assert on_pi5.runs and on_pi5.device is not None and "not on an aarch64 Cortex-A72" in on_pi5.device
 
 
+@pytest.mark.quick
 def test_emulation_is_named_and_never_the_device(built_litert_bundle: Path) -> None:
     emulated = from_facts("aarch64", PI4_CPUINFO, kernel_arch="x86_64", emulator="qemu-user 10.0.2 -cpu cortex-a72")
     manifest = _manifest(built_litert_bundle, device={"arch": "aarch64", "cpu": "Cortex-A72"})
@@ -116,6 +118,7 @@ def test_emulation_is_named_and_never_the_device(built_litert_bundle: Path) -> N
     assert from_facts("aarch64", PI4_CPUINFO, kernel_arch="aarch64", emulator="qemu-user").emulated is None
 
 
+@pytest.mark.quick
 def test_a_core_ml_model_is_refused_off_macos_and_runs_on_macos(built_litert_bundle: Path) -> None:
     manifest = _manifest(built_litert_bundle, backend="coreml", model="model.tflite")
     files = {e.path for e in manifest.files}
@@ -126,6 +129,7 @@ def test_a_core_ml_model_is_refused_off_macos_and_runs_on_macos(built_litert_bun
     assert verdict(manifest, files, mac).runs
 
 
+@pytest.mark.quick
 def test_ethos_u_runs_on_its_delegate_falls_back_to_the_int8_copy_or_is_refused(built_litert_bundle: Path) -> None:
     manifest = _manifest(built_litert_bundle, placement=_placement("ethos-u"))
     files = {e.path for e in manifest.files}
@@ -139,6 +143,7 @@ def test_ethos_u_runs_on_its_delegate_falls_back_to_the_int8_copy_or_is_refused(
     assert "vela model" in without.reason and "no model_int8.tflite" in without.reason
 
 
+@pytest.mark.quick
 def test_a_qnn_context_binary_runs_on_the_htp_of_its_soc_only(built_litert_bundle: Path) -> None:
     qnn = _manifest(built_litert_bundle, backend="onnxruntime", model="model.onnx", placement=_placement("qnn-htp"))
     context = {"model.onnx", "model_qnn.bin", "golden.npz"}
@@ -156,6 +161,7 @@ def test_a_qnn_context_binary_runs_on_the_htp_of_its_soc_only(built_litert_bundl
     assert not no_qnn.runs and "onnxruntime-qnn is not installed" in no_qnn.reason
 
 
+@pytest.mark.quick
 def test_a_missing_gpu_provider_falls_back_to_the_cpu_loudly(built_litert_bundle: Path) -> None:
     manifest = _manifest(
         built_litert_bundle,
@@ -173,6 +179,7 @@ def test_a_missing_gpu_provider_falls_back_to_the_cpu_loudly(built_litert_bundle
     assert (on_gpu.accelerator, on_gpu.fallback) == ("TensorrtExecutionProvider", None)
 
 
+@pytest.mark.quick
 def test_a_missing_or_too_old_runtime_is_refused_with_how_to_get_it(built_litert_bundle: Path) -> None:
     manifest = _manifest(built_litert_bundle, backend="onnxruntime", model="model.onnx")
     files = {"model.onnx", "golden.npz"}
@@ -189,6 +196,7 @@ def test_a_missing_or_too_old_runtime_is_refused_with_how_to_get_it(built_litert
 # --- the machine report ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_cpu_features_name_what_each_core_has() -> None:
     pi4 = cpu_features(from_facts("aarch64", PI4_CPUINFO), PI4_CPUINFO)
     assert pi4["neon"] and not pi4["dotprod"] and not pi4["i8mm"] and not pi4["sve"] and not pi4["fp16"]
@@ -196,6 +204,7 @@ def test_cpu_features_name_what_each_core_has() -> None:
     assert pi5["neon"] and pi5["dotprod"] and pi5["fp16"] and not pi5["i8mm"] and not pi5["sve"]
 
 
+@pytest.mark.quick
 def test_the_report_names_the_profiles_a_machine_is_emulates_or_runs() -> None:
     from edgeline.device_profiles import list_profiles
 
@@ -209,6 +218,7 @@ def test_the_report_names_the_profiles_a_machine_is_emulates_or_runs() -> None:
     assert under_qemu["machine"]["emulated"].startswith("qemu-user 10.0.2")
 
 
+@pytest.mark.quick
 def test_doctor_reports_this_machine_as_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
@@ -218,6 +228,7 @@ def test_doctor_reports_this_machine_as_json(capsys: pytest.CaptureFixture[str])
     assert document["machine"]["cpus"] >= 1 and document["machine"]["memory_mb"]["total"] > 0
 
 
+@pytest.mark.quick
 def test_doctor_text_names_the_runtimes_and_accelerators(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
@@ -229,6 +240,7 @@ def test_doctor_text_names_the_runtimes_and_accelerators(capsys: pytest.CaptureF
 # --- one check, shared by doctor, run, verify and infer -------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_doctor_bundle_and_load_agree_on_this_machine(litert_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", str(litert_bundle), "--json"]) == 0
     said = json.loads(capsys.readouterr().out)
@@ -241,6 +253,7 @@ def test_doctor_bundle_and_load_agree_on_this_machine(litert_bundle: Path, capsy
     assert said["fallback"] is None and model.accelerator_fallback is None
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("command", ["verify", "infer", "run"])
 def test_a_bundle_that_cannot_run_here_is_refused_with_the_reason_and_exit_2(
     litert_bundle: Path, sample_files_or_golden: Path, command: str
@@ -266,12 +279,14 @@ def sample_files_or_golden(built_litert_bundle: Path) -> Path:
     return built_litert_bundle / "golden.npz"
 
 
+@pytest.mark.quick
 def test_gather_only_looks_for_runtimes_when_asked_not_to_import() -> None:
     facts = gather(["litert", "coreml"], try_import=False, qnn=False)
     assert facts.runtimes["litert"].imports is None and facts.runtimes["litert"].version is not None
     assert facts.qnn_missing == "not looked for"
 
 
+@pytest.mark.quick
 def test_read_bundle_is_untouched_by_doctor(litert_bundle: Path) -> None:
     before = (litert_bundle / "manifest.json").read_bytes()
     assert main(["doctor", str(litert_bundle)]) == 0
@@ -282,6 +297,7 @@ def test_read_bundle_is_untouched_by_doctor(litert_bundle: Path) -> None:
 # --- held to the exporters and to the sessions (workstation: export needs torch) -----------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.workstation
 def test_the_target_table_is_what_the_exporters_write() -> None:
     from edgeline.doctor import TARGET_RUNTIMES
@@ -298,8 +314,8 @@ def test_the_target_table_is_what_the_exporters_write() -> None:
         assert written == runtime, f"{target}: the exporter writes {written}, the table says {runtime}"
 
 
+@pytest.mark.export
 @pytest.mark.workstation
-@pytest.mark.slow
 def test_the_verdict_is_what_the_session_does_for_a_gpu_bundle_without_its_gpu(
     tmp_path: Path, tiny_model_file: Path, sample_files: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

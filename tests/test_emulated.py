@@ -51,7 +51,7 @@ from tests.conftest import TinyExport
 from tests.emulated_runner import infer_outputs
 from tests.mqtt_broker import Broker, BrokerFactory, Collector
 
-pytestmark = [pytest.mark.emulated, pytest.mark.slow]
+pytestmark = pytest.mark.emulated
 
 REPO = Path(__file__).resolve().parents[1]
 ARM64 = REPO / "scripts" / "arm64.sh"

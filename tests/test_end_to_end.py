@@ -18,7 +18,7 @@ from edgeline.export.reference import REFERENCE_MODELS, Prepared
 from edgeline.samples import read_npz, sample_set
 from tests.cache import cached_reference
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.export
 
 BACKENDS = ("executorch-xnnpack", "litert")
 PRECISIONS = ("fp32", "int8-static")

@@ -12,6 +12,8 @@ import edgeline
 from edgeline.cli import main
 from edgeline.export.report import ExportReport, TargetOutcome, format_report
 
+pytestmark = pytest.mark.export
+
 REPO = Path(__file__).resolve().parents[1]
 
 

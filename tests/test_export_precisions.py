@@ -16,6 +16,8 @@ import edgeline
 from edgeline.cli import main
 from tests.cache import cached_export
 
+pytestmark = pytest.mark.export
+
 REPO = Path(__file__).resolve().parents[1]
 PRECISIONS = {
     "litert": ("fp32", "fp16", "int8-dynamic", "int8-static"),

@@ -10,7 +10,7 @@ from edgeline.bundle import read_bundle
 from edgeline.cli import main
 from tests.conftest import needs_torch
 
-pytestmark = pytest.mark.workstation
+pytestmark = [pytest.mark.export, pytest.mark.workstation]
 
 
 def export(model: Path, samples: dict[str, Path], out: Path, *extra: str) -> int:

@@ -26,6 +26,8 @@ from tests.faults import (
 )
 from tests.mqtt_broker import Broker, BrokerFactory, Collector
 
+pytestmark = pytest.mark.integration
+
 TIMEOUT_S = 10.0
 PROTOCOLS = [pytest.param(mqtt.MQTTv311, id="mqtt311"), pytest.param(mqtt.MQTTv5, id="mqtt5")]
 

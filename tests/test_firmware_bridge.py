@@ -91,6 +91,7 @@ def samples_frame(seq: int, count: int = 1, reliable: bool = True, t_us: int = 0
     return encode(Frame(FrameType.SAMPLES, 1, seq, t_us, payload, FLAG_ACK_REQUESTED if reliable else 0))
 
 
+@pytest.mark.quick
 def test_reliable_frames_are_taken_in_order_and_acknowledged_only_once_safe() -> None:
     link, recorder, wire = make_link()
     link._take(encode(Frame(FrameType.HELLO, 0, 0, 10, json.dumps(HELLO).encode())))
@@ -116,6 +117,7 @@ def test_reliable_frames_are_taken_in_order_and_acknowledged_only_once_safe() ->
     assert [seq for seq, _, _ in recorder.samples] == [5, 6, 7, 8, 8]
 
 
+@pytest.mark.quick
 def test_what_the_link_refuses_is_counted_by_reason_and_costs_nothing_else() -> None:
     link, recorder, wire = make_link()
     link._hello_wanted_since = None  # the HELLO_REQUEST was answered by a HELLO that got lost
@@ -138,6 +140,7 @@ def test_what_the_link_refuses_is_counted_by_reason_and_costs_nothing_else() -> 
     assert [seq for seq, _, _ in recorder.samples] == [6]
 
 
+@pytest.mark.quick
 def test_a_hello_not_asked_for_or_with_the_clock_gone_back_is_a_restart() -> None:
     link, recorder, _ = make_link()
     hello = json.dumps(HELLO).encode()
@@ -152,6 +155,7 @@ def test_a_hello_not_asked_for_or_with_the_clock_gone_back_is_a_restart() -> Non
     assert link.counters.board_restarts == 2
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("change", "named"),
     [
@@ -168,6 +172,7 @@ def test_a_bad_hello_names_its_field(change: dict[str, Any], named: str) -> None
         parse_hello(json.dumps({**HELLO, **change}).encode())
 
 
+@pytest.mark.quick
 def test_a_board_on_another_port_keeps_its_name_and_two_live_boards_with_one_id_are_a_clone() -> None:
     from edgeline.daemon.config import BrokerAddress
     from edgeline.firmware_bridge.bridge import Bridge, BridgeOptions
@@ -186,6 +191,7 @@ def test_a_board_on_another_port_keeps_its_name_and_two_live_boards_with_one_id_
     assert bridge.boards["b-1"] is c and bridge.metrics.snapshot()["counts"]["duplicate_devices"] == 1
 
 
+@pytest.mark.quick
 def test_input_ids_route_answers_back_and_nothing_else() -> None:
     assert parse_input_id("3.65535.0.123456789") == parse_input_id("3.65535.0.123456789.7") == (3, 65535)
     for other in ("1.2.3", "0.1.0.0", "1.65536.0.0", "a.b.c.d", 7, None, "1.-2.0.0", "1.2.3.4.5.6"):
@@ -260,6 +266,7 @@ def retained_status(collector: Collector, suffix: str) -> dict[str, Any] | None:
     return found[-1] if found else None
 
 
+@pytest.mark.integration
 @pytest.mark.workstation  # /metrics needs prometheus-client (the metrics extra)
 def test_run_reads_a_board_on_a_pty_and_sends_every_answer_back_down(
     built_litert_bundle: Path, board_data: Path, broker: Broker, tmp_path: Path, processes: list[Process]
@@ -318,6 +325,7 @@ def test_run_reads_a_board_on_a_pty_and_sends_every_answer_back_down(
     assert scraped["serial_frames"] > count and scraped["serial_board_restarts"] == 0, scraped
 
 
+@pytest.mark.integration
 @pytest.mark.workstation  # /metrics needs prometheus-client (the metrics extra)
 def test_bridge_and_run_meet_with_the_emulated_cortex_m4_board(
     built_litert_bundle: Path, board_data: Path, broker: Broker, tmp_path: Path, processes: list[Process]
@@ -380,6 +388,7 @@ def bridge_status(collector: Collector, instance: str) -> dict[str, Any]:
     return status
 
 
+@pytest.mark.integration
 @BOARDS
 def test_wire_faults_are_counted_exactly_and_cost_nothing_else(
     kind: str, built_litert_bundle: Path, board_data: Path, broker: Broker, tmp_path: Path, processes: list[Process]
@@ -452,6 +461,7 @@ def test_wire_faults_are_counted_exactly_and_cost_nothing_else(
     )  # taken as the bridge stopped
 
 
+@pytest.mark.integration
 @BOARDS
 def test_reliable_mode_loses_nothing_across_wire_faults_and_a_killed_bridge(
     kind: str, built_litert_bundle: Path, board_data: Path, broker: Broker, tmp_path: Path, processes: list[Process]
@@ -557,6 +567,7 @@ class ScriptedBoard:
         self.listener.close()
 
 
+@pytest.mark.integration
 def test_a_boards_own_results_go_up_and_an_operators_config_comes_down_again_after_a_restart(
     broker: Broker, processes: list[Process]
 ) -> None:

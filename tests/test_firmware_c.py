@@ -17,6 +17,8 @@ import pytest
 
 from edgeline.firmware_bridge.protocol import MAX_PAYLOAD, Decoder, Frame, FrameType, encode
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 HEADER_FILE = REPO / "firmware_bridge" / "c" / "edgeline_frame.h"
 

@@ -32,7 +32,7 @@ from edgeline.firmware_bridge.protocol import (
     unpack_ack,
 )
 
-pytestmark = pytest.mark.device
+pytestmark = [pytest.mark.quick, pytest.mark.device]
 
 frames = st.builds(
     Frame,

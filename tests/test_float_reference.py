@@ -6,6 +6,7 @@ import io
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -43,6 +44,7 @@ def one_by_one(module: nn.Module, data: SampleSet) -> list[np.ndarray]:
         return [module(torch.from_numpy(data.sample(i)[0])).numpy() for i in range(len(data))]
 
 
+@pytest.mark.quick
 def test_a_module_that_takes_batches_is_called_with_batches() -> None:
     module, data = Net().eval(), samples(150)
     with torch.no_grad():
@@ -55,6 +57,7 @@ def test_a_module_that_takes_batches_is_called_with_batches() -> None:
         np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.export
 def test_a_program_exported_for_a_batch_of_1_is_vectorised(tmp_path: Path) -> None:
     module, data = Net().eval(), samples(70)
     path = tmp_path / "net.pt2"
@@ -67,6 +70,7 @@ def test_a_program_exported_for_a_batch_of_1_is_vectorised(tmp_path: Path) -> No
         np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_a_module_whose_outputs_depend_on_the_batch_runs_one_sample_at_a_time() -> None:
     module, data = BatchDependent(), samples(5)
     with torch.no_grad():
@@ -76,6 +80,7 @@ def test_a_module_whose_outputs_depend_on_the_batch_runs_one_sample_at_a_time() 
         np.testing.assert_array_equal(got[0], want)
 
 
+@pytest.mark.quick
 def test_progress_on_a_terminal_is_one_live_line_with_counts() -> None:
     stream = io.StringIO()
     with Progress(stream, live=True) as progress:
@@ -87,6 +92,7 @@ def test_progress_on_a_terminal_is_one_live_line_with_counts() -> None:
     assert text.count("\n") == 2  # each step ends its line once
 
 
+@pytest.mark.quick
 def test_progress_in_a_log_is_one_plain_line_per_step_without_counts() -> None:
     stream = io.StringIO()
     with Progress(stream, live=False) as progress:

@@ -20,7 +20,7 @@ import pytest
 
 from edgeline.device_profiles import Precision, load_profile
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.export
 
 MODELS = '''\
 from pathlib import Path

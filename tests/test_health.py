@@ -29,6 +29,8 @@ from edgeline.daemon.health import (
 )
 from edgeline.errors import EdgelineError
 
+pytestmark = pytest.mark.quick
+
 IDENTITY = {"model": "kws", "version": "3", "daemon": "kitchen"}
 
 

@@ -50,7 +50,10 @@ from edgeline.manifest import Quantization, TensorSpec, Window
 from edgeline.quantization import dequantize
 from edgeline.samples import read_npz
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh): what a device decodes and loads
+pytestmark = [
+    pytest.mark.quick,
+    pytest.mark.device,
+]  # the device tier runs these (scripts/test_device.sh): what a device decodes and loads
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE = settings(deadline=None, max_examples=120, suppress_health_check=[HealthCheck.too_slow])

@@ -20,7 +20,7 @@ from edgeline.cli import main
 from edgeline.device_profiles import load_profile
 from edgeline.errors import IntegrityError
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.export
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = ("arm-none-eabi-gcc", "arm-none-eabi-size", "arm-none-eabi-readelf", "gcc")

@@ -14,7 +14,7 @@ import pytest
 
 from edgeline.cli import main
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.export
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ from edgeline.daemon.service import Daemon
 from tests.mqtt_broker import Broker
 from tests.test_daemon_backpressure import config_for
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.integration, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 TIMEOUT_S = 20.0
 

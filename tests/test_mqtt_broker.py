@@ -39,6 +39,7 @@ def publish_once(broker: Broker, topic: str, payload: bytes, qos: int = 1) -> No
         client.loop_stop()
 
 
+@pytest.mark.integration
 def test_paho_publisher_reaches_paho_subscriber(
     session_broker: Broker, unique_topic: str, subscriber_factory: type[Collector]
 ) -> None:
@@ -76,6 +77,7 @@ def finish(sub: subprocess.Popen[str]) -> str:
     return out
 
 
+@pytest.mark.integration
 def test_debian_clients_pass_a_message(session_broker: Broker, unique_topic: str) -> None:
     topic = f"{unique_topic}/cli"
     sub = start_mosquitto_sub(session_broker, topic, f"sub-{unique_topic.rpartition('/')[2]}")
@@ -89,6 +91,7 @@ def test_debian_clients_pass_a_message(session_broker: Broker, unique_topic: str
     assert finish(sub).splitlines() == ["from mosquitto_pub"]
 
 
+@pytest.mark.integration
 def test_paho_message_reaches_mosquitto_sub(session_broker: Broker, unique_topic: str) -> None:
     topic = f"{unique_topic}/mixed"
     sub = start_mosquitto_sub(session_broker, topic, f"sub-{unique_topic.rpartition('/')[2]}")
@@ -96,6 +99,7 @@ def test_paho_message_reaches_mosquitto_sub(session_broker: Broker, unique_topic
     assert finish(sub).splitlines() == ["from paho"]
 
 
+@pytest.mark.integration
 def test_restart_keeps_the_port_and_serves_again(
     broker: Broker, unique_topic: str, subscriber_factory: type[Collector]
 ) -> None:
@@ -112,6 +116,7 @@ def test_restart_keeps_the_port_and_serves_again(
     assert subscriber.payloads == [b"again"]
 
 
+@pytest.mark.integration
 def test_each_test_gets_its_own_broker(broker: Broker, session_broker: Broker) -> None:
     assert broker.running and session_broker.running
     assert broker.port != session_broker.port
@@ -119,6 +124,7 @@ def test_each_test_gets_its_own_broker(broker: Broker, session_broker: Broker) -
     assert "listener" in broker.config_path.read_text(encoding="utf-8")
 
 
+@pytest.mark.quick
 def test_stop_is_bounded_and_idempotent(tmp_path: Path) -> None:
     with Broker(tmp_path) as running:
         assert running.running
@@ -126,6 +132,7 @@ def test_stop_is_bounded_and_idempotent(tmp_path: Path) -> None:
     running.stop()
 
 
+@pytest.mark.quick
 def test_missing_mosquitto_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr("tests.mqtt_broker.DEBIAN_MOSQUITTO", str(tmp_path / "no-mosquitto"))
@@ -133,6 +140,7 @@ def test_missing_mosquitto_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.
         find_mosquitto()
 
 
+@pytest.mark.quick
 def test_a_broker_that_cannot_start_says_why(tmp_path: Path) -> None:
     fake = tmp_path / "mosquitto"
     fake.write_text("#!/bin/sh\necho 'Error: pretend failure' >&2\nexit 3\n", encoding="utf-8")

@@ -57,6 +57,7 @@ def on_network_thread(connection: MqttConnection, task: object) -> None:
     assert done.wait(TIMEOUT_S)
 
 
+@pytest.mark.integration
 def test_qos0_publishes_never_hold_the_window_and_qos1_ones_leave_it_on_their_puback(
     broker: Broker, unique_topic: str
 ) -> None:
@@ -90,6 +91,7 @@ def test_qos0_publishes_never_hold_the_window_and_qos1_ones_leave_it_on_their_pu
         results.close()
 
 
+@pytest.mark.integration
 def test_the_window_honours_the_brokers_receive_maximum(broker: Broker) -> None:
     """Mosquitto announces Receive Maximum 20 (its max_inflight_messages) in its CONNACK: asking for more gets 20."""
     connection = connected(broker, max_inflight=500)
@@ -104,6 +106,7 @@ def test_the_window_honours_the_brokers_receive_maximum(broker: Broker) -> None:
         smaller.close()
 
 
+@pytest.mark.integration
 def test_publishes_from_other_threads_reach_the_broker_in_order(broker: Broker, unique_topic: str) -> None:
     results = Collector(broker, f"{unique_topic}/#")
     connection = connected(broker)
@@ -190,6 +193,7 @@ class PubackDropper:
         return data
 
 
+@pytest.mark.integration
 def test_a_broker_that_stops_acknowledging_is_reconnected_and_what_was_in_flight_is_sent_again(
     broker: Broker, unique_topic: str
 ) -> None:
@@ -227,6 +231,7 @@ def _publisher(broker: Broker) -> mqtt.Client:
     return client
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
 def test_every_input_arrives_once_whole_on_the_lean_path_and_on_pahos_own(
     broker: Broker, unique_topic: str, protocol: str
@@ -302,6 +307,7 @@ def test_every_input_arrives_once_whole_on_the_lean_path_and_on_pahos_own(
         connection.close()
 
 
+@pytest.mark.integration
 def test_pubacks_with_and_without_a_reason_code_complete_their_publishes(broker: Broker, unique_topic: str) -> None:
     """Mosquitto acknowledges a QoS 1 publish nobody subscribed to with reason 16 (no matching subscribers: three
     bytes, paho's own decoding) and one with a subscriber with two bytes (the lean path). Both complete, as
@@ -334,6 +340,7 @@ def test_pubacks_with_and_without_a_reason_code_complete_their_publishes(broker:
         results.close()
 
 
+@pytest.mark.integration
 def test_packets_written_together_arrive_whole_and_in_order_even_when_a_send_is_partial(
     broker: Broker, unique_topic: str
 ) -> None:
@@ -357,6 +364,7 @@ def test_packets_written_together_arrive_whole_and_in_order_even_when_a_send_is_
         results.close()
 
 
+@pytest.mark.quick
 @settings(deadline=None, max_examples=120)
 @given(
     protocol=st.sampled_from([mqtt.MQTTv5, mqtt.MQTTv311]),
@@ -417,6 +425,7 @@ def _packet(header: int, body: bytes) -> bytes:
             return bytes([header, *length]) + body
 
 
+@pytest.mark.quick
 @settings(deadline=None, max_examples=60)
 @given(
     protocol=st.sampled_from([mqtt.MQTTv5, mqtt.MQTTv311]),
@@ -477,6 +486,7 @@ def test_the_lean_reader_takes_packets_whole_or_cut_anywhere(
         theirs.close()
 
 
+@pytest.mark.quick
 def test_a_post_while_the_network_thread_drains_its_wake_up_is_never_left_asleep() -> None:
     """A task posted from another thread while the network thread empties its wake-up socket must still wake the
     next select. Before, the flag was cleared first: such a post's byte was swallowed by the same drain, the flag

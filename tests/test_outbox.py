@@ -15,7 +15,7 @@ import pytest
 
 from edgeline.daemon.outbox import MemoryOutbox, Outbox, row_size
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 Box = Outbox | MemoryOutbox
 MakeBox = Callable[..., Box]

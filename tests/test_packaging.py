@@ -13,6 +13,8 @@ import pytest
 
 from tests.package_tree import REPO, package_dirs
 
+pytestmark = pytest.mark.integration
+
 SOURCES = ("pyproject.toml", "README.md", "edge_runtime", "export", "device_profiles", "sim", "firmware_bridge")
 
 

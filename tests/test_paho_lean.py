@@ -54,6 +54,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 # -- the check -----------------------------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_the_check_passes_on_the_installed_paho_and_the_lean_client_is_chosen(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -85,6 +86,7 @@ def _names_the_lean_client_uses() -> tuple[set[str], set[str]]:
     return {name for name in names if not name.startswith("__")}, keys
 
 
+@pytest.mark.quick
 def test_the_check_covers_every_name_the_lean_client_uses_and_no_other() -> None:
     """Renaming a field in the lean client (say both writes of paho's keepalive clock) names a field the check does
     not cover, and leaves one it covers unused: either fails here."""
@@ -95,6 +97,7 @@ def test_the_check_covers_every_name_the_lean_client_uses_and_no_other() -> None
     assert keys <= paho_lean.IN_PACKET_KEYS | paho_lean.OUT_PACKET_KEYS
 
 
+@pytest.mark.quick
 def test_the_lean_reader_and_writer_advance_pahos_keepalive_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """A packet the lean reader takes whole, and packets the lean writer sends together, never pass through paho's
     own reader and writer: only the lean client's writes move the clock paho's ``_check_keepalive`` reads. Were they
@@ -248,6 +251,7 @@ PAHO_CHANGES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str]] = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("change", PAHO_CHANGES, ids=list(PAHO_CHANGES))
 def test_a_change_in_pahos_internals_falls_back_to_the_stock_client_with_one_warning(
     change: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -267,6 +271,7 @@ def test_a_change_in_pahos_internals_falls_back_to_the_stock_client_with_one_war
     assert len(warnings_of(caplog)) == 1
 
 
+@pytest.mark.quick
 def test_the_pinned_sources_are_the_installed_pahos() -> None:
     """Upgrading paho (even a patch release) fails here, naming each method whose body changed: re-read it beside
     its override in ``paho_lean.lean_client``, then pin the new digest in ``PINNED_SOURCES``."""
@@ -278,6 +283,7 @@ def test_the_pinned_sources_are_the_installed_pahos() -> None:
     assert changed == {}, f"paho-mqtt {paho.mqtt.__version__} changed these methods; re-review, then pin: {changed}"
 
 
+@pytest.mark.quick
 def test_the_pins_cover_every_method_the_lean_client_overrides() -> None:
     """A new override of a paho method needs its pin: otherwise a change to its body would go unseen."""
     overridden = {name for name in vars(paho_lean.lean_client()) if hasattr(mqtt.Client, name)} - {
@@ -286,6 +292,7 @@ def test_the_pins_cover_every_method_the_lean_client_overrides() -> None:
     assert overridden <= set(paho_lean.PINNED_SOURCES), overridden - set(paho_lean.PINNED_SOURCES)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("checked", [True, False], ids=["checked paho", "another paho"])
 def test_a_topic_that_is_not_utf8_is_shown_only_where_paho_is_the_checked_one(
     checked: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -298,6 +305,7 @@ def test_a_topic_that_is_not_utf8_is_shown_only_where_paho_is_the_checked_one(
     assert ("bad\\xfftopic" in line) is checked, line
 
 
+@pytest.mark.quick
 def test_the_private_reads_of_the_connection_pass_through_the_check() -> None:
     """On the checked paho, ``MqttConnection`` reads a message's raw topic and the messages in flight."""
     assert paho_lean.raw_topic(mqtt.MQTTMessage(1, b"\xff")) == b"\xff"
@@ -305,6 +313,7 @@ def test_the_private_reads_of_the_connection_pass_through_the_check() -> None:
     assert paho_lean.in_flight(client) == (client._out_messages, client._out_message_mutex)
 
 
+@pytest.mark.quick
 def test_the_environment_forces_the_stock_client_and_refuses_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(paho_lean.STOCK_ENV, "1")
     assert paho_lean.lean_client_or_stock() is paho_lean.stock_client()
@@ -315,6 +324,7 @@ def test_the_environment_forces_the_stock_client_and_refuses_other_values(monkey
         paho_lean.lean_client_or_stock()
 
 
+@pytest.mark.integration
 def test_the_connect_timeout_is_set_through_pahos_public_property(stock: None, broker: Broker) -> None:
     assert isinstance(mqtt.Client.connect_timeout, property) and mqtt.Client.connect_timeout.fset is not None
     connection = connection_tests.connected(broker, connect_timeout_s=3)
@@ -336,6 +346,7 @@ SAME_TESTS = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("test", SAME_TESTS, ids=[test.__name__.removeprefix("test_")[:48] for test in SAME_TESTS])
 def test_the_connection_tests_pass_on_pahos_stock_client(
     test: Callable[..., None], stock: None, broker: Broker, unique_topic: str
@@ -346,6 +357,7 @@ def test_the_connection_tests_pass_on_pahos_stock_client(
     test(**{name: given[name] for name in inspect.signature(test).parameters})
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
 @pytest.mark.parametrize("path", ["lean", "stock"])
 def test_inputs_arrive_once_and_the_unacknowledged_ones_again_after_a_reconnect(

@@ -18,6 +18,8 @@ import pytest
 from edgeline.cli import main
 from edgeline.device_profiles import Precision
 
+pytestmark = pytest.mark.export
+
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "tests" / "data" / "unseen_models.py"
 CONVERSIONS = {"QUANTIZE", "DEQUANTIZE"}

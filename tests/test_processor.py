@@ -37,6 +37,7 @@ def image(seed: int = 0) -> list[float]:
     return np.random.default_rng(seed).random(64, dtype=np.float32).tolist()
 
 
+@pytest.mark.quick
 def test_a_good_message_gets_one_result_equal_to_predict(model: edgeline.Model) -> None:
     proc = processor(model)
     (answer,) = proc.process(message({"id": "m1", "data": image(1)}))
@@ -65,6 +66,7 @@ BAD = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("payload", "code"), BAD)
 def test_bad_input_gets_one_coded_error_and_nothing_else_is_lost(
     model: edgeline.Model, payload: object, code: str
@@ -87,12 +89,14 @@ def test_bad_input_gets_one_coded_error_and_nothing_else_is_lost(
     assert status["counts"]["results"] == 2
 
 
+@pytest.mark.quick
 def test_oversized_is_refused_before_decoding(model: edgeline.Model) -> None:
     proc = processor(model, max_payload_bytes=100)
     (error,) = proc.process(message(b"\xff" * 101))  # not even JSON: the size check comes first
     assert json.loads(error.payload)["error"]["code"] == "oversized"
 
 
+@pytest.mark.quick
 def test_errors_are_mirrored_to_the_error_topic(model: edgeline.Model) -> None:
     proc = processor(model, error_topic="errors/{device}")
     answers = proc.process(message(b"[]"))
@@ -100,6 +104,7 @@ def test_errors_are_mirrored_to_the_error_topic(model: edgeline.Model) -> None:
     assert all(a.is_error for a in answers)
 
 
+@pytest.mark.quick
 def test_an_answer_carries_only_a_code_of_the_one_list(model: edgeline.Model) -> None:
     """``refuse`` takes its code as text from the daemon's threads; a code outside ``PAYLOAD_CODES`` is a bug of
     ours, raised, never an answer with a code no reader knows."""
@@ -109,6 +114,7 @@ def test_an_answer_carries_only_a_code_of_the_one_list(model: edgeline.Model) ->
         worker.refuse(message({"id": "b"}), "queue-full", "queue full")
 
 
+@pytest.mark.quick
 def test_windows_per_device(model: edgeline.Model) -> None:
     """An (8 rows x 8 channels) window over streamed rows, hop 4: rows from two devices never mix."""
     proc = processor(model, window=Window(size=8, hop=4, channels=8))
@@ -126,6 +132,7 @@ def test_windows_per_device(model: edgeline.Model) -> None:
         assert record["window"] == 0  # the first (and only) window this message completed
 
 
+@pytest.mark.quick
 def test_windows_per_device_and_stream(model: edgeline.Model) -> None:
     """A board's two streams (the framed serial source sets ``Message.stream``) are windowed apart, like two
     devices: rows of one never complete a window of the other."""
@@ -147,6 +154,7 @@ def test_windows_per_device_and_stream(model: edgeline.Model) -> None:
     assert counts == {"left": 3, "right": 3}  # each stream alone: windows at rows 0, 4, 8 of its 16
 
 
+@pytest.mark.export
 @pytest.mark.workstation  # needs a bundle only the export extra can make
 def test_a_runtime_failure_is_answered_inference_failed_and_the_stream_goes_on(lookup_bundle: Path) -> None:
     lookup = edgeline.load(lookup_bundle)

@@ -23,6 +23,8 @@ from edgeline.postprocess import interpret, softmax
 from edgeline.quantization import dequantize, quantize
 from edgeline.samples import sample_set
 
+pytestmark = pytest.mark.quick
+
 # No deadline: the first example pays for numpy's warm-up; a deadline would be a timing assertion.
 PROPERTY = settings(deadline=None, max_examples=150)
 

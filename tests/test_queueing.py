@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from edgeline.daemon.queueing import BoundedQueue, DropPolicy, QueueClosed, QueueEmpty, QueueFull, QueueStats
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 LIMIT = 30.0  # seconds: only ever reached when something is broken
 # A blocked thread waits longer than the test waits for it: a wake-up that never comes fails the test.

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from edgeline.daemon.reconnect import SHORT_LIVED_S, TAKEOVER_AFTER, TAKEOVER_BACKOFF_S, Backoff, Lost, Retry
 
-pytestmark = pytest.mark.device
+pytestmark = [pytest.mark.quick, pytest.mark.device]
 
 
 def test_failed_attempts_back_off_exponentially_up_to_the_cap() -> None:

@@ -53,18 +53,21 @@ def prepared_digits() -> Prepared:
 # --- registry -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_registry_lists_all_five() -> None:
     assert tuple(REFERENCE_MODELS) == NAMES
     assert REFERENCE_MODELS["digits"] == "edgeline.export.reference.digits"
     assert set(CATALOGUE) == set(NAMES)
 
 
+@pytest.mark.quick
 def test_importing_the_package_and_its_cli_does_not_import_torch() -> None:
     code = "import sys, edgeline.export.reference, edgeline.export.reference.cli; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr or "torch was imported"
 
 
+@pytest.mark.quick
 def test_unknown_name_raises_with_the_valid_names(tmp_path: Path) -> None:
     with pytest.raises(EdgelineError) as caught:
         load_reference("lenet")
@@ -79,6 +82,7 @@ def test_unknown_name_raises_with_the_valid_names(tmp_path: Path) -> None:
 # --- architectures and data ---------------------------------------------------------------------------------
 
 
+@pytest.mark.export
 @pytest.mark.parametrize("name", NAMES)
 def test_module_matches_catalogue_and_exports_batch_one(name: str) -> None:
     module = load_reference(name)
@@ -97,6 +101,7 @@ def test_module_matches_catalogue_and_exports_batch_one(name: str) -> None:
         torch.testing.assert_close(exported(example), output)
 
 
+@pytest.mark.quick
 def test_build_is_seeded_and_leaves_the_global_rng_alone() -> None:
     module = load_reference("ds_cnn")
     state = torch.random.get_rng_state()
@@ -107,6 +112,7 @@ def test_build_is_seeded_and_leaves_the_global_rng_alone() -> None:
     assert not torch.equal(weights[0], weights[2])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", NAMES)
 def test_make_data_gives_frozen_arrays_of_the_declared_shape(name: str) -> None:
     module = load_reference(name)
@@ -126,6 +132,7 @@ def test_make_data_gives_frozen_arrays_of_the_declared_shape(name: str) -> None:
         assert not data.train_y.any()
 
 
+@pytest.mark.quick
 def test_dataset_refuses_mismatched_arrays() -> None:
     x = np.zeros((4, 2), dtype=np.float32)
     with pytest.raises(ValueError, match="validation_y"):
@@ -134,6 +141,7 @@ def test_dataset_refuses_mismatched_arrays() -> None:
         Dataset(train_x=x, train_y=np.zeros(4), calibration_x=x[:, :1], validation_x=x, validation_y=np.zeros(4))
 
 
+@pytest.mark.quick
 def test_bilinear_resize_matches_torch() -> None:
     images = np.random.default_rng(0).random((2, 3, 8, 11), dtype=np.float32)
     expected = torch.nn.functional.interpolate(
@@ -145,6 +153,7 @@ def test_bilinear_resize_matches_torch() -> None:
 # --- prepare ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.export
 def test_prepare_digits_writes_everything(prepared_digits: Prepared) -> None:
     directory = prepared_digits.directory
     assert sorted(path.name for path in directory.iterdir()) == [
@@ -179,6 +188,7 @@ def test_prepare_digits_writes_everything(prepared_digits: Prepared) -> None:
     assert measured == pytest.approx(prepared_digits.float_accuracy, abs=1 / len(labels))
 
 
+@pytest.mark.export
 def test_prepare_again_is_a_noop(prepared_digits: Prepared) -> None:
     before = {path: path.stat().st_mtime_ns for path in prepared_digits.directory.iterdir()}
     again = prepare("digits", prepared_digits.directory)
@@ -186,6 +196,7 @@ def test_prepare_again_is_a_noop(prepared_digits: Prepared) -> None:
     assert {path: path.stat().st_mtime_ns for path in prepared_digits.directory.iterdir()} == before
 
 
+@pytest.mark.export
 def test_a_directory_without_its_reference_json_is_not_prepared(prepared_digits: Prepared, tmp_path: Path) -> None:
     assert find_prepared("digits", prepared_digits.directory) == prepared_digits
     assert find_prepared("digits", prepared_digits.directory, seed=1) is None
@@ -197,6 +208,7 @@ def test_a_directory_without_its_reference_json_is_not_prepared(prepared_digits:
     assert find_prepared("digits", partial) is None
 
 
+@pytest.mark.export
 def test_training_is_deterministic() -> None:
     module = load_reference("digits")
     data = module.make_data()
@@ -205,6 +217,7 @@ def test_training_is_deterministic() -> None:
         assert torch.equal(value, second[key]), key
 
 
+@pytest.mark.export
 def test_autoencoder_separates_anomalies() -> None:
     data = autoencoder.make_data()
     model = autoencoder.train(autoencoder.build(), data)
@@ -219,7 +232,7 @@ def test_autoencoder_separates_anomalies() -> None:
 # --- slower training ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.export
 @pytest.mark.parametrize(("name", "minimum"), [("ds_cnn", 0.9), ("resnet8", 0.9), ("vww", 0.8)])
 def test_trained_model_reaches_its_accuracy_and_exports(name: str, minimum: float) -> None:
     module = load_reference(name)
@@ -234,12 +247,14 @@ def test_trained_model_reaches_its_accuracy_and_exports(name: str, minimum: floa
 # --- command line -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_reference_list_through_register(capsys: pytest.CaptureFixture[str]) -> None:
     assert _run_cli(["reference", "list"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[1:]] == list(NAMES)
 
 
+@pytest.mark.quick
 def test_edgeline_reference_list(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         from edgeline.cli import main
@@ -251,6 +266,7 @@ def test_edgeline_reference_list(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
 
 
+@pytest.mark.export
 def test_reference_prepare_reuses_and_prints_the_next_command(
     prepared_digits: Prepared, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -268,6 +284,7 @@ def test_reference_prepare_reuses_and_prints_the_next_command(
     assert prepared_digits.reference_path.stat().st_mtime_ns == before
 
 
+@pytest.mark.export
 def test_reference_prepare_json_is_one_document(prepared_digits: Prepared, capsys: pytest.CaptureFixture[str]) -> None:
     out_dir = prepared_digits.directory.parent
     assert _run_cli(["reference", "prepare", "digits", "--out", os.fspath(out_dir), "--json"]) == 0
@@ -278,6 +295,7 @@ def test_reference_prepare_json_is_one_document(prepared_digits: Prepared, capsy
     assert entry["export"] == prepared_digits.export_command("rpi5")
 
 
+@pytest.mark.quick
 def test_export_command_of_an_anomaly_model_names_task_and_threshold(tmp_path: Path) -> None:
     prepared = Prepared("autoencoder", "anomaly", (), (640,), 0.99, 0.0125, 0, tmp_path / "my models" / "ae")
     assert prepared.labels_path is None
@@ -288,6 +306,7 @@ def test_export_command_of_an_anomaly_model_names_task_and_threshold(tmp_path: P
     )
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("names", [["lenet"], ["all", "digits"]])
 def test_reference_prepare_refuses_bad_names(names: list[str], tmp_path: Path) -> None:
     with pytest.raises(EdgelineError, match="digits"):

@@ -23,6 +23,7 @@ from tests.update_repo import UpdateRepo
 pytestmark = pytest.mark.device
 
 
+@pytest.mark.quick
 def test_waves_start_with_the_canaries_and_double_what_came_before() -> None:
     devices = [f"d{i}" for i in range(10)]
     assert [len(w) for w in waves(devices, 1)] == [1, 1, 2, 4, 2]
@@ -39,6 +40,7 @@ def judged(before: Health, after: Health) -> str | None:
     return regression(before, after, max_error_increase=0.02, max_anomaly_increase=0.05)
 
 
+@pytest.mark.quick
 def test_a_regression_is_judged_against_the_devices_own_rates_before() -> None:
     before = health(1000, 10, 990, 50, 2.0)  # 1% errors, 5% anomalies
     same = health(1100, 11, 1089, 55, 2.2)
@@ -61,6 +63,7 @@ def test_a_regression_is_judged_against_the_devices_own_rates_before() -> None:
     assert regression(before, quiet, max_error_increase=0.02, max_anomaly_increase=0.05) is None, "no inputs: no rate"
 
 
+@pytest.mark.quick
 def test_the_fleet_file_puts_canaries_first_and_refuses_mistakes(tmp_path: Path) -> None:
     path = tmp_path / "fleet.toml"
     path.write_text(
@@ -80,6 +83,7 @@ def test_the_fleet_file_puts_canaries_first_and_refuses_mistakes(tmp_path: Path)
         load_fleet(path)
 
 
+@pytest.mark.quick
 def test_rollout_refuses_a_version_not_held_for_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     repo = UpdateRepo(tmp_path / "u")
     repo.publish(2)  # offered to every device at once: nothing left to roll out
@@ -112,6 +116,7 @@ def rollout_args(repo: UpdateRepo, fleet_file: Path, *extra: str) -> list[str]:
             "--soak", "1", "--wave-timeout", "60", *extra]  # fmt: skip
 
 
+@pytest.mark.integration
 def test_a_good_version_reaches_every_device_wave_by_wave(
     fleet_setup: tuple[UpdateRepo, SimFleet, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -128,6 +133,7 @@ def test_a_good_version_reaches_every_device_wave_by_wave(
     assert canary_commit == 1
 
 
+@pytest.mark.integration
 def test_a_bad_canary_halts_the_rollout_and_the_rest_of_the_fleet_never_sees_the_version(
     fleet_setup: tuple[UpdateRepo, SimFleet, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -148,6 +154,7 @@ def test_a_bad_canary_halts_the_rollout_and_the_rest_of_the_fleet_never_sees_the
     assert all(fleet.alive(d) for d in fleet.devices)
 
 
+@pytest.mark.integration
 def test_a_canary_that_falls_silent_after_committing_halts_the_rollout_and_goes_back_when_it_returns(
     fleet_setup: tuple[UpdateRepo, SimFleet, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -178,6 +185,7 @@ def test_a_canary_that_falls_silent_after_committing_halts_the_rollout_and_goes_
         assert "v2" not in fleet.log(device) and fleet.version_sequence(device) == [1]
 
 
+@pytest.mark.integration
 def test_a_canary_without_room_for_the_version_stops_the_rollout_without_revoking_it(
     fleet_setup: tuple[UpdateRepo, SimFleet, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -25,7 +25,7 @@ from edgeline.postprocess import softmax
 
 from .conftest import CLASSES, IMAGE_SHAPE
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 
 def _image(seed: int = 0, *, batch: bool = True) -> np.ndarray:

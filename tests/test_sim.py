@@ -117,6 +117,7 @@ def run_cli(*argv: str | Path) -> tuple[int, str, float]:
 # through a real broker
 
 
+@pytest.mark.integration
 def test_fleet_of_three_sends_exactly_count_each(
     session_broker: Broker, unique_topic: str, collect: Any, prepared: Path
 ) -> None:
@@ -153,6 +154,7 @@ def test_fleet_of_three_sends_exactly_count_each(
         assert label_of[data.reshape(1, 8, 8).tobytes()] == message["label"], "data and label of one real sample"
 
 
+@pytest.mark.integration
 def test_seeded_runs_are_identical_through_the_broker(
     session_broker: Broker, unique_topic: str, collect: Any, prepared: Path
 ) -> None:
@@ -173,6 +175,7 @@ def test_seeded_runs_are_identical_through_the_broker(
     assert device_a != device_b, "the devices of a fleet replay in different orders"
 
 
+@pytest.mark.integration
 def test_time_limit_stops_a_run_that_count_would_not(session_broker: Broker, unique_topic: str, prepared: Path) -> None:
     sensors = [make_sensor("digits", load_sensor_samples(prepared, "digits"), device="slow")]
     options = PublishOptions(count=1000, rate_hz=4, topic=f"{unique_topic}/{{device}}", time_limit_s=0.5)
@@ -184,6 +187,7 @@ def test_time_limit_stops_a_run_that_count_would_not(session_broker: Broker, uni
     assert report.acknowledged == report.published
 
 
+@pytest.mark.integration
 def test_count_bounds_an_unpaced_run(session_broker: Broker, unique_topic: str, collect: Any, prepared: Path) -> None:
     collector = collect(f"{unique_topic}/#")
     sensors = [make_sensor("digits", load_sensor_samples(prepared, "digits"), device="fast")]
@@ -193,6 +197,7 @@ def test_count_bounds_an_unpaced_run(session_broker: Broker, unique_topic: str, 
     assert len(collector.wait_for(61)) == 61
 
 
+@pytest.mark.integration
 def test_vibration_sensor_cli_injects_anomalies(
     session_broker: Broker, unique_topic: str, collect: Any, prepared: Path
 ) -> None:
@@ -214,6 +219,7 @@ def digits(prepared: Path) -> Samples:
     return load_sensor_samples(prepared, "digits")
 
 
+@pytest.mark.quick
 def test_messages_are_a_pure_function_of_seed_device_and_seq(prepared: Path) -> None:
     samples = digits(prepared)
     sensors = [make_sensor("digits", samples, device=device, seed=3) for device in fleet_devices("d", 3)]
@@ -229,6 +235,7 @@ def test_messages_are_a_pure_function_of_seed_device_and_seq(prepared: Path) -> 
     assert list(fleet_messages(other_seed, 10)) != first[:30]
 
 
+@pytest.mark.quick
 def test_every_pass_replays_each_sample_once(prepared: Path) -> None:
     sensor = ReplaySensor("digits", "cam", digits(prepared))
     for epoch in range(3):
@@ -236,6 +243,7 @@ def test_every_pass_replays_each_sample_once(prepared: Path) -> None:
         assert sorted(seen) == list(range(SAMPLES))
 
 
+@pytest.mark.quick
 def test_message_layout(prepared: Path) -> None:
     message = make_sensor("digits", digits(prepared), device="pad").next_message(7)
     assert set(message) == {"id", "data", "label"}
@@ -245,11 +253,13 @@ def test_message_layout(prepared: Path) -> None:
     assert set(unlabelled) == {"id", "data"} and unlabelled["data"] == message["data"]
 
 
+@pytest.mark.quick
 def test_fleet_topics_and_ids() -> None:
     assert fleet_devices("pump") == ["pump"]
     assert fleet_devices("pump", 3) == ["pump-001", "pump-002", "pump-003"]
 
 
+@pytest.mark.quick
 def test_float32_values_read_back_exactly() -> None:
     rng = np.random.default_rng(0)
     values = np.concatenate(
@@ -263,6 +273,7 @@ def test_float32_values_read_back_exactly() -> None:
     assert len(json.dumps(float32_values(np.array([0.1], dtype=np.float32)))) == len("[0.1]")
 
 
+@pytest.mark.quick
 def test_vibration_anomaly_rate(prepared: Path) -> None:
     samples = load_sensor_samples(prepared, "autoencoder")
     truth = samples.labels
@@ -280,6 +291,7 @@ def test_vibration_anomaly_rate(prepared: Path) -> None:
     assert labels(0.25) != labels(0.25, seed=1)
 
 
+@pytest.mark.quick
 def test_sensor_catalogue_matches_the_reference_models() -> None:
     from edgeline.export.reference.registry import CATALOGUE
 
@@ -289,6 +301,7 @@ def test_sensor_catalogue_matches_the_reference_models() -> None:
     assert resolve_model("camera", "vww") == "vww"
 
 
+@pytest.mark.quick
 def test_data_directory_layouts(prepared: Path, tmp_path: Path) -> None:
     assert load_sensor_samples(prepared, "digits").x.shape == (SAMPLES, 1, 8, 8)
     assert load_sensor_samples(prepared / "digits", "digits").x.shape == (SAMPLES, 1, 8, 8)
@@ -298,6 +311,7 @@ def test_data_directory_layouts(prepared: Path, tmp_path: Path) -> None:
     assert samples.x.dtype == np.float32 and samples.labels is None and samples.sample_size == 3
 
 
+@pytest.mark.integration
 def test_sim_imports_neither_torch_nor_export() -> None:
     code = (
         "import sys, edgeline.sim.cli, edgeline.sim.data, edgeline.sim.sensors, edgeline.sim.publisher\n"
@@ -311,6 +325,7 @@ def test_sim_imports_neither_torch_nor_export() -> None:
 # user errors: exit code 2, one line, no traceback
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -355,6 +370,7 @@ def test_user_errors(
     assert expected in lines[0]
 
 
+@pytest.mark.integration
 def test_run_and_sim_fail_alike_on_a_refused_broker(built_litert_bundle: Path, prepared: Path) -> None:
     """One MQTT connect path: the daemon and the simulator refuse a dead broker in the same words, exit 2."""
     address = f"127.0.0.1:{free_port()}"

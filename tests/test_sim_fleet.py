@@ -69,6 +69,7 @@ def wait(fleet: SimFleet, condition: Callable[[], bool], what: str, timeout: flo
 # pure parts
 
 
+@pytest.mark.quick
 def test_the_fleet_file_reads_back_as_written() -> None:
     groups = assign_groups(["f-01", "f-02", "f-03", "f-04"], {"canary": 1, "early": 2})
     assert groups == {"f-01": "canary", "f-02": "early", "f-03": "early", "f-04": None}
@@ -93,6 +94,7 @@ def test_the_fleet_file_reads_back_as_written() -> None:
     ]
 
 
+@pytest.mark.quick
 def test_a_status_says_which_version_runs_and_where_it_stands() -> None:
     assert running_version({"version": 1}) == 1 and update_phase({"version": 1}) == "running"
     trial = {"version": 2, "update": {"running": 2, "state": "trial", "trial": {"inputs": 3}, "committed": None}}
@@ -105,6 +107,7 @@ def test_a_status_says_which_version_runs_and_where_it_stands() -> None:
     assert str(VersionChange("fleet-01", None, 1, "running")) == "fleet-01: v1 (running)"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -131,6 +134,7 @@ def test_a_fleet_that_cannot_be_made_is_refused_in_one_line(
 # against real daemons
 
 
+@pytest.mark.integration
 def test_a_published_version_reaches_every_device_while_answers_keep_flowing(broker: Broker, tmp_path: Path) -> None:
     repo = UpdateRepo(tmp_path / "updates")
     changes: list[VersionChange] = []
@@ -180,6 +184,7 @@ def test_a_published_version_reaches_every_device_while_answers_keep_flowing(bro
     assert "fleet-02  v2       committed" in fleet.summary()
 
 
+@pytest.mark.integration
 def test_a_daemon_that_crashes_goes_stale_and_the_others_keep_answering(broker: Broker, tmp_path: Path) -> None:
     samples = tmp_path / "digits.npz"
     np.savez(samples, x=np.random.default_rng(1).random((32, 1, 8, 8), dtype=np.float32))
@@ -212,6 +217,7 @@ def test_a_daemon_that_crashes_goes_stale_and_the_others_keep_answering(broker: 
     assert children_running(work) == []
 
 
+@pytest.mark.integration
 def test_a_daemon_that_cannot_start_is_named_with_its_log(broker: Broker, tmp_path: Path) -> None:
     work = tmp_path / "work"
     fleet = SimFleet(
@@ -224,6 +230,7 @@ def test_a_daemon_that_cannot_start_is_named_with_its_log(broker: Broker, tmp_pa
     assert children_running(work) == []
 
 
+@pytest.mark.integration
 def test_sim_fleet_runs_for_a_while_and_prints_its_devices(broker: Broker, tmp_path: Path) -> None:
     work, fleet_file = tmp_path / "work", tmp_path / "devices.toml"
     started = time.monotonic()
@@ -247,6 +254,7 @@ def test_sim_fleet_runs_for_a_while_and_prints_its_devices(broker: Broker, tmp_p
     assert (work / "fleet-01.log").is_file() and (work / "fleet-02" / "tiny").is_dir()
 
 
+@pytest.mark.integration
 def test_sim_fleet_stops_on_sigterm_and_its_daemons_with_it(broker: Broker, tmp_path: Path) -> None:
     work = tmp_path / "work"
     command = [sys.executable, "-m", "edgeline.cli", "sim", "fleet", str(COMMITTED_BUNDLE), "--devices", "1",

@@ -153,6 +153,7 @@ def samples_from(frames: list[Frame], first: int, count: int) -> dict[int, Frame
     return {f.seq: f for f in of(FrameType.SAMPLES, frames) if first <= f.seq < first + count}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", BOARDS)
 def test_a_board_says_hello_streams_its_samples_and_counts_answers(
     kind: str, make_board: Callable[..., Board], connect: Callable[[str], Host], images: tuple[Path, np.ndarray]
@@ -202,6 +203,7 @@ def test_a_board_says_hello_streams_its_samples_and_counts_answers(
     assert 0.8 < (beat_times[1] - beat_times[0]) / 1e6 < 1.5
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", BOARDS)
 def test_reliable_mode_resends_the_window_until_acked_then_finishes(
     kind: str, make_board: Callable[..., Board], connect: Callable[[str], Host]
@@ -240,6 +242,7 @@ def test_reliable_mode_resends_the_window_until_acked_then_finishes(
     assert hello(of(FrameType.HELLO, frames)[0])["streams"][0]["seq"] == count  # type: ignore[index]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", BOARDS)
 def test_config_sets_the_rate_and_turns_the_stream_off(
     kind: str, make_board: Callable[..., Board], connect: Callable[[str], Host]
@@ -259,6 +262,7 @@ def test_config_sets_the_rate_and_turns_the_stream_off(
     assert not of(FrameType.SAMPLES, frames[beats[0] : beats[1]])  # a whole second without a sample
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", BOARDS)
 def test_a_board_on_a_pty(kind: str, make_board: Callable[..., Board], connect: Callable[[str], Host]) -> None:
     board = make_board(kind, Uart.PTY, count=3)
@@ -268,6 +272,7 @@ def test_a_board_on_a_pty(kind: str, make_board: Callable[..., Board], connect: 
     host.until(lambda fs: bool(of(FrameType.HELLO, fs)), "HELLO on the pty")
 
 
+@pytest.mark.integration
 def test_both_boards_send_the_same_hello_and_stats(
     make_board: Callable[..., Board], connect: Callable[[str], Host]
 ) -> None:
@@ -283,6 +288,7 @@ def test_both_boards_send_the_same_hello_and_stats(
     assert list(said[0][1]) == list(said[1][1])
 
 
+@pytest.mark.integration
 def test_firmware_builds_are_cached_by_settings_and_data(
     images: tuple[Path, np.ndarray], build_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -307,6 +313,7 @@ def test_firmware_builds_are_cached_by_settings_and_data(
     assert build_firmware(options, load_board_samples(other), build_dir) != first
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", BOARDS)
 def test_sim_mcu_command_prints_where_the_board_is(
     kind: str, images: tuple[Path, np.ndarray], build_dir: Path, capsys: pytest.CaptureFixture[str]
@@ -318,6 +325,7 @@ def test_sim_mcu_command_prints_where_the_board_is(
     assert line.startswith(f"board mcu-1 ({described}) on socket://127.0.0.1:")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

@@ -33,6 +33,7 @@ EDGELINE = [sys.executable, "-m", "edgeline.cli"]
 # -- framing and record forms --------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_lines_are_the_same_however_the_stream_is_cut() -> None:
     lines = [b'{"a": 1}', b"x" * 50, b"", b"tail\r", b"  ", b"z"]
     stream = b"\n".join(lines) + b"\nlast-without-newline"
@@ -48,6 +49,7 @@ def test_lines_are_the_same_however_the_stream_is_cut() -> None:
         assert got == expected
 
 
+@pytest.mark.quick
 def test_an_over_long_line_is_skipped_without_being_held() -> None:
     framer = LineFramer(limit=1000)
     got: list[tuple[bytes, int]] = []
@@ -59,6 +61,7 @@ def test_an_over_long_line_is_skipped_without_being_held() -> None:
     assert got == [(b"ok", 2), (b"", 1_000_000), (b"next", 4)]
 
 
+@pytest.mark.quick
 def test_the_record_forms() -> None:
     filters = [TopicFilter("plant/+/accel")]
     recorded, t = parse_record(b'{"topic": "plant/p1/accel", "t": 1.5, "payload": {"data": [1]}}', filters, "d")
@@ -174,6 +177,7 @@ def digits_data(tmp_path: Path) -> Path:
 # -- serial --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_serial_json_lines_from_a_pseudo_terminal(built_litert_bundle: Path, small_limit: Path) -> None:
     """A real tty (the kind a USB-serial adapter gives): results equal to predict, every bad line a coded error."""
     master, slave = os.openpty()
@@ -239,6 +243,7 @@ class LineServer:
         self.server.close()
 
 
+@pytest.mark.integration
 def test_serial_reopens_a_port_that_went_away(built_litert_bundle: Path) -> None:
     rng = np.random.default_rng(2)
     inputs = {f"r{i}": rng.random(64, dtype=np.float32) for i in range(4)}
@@ -265,6 +270,7 @@ def test_serial_reopens_a_port_that_went_away(built_litert_bundle: Path) -> None
     check_results(built_litert_bundle, answers, inputs)
 
 
+@pytest.mark.integration
 def test_a_missing_serial_port_is_a_clear_error(built_litert_bundle: Path, tmp_path: Path) -> None:
     done = run_edgeline("run", str(built_litert_bundle), "--serial", str(tmp_path / "ttyUSB9"))
     assert done.returncode == 2
@@ -275,6 +281,7 @@ def test_a_missing_serial_port_is_a_clear_error(built_litert_bundle: Path, tmp_p
 # -- replay ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_a_recording_replays_to_the_same_answers_as_predict(
     built_litert_bundle: Path, digits_data: Path, tmp_path: Path
 ) -> None:
@@ -295,6 +302,7 @@ def test_a_recording_replays_to_the_same_answers_as_predict(
     assert {a["device"] for a in answers} == {"sim-001", "sim-002"}
 
 
+@pytest.mark.integration
 def test_stdin_replay_of_mixed_line_forms_with_every_error_code(built_litert_bundle: Path, small_limit: Path) -> None:
     rng = np.random.default_rng(4)
     inputs = {f"p{i}": rng.random(64, dtype=np.float32) for i in range(3)}
@@ -317,6 +325,7 @@ def test_stdin_replay_of_mixed_line_forms_with_every_error_code(built_litert_bun
     assert [a["error"]["code"] for a in answers[3:]] == list(bad_lines())  # type: ignore[index]
 
 
+@pytest.mark.integration
 def test_binary_codecs_replay_from_base64(built_litert_bundle: Path) -> None:
     x = np.linspace(0, 1, 64, dtype=np.float32)
     payload = cbor2.dumps({"id": "c1", "data": x.tolist()})
@@ -326,6 +335,7 @@ def test_binary_codecs_replay_from_base64(built_litert_bundle: Path) -> None:
     check_results(built_litert_bundle, answers_of(done.stdout), {"c1": x})
 
 
+@pytest.mark.integration
 def test_a_mosquitto_sub_capture_replays_through_the_broker(
     broker: Broker, built_litert_bundle: Path, unique_topic: str, tmp_path: Path
 ) -> None:
@@ -372,6 +382,7 @@ def test_a_mosquitto_sub_capture_replays_through_the_broker(
     assert sorted(str(a["device"]) for a in received) == ["dev-0", "dev-1", "dev-2"]
 
 
+@pytest.mark.integration
 def test_a_missing_recording_is_a_clear_error(built_litert_bundle: Path, tmp_path: Path) -> None:
     done = run_edgeline("run", str(built_litert_bundle), "--replay", str(tmp_path / "nope.jsonl"))
     assert done.returncode == 2
@@ -382,6 +393,7 @@ def test_a_missing_recording_is_a_clear_error(built_litert_bundle: Path, tmp_pat
 # -- simulated sensors in-process --------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_sim_in_process_equals_its_recording(built_litert_bundle: Path, digits_data: Path, tmp_path: Path) -> None:
     """`run --sim ARGS` and `sim ARGS --out` + `run --replay` see the same messages: the same answers."""
     sim_args = ["digits", "--data", str(digits_data), "--count", "5", "--devices", "3", "--rate", "0", "--seed", "9"]
@@ -399,6 +411,7 @@ def test_sim_in_process_equals_its_recording(built_litert_bundle: Path, digits_d
     ]
 
 
+@pytest.mark.integration
 def test_sim_piped_to_replay_on_stdin(built_litert_bundle: Path, digits_data: Path) -> None:
     sim = subprocess.Popen(
         [*EDGELINE, "sim", "digits", "--data", str(digits_data), "--count", "6", "--rate", "50", "--out", "-"],
@@ -413,6 +426,7 @@ def test_sim_piped_to_replay_on_stdin(built_litert_bundle: Path, digits_data: Pa
     assert [a["id"] for a in answers_of(run.stdout)] == [f"sim-{i}" for i in range(6)]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("sim_args", "named"),
     [("digits --count", "--count"), ("sonar", "sonar"), ("digits --topic 'a/{x}'", "--topic"), ("'open", "--sim")],
@@ -424,6 +438,7 @@ def test_bad_sim_arguments_are_a_clear_error(built_litert_bundle: Path, sim_args
     assert b"Traceback" not in done.stderr
 
 
+@pytest.mark.integration
 def test_a_closed_stdout_stops_the_daemon_quietly(built_litert_bundle: Path, digits_data: Path) -> None:
     run, out, err = start_daemon(
         str(built_litert_bundle), "--sim", f"digits --data {digits_data} --count 5000 --rate 0"
@@ -436,6 +451,7 @@ def test_a_closed_stdout_stops_the_daemon_quietly(built_litert_bundle: Path, dig
     assert b"stdout was closed" in stderr and b"Traceback" not in stderr
 
 
+@pytest.mark.integration
 @pytest.mark.workstation  # needs a bundle only the export extra can make
 def test_a_runtime_failure_in_a_replay_is_one_coded_answer_without_a_traceback(lookup_bundle: Path) -> None:
     lines = [b'{"id": "a", "data": [1, 2, 3]}', b'{"id": "b", "data": [1, 2, 300]}', b'{"id": "c", "data": [4, 5, 6]}']

@@ -10,7 +10,7 @@ import pytest
 
 from edgeline.daemon.supervisor import Supervisor
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")

@@ -27,7 +27,7 @@ from edgeline.export.reference.training import fit_classifier, seeded_build
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow  # real conversions: vela, TFLite Micro and LiteRT (a minute or two on two cores)
+pytestmark = pytest.mark.export  # real conversions: vela, TFLite Micro and LiteRT (a minute or two on two cores)
 
 TRANSFORMER_SOURCE = '''\
 from pathlib import Path

@@ -25,7 +25,7 @@ from edgeline.cli import main
 from tests.tflite_runtime_env import FORBIDDEN_MODULES, TFLiteEnv, TFLiteEnvError, ensure_env, subprocess_env
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.integration,
     pytest.mark.skipif(
         sys.platform != "linux" or platform.machine() not in ("x86_64", "aarch64"),
         reason="tflite-runtime 2.14 has wheels for Linux x86-64 and aarch64 only",

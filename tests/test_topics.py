@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from edgeline.daemon.topics import TopicFilter, render_topic, validate_template
 from edgeline.errors import EdgelineError
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 level = st.text(alphabet=st.characters(blacklist_characters="/+#\x00", blacklist_categories=("Cs",)), min_size=1)
 

@@ -32,7 +32,7 @@ from tests.test_daemon_durability import DaemonProcess, inputs, missing_answers,
 from tests.tiny_bundle import TINY_MODEL_SOURCE, export_tiny
 from tests.update_repo import UpdateRepo, versioned
 
-pytestmark = pytest.mark.device
+pytestmark = [pytest.mark.integration, pytest.mark.device]
 __all__ = ["small_disk"]  # the 4 MB tmpfs fixture (root only)
 
 TIMEOUT_S = 60.0

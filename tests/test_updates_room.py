@@ -14,7 +14,7 @@ import pytest
 from edgeline.memory import available_mb, cgroup_room_mb
 from edgeline.updates.policy import MEMORY_MARGIN, Room, Runtime, TargetFacts, room_refusal
 
-pytestmark = pytest.mark.device
+pytestmark = [pytest.mark.quick, pytest.mark.device]
 
 MB = 1 << 20
 

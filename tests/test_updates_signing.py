@@ -48,7 +48,7 @@ from tests.faults import Pki
 from tests.tiny_bundle import COMMITTED_BUNDLE
 from tests.update_repo import UpdateRepo, versioned
 
-pytestmark = pytest.mark.device
+pytestmark = [pytest.mark.quick, pytest.mark.device]
 
 NAME = "tiny"
 PROFILE = "rpi5"

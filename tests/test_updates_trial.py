@@ -15,7 +15,7 @@ from edgeline.updates.trial import Trial, agree
 from tests.tiny_bundle import COMMITTED_BUNDLE
 from tests.update_repo import versioned
 
-pytestmark = pytest.mark.device
+pytestmark = [pytest.mark.quick, pytest.mark.device]
 
 
 def trial(**gates: float) -> Trial:

@@ -72,12 +72,14 @@ def _x86_cpuinfo(flags: set[str]) -> str:
 # the machine-kind rule (pure)
 
 
+@pytest.mark.quick
 def test_arch_names_are_normalised() -> None:
     assert [normalise_arch(name) for name in ("arm64", "AMD64", "aarch64", "x86_64")] == [
         "aarch64", "x86_64", "aarch64", "x86_64",
     ]  # fmt: skip
 
 
+@pytest.mark.quick
 def test_an_arm_core_is_read_from_its_part_number() -> None:
     rpi5 = from_facts("aarch64", RPI5_CPUINFO)
     assert rpi5.cores == {"Cortex-A76"}
@@ -87,6 +89,7 @@ def test_an_arm_core_is_read_from_its_part_number() -> None:
     assert other == "measured on aarch64 (Raspberry Pi 5 Model B Rev 1.0: 2 x Cortex-A76), not on an aarch64 Cortex-A55"
 
 
+@pytest.mark.quick
 def test_a_core_name_is_matched_whole() -> None:
     """Cortex-A78 is not a Cortex-A78AE (Jetson Orin), nor the reverse."""
     jetson = from_facts("aarch64", JETSON_CPUINFO)
@@ -96,6 +99,7 @@ def test_a_core_name_is_matched_whole() -> None:
     assert mismatch(Device(arch="aarch64", cpu="Cortex-A78AE"), from_facts("aarch64", BIG_LITTLE_CPUINFO)) is not None
 
 
+@pytest.mark.quick
 def test_a_profile_naming_several_cores_matches_a_machine_with_one_of_them() -> None:
     machine = from_facts("aarch64", BIG_LITTLE_CPUINFO)
     assert machine.cores == {"Cortex-A55", "Cortex-A78"}
@@ -103,12 +107,14 @@ def test_a_profile_naming_several_cores_matches_a_machine_with_one_of_them() -> 
     assert mismatch(Device(arch="aarch64", cpu="Cortex-X4 + Cortex-A720 + Cortex-A520"), machine) is not None
 
 
+@pytest.mark.quick
 def test_another_implementer_s_part_number_is_no_arm_core() -> None:
     machine = from_facts("aarch64", QUALCOMM_OWN_CORE)
     assert machine.cores == frozenset()
     assert mismatch(Device(arch="aarch64", cpu="Cortex-A76"), machine) is not None
 
 
+@pytest.mark.quick
 def test_an_x86_64_level_needs_every_feature_of_the_level() -> None:
     v3 = set(X86_64_LEVELS["x86-64-v3"])
     assert {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"} <= v3
@@ -123,6 +129,7 @@ def test_an_x86_64_level_needs_every_feature_of_the_level() -> None:
     assert reason is not None and reason.endswith("(this CPU lacks avx2, movbe)")
 
 
+@pytest.mark.quick
 def test_another_architecture_is_never_the_device() -> None:
     workstation = from_facts("AMD64", _x86_cpuinfo(set(X86_64_LEVELS["x86-64-v3"])))
     assert workstation.arch == "x86_64"
@@ -131,6 +138,7 @@ def test_another_architecture_is_never_the_device() -> None:
     assert mismatch(Device(arch="armv8.1-m", cpu="Cortex-M55"), from_facts("aarch64", RPI5_CPUINFO)) is not None
 
 
+@pytest.mark.integration
 def test_an_emulator_is_never_the_device() -> None:
     """qemu-user fakes uname and (QEMU 8.1 on) /proc/cpuinfo, but not the kernel's /proc/sys/kernel/arch."""
     emulated = from_facts("aarch64", RPI5_CPUINFO, kernel_arch="x86_64")
@@ -142,6 +150,7 @@ def test_an_emulator_is_never_the_device() -> None:
     assert mismatch(Device(arch="x86_64", cpu="x86-64-v3"), rosetta) is not None
 
 
+@pytest.mark.quick
 def test_an_apple_cpu_is_matched_by_its_brand_string() -> None:
     mac = from_facts("arm64", brand="Apple M2")
     assert mismatch(Device(arch="aarch64", cpu="Apple M2"), mac) is None
@@ -149,6 +158,7 @@ def test_an_apple_cpu_is_matched_by_its_brand_string() -> None:
     assert mismatch(Device(arch="aarch64", cpu="Apple M2"), from_facts("arm64", brand="Apple M1")) is not None
 
 
+@pytest.mark.quick
 def test_a_machine_whose_cpu_says_nothing_is_not_the_device() -> None:
     unknown = from_facts("aarch64", "")
     assert unknown.cpu == "CPU not identified"
@@ -159,6 +169,7 @@ def test_a_machine_whose_cpu_says_nothing_is_not_the_device() -> None:
 # resident memory
 
 
+@pytest.mark.quick
 def test_resident_memory_added_is_measured() -> None:
     """A 64 MiB array, written (so resident), held by what the callable returns."""
     if resident_mb() is None:
@@ -207,6 +218,7 @@ def _verify_json(bundle: Path, capsys: pytest.CaptureFixture[str]) -> tuple[dict
     return report, {check["check"]: check for check in report["checks"]}
 
 
+@pytest.mark.quick
 def test_latency_on_another_machine_is_not_checked_against_the_device_budget(
     litert_bundle: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -229,6 +241,7 @@ def test_latency_on_another_machine_is_not_checked_against_the_device_budget(
     assert report["ok"] is True and report["not_checked"] == ["latency", "memory"]
 
 
+@pytest.mark.quick
 def test_a_bundle_that_does_not_name_its_device_is_not_checked(
     litert_bundle: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -238,6 +251,7 @@ def test_a_bundle_that_does_not_name_its_device_is_not_checked(
         assert checks[kind]["reason"] == "the bundle does not name its device (exported before manifests recorded it)"
 
 
+@pytest.mark.quick
 def test_on_a_machine_of_the_device_s_kind_latency_and_memory_are_checked(
     litert_bundle: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -257,6 +271,7 @@ def test_on_a_machine_of_the_device_s_kind_latency_and_memory_are_checked(
     assert any(line.endswith("; rpi5 budget 1024 MB") for line in lines)
 
 
+@pytest.mark.quick
 @pytest.mark.workstation  # TFLite Micro comes with the ethos-u extra, not the base install
 def test_another_runtime_s_figures_are_not_the_bundle_s(
     litert_bundle: Path, capsys: pytest.CaptureFixture[str]
@@ -269,6 +284,7 @@ def test_another_runtime_s_figures_are_not_the_bundle_s(
     assert checks["latency"]["reason"] == "run with tflite-micro, not with the bundle's runtime litert"
 
 
+@pytest.mark.quick
 def test_verify_measures_the_memory_the_model_adds(litert_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _with_device(litert_bundle, _another_device())
     _, checks = _verify_json(litert_bundle, capsys)
@@ -297,6 +313,7 @@ def _memory_line(bundle: Path, capsys: pytest.CaptureFixture[str]) -> str:
     return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("memory:"))
 
 
+@pytest.mark.quick
 def test_show_says_when_memory_was_not_measured(litert_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _set_memory(litert_bundle, None)
     assert _memory_line(litert_bundle, capsys) == (
@@ -313,6 +330,7 @@ def test_show_says_when_memory_was_not_measured(litert_bundle: Path, capsys: pyt
     assert info["memory"]["resident_mb"] is None and info["memory"]["max_memory_mb"] == 1024
 
 
+@pytest.mark.quick
 def test_show_gives_the_memory_measured_at_export(litert_bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _set_memory(litert_bundle, {"resident_mb": 3.25, "measured_with": "litert 1.4 on x86_64"})
     assert _memory_line(litert_bundle, capsys) == (
@@ -342,6 +360,7 @@ def ethos_u_bundles(tiny_model_file: Path, sample_files: dict[str, Path]) -> dic
     }
 
 
+@pytest.mark.export
 @pytest.mark.workstation
 @pytest.mark.parametrize(("profile", "backend"), [("imx93", "litert"), ("ethos-u55-128", "tflite-micro")])
 def test_verify_names_the_int8_model_that_ran_without_the_npu(

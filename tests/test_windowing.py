@@ -14,7 +14,7 @@ from edgeline.daemon.windowing import StreamWindows, Windower
 from edgeline.errors import PayloadError
 from edgeline.manifest import Window
 
-pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
+pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
 PROPERTY = settings(deadline=None, max_examples=200)
 
