@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -299,6 +300,21 @@ class Broker:
             return
         process.kill()
         process.wait(timeout=STOP_TIMEOUT_S)
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """SIGSTOP the broker for the block, SIGCONT after: connections stay open, nothing is read, answered or
+        acknowledged meanwhile (a PUBLISH sent to it waits in the socket), so a test can hold what a client has in
+        flight still while it looks, then let everything go on as if the broker had been slow."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            raise BrokerStartError("the broker is not running")
+        process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
 
     def restart(self) -> None:
         """Stop (if running) and start again on the same ports (retried briefly while the old sockets are released).

@@ -59,6 +59,18 @@ def stop(process: subprocess.Popen[str]) -> tuple[int, str]:
     return process.returncode, stderr
 
 
+def then_nothing_more(
+    results: Collector, count: int, send_sentinel: Any, sentinel_id: str = "sentinel", decode: Any = json.loads
+) -> list[tuple[str, bytes, bool]]:
+    """A barrier instead of a pause: with ``count`` answers in, send one more input through the same path and wait
+    for its answer; anything extra (a duplicate) would have been sent before it. The ``count`` answers before it."""
+    send_sentinel()
+    messages = results.wait_for(count + 1)
+    assert len(messages) == len(results.messages) == count + 1, [decode(m[1]).get("id") for m in messages]
+    assert decode(messages[-1][1])["id"] == sentinel_id, "an answer came after everything else had been answered"
+    return messages[:count]
+
+
 def test_every_input_gets_exactly_one_answer_equal_to_infer(
     broker: Broker, daemon: subprocess.Popen[str], built_litert_bundle: Path, unique_topic: str
 ) -> None:
@@ -75,9 +87,11 @@ def test_every_input_gets_exactly_one_answer_equal_to_infer(
         )
     for payload in bad:
         mosquitto_pub(broker, f"{unique_topic}/sensors/cam-9/image", payload)
-    answers = results.wait_for(len(images) + len(bad))
-    time.sleep(0.5)  # anything extra would arrive now: exactly one answer per input
-    assert len(results.messages) == len(images) + len(bad)
+    results.wait_for(len(images) + len(bad))
+    sentinel = json.dumps({"id": "sentinel", "data": [0.5] * 64}).encode()
+    answers = then_nothing_more(  # exactly one answer per input
+        results, len(images) + len(bad), lambda: mosquitto_pub(broker, f"{unique_topic}/sensors/cam-0/image", sentinel)
+    )
     records = [json.loads(payload) for _, payload, _ in answers]
     by_id = {r["id"]: r for r in records if "error" not in r}
     assert sorted(by_id) == sorted(f"m{i}" for i in range(len(images)))
@@ -212,10 +226,16 @@ def test_a_simulated_fleet_through_the_daemon_matches_edgeline_infer(
     done = subprocess.run(sim, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     messages = [json.loads(payload) for _, payload, _ in sent.wait_for(15)]
-    answers = [json.loads(payload) for _, payload, _ in results.wait_for(15)]
-    time.sleep(0.5)  # an extra answer would arrive now
-    assert len(messages) == len(sent.messages) == 15
-    assert len(answers) == len(results.messages) == 15
+    results.wait_for(15)
+    sentinel = json.dumps({"id": "sentinel", "data": [0.5] * 64}).encode()
+    answers = [
+        json.loads(payload)
+        for _, payload, _ in then_nothing_more(
+            results, 15, lambda: mosquitto_pub(broker, f"{unique_topic}/sensors/cam-001/image", sentinel)
+        )
+    ]
+    assert len(sent.wait_for(16)) == len(sent.messages) == 16  # sim sent 15, then the sentinel
+    assert sent.messages[-1][1] == sentinel and len(messages) == 15
     assert sorted(a["id"] for a in answers) == sorted(m["id"] for m in messages)
     assert {a["device"] for a in answers} == {"cam-001", "cam-002", "cam-003"}
 
@@ -278,10 +298,25 @@ def test_binary_codecs_and_the_error_topic_through_the_broker(
         }
         for payload in bad.values():
             mosquitto_pub(broker, f"{unique_topic}/in/bad", payload)
-        answers = [decode_answer(codec, payload) for _, payload, _ in results.wait_for(len(images) + len(bad))]
-        mirrored = [decode_answer(codec, payload) for _, payload, _ in errors.wait_for(len(bad))]
-        time.sleep(0.5)  # anything extra would arrive now
-        assert (len(results.messages), len(errors.messages)) == (len(images) + len(bad), len(bad))
+        results.wait_for(len(images) + len(bad))
+        errors.wait_for(len(bad))
+        sentinel = encode({"id": "sentinel", "data": [0.5] * 63})  # refused: answered, and mirrored on the error topic
+
+        def decode(payload: bytes) -> dict[str, object]:
+            return decode_answer(codec, payload)
+
+        answers = [
+            decode(payload)
+            for _, payload, _ in then_nothing_more(
+                results,
+                len(images) + len(bad),
+                lambda: mosquitto_pub(broker, f"{unique_topic}/in/bad", sentinel),
+                decode=decode,
+            )
+        ]
+        mirrored = [
+            decode(payload) for _, payload, _ in then_nothing_more(errors, len(bad), lambda: None, decode=decode)
+        ]
         model = edgeline.load(built_litert_bundle)
         by_id = {a["id"]: a for a in answers if "error" not in a}
         for identity, x in images.items():
@@ -380,9 +415,14 @@ def test_a_full_drop_oldest_queue_answers_dropped_and_loses_nothing_else(
         assert samples[("edgeline_errors_total", "dropped")] == 6
         assert ("edgeline_queue_depth", None) in samples
         gate.set()
-        answers = [json.loads(payload) for _, payload, _ in results.wait_for(11)]
-        time.sleep(0.5)  # anything extra would arrive now
-        assert len(results.messages) == 11
+        results.wait_for(11)
+        sentinel = json.dumps({"id": "sentinel", "data": [0.5] * 64}).encode()
+        answers = [
+            json.loads(payload)
+            for _, payload, _ in then_nothing_more(
+                results, 11, lambda: mosquitto_pub(broker, f"{unique_topic}/in/cam", sentinel)
+            )
+        ]
         kept = [a["id"] for a in answers if "error" not in a]
         dropped = [a for a in answers if "error" in a]
         assert sorted(kept) == ["m0", "m10", "m7", "m8", "m9"]  # the oldest queued (m1..m6) made room
@@ -425,8 +465,10 @@ def test_a_full_block_queue_holds_the_stream_back_and_loses_nothing(
 def test_answers_the_client_cannot_take_wait_in_the_outbox_and_leave_in_order(
     broker: Broker, built_litert_bundle: Path, unique_topic: str, tmp_path: Path, on_disk: bool
 ) -> None:
-    """40 answers at once against a client that holds 4 publishes: the rest wait in the outbox, are read back as
-    PUBACKs make room, and reach the subscriber in the order they were answered, each once."""
+    """40 answers at once against a client that holds 4 publishes (besides its window of 16 in flight): the rest
+    wait in the outbox, are read back as PUBACKs make room, and reach the subscriber in the order they were
+    answered, each once. The broker is frozen (SIGSTOP) while the answers are made, so no PUBACK makes room early:
+    what the client takes, and so what must come back from the outbox, does not depend on how fast the broker is."""
     daemon, gate, entered = gated_daemon(
         broker, built_litert_bundle, unique_topic, "block", capacity=64,
         sections={
@@ -440,15 +482,41 @@ def test_answers_the_client_cannot_take_wait_in_the_outbox_and_leave_in_order(
         payloads = [json.dumps({"id": f"m{i}", "data": [i / 100] * 64}).encode() for i in range(40)]
         publish_behind_a_busy_worker(broker, f"{unique_topic}/in/cam", payloads, entered)
         assert wait_until(lambda: daemon.queue.stats().enqueued == 40)
-        gate.set()
+        delivery, connection = daemon.delivery, daemon.connection
+        assert delivery is not None and connection is not None and daemon.outbox is not None
+
+        in_flight_at_most = min(connection.window, delivery.max_queued)  # paho's own queue is capped at max_queued
+
+        def held_still() -> bool:
+            """All 40 stored; as many in flight as the client takes; the answers ready for it as many as they get
+            (the read-back waits for room for ``max(1, max_queued // 2)``); the rest marked to be read back:
+            nothing moves until a PUBACK."""
+            room = delivery.max_queued - len(delivery._ready)
+            return (
+                delivery.settled and daemon.outbox.depth == 40 and connection.in_flight == in_flight_at_most
+                and room < max(1, delivery.max_queued // 2) and delivery._spilled
+            )  # fmt: skip
+
+        with broker.frozen():
+            gate.set()
+            assert wait_until(held_still), (connection.in_flight, len(delivery._ready), daemon.outbox.depth)
+            took = delivery._handed  # seqs 1..took: in flight or queued in the client, nothing acknowledged
+            assert took == connection.in_flight + len(delivery._ready)
+            read_back_while_frozen = daemon.status()["counts"].get("outbox_read_back", 0)
         answers = [json.loads(p) for _, p, _ in results.wait_for(40)]
-        time.sleep(0.5)  # anything extra would arrive now
-        assert len(results.messages) == 40
+        assert wait_until(lambda: daemon.outbox.depth == 0)
+        read_back = daemon.status()["counts"]["outbox_read_back"]
+        straight = took - read_back_while_frozen  # handed to the client as they were stored
+        assert read_back == 40 - straight  # every other answer came back from the outbox, each once
+        assert read_back - read_back_while_frozen == 40 - took >= 40 - in_flight_at_most - delivery.max_queued
+        sentinel = json.dumps({"id": "sentinel", "data": [0.5] * 64}).encode()
+        mosquitto_pub(broker, f"{unique_topic}/in/cam", sentinel)  # answered after all 40: a duplicate comes first
+        answers = [json.loads(p) for _, p, _ in results.wait_for(41)]
+        assert len(answers) == 41 and answers[-1]["id"] == "sentinel"
+        answers = answers[:40]
         assert all("error" not in a for a in answers)
         assert [a["seq"] for a in answers] == list(range(1, 41))  # the order they were answered in
         assert sorted(a["id"] for a in answers) == sorted(f"m{i}" for i in range(40))
-        assert wait_until(lambda: daemon.outbox is not None and daemon.outbox.depth == 0)
-        assert daemon.status()["counts"]["outbox_read_back"] >= 30  # the client took 4 at most: the rest came back
         results.close()
     finally:
         gate.set()

@@ -285,6 +285,36 @@ def fill(filler: Path) -> Path:
     return filler
 
 
+def commits_refused_for_room(outbox: Any) -> list[float]:
+    """Spies on ``outbox.add`` and ``outbox.remove``: one entry for every commit the disk had no room for (the
+    committer retries it)."""
+    from edgeline.daemon.outbox import DiskFull
+
+    refused: list[float] = []
+
+    def counting(write: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return write(*args, **kwargs)
+            except DiskFull:
+                refused.append(time.monotonic())
+                raise
+
+        return counted
+
+    outbox.add, outbox.remove = counting(outbox.add), counting(outbox.remove)
+    return refused
+
+
+def wait_until(condition: Any, timeout: float = TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 @pytest.mark.integration
 def test_a_full_disk_pauses_intake_and_every_input_is_answered_once_it_has_room(
     broker: Broker, built_litert_bundle: Path, unique_topic: str, small_disk: Path, caplog: pytest.LogCaptureFixture
@@ -298,6 +328,7 @@ def test_a_full_disk_pauses_intake_and_every_input_is_answered_once_it_has_room(
     daemon.start()
     assert daemon.delivery is not None
     delivery = daemon.delivery
+    full_commits = commits_refused_for_room(delivery.outbox)
     try:
         publish_all(broker, unique_topic, range(300))
         answered(results, 300, timeout=60)
@@ -309,7 +340,10 @@ def test_a_full_disk_pauses_intake_and_every_input_is_answered_once_it_has_room(
             publish_all(broker, unique_topic, range(sent, sent + 500))
             sent += 500
         assert delivery.disk_full_episodes >= 1, "the commits never met the full disk"
-        time.sleep(2.0)  # a while on a full disk: nothing may die, nothing may be acknowledged unstored
+        # a while on a full disk (two more retries, or room again by itself): nothing may die, nothing may be
+        # acknowledged unstored
+        met = len(full_commits)
+        assert wait_until(lambda: len(full_commits) >= met + 2 or delivery.disk_full_since is None)
         assert not daemon.supervisor.failed.is_set(), daemon.supervisor.failure
         filler.unlink()
         answers = answered(results, sent)

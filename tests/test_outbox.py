@@ -80,16 +80,36 @@ def test_past_the_byte_cap_the_oldest_are_dropped_and_counted(make: MakeBox) -> 
     assert box.stats().bytes == sum(row_size(p.topic, p.payload) for p in added) <= box.answer_bytes
 
 
-def test_expired_answers_are_dropped_never_handed_out(make: MakeBox) -> None:
-    box = make(ttl_s=1.5)  # room for a slow fsync on a loaded machine between the last add and the take
+class FakeClock:
+    """Stands in for the ``time`` module inside ``edgeline.daemon.outbox``: its wall clock moves only when told, so
+    an answer's age is what the test says, however slow the machine (an fsync, a busy CPU) between two calls."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> object:  # strftime, gmtime...: the real ones
+        return getattr(time, name)
+
+
+def test_expired_answers_are_dropped_never_handed_out(make: MakeBox, monkeypatch: pytest.MonkeyPatch) -> None:
+    import edgeline.daemon.outbox as outbox_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(outbox_module, "time", clock)
+    box = make(ttl_s=60.0)
     box.add(answers(3))
-    time.sleep(1.6)
-    box.add(answers(1, start=3))
+    clock.now += 60.5  # the first three are past their time to live...
+    box.add(answers(1, start=3))  # ...and this one is new
     assert [p.topic for p in box.take(10)] == ["results/d3"]
     assert box.expire() == 3
     stats = box.stats()
     assert stats.expired == 3 and stats.depth == 1
-    assert stats.oldest_age_s is not None and stats.oldest_age_s < 1.5
+    assert stats.oldest_age_s == 0.0  # the clock has not moved since the last add
+    clock.now += 59.0  # still within its time to live: neither expired nor withheld
+    assert box.expire() == 0 and [p.topic for p in box.take(10)] == ["results/d3"]
 
 
 def test_committed_answers_survive_the_process(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import shutil
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from tests.conftest import needs_torch
 from tests.faults import DurableCollector, DurablePublisher
 from tests.mqtt_broker import Broker, Collector, free_port
 from tests.test_daemon_backpressure import small_disk
-from tests.test_daemon_durability import DaemonProcess, inputs, missing_answers, publish_in_background
+from tests.test_daemon_durability import DaemonProcess, inputs, missing_answers, publish_in_background, wait_until
 from tests.tiny_bundle import TINY_MODEL_SOURCE, export_tiny
 from tests.update_repo import UpdateRepo, versioned
 
@@ -119,6 +119,26 @@ def latest_status(broker: Broker, daemon: UpdatingDaemon) -> dict[str, object]:
     return dict(json.loads(out.stdout.splitlines()[0]))
 
 
+def status_when(broker: Broker, daemon: UpdatingDaemon, done: Callable[[dict[str, Any]], bool], what: str) -> dict:
+    """The daemon's retained status once ``done(status)`` holds (it is published every second): the event a test
+    waits for, where it once paused for what should have been time enough for several update checks."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        status = latest_status(broker, daemon)
+        if done(status):
+            return status
+        if time.monotonic() > deadline:
+            pytest.fail(f"no status with {what} in {TIMEOUT_S:g} s: {status}\n{daemon.log_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def checked_three_more_times(broker: Broker, daemon: UpdatingDaemon) -> None:
+    """Until the daemon has checked the repository three more times than it had now: a barrier after which a
+    version it should not fetch again would have been fetched (counted, not timed)."""
+    checks = int(latest_status(broker, daemon)["counts"]["update_checks"])
+    status_when(broker, daemon, lambda s: int(s["counts"]["update_checks"]) >= checks + 3, "three more checks")
+
+
 def test_a_swap_under_a_steady_qos1_stream_loses_and_duplicates_nothing(
     daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
     answers: DurableCollector, unique_topic: str,
@@ -127,7 +147,7 @@ def test_a_swap_under_a_steady_qos1_stream_loses_and_duplicates_nothing(
     statuses = Collector(durable_broker, "edgeline/tiny/durable/status")
     messages = inputs(f"{unique_topic}/sensors/cam0/image", 400)
     sender = publish_in_background(publisher, messages, rate=50.0)
-    time.sleep(2.0)
+    assert wait_until(lambda: len(answers.id_counts()) >= 20)  # v1 answers first: the swap comes mid-stream
     repo.publish(2, gates=Gates(inputs=40, seconds=120))
     sender.join(TIMEOUT_S)
     ids = {json.loads(payload)["id"] for _, payload in messages}
@@ -181,7 +201,7 @@ def test_a_signed_bundle_failing_its_self_test_is_refused_and_never_answers(
     state = daemon.update_state()
     assert state["refused"]["2"]["reason"] == "self-test" and state["committed"] is None
     assert not (daemon.state / "tiny" / "updates" / "bundles" / "v2").exists(), "the refused bundle is removed"
-    time.sleep(1.5)  # several checks: a refused version is not fetched again
+    checked_three_more_times(durable_broker, daemon)  # a refused version is not fetched again
     assert daemon.log_text().count("v2 found") == 1
     metrics = daemon.metrics()
     assert metrics is None or re.search(r'edgeline_update_refused_total\{[^}]*reason="self-test"[^}]*\} 1\.0', metrics)
@@ -196,11 +216,11 @@ def test_a_tampered_archive_is_refused_with_one_log_line_however_often_it_is_che
     published.archive.write_bytes(bytes(data))
     daemon.start(durable_broker)
     daemon.wait_logged("update refused (tampered)")
-    time.sleep(2.0)  # about six more checks
+    status = status_when(
+        durable_broker, daemon, lambda s: s["update"]["refusals"].get("tampered", 0) >= 3, "three refusals"
+    )
     log = daemon.log_text()
     assert log.count("update refused (tampered)") == 1, log[-3000:]
-    status = latest_status(durable_broker, daemon)
-    assert status["update"]["refusals"]["tampered"] >= 3
     assert status["update"]["refused"] == {}, "a repository's fault is not held against the version"
     assert not (daemon.state / "tiny" / "updates" / "bundles" / "v2").exists()
 
@@ -389,7 +409,7 @@ def test_a_version_that_disagrees_in_its_trial_is_rolled_back_and_never_answers_
     update = latest_status(durable_broker, daemon)["update"]
     assert update["last"]["step"] == "rolled-back" and "agreed with v1" in update["last"]["message"]
     assert update["last_trial"]["agreement"] < 0.9
-    time.sleep(1.0)
+    checked_three_more_times(durable_broker, daemon)
     assert daemon.log_text().count("v2 found") == 1, "a rolled-back version is not tried again"
 
 
@@ -423,7 +443,7 @@ def test_an_older_version_is_never_taken(
     try:
         daemon.start(durable_broker)
         daemon.wait_logged("update refused (downgrade)")
-        time.sleep(1.0)
+        checked_three_more_times(durable_broker, daemon)
         assert daemon.log_text().count("update refused (downgrade)") == 1
         metrics = daemon.metrics()
         assert metrics is None or re.search(
@@ -452,11 +472,12 @@ def test_an_update_the_disk_has_no_room_for_waits_and_is_taken_once_there_is(
         ballast.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - reserve - bundle_bytes))
         repo.publish(2, gates=Gates(inputs=10, seconds=120))
         daemon.wait_logged("update refused (no-room)")
-        time.sleep(1.5)  # about five more checks, each refused: said once
+        status = status_when(  # three checks, each refused: said once
+            durable_broker, daemon, lambda s: s["update"]["refusals"].get("no-room", 0) >= 3, "three refusals"
+        )
         log = daemon.log_text()
         assert log.count("update refused (no-room)") == 1, log[-3000:]
         assert "stay free for the outbox" in log
-        status = latest_status(durable_broker, daemon)
         update = status["update"]
         assert update["last_refusal"]["reason"] == "no-room" and update["last_refusal"]["version"] == 2
         assert update["refusals"]["no-room"] >= 3 and update["refused"] == {}, "not held against the version"
