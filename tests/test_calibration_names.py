@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from edgeline.cli import main
+from tests.cache import cached_export
 from tests.tiny_bundle import COMMITTED_BUNDLE, IMAGE_SHAPE
 
 PAIR_MODEL_SOURCE = '''\
@@ -81,15 +82,12 @@ def pair_samples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def pair_bundle(tmp_path_factory: pytest.TempPathFactory, pair_model: Path, pair_samples: dict[str, Path]) -> Path:
-    out = tmp_path_factory.mktemp("exported") / "pair"
-    code = main(
-        ["export", f"{pair_model}:model", "--profile", "rpi5", "--calibration", str(pair_samples["calibration"]),
-         "--validation", str(pair_samples["validation"]), "--backend", "litert", "--precision", "fp32",
-         "--out", str(out)]
+def pair_bundle(pair_model: Path, pair_samples: dict[str, Path]) -> Path:
+    """Exported once for this code (tests/cache.py); never modified here."""
+    return cached_export(
+        f"{pair_model}:model", "--profile", "rpi5", "--calibration", pair_samples["calibration"],
+        "--validation", pair_samples["validation"], "--backend", "litert", "--precision", "fp32",
     )  # fmt: skip
-    assert code == 0, "exporting the two-input model with arrays in another order than forward's failed"
-    return out
 
 
 @pytest.mark.export

@@ -9,6 +9,7 @@ digits; vela, LiteRT, TFLite Micro, ExecuTorch and ONNX Runtime are the real one
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +22,7 @@ from torch import nn
 from edgeline.cli import main
 from edgeline.device_profiles import Precision, load_profile
 from edgeline.export.backends import ExportRequest, get_exporter
+from tests.cache import cached
 
 pytestmark = pytest.mark.export
 
@@ -114,30 +116,33 @@ def _models(path: Path) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def workspace() -> Path:
     """The models' source, their weights trained a little on digits (a trained model's, not random ones), and
-    calibration and validation samples (held-out digits, with labels)."""
-    from sklearn.datasets import load_digits
+    calibration and validation samples (held-out digits, with labels): made once for this code (tests/cache.py);
+    never modified here."""
 
-    root = tmp_path_factory.mktemp("compute")
-    (root / "models.py").write_text(MODELS, encoding="utf-8")
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[:, None]
-    labels = digits.target.astype(np.int64)
-    source = _models(root / "models.py")
-    for name in ("pooled_cnn", "mobilenet_v3_like"):
-        model = getattr(source, name)().train()
-        optimiser = torch.optim.Adam(model.parameters(), lr=0.01)
-        for _ in range(4):
-            for start in range(0, 1400, 64):
-                x, y = torch.from_numpy(images[start : start + 64]), torch.from_numpy(labels[start : start + 64])
-                optimiser.zero_grad()
-                nn.functional.cross_entropy(model(x), y).backward()
-                optimiser.step()
-        torch.save(model.state_dict(), root / f"{name}.pt")
-    np.savez(root / "cal.npz", x=images[1400:1528])
-    np.savez(root / "val.npz", x=images[1528:1728], labels=labels[1528:1728])
-    return root
+    def make(root: Path) -> None:
+        from sklearn.datasets import load_digits
+
+        (root / "models.py").write_text(MODELS, encoding="utf-8")
+        digits = load_digits()
+        images = (digits.images / 16.0).astype(np.float32)[:, None]
+        labels = digits.target.astype(np.int64)
+        source = _models(root / "models.py")
+        for name in ("pooled_cnn", "mobilenet_v3_like"):
+            model = getattr(source, name)().train()
+            optimiser = torch.optim.Adam(model.parameters(), lr=0.01)
+            for _ in range(4):
+                for start in range(0, 1400, 64):
+                    x, y = torch.from_numpy(images[start : start + 64]), torch.from_numpy(labels[start : start + 64])
+                    optimiser.zero_grad()
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    optimiser.step()
+            torch.save(model.state_dict(), root / f"{name}.pt")
+        np.savez(root / "cal.npz", x=images[1400:1528])
+        np.savez(root / "val.npz", x=images[1528:1728], labels=labels[1528:1728])
+
+    return cached("trained", [MODELS, inspect.getsource(_models)], make)
 
 
 def _export(workspace: Path, model: str, profile: str, out: Path) -> dict:

@@ -11,6 +11,8 @@ refused naming the division and the model's line.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 
 from edgeline.device_profiles import Precision, load_profile
+from tests.cache import cached
 
 pytestmark = pytest.mark.export
 
@@ -128,21 +131,27 @@ def _train(module: Any, images: np.ndarray, labels: np.ndarray, log_probabilitie
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory, digits: tuple[np.ndarray, np.ndarray]) -> Path:
-    """The models' source file, each model's trained weights beside it."""
+def models(digits: tuple[np.ndarray, np.ndarray]) -> Path:
+    """The models' source file, each model's trained weights beside it: trained once for this code (tests/cache.py);
+    never modified here."""
     import torch
 
     from edgeline.export.loading import load_model
 
     images, labels = digits
-    source = tmp_path_factory.mktemp("models") / "digits_models.py"
-    source.write_text(MODELS, encoding="utf-8")
-    for factory, cls in {**FACTORIES, SCALED: "PerImageScaledCNN"}.items():
-        torch.manual_seed(0)
-        module = load_model(f"{source}:{factory}").module
-        _train(module, images[:TRAIN], labels[:TRAIN], log_probabilities=factory == "log_softmax_mlp")
-        torch.save(module.state_dict(), source.with_name(f"{cls}.pt"))
-    return source
+
+    def make(directory: Path) -> None:
+        source = directory / "digits_models.py"
+        source.write_text(MODELS, encoding="utf-8")
+        for factory, cls in {**FACTORIES, SCALED: "PerImageScaledCNN"}.items():
+            torch.manual_seed(0)
+            module = load_model(f"{source}:{factory}").module
+            _train(module, images[:TRAIN], labels[:TRAIN], log_probabilities=factory == "log_softmax_mlp")
+            torch.save(module.state_dict(), source.with_name(f"{cls}.pt"))
+
+    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
+    inputs = [MODELS, repr(sorted(FACTORIES.items())), SCALED, TRAIN, inspect.getsource(_train), data]
+    return cached("trained", inputs, make) / "digits_models.py"
 
 
 def _module(models: Path, factory: str) -> Any:

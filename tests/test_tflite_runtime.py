@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from edgeline import Manifest, read_bundle
-from edgeline.cli import main
+from tests.cache import cached_export
 from tests.tflite_runtime_env import FORBIDDEN_MODULES, TFLiteEnv, TFLiteEnvError, ensure_env, subprocess_env
 
 pytestmark = [
@@ -163,30 +163,14 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
 
 @pytest.fixture(scope="module", params=PRECISIONS)
 def bundle(request: pytest.FixtureRequest, data: Data, tmp_path_factory: pytest.TempPathFactory) -> ExportedBundle:
+    """Exported once for this code (tests/cache.py); never modified here."""
     precision: str = request.param
-    root = tmp_path_factory.mktemp(f"tflite-{precision}")
-    model_file = root / "tiny_cnn.py"
+    model_file = tmp_path_factory.mktemp(f"tflite-{precision}") / "tiny_cnn.py"
     model_file.write_text(MODEL_SOURCE)
-    out = root / "bundle"
-    code = main(
-        [
-            "export",
-            f"{model_file}:model",
-            "--profile",
-            "rpi5",
-            "--calibration",
-            str(data.calibration),
-            "--validation",
-            str(data.validation),
-            "--backend",
-            "litert",
-            "--precision",
-            precision,
-            "--out",
-            str(out),
-        ]
-    )
-    assert code == 0, f"export {precision} failed with exit {code} (see the captured stderr)"
+    out = cached_export(
+        f"{model_file}:model", "--profile", "rpi5", "--calibration", data.calibration,
+        "--validation", data.validation, "--backend", "litert", "--precision", precision,
+    )  # fmt: skip
     return ExportedBundle(precision, out, read_bundle(out).manifest)
 
 
