@@ -188,12 +188,16 @@ def ttl_outage(session_broker: Broker, built_litert_bundle: Path, tmp_path_facto
             proxy.resume()  # the link that lost bytes is closed: the daemon reconnects and paho would resend
             answered = wait_until(lambda: len(results.ids()) == count)
             assert answered, f"answered: {sorted(results.ids())}; {daemon.status()}; held {len(daemon.intake.held)}"
-            time.sleep(1.0)  # a stale answer sent again after the fresh ones would arrive now
+            # A stale answer sent again after the fresh ones would come before the answer of one more input.
+            publish_all(broker, topic, range(count, count + 1))
+            assert wait_until(lambda: f"m{count}" in results.ids()), "the sentinel was never answered"
         finally:
             counts = daemon.status()["counts"]
             daemon.stop()
             results.close()
-    return Outage(count, [(at, json.loads(body)) for at, body in results.arrivals], counts)
+    arrivals = [(at, json.loads(body)) for at, body in results.arrivals]
+    assert arrivals[-1][1]["id"] == f"m{count}", "an answer came after everything else had been answered"
+    return Outage(count, arrivals[:-1], counts)
 
 
 def test_answers_in_flight_when_the_link_drops_are_never_delivered_past_their_ttl(ttl_outage: Outage) -> None:
@@ -297,14 +301,18 @@ def overflow_behind_a_black_hole(
                 return int(counter(scrape(port), "edgeline_outbox_overflowed"))
 
             wait_until(lambda: len(results.ids()) + overflowed() >= count, every_s=0.2)
-            time.sleep(1.0)  # anything still on its way arrives now
-            lost, arrived = overflowed(), len(results.ids())
+            # Anything still on its way comes before the answer of one more input (a barrier, not a pause).
+            publish_all(broker, topic, range(count, count + 1))
+            assert wait_until(lambda: f"m{count}" in results.ids()), "the sentinel was never answered"
+            lost, arrived = overflowed(), len(results.ids() - {f"m{count}"})
+            last = json.loads(results.arrivals[-1][1])["id"]
+            assert last == f"m{count}", f"{last} came after everything else had been answered"
         finally:
             counts = daemon.status()["counts"]
             daemon.stop()
             results.close()
     print(f"{count} inputs: {arrived} answered, {lost} counted as overflowed; {counts}")
-    assert counts["dropped"] == 0 and counts["results"] == count  # one answer per input, none dropped elsewhere
+    assert counts["dropped"] == 0 and counts["results"] == count + 1  # one answer per input (and the sentinel)
     assert lost > 0, "nothing overflowed: the outbox was not tested"
     return Overflow(count, arrived, lost, counts)
 
@@ -346,6 +354,7 @@ def test_sighup_drains_and_starts_again_in_the_same_process_with_the_new_configu
     )  # fmt: skip
     identity = client_id(built_litert_bundle, "hup")
     before, after = Collector(broker, f"{topic}/before/#"), Collector(broker, f"{topic}/after/#")
+    everything = Collector(broker, f"{topic}/#")  # one connection: the answers in the order the broker took them
     since = broker.log_size()
     process = child.start()
     try:
@@ -362,8 +371,12 @@ def test_sighup_drains_and_starts_again_in_the_same_process_with_the_new_configu
         assert child.wait_for_log(" edgeline run: ", count=2), child.log_text()[-3000:]  # it started again
         publish_all(broker, topic, range(1, 2))
         assert [json.loads(body)["id"] for _, body, _ in after.wait_for(1)] == ["m1"], child.log_text()[-3000:]
-        time.sleep(0.3)  # anything extra would arrive now
-        assert len(before.messages) == 1 and len(after.messages) == 1
+        publish_all(broker, topic, range(2, 3))  # a sentinel: anything extra would come before its answer
+        assert len(after.wait_for(2)) == 2, child.log_text()[-3000:]
+        seen = everything.wait_for(6)  # three inputs, three answers
+        answers = [(t.split("/")[-2], json.loads(body)["id"]) for t, body, _ in seen if "/in/" not in t]
+        assert answers == [("before", "m0"), ("after", "m1"), ("after", "m2")], answers
+        assert len(before.messages) == 1 and len(after.messages) == 2
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=TIMEOUT_S) == 0, child.log_text()[-3000:]
         assert "Traceback" not in child.log_text()
@@ -371,6 +384,7 @@ def test_sighup_drains_and_starts_again_in_the_same_process_with_the_new_configu
         child.kill()
         before.close()
         after.close()
+        everything.close()
 
 
 # -- 4. bounded logs -----------------------------------------------------------------------------------------------
@@ -449,8 +463,12 @@ def test_an_outbox_overflowing_for_ten_seconds_logs_a_handful_of_lines_and_count
             said = child.lines("outbox full")
             proxy.resume()
             wait_until(lambda: len(results.ids()) + overflowed() >= count, every_s=0.2)
-            time.sleep(1.0)  # anything still on its way arrives now
-            lost, arrived = overflowed(), len(results.ids())
+            # Anything still on its way comes before the answer of one more line (a barrier, not a pause).
+            serial_feed.send([json.dumps({"id": "sentinel", "data": [0.5] * 64}).encode()], rate)
+            assert wait_until(lambda: "sentinel" in results.ids()), "the sentinel was never answered"
+            last = json.loads(results.arrivals[-1][1])["id"]
+            assert last == "sentinel", f"{last} came after everything else had been answered"
+            lost, arrived = overflowed(), len(results.ids() - {"sentinel"})
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=TIMEOUT_S) == 0, child.log_text()[-3000:]
         finally:
