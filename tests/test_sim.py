@@ -58,6 +58,8 @@ class Collector:
     """A paho-mqtt 2.x subscriber keeping every (topic, decoded JSON payload) it receives."""
 
     def __init__(self, broker: Broker, topic_filter: str) -> None:
+        assert topic_filter.endswith("/#"), "the sentinel goes to the filter's own topic tree"
+        self.sentinel_topic = topic_filter.removesuffix("#") + "sentinel"
         self.messages: list[tuple[str, dict[str, Any]]] = []
         self._lock = threading.Lock()
         subscribed = threading.Event()
@@ -74,13 +76,19 @@ class Collector:
             self.messages.append((message.topic, json.loads(message.payload)))
 
     def wait_for(self, count: int, timeout: float = 10.0) -> list[tuple[str, dict[str, Any]]]:
-        """Wait until ``count`` messages arrived, then a little longer to catch any extra ones."""
+        """Wait until ``count`` messages arrived, then publish a sentinel from this client and wait for it: what
+        the broker took before it (an extra message) comes before it. What came before the sentinel."""
         deadline = time.monotonic() + timeout
         while len(self.messages) < count and time.monotonic() < deadline:
             time.sleep(0.02)
-        time.sleep(0.3)
+        self.client.publish(self.sentinel_topic, b'{"id": "sentinel"}', qos=1)
+        deadline = time.monotonic() + timeout
+        while not any(topic == self.sentinel_topic for topic, _ in self.messages) and time.monotonic() < deadline:
+            time.sleep(0.02)
         with self._lock:
-            return list(self.messages)
+            at = [index for index, (topic, _) in enumerate(self.messages) if topic == self.sentinel_topic]
+            assert at == [len(self.messages) - 1], f"the sentinel at {at} of {len(self.messages)} messages"
+            return self.messages[: at[0]]
 
     def close(self) -> None:
         self.client.disconnect()
