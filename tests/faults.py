@@ -301,6 +301,12 @@ class BlackHoleProxy:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """Its accept loop and the pumps of its open links (``close()`` ends them all)."""
+        with self._lock:
+            return [self._acceptor, *(thread for link in self._links for thread in link.threads)]
+
     def pause(self) -> None:
         """From now on, drop every byte both ways and forward no new connection; close nothing."""
         with self._lock:

@@ -31,6 +31,7 @@ import pytest
 import edgeline
 from tests.faults import DurablePublisher, Pki, make_pki
 from tests.mqtt_broker import Broker, BrokerFactory, Collector
+from tests.test_daemon import then_nothing_more
 
 pytestmark = [pytest.mark.integration, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
 
@@ -167,9 +168,14 @@ def test_answers_over_tls_with_a_password_and_an_acl_equal_predict(
     images = image_payloads(8, seed=5)
     publish_json(broker, f"{unique_topic}/sensors/cam/image",
                  [json.dumps({"id": key, "data": x.tolist()}).encode() for key, x in images.items()])  # fmt: skip
-    answers = [json.loads(payload) for _, payload, _ in results.wait_for(len(images))]
-    time.sleep(0.5)  # an extra answer would arrive now
-    assert len(results.messages) == len(images)
+    results.wait_for(len(images))
+    sentinel = json.dumps({"id": "sentinel", "data": [0.5] * 64}).encode()
+    answers = [  # exactly one answer per input: an extra one would have come before the sentinel's
+        json.loads(payload)
+        for _, payload, _ in then_nothing_more(
+            results, len(images), lambda: publish_json(broker, f"{unique_topic}/sensors/cam/image", [sentinel])
+        )
+    ]
     by_id = {answer["id"]: answer for answer in answers}
     assert sorted(by_id) == sorted(images)
     model = edgeline.load(built_litert_bundle)
@@ -325,13 +331,24 @@ def test_three_daemons_in_a_share_group_answer_each_input_exactly_once(
         broker, f"{unique_topic}/sensors/dev/x",
         [json.dumps({"id": f"m{index}", "data": [(index % 97) / 97] * 64}).encode() for index in range(count)],
     )  # fmt: skip
-    answers = [json.loads(payload) for _, payload, _ in results.wait_for(count, timeout=120)]
-    time.sleep(1.0)  # a duplicate would arrive now
-    assert len(results.messages) == count, f"{len(results.messages)} answers to {count} inputs"
+    results.wait_for(count, timeout=120)
+    # A barrier per daemon instead of a pause: sentinels one at a time until each instance has answered one (the
+    # group hands them round); a duplicate from any daemon would have come before its sentinel's answer.
+    sentinels: list[str] = []
+    while {json.loads(payload)["instance"] for _, payload, _ in results.messages[count:]} != set(instances):
+        assert len(sentinels) < 10 * len(instances), "the share group never handed a sentinel to every instance"
+        sentinels.append(f"sentinel{len(sentinels)}")
+        sentinel = json.dumps({"id": sentinels[-1], "data": [0.5] * 64}).encode()
+        publish_json(broker, f"{unique_topic}/sensors/dev/x", [sentinel])
+        got = results.wait_for(count + len(sentinels))
+        assert len(got) == count + len(sentinels), f"{len(got)} answers to {count} inputs and {sentinels}"
+        assert json.loads(got[-1][1])["id"] == sentinels[-1], "an answer came after everything else was answered"
+    answers = [json.loads(payload) for _, payload, _ in results.messages[:count]]
     assert Counter(answer["id"] for answer in answers) == Counter(f"m{index}" for index in range(count))
     assert all("error" not in answer for answer in answers)
-    by_instance = Counter(answer["instance"] for answer in answers)
-    assert set(by_instance) == set(instances), by_instance  # each answered some, nobody else answered
+    assert set(Counter(answer["instance"] for answer in answers)) == set(instances)  # each answered some
+    by_instance = Counter(json.loads(payload)["instance"] for _, payload, _ in results.messages)  # and sentinels
+    assert set(by_instance) == set(instances), by_instance  # nobody else answered
 
     def caught_up(status: dict[str, Any]) -> bool:
         latest[status["instance"]] = status

@@ -12,7 +12,7 @@ import json
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ from edgeline.device_profiles import load_profile, profile_ids
 from edgeline.manifest import TensorSpec, Window
 from edgeline.registry import resolve
 from tests.mqtt_broker import Broker, Collector
+from tests.test_daemon import mosquitto_pub, then_nothing_more
 from tests.tiny_bundle import COMMITTED_BUNDLE, COMMITTED_BUNDLES, COMMITTED_SQRT_BUNDLE, write_samples
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
@@ -203,9 +204,13 @@ def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path) -> Non
         report = json.loads(sim.stdout)
         assert report["acknowledged"] == report["published"] == 6
         messages = sent.wait_for(6)
-        records = [json.loads(payload) for _, payload, _ in answers.wait_for(6)]
-        time.sleep(0.5)  # anything extra would arrive now: one answer each
-        assert len(answers.messages) == 6
+        answers.wait_for(6)
+        topic, payload, _ = messages[0]
+        sentinel = json.dumps({**json.loads(payload), "id": "sentinel"}).encode()
+        records = [  # one answer each: an extra one would have come before the sentinel's
+            json.loads(body)
+            for _, body, _ in then_nothing_more(answers, 6, lambda: mosquitto_pub(broker, topic, sentinel))
+        ]
         assert [record.get("error") for record in records] == [None] * 6
         assert sorted(r["id"] for r in records) == sorted(json.loads(payload)["id"] for _, payload, _ in messages)
         sent.close()
@@ -223,20 +228,47 @@ def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path) -> Non
 
 @pytest.mark.integration
 def test_the_daemon_warns_once_when_its_subscription_stays_silent(broker: Broker, tmp_path: Path) -> None:
+    """Waits for the warning, then for several more status messages (one per 0.2 s of the daemon's own clock, each
+    several silence checks later), instead of sleeping and hoping the first warning came in time."""
     config = tmp_path / "daemon.toml"
-    config.write_text("[input]\nsilence_warning_s = 0.2\n", encoding="utf-8")
+    config.write_text("[input]\nsilence_warning_s = 0.2\n[health]\nstatus_interval_s = 0.2\n", encoding="utf-8")
+    warning = f"nothing received on {SENSOR_SUBSCRIPTION} for 0.2 s"
     since = broker.log_size()
     daemon = subprocess.Popen(
         [sys.executable, "-m", "edgeline.cli", "run", str(COMMITTED_BUNDLE), "--broker", broker.address,
          "--instance", "t", "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    subscribed = broker.wait_for_subscription("edgeline-tiny-t", SENSOR_SUBSCRIPTION, timeout=TIMEOUT_S, since=since)
-    time.sleep(1.5)  # several times the delay: still one warning
-    daemon.send_signal(signal.SIGTERM)
-    _, stderr = daemon.communicate(timeout=TIMEOUT_S)
-    assert subscribed, stderr
-    assert stderr.count(f"nothing received on {SENSOR_SUBSCRIPTION} for 0.2 s") == 1, stderr
+    lines: list[str] = []
+    said = threading.Condition()
+
+    def read() -> None:
+        assert daemon.stderr is not None
+        for line in daemon.stderr:
+            with said:
+                lines.append(line)
+                said.notify_all()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        subscribed = broker.wait_for_subscription(
+            "edgeline-tiny-t", SENSOR_SUBSCRIPTION, timeout=TIMEOUT_S, since=since
+        )
+        assert subscribed, "".join(lines)
+        with said:
+            assert said.wait_for(lambda: any(warning in line for line in lines), TIMEOUT_S), "".join(lines)
+        statuses = Collector(broker, "edgeline/tiny/t/status")
+        try:
+            assert len(statuses.wait_for(6, timeout=TIMEOUT_S)) >= 6, "fewer than 6 status messages"
+        finally:
+            statuses.close()
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=TIMEOUT_S)
+        reader.join(TIMEOUT_S)
+    stderr = "".join(lines)
+    assert stderr.count(warning) == 1, stderr
 
 
 @pytest.mark.quick

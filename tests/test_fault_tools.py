@@ -15,6 +15,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
 from tests.faults import (
@@ -110,11 +111,12 @@ def wait_caught_up(collector: DurableCollector, publisher: DurablePublisher, *, 
 
 
 class WatchedClient:
-    """A plain paho client that records when it connects and disconnects."""
+    """A plain paho client that records when it connects and disconnects, and why it disconnected."""
 
     def __init__(self, endpoint: BlackHoleProxy, keepalive: int) -> None:
         self.connects: list[float] = []
         self.disconnects: list[float] = []
+        self.disconnect_reasons: list[ReasonCode] = []
         self.changed = threading.Condition()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"watched-{endpoint.port}")
         self.client.reconnect_delay_set(1, 1)
@@ -136,9 +138,12 @@ class WatchedClient:
             self.connects.append(time.monotonic())
             self.changed.notify_all()
 
-    def _on_disconnect(self, *args: object) -> None:
+    def _on_disconnect(
+        self, client: object, userdata: object, flags: object, reason: ReasonCode, properties: object
+    ) -> None:
         with self.changed:
             self.disconnects.append(time.monotonic())
+            self.disconnect_reasons.append(reason)
             self.changed.notify_all()
 
 
@@ -161,33 +166,31 @@ def test_black_hole_makes_the_keepalive_fire_and_resume_lets_the_client_back(
         assert info.is_published() and observer.wait_for(1, TIMEOUT_S)
         assert proxy.accepted == 1
 
-        paused_at = time.monotonic()
         proxy.pause()
-        assert watched.wait(watched.disconnects, 1, 3 * keepalive + 2), "the keepalive never noticed the black hole"
-        noticed_after = watched.disconnects[0] - paused_at
-        # Not at once (nothing was closed) and within about two keepalives (PINGREQ, then one more keepalive).
-        assert 1.0 <= noticed_after <= 3 * keepalive + 2, noticed_after
-        deadline = time.monotonic() + 3 * keepalive + 2
+        assert watched.wait(watched.disconnects, 1, TIMEOUT_S), "the keepalive never noticed the black hole"
+        # Nothing was closed: it is paho's keepalive that gave up (a PINGREQ with no PINGRESP), not a lost socket.
+        reason = watched.disconnect_reasons[0]  # (later attempts into the hole end the same way)
+        assert reason == ReasonCode(PacketTypes.DISCONNECT, "Keep alive timeout"), watched.disconnect_reasons
+        deadline = time.monotonic() + TIMEOUT_S
         while proxy.accepted < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proxy.accepted >= 2, "the client did not try again while paused"
         assert len(watched.connects) == 1, "a connection got through the black hole"
 
-        resumed_at = time.monotonic()
         proxy.resume()
         assert watched.wait(watched.connects, 2, TIMEOUT_S), "no reconnection after resume"
-        assert watched.connects[1] - resumed_at <= TIMEOUT_S
         info = watched.client.publish("sensors/after", b"2", qos=1)
         info.wait_for_publish(TIMEOUT_S)
         assert info.is_published()
         observer.wait_for(2, TIMEOUT_S)
         assert observer.payloads == [b"1", b"2"]
+        threads = proxy.threads
+        assert len(threads) >= 3, threads  # the accept loop and the two pumps of the link in use
     finally:
         watched.close()
         observer.close()
-    started_closing = time.monotonic()
-    proxy.close()
-    assert time.monotonic() - started_closing < 5.0
+    proxy.close()  # each join is bounded: a thread it could not end is still alive below
+    assert not [thread.name for thread in threads if thread.is_alive()], "close() left threads running"
     assert proxy.open_links == 0
 
 
@@ -346,8 +349,9 @@ def test_a_publish_the_acl_denies_is_dropped(
         denied = attempt.publish("answers/forged", b"denied")
         assert denied.value == (135 if protocol == mqtt.MQTTv5 else 0), denied
         assert not attempt.publish("sensors/after", b"allowed").is_failure  # same connection, still open
+        # No pause needed: the broker handles a client's packets in order and forwards them to the observer in
+        # that order, so the denied one would have come before this one.
         assert observer.wait_for(1, TIMEOUT_S)
-        time.sleep(0.2)  # the broker handles a client's packets in order: the denied one would be here already
         assert [topic for topic, _, _ in observer.messages] == ["sensors/after"]
     finally:
         observer.close()

@@ -253,7 +253,7 @@ def test_every_input_arrives_once_whole_on_the_lean_path_and_on_pahos_own(
     def count(path: str, call: Callable[..., None]) -> Callable[..., None]:
         def counted(*args: Any) -> None:
             topic = args[0] if path == "lean" else args[2].topic
-            if not topic.endswith("/probe"):
+            if not topic.endswith(("/probe", "/sentinel")):
                 paths[path] += 1
             call(*args)
 
@@ -262,7 +262,7 @@ def test_every_input_arrives_once_whole_on_the_lean_path_and_on_pahos_own(
     connection._client.on_input_fast = count("lean", lean)
     connection._client.on_message = count("paho", paho_path)
 
-    subscribed = threading.Event()
+    subscribed, sentinel_in = threading.Event(), threading.Event()
 
     def on_input(topic: str, payload: bytes, ack: Callable[[], None] | None, reply: object = None) -> None:
         if topic.endswith("/probe"):  # the subscription is in place (its SUBACK comes after the CONNACK)
@@ -273,6 +273,8 @@ def test_every_input_arrives_once_whole_on_the_lean_path_and_on_pahos_own(
             ack()
         if len(arrived) == expected:
             everything.set()
+        if topic.endswith("/sentinel"):
+            sentinel_in.set()
 
     connection.subscribe([TopicFilter(f"{unique_topic}/in/+")], 1, on_input)
     connection.start(lambda target: _thread(target))
@@ -295,8 +297,12 @@ def test_every_input_arrives_once_whole_on_the_lean_path_and_on_pahos_own(
             publisher.publish(topic, payload, qos=qos, properties=properties).wait_for_publish(TIMEOUT_S)
             sent.append((topic, payload, qos == 1))
         assert everything.wait(TIMEOUT_S), f"{len(arrived)} of {expected} arrived"
-        time.sleep(0.3)  # nothing more may come (a duplicate)
-        assert arrived == sent
+        # A barrier instead of a pause: one more message on the same path; a duplicate would have come before it.
+        sentinel = (f"{unique_topic}/in/sentinel", b"sentinel", True)
+        publisher.publish(sentinel[0], sentinel[1], qos=1).wait_for_publish(TIMEOUT_S)
+        assert sentinel_in.wait(TIMEOUT_S), "the sentinel never arrived"
+        assert arrived[-1] == sentinel, "something arrived after the sentinel"
+        assert arrived[:-1] == sent
         if protocol == "5":
             assert paths == {"lean": expected - expected // 3, "paho": expected // 3}
         else:  # MQTT 3.1.1 carries no properties: every packet takes the lean path

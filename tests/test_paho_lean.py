@@ -412,14 +412,26 @@ def test_inputs_arrive_once_and_the_unacknowledged_ones_again_after_a_reconnect(
             sent.append(payload)
         with lock:
             assert lock.wait_for(lambda: len(first) == len(sent), TIMEOUT_S), f"{len(first)} of {len(sent)}"
-        connection_tests.on_network_thread(connection, lambda: None)  # the acknowledgements have left
-        time.sleep(0.3)
+        # The broker has taken the acknowledgements before it restarts: it handles a client's packets in order,
+        # so once it acknowledges a publish sent after them, it has handled them (instead of a pause).
+        taken = threading.Event()
+        connection.publish(f"{unique_topic}/barrier", b"", qos=1, done=lambda ok, text: taken.set())
+        assert taken.wait(TIMEOUT_S), "the broker never acknowledged the barrier"
         broker.restart()
         unacknowledged = [payload for index, payload in enumerate(sent) if index % 2]
         with lock:
             assert lock.wait_for(lambda: len(again) >= len(unacknowledged), TIMEOUT_S), f"{len(again)} again"
-        time.sleep(0.3)  # nothing more may come
-        assert first == sent and sorted(again) == sorted(unacknowledged)
+        # Nothing more may come: one more input after them; anything sent again would have come before it.
+        after = connection_tests._publisher(broker)  # the first one lost the broker at the restart
+        try:
+            after.publish(f"{unique_topic}/in/d0", b"sentinel", qos=1).wait_for_publish(TIMEOUT_S)
+        finally:
+            after.loop_stop()
+            after.disconnect()
+        with lock:
+            assert lock.wait_for(lambda: len(again) > len(unacknowledged), TIMEOUT_S), "the sentinel never came"
+        assert again[-1] == b"sentinel" and len(again) == len(unacknowledged) + 1, [p[:8] for p in again]
+        assert first == sent and sorted(again[:-1]) == sorted(unacknowledged)
         assert connection.reconnects == 1
     finally:
         publisher.loop_stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,7 +145,15 @@ def test_a_bad_canary_halts_the_rollout_and_the_rest_of_the_fleet_never_sees_the
     facts = repo.repository.versions("tiny")[2]
     assert facts.revoked is not None and facts.audience == (canary,)
     assert "v2 found" in fleet.log(canary)
-    time.sleep(1.5)  # several checks of every device after the halt
+
+    def checks(device: str) -> int:
+        return int(((fleet.status(device) or {}).get("counts") or {}).get("update_checks", 0))
+
+    # Counted, not slept for: three more update checks of every other device after the halt.
+    after_halt = {device: checks(device) for device in rest}
+    fleet.wait_until(
+        lambda: all(checks(d) >= after_halt[d] + 3 for d in rest), 60, "three more update checks on every device"
+    )
     for device in rest:
         assert "v2" not in fleet.log(device), f"{device} saw v2:\n{fleet.log(device)[-2000:]}"
         assert fleet.version_sequence(device) == [1]
