@@ -142,7 +142,7 @@ def test_export_for_the_iphone_picks_coreml_fp16_and_says_fidelity_was_not_measu
     assert all(fidelity[key] is None for key in numbers)
 
 
-@pytest.mark.quick
+@pytest.mark.export
 @pytest.mark.parametrize("name", PACKAGES)
 def test_the_package_is_the_torch_models_and_asks_what_the_profile_asks(
     name: str, exported: ExportReport, tiny_model_file: Path

@@ -112,7 +112,7 @@ def test_build_is_seeded_and_leaves_the_global_rng_alone() -> None:
     assert not torch.equal(weights[0], weights[2])
 
 
-@pytest.mark.quick
+@pytest.mark.export
 @pytest.mark.parametrize("name", NAMES)
 def test_make_data_gives_frozen_arrays_of_the_declared_shape(name: str) -> None:
     module = load_reference(name)
