@@ -1,8 +1,9 @@
 """Cost tiers: every test carries exactly one, so a developer can run the cheap part between two edits.
 
-    quick        in-process, no broker, no process of ours, no conversion of its own: the tier a developer runs
-                 between two edits (``bash scripts/test.sh --quick``). It may use the session's shared tiny
-                 bundles (``built_litert_bundle``, ``sqrt_bundle``): converted once, cached by content.
+    quick        cheap: no broker, no daemon or bridge process, no conversion of its own (a short subprocess that
+                 checks an import or a ``--help`` is fine): the tier a developer runs between two edits
+                 (``bash scripts/test.sh --quick``). It may use the session's shared tiny bundles
+                 (``built_litert_bundle``, ``sqrt_bundle``): converted once, cached by content.
     integration  a real Mosquitto, a daemon or bridge process, a pseudo-terminal, an emulated board: waits more
                  than it computes
     export       a real conversion (torch export, a quantizer, a compiler) or a reference model trained
