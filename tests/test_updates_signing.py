@@ -900,12 +900,10 @@ def test_an_unreachable_repository_is_an_error_not_a_refusal(repo: UpdateRepo, t
         port = sock.getsockname()[1]
     # the port is closed now: nothing listens on it
     client = device(f"http://127.0.0.1:{port}", repo.trusted_root, tmp_path / "device")
-    started = time.monotonic()
-    with pytest.raises(UpdateError) as caught:
+    with pytest.raises(UpdateError) as caught:  # bounded by the test's timeout (its tier's), not timed here
         client.check(name=NAME, device="dev-1", running=1, refused=set())
     assert not isinstance(caught.value, UpdateRefused), f"a repository out of reach refused as {caught.value}"
     assert f"127.0.0.1:{port}" in str(caught.value), caught.value
-    assert time.monotonic() - started < 20
 
 
 def test_a_missing_repository_directory_is_an_error_not_a_refusal(repo: UpdateRepo, tmp_path: Path) -> None:
