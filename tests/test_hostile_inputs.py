@@ -15,6 +15,7 @@ is pinned by the ``xfail`` test at the end.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -642,14 +643,17 @@ def manifest_mutations(draw: st.DrawFn, manifest: dict[str, Any]) -> bytes:
         for key in path[:-1]:
             parent = parent[key]
         action = draw(st.sampled_from(["replace", "replace", "delete", "extra"]))
+        # a copy: sampled_from hands out the same list object every time, which a later step could append to
+        # itself (a cycle: RecursionError in json_paths) or change for the next example (Hypothesis: flaky)
+        value = copy.deepcopy(draw(manifest_values))
         if action == "replace":
-            parent[path[-1]] = draw(manifest_values)
+            parent[path[-1]] = value
         elif action == "delete":
             del parent[path[-1]]
         elif isinstance(parent, dict):
-            parent[draw(st.sampled_from(MANIFEST_KEYS) | st.text(max_size=6))] = draw(manifest_values)
+            parent[draw(st.sampled_from(MANIFEST_KEYS) | st.text(max_size=6))] = value
         else:
-            parent.append(draw(manifest_values))
+            parent.append(value)
     return dumps_with_raw(manifest)
 
 
