@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SUMMARY = re.compile(r"=+ (?P<body>.*\d+ (?:passed|failed|error|errors|skipped)[^=]*) in [\d.]+s")
+SUMMARY = re.compile(r"^(?:=+ )?(?P<body>\d+ (?:passed|failed|error|errors|skipped)[^=\n]*) in [\d.]+s", re.MULTILINE)
+"""pytest's last line, with or without its ``=`` rule (``-q`` drops it)."""
 
 
 @dataclass

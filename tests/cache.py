@@ -8,7 +8,9 @@ wait; a half-made entry (a killed run) is never used: an entry counts only once 
 
     build/test-cache/<kind>/<key>/        what ``make`` wrote, read-only by agreement: copy before changing it
 
-A test that checks the conversion itself still converts: only fixtures that need *a* bundle use this.
+A test that checks the conversion itself still converts: only fixtures that need *a* bundle use this. Entries of
+older code are not removed (about 2 MB of bundles per version of the sources; the reference models change only with
+``export/reference``): ``rm -r build/test-cache`` empties it, and the next run makes what it needs.
 ``EDGELINE_TEST_CACHE`` moves the cache; ``EDGELINE_TEST_CACHE=off`` makes every entry anew in a temporary folder.
 """
 
