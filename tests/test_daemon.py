@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import edgeline
+from tests import waiting
 from tests.mqtt_broker import Broker, Collector
 
 pytestmark = [pytest.mark.integration, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)
@@ -378,13 +379,7 @@ def publish_behind_a_busy_worker(broker: Broker, topic: str, payloads: list[byte
         mosquitto_pub(broker, topic, payload)
 
 
-def wait_until(condition: Any, timeout: float = TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+wait_until = partial(waiting.wait_until, timeout=TIMEOUT_S)
 
 
 @pytest.mark.workstation  # its daemon serves metrics: prometheus-client (metrics extra)

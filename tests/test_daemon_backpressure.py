@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from edgeline.daemon.mqtt import MqttConnection
 from edgeline.daemon.reconnect import TAKEOVER_AFTER, TAKEOVER_BACKOFF_S, Backoff, Lost
 from edgeline.daemon.service import Daemon
 from edgeline.daemon.state import instance_id
+from tests import waiting
 from tests.mqtt_broker import Broker, Collector
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
@@ -307,13 +309,7 @@ def commits_refused_for_room(outbox: Any) -> list[float]:
     return refused
 
 
-def wait_until(condition: Any, timeout: float = TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+wait_until = partial(waiting.wait_until, timeout=TIMEOUT_S)
 
 
 @pytest.mark.integration

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ import pytest
 import edgeline
 from edgeline.daemon.config import DaemonConfig
 from edgeline.daemon.service import Daemon
+from tests import waiting
 from tests.faults import BlackHoleProxy, DurableCollector, DurablePublisher, kill_and_restart
 from tests.mqtt_broker import Broker, BrokerFactory, Collector
 
@@ -170,13 +172,7 @@ def where_lost(broker: Broker, topic: str, daemon: DaemonProcess, missing: set[s
     return lost
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+wait_until = partial(waiting.wait_until, timeout=TIMEOUT_S)
 
 
 def wait_until_saved(broker: Broker, publisher: DurablePublisher, answered: Callable[[], bool] | None = None) -> None:

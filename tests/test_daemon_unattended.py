@@ -24,6 +24,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from edgeline.daemon.config import DaemonConfig
 from edgeline.daemon.service import Daemon
 from edgeline.lograte import SUMMARY_EVERY_S
 from tests import test_daemon_backpressure as backpressure
+from tests import waiting
 from tests.faults import BlackHoleProxy, DurableCollector, DurablePublisher
 from tests.mqtt_broker import Broker, Collector, free_port
 from tests.test_daemon_backpressure import config_for, fill, payload, publish_all
@@ -66,13 +68,7 @@ class TimedCollector(Collector):
             return {json.loads(body)["id"] for _, body in self.arrivals}
 
 
-def wait_until(condition: Any, timeout: float = TIMEOUT_S, every_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(every_s)
-    return True
+wait_until = partial(waiting.wait_until, timeout=TIMEOUT_S)
 
 
 def hold_worker(daemon: Daemon) -> threading.Event:
@@ -125,7 +121,7 @@ class DaemonChild:
         return [line for line in self.log_text().splitlines() if needle in line]
 
     def wait_for_log(self, needle: str, count: int = 1, timeout: float = TIMEOUT_S) -> bool:
-        return wait_until(lambda: len(self.lines(needle)) >= count, timeout, every_s=0.05)
+        return wait_until(lambda: len(self.lines(needle)) >= count, timeout=timeout, every_s=0.05)
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
