@@ -19,7 +19,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import tests.tiny_bundle
-from edgeline.cli import main
 from tests.cache import cached, cached_export
 from tests.tiny_bundle import (
     CLASSES,
@@ -186,21 +185,16 @@ def batchable_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An int8-static LiteRT bundle of a (1, 3, 8, 8) model whose graph takes any batch size (never modify it)."""
     needs_torch("the batchable_bundle fixture")
 
-    def make(directory: Path) -> None:
-        root = directory / "model"
-        root.mkdir()
-        source = root / "pooled.py"
-        source.write_text(POOLED_MODEL_SOURCE, encoding="utf-8")
-        rng = np.random.default_rng(20261121)
-        np.savez(root / "calibration.npz", image=rng.random((32, 3, 8, 8), dtype=np.float32))
-        np.savez(root / "validation.npz", image=rng.random((16, 3, 8, 8), dtype=np.float32), labels=np.arange(16) % 10)
-        out = directory / "pooled"
-        args = ["export", f"{source}:model", "--profile", "rpi5", "--calibration", str(root / "calibration.npz"),
-                "--validation", str(root / "validation.npz"), "--backend", "litert", "--precision", "int8-static",
-                "--out", str(out)]  # fmt: skip
-        assert main(args) == 0, "exporting the pooled model for rpi5 (litert int8-static) failed"
-
-    return cached("bundle", [POOLED_MODEL_SOURCE], make) / "pooled"
+    root = tmp_path_factory.mktemp("pooled_model")
+    source = root / "pooled.py"
+    source.write_text(POOLED_MODEL_SOURCE, encoding="utf-8")
+    rng = np.random.default_rng(20261121)
+    np.savez(root / "calibration.npz", image=rng.random((32, 3, 8, 8), dtype=np.float32))
+    np.savez(root / "validation.npz", image=rng.random((16, 3, 8, 8), dtype=np.float32), labels=np.arange(16) % 10)
+    return cached_export(
+        f"{source}:model", "--profile", "rpi5", "--calibration", root / "calibration.npz",
+        "--validation", root / "validation.npz", "--backend", "litert", "--precision", "int8-static",
+    )  # fmt: skip
 
 
 LOOKUP_MODEL_SOURCE = '''\
@@ -231,18 +225,13 @@ def lookup_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     EMBEDDING_LOOKUP refuses it: a real ``inference-failed`` (never modify it)."""
     needs_torch("the lookup_bundle fixture")
 
-    def make(directory: Path) -> None:
-        root = directory / "model"
-        root.mkdir()
-        source = root / "lookup.py"
-        source.write_text(LOOKUP_MODEL_SOURCE, encoding="utf-8")
-        rng = np.random.default_rng(8)
-        np.savez(root / "calibration.npz", x=rng.integers(0, 8, (16, 1, 3)).astype(np.float32))
-        np.savez(root / "validation.npz", x=rng.integers(0, 8, (8, 1, 3)).astype(np.float32))
-        out = directory / "lookup"
-        args = ["export", f"{source}:model", "--profile", "rpi5", "--calibration", str(root / "calibration.npz"),
-                "--validation", str(root / "validation.npz"), "--backend", "litert", "--precision", "fp32",
-                "--out", str(out)]  # fmt: skip
-        assert main(args) == 0, "exporting the lookup model for rpi5 (litert fp32) failed"
-
-    return cached("bundle", [LOOKUP_MODEL_SOURCE], make) / "lookup"
+    root = tmp_path_factory.mktemp("lookup_model")
+    source = root / "lookup.py"
+    source.write_text(LOOKUP_MODEL_SOURCE, encoding="utf-8")
+    rng = np.random.default_rng(8)
+    np.savez(root / "calibration.npz", x=rng.integers(0, 8, (16, 1, 3)).astype(np.float32))
+    np.savez(root / "validation.npz", x=rng.integers(0, 8, (8, 1, 3)).astype(np.float32))
+    return cached_export(
+        f"{source}:model", "--profile", "rpi5", "--calibration", root / "calibration.npz",
+        "--validation", root / "validation.npz", "--backend", "litert", "--precision", "fp32",
+    )  # fmt: skip
