@@ -604,7 +604,11 @@ def test_a_restart_on_a_full_disk_stays_up_and_answers_once_there_is_room(disk_r
     assert rig.publisher.wait_acknowledged(TIMEOUT_S)
     process = rig.start()
     assert process.poll() is None, f"exited {process.returncode}: {child.log_text()[len(first_run) :][-2000:]}"
-    time.sleep(5.0)
+
+    def met_the_full_disk() -> bool:  # the event the restart is tested on: its first commit found no room
+        return "the disk is full" in child.log_text()[len(first_run) :] or process.poll() is not None
+
+    assert wait_until(met_the_full_disk), f"never said the disk is full: {child.log_text()[len(first_run) :][-2000:]}"
     assert process.poll() is None, f"exited {process.returncode}: {child.log_text()[len(first_run) :][-2000:]}"
     rig.filler.unlink()
     rig.all_answered(300)
