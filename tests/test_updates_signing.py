@@ -530,9 +530,16 @@ def test_rotating_the_online_keys_leaves_pinned_devices_trusting_only_the_new_on
     assert take(fresh, tmp_path / "v3-fresh", running=2).manifest.version == 3
     assert take(old_device, tmp_path / "v3-old", running=2).manifest.version == 3
 
-    # whoever holds the old keys can sign no more: what they publish is refused by every device
-    code, _, err = cli("publish", versioned(tmp_path / "evil", 4), "--repo", repo.directory, "--keys", stolen)
+    # whoever holds the old keys can sign no more. edgeline's publisher will not sign over roots they lack:
+    evil = versioned(tmp_path / "evil", 4)
+    message = user_error(cli("publish", evil, "--repo", repo.directory, "--keys", stolen), "edgeline publish")
+    assert "2.root.json" in message and "older than the repository" in message, message
+    # and what they sign by other means (here: into a repository of their own, copied over) every device refuses
+    code, _, err = cli("publish", evil, "--repo", tmp_path / "evil-repo", "--keys", stolen)
     assert code == 0, err  # the old keys still sign (they are only keys), but devices no longer trust them
+    shutil.copyfile(
+        tmp_path / "evil-repo" / "metadata" / "timestamp.json", repo.directory / "metadata" / "timestamp.json"
+    )
     for client in (old_device, fresh):
         refused("bad-signature", client.check, name=NAME, device="dev-1", running=3)
 

@@ -4,6 +4,7 @@ between two messages, tried beside the previous version, committed or rolled bac
     keys        ``edgeline keys generate``: the four roles' ed25519 keys and the root metadata devices pin
     archive     a bundle packed as one tar, and its careful unpacking (nothing outside the manifest's list)
     repository  ``edgeline publish``: the TUF repository a workstation or gateway writes
+    served      what a repository serves, read as a device would before a publisher writes: it signs only what it wrote
     client      the device's side: TUF's Updater over a directory, ``file://`` or HTTP(S); every refusal coded
     policy      what the device takes: compatibility, audience, downgrade, the trial's gates
     agent       the daemon's update thread: found → verified → self-test → swap → trial → committed | rolled back

@@ -231,11 +231,14 @@ def _new_root(args: argparse.Namespace) -> int:
     from edgeline.updates.repository import Repository
 
     days = args.expires_days if args.expires_days is not None else ROOT_EXPIRY_DAYS
+    repository = Repository(args.repo, args.directory) if args.repo is not None else None
+    if repository is not None:
+        repository.check()  # before the new root is written: a repository these keys did not sign changes nothing
     made = new_root(args.directory, rotate=args.role, expires_days=days)
     what = f"a new {made.rotated} key, " if made.rotated else "the same keys, "
     print(f"wrote root version {made.version} ({what}expires {made.expires:%Y-%m-%d %H:%M} UTC): {made.path}")
-    if args.repo is not None:
-        version = Repository(args.repo, args.directory).refresh()
+    if repository is not None:
+        version = repository.refresh()
         print(f"re-signed {args.repo} (targets version {version}): devices take root v{made.version} at next check")
     else:
         print(f"devices see it once the repository is re-signed: edgeline publish --refresh --keys {args.directory} "

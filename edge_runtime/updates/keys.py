@@ -12,6 +12,11 @@ metadata, signed by the root key the previous version trusts (and, when the root
 one too): a device walks the chain ``1.root.json``, ``2.root.json``, ... from the root it pins, so no device is
 re-provisioned. The repository picks the new root up at its next signing (``edgeline publish --refresh``).
 
+Every root file of the directory is verified as a device walking the chain verifies it before anything uses it
+(``root_chain``): ``N.root.json`` signed by the root keys of ``N-1.root.json`` and by its own, numbered as its name
+says, and ``root.json`` the same as the numbered file of its version. A root someone else put there is refused by
+name, never renewed, copied into a repository or announced.
+
 The private keys are PKCS#8 PEM files, readable by their owner only. When ``EDGELINE_KEY_PASSPHRASE`` is set they
 are written encrypted with it (and read with it): the passphrase never appears on a command line. A hardware token
 (a YubiKey or another PKCS#11 device) fits the same roles later: securesystemslib's ``HSMSigner`` signs with a key
@@ -21,6 +26,7 @@ that never leaves it, and only the loading in ``signer`` would change (docs/upda
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -39,9 +45,12 @@ __all__ = [
     "ROOT_EXPIRY_DAYS",
     "KeysError",
     "NewRoot",
+    "RootChain",
     "generate",
     "load_root",
     "new_root",
+    "root_chain",
+    "root_files",
     "signer",
 ]
 
@@ -174,17 +183,102 @@ def new_root(directory: Path, *, rotate: str | None = None, expires_days: float 
     return NewRoot(path=files.root, version=root.version, expires=root.expires, rotated=rotate)
 
 
-def load_root(directory: Path) -> Metadata[Root]:
-    """The newest signed root metadata of the keys directory (``Metadata[Root]``)."""
-    from tuf.api.metadata import Metadata, Root
+ROOT_FILE = re.compile(r"([1-9][0-9]*)\.root\.json")
+"""A root version's file, ``N.root.json``: the name a device asks a repository for."""
 
+
+def root_files(directory: Path) -> dict[int, Path]:
+    """Every ``N.root.json`` in ``directory``, by version, lowest first (none when it does not exist)."""
+    if not directory.is_dir():
+        return {}
+    found = {int(m[1]): path for path in directory.iterdir() if (m := ROOT_FILE.fullmatch(path.name))}
+    return dict(sorted(found.items()))
+
+
+@dataclass(frozen=True)
+class RootChain:
+    """A keys directory's root versions, from 1 to ``root.json``'s, each verified as a device walking the chain
+    verifies it."""
+
+    directory: Path
+    files: dict[int, Path]
+    """``N.root.json`` by version (``root.json`` for the current version of a directory written before the numbered
+    files were)."""
+    roots: dict[int, Metadata[Root]]
+
+    @property
+    def current(self) -> Metadata[Root]:
+        """What ``root.json`` says: the newest root, the one a repository gets at its next signing."""
+        return self.roots[max(self.roots)]
+
+
+def _read_root(path: Path) -> Metadata[Root]:
+    from tuf.api.metadata import Metadata, Root
+    from tuf.api.serialization import DeserializationError
+
+    try:
+        metadata = Metadata.from_bytes(path.read_bytes())
+    except OSError as exc:
+        raise KeysError(f"{path}: {exc.strerror or exc}") from exc
+    except DeserializationError as exc:
+        raise KeysError(f"{path}: not a TUF root metadata file ({exc})") from exc
+    if not isinstance(metadata.signed, Root):
+        raise KeysError(f"{path}: {metadata.signed.type} metadata, not a root")
+    return metadata
+
+
+def _signed_by(signer_root: Root, metadata: Metadata[Root], path: Path, by: str) -> None:
+    from tuf.api.exceptions import UnsignedMetadataError
+
+    try:
+        signer_root.verify_delegate("root", metadata.signed_bytes, metadata.signatures)
+    except UnsignedMetadataError as exc:
+        raise KeysError(
+            f"{path}: not signed by {by} ({exc}): devices walking the chain refuse it, and `edgeline keys` did not "
+            "write it (remove it once you know how it got there)"
+        ) from exc
+
+
+def root_chain(directory: Path) -> RootChain:
+    """The root versions of the keys directory ``directory``, verified: every ``N.root.json`` (those above
+    ``root.json``'s version too: a new root cut short before ``root.json`` was replaced) is signed by the root keys
+    of the version before and by its own, and ``root.json`` is the numbered file of its version. Expiry is not
+    checked: renewing a lapsed root is what the chain is for."""
     path = KeyFiles(directory).root
     if not path.is_file():
         raise KeysError(f"{directory}: no root.json (create the keys with `edgeline keys generate {directory}`)")
-    try:
-        return Metadata[Root].from_file(str(path))
-    except Exception as exc:  # DeserializationError, OSError
-        raise KeysError(f"{path}: not a TUF root metadata file ({exc})") from exc
+    current = _read_root(path)
+    version = current.signed.version
+    files = dict(sorted({version: path, **root_files(directory)}.items()))
+    verified: dict[int, Metadata[Root]] = {}
+    for number, file in files.items():
+        if number > 1 and number - 1 not in verified:
+            missing = min(n for n in range(1, number) if n not in files)
+            if number <= version:
+                raise KeysError(f"{directory}/{missing}.root.json is missing (devices need every root version)")
+            raise KeysError(
+                f"{file}: root version {number} follows no {missing}.root.json: `edgeline keys` did not write it "
+                "(remove it once you know how it got there)"
+            )
+        metadata = _read_root(file)
+        if metadata.signed.version != number:
+            raise KeysError(f"{file}: says root version {metadata.signed.version}, not {number}")
+        if number > 1:
+            _signed_by(verified[number - 1].signed, metadata, file, f"the root key that {number - 1}.root.json trusts")
+        _signed_by(metadata.signed, metadata, file, "the root key it names itself")
+        verified[number] = metadata
+    if files[version] != path and files[version].read_bytes() != path.read_bytes():
+        raise KeysError(f"{path}: differs from {files[version].name}, the root version it says it is")
+    return RootChain(
+        directory=directory,
+        files={n: f for n, f in files.items() if n <= version},
+        roots={n: r for n, r in verified.items() if n <= version},
+    )
+
+
+def load_root(directory: Path) -> Metadata[Root]:
+    """The current signed root metadata of the keys directory (``Metadata[Root]``), its chain verified."""
+    return root_chain(directory).current
 
 
 def signer(directory: Path, role: str) -> CryptoSigner:

@@ -9,6 +9,10 @@
 
 A directory like this is the whole repository: serve it over HTTP(S), rsync it, or copy it to a USB stick.
 Writes go to new file names first and ``timestamp.json`` is replaced last, so a reader never sees half a publish.
+
+What is there is read as a device reads it before anything is written (``served.verified_state``): a repository
+whose files are not as these keys signed them is refused, naming the file, and only signed entries are carried over
+into what is signed next.
 """
 
 from __future__ import annotations
@@ -17,17 +21,15 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from edgeline.bundle import read_bundle
 from edgeline.errors import UpdateError
 from edgeline.updates import keys as keyring
 from edgeline.updates.archive import manifest_sha256, pack
 from edgeline.updates.policy import Gates, Runtime, TargetFacts, target_path
+from edgeline.updates.served import SignedState, verified_state
 from edgeline.updates.store import write_atomically
-
-if TYPE_CHECKING:
-    from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
 
 __all__ = ["EXPIRY_DAYS", "Published", "Repository"]
 
@@ -54,32 +56,21 @@ class Repository:
         self.targets_dir = directory / "targets"
 
     # -- reading -----------------------------------------------------------------------------------------------
-    def _current(self) -> tuple[Metadata[Timestamp], Metadata[Snapshot], Metadata[Targets]] | None:
-        """(timestamp, snapshot, targets) as last published, or None for a new repository."""
-        from tuf.api.metadata import Metadata, Snapshot, Targets, Timestamp
+    def _current(self) -> SignedState | None:
+        """The state the repository serves, verified against the keys directory's root chain; None for a new
+        repository. Whatever is not as these keys signed it is refused (an ``UpdateError`` naming the file)."""
+        return verified_state(self.directory, keyring.root_chain(self.keys))
 
-        stamp_path = self.metadata_dir / "timestamp.json"
-        if not stamp_path.is_file():
-            return None
-        try:
-            timestamp = Metadata[Timestamp].from_file(str(stamp_path))
-            snap_version = timestamp.signed.snapshot_meta.version
-            snapshot = Metadata[Snapshot].from_file(str(self.metadata_dir / f"{snap_version}.snapshot.json"))
-            targets_version = snapshot.signed.meta["targets.json"].version
-            targets = Metadata[Targets].from_file(str(self.metadata_dir / f"{targets_version}.targets.json"))
-        except Exception as exc:
-            raise UpdateError(f"{self.directory}: not a readable edgeline repository ({exc})") from exc
-        return timestamp, snapshot, targets
+    def check(self) -> None:
+        """Refuse a repository whose state these keys did not sign, as every write does before it writes."""
+        self._current()
 
     def targets(self) -> dict[str, TargetFacts]:
         """Every target's facts by target path (empty for a new repository)."""
-        current = self._current()
-        if current is None:
-            return {}
-        return {path: TargetFacts.from_custom(path, info.custom) for path, info in current[2].signed.targets.items()}
+        return _facts(self._current())
 
     def versions(self, name: str) -> dict[int, TargetFacts]:
-        return {facts.version: facts for facts in self.targets().values() if facts.name == name}
+        return _versions(self._current(), name)
 
     # -- writing -----------------------------------------------------------------------------------------------
     def publish(
@@ -95,7 +86,8 @@ class Repository:
 
         bundle = read_bundle(bundle_dir)
         manifest = bundle.manifest
-        existing = self.versions(manifest.name)
+        current = self._current()
+        existing = _versions(current, manifest.name)
         if existing and manifest.version <= max(existing):
             raise UpdateError(
                 f"{bundle_dir}: {manifest.name} v{manifest.version} cannot be published: the repository already has "
@@ -125,7 +117,7 @@ class Repository:
         def add(targets: Any) -> None:
             targets.targets[path] = info
 
-        version = self._sign(add, expires_days, signers)
+        version = self._sign(current, add, expires_days, signers)
         return Published(facts=facts, path=path, archive=final, length=info.length, targets_version=version)
 
     def update_target(
@@ -142,32 +134,35 @@ class Repository:
             info.unrecognized_fields["custom"] = facts.as_custom()
             updated.append(facts)
 
-        self._sign(edit, expires_days)
+        self._sign(self._current(), edit, expires_days)
         return updated[0]
 
     def refresh(self, *, expires_days: float | None = None) -> int:
         """Re-sign the current state with new expiry dates (what an operator runs before metadata lapses)."""
-        return self._sign(lambda targets: None, expires_days)
+        return self._sign(self._current(), lambda targets: None, expires_days)
 
     def _signers(self) -> dict[str, Any]:
         return {role: keyring.signer(self.keys, role) for role in ("targets", "snapshot", "timestamp")}
 
     def _sign(
-        self, change: Callable[[Any], None], expires_days: float | None, signers: dict[str, Any] | None = None
+        self,
+        current: SignedState | None,
+        change: Callable[[Any], None],
+        expires_days: float | None,
+        signers: dict[str, Any] | None = None,
     ) -> int:
-        """Apply ``change`` to the targets metadata and sign new targets, snapshot and timestamp; return the new
-        targets version."""
+        """Apply ``change`` to the targets metadata of ``current`` (verified) and sign new targets, snapshot and
+        timestamp; return the new targets version."""
         from tuf.api.metadata import Metadata, MetaFile, Snapshot, Targets, Timestamp
 
         signers = signers or self._signers()
 
         self._install_roots()
-        current = self._current()
         if current is None:
             timestamp, snapshot, targets = Metadata(Timestamp()), Metadata(Snapshot()), Metadata(Targets())
             first = True
         else:
-            timestamp, snapshot, targets = current
+            timestamp, snapshot, targets = current.timestamp, current.snapshot, current.targets
             first = False
         change(targets.signed)
         stamp_days = expires_days if expires_days is not None else EXPIRY_DAYS["timestamp"]
@@ -189,24 +184,28 @@ class Repository:
         return int(targets.signed.version)
 
     def _install_roots(self) -> None:
-        """Copy the keys directory's root versions that the repository does not have yet."""
+        """Copy the keys directory's root versions (its chain verified) that the repository does not have yet; those
+        it has were found to be the same when its state was read."""
         self.metadata_dir.mkdir(parents=True, exist_ok=True)
-        root = keyring.load_root(self.keys)
-        newest = root.signed.version
-        for version in range(1, newest + 1):
+        chain = keyring.root_chain(self.keys)
+        for version, source in chain.files.items():
             target = self.metadata_dir / f"{version}.root.json"
-            if target.exists():
-                continue
-            source = self.keys / f"{version}.root.json"
-            if not source.is_file():
-                if version == newest:
-                    source = self.keys / "root.json"
-                else:
-                    raise UpdateError(f"{self.keys}: {version}.root.json is missing (devices need every root version)")
-            write_atomically(target, source.read_bytes())
-        write_atomically(self.metadata_dir / "root.json", (self.metadata_dir / f"{newest}.root.json").read_bytes())
+            data = source.read_bytes()
+            if not target.is_file() or target.read_bytes() != data:
+                write_atomically(target, data)
+        write_atomically(self.metadata_dir / "root.json", chain.files[max(chain.files)].read_bytes())
 
     def _write(self, name: str, metadata: Any) -> None:
         from tuf.api.serialization.json import JSONSerializer
 
         write_atomically(self.metadata_dir / name, metadata.to_bytes(JSONSerializer(compact=False)))
+
+
+def _facts(state: SignedState | None) -> dict[str, TargetFacts]:
+    if state is None:
+        return {}
+    return {path: TargetFacts.from_custom(path, info.custom) for path, info in state.targets.signed.targets.items()}
+
+
+def _versions(state: SignedState | None, name: str) -> dict[int, TargetFacts]:
+    return {facts.version: facts for facts in _facts(state).values() if facts.name == name}
