@@ -207,11 +207,12 @@ def test_a_signed_bundle_failing_its_self_test_is_refused_and_never_answers(
     assert metrics is None or re.search(r'edgeline_update_refused_total\{[^}]*reason="self-test"[^}]*\} 1\.0', metrics)
 
 
-def test_a_tampered_archive_is_refused_with_one_log_line_however_often_it_is_checked(
+def test_a_tampered_archive_is_refused_with_one_log_line_however_often_it_is_checked_and_forgotten_once_fixed(
     daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker
 ) -> None:
     published = repo.publish(2)
-    data = bytearray(published.archive.read_bytes())
+    whole = published.archive.read_bytes()
+    data = bytearray(whole)
     data[len(data) // 2] ^= 0xFF
     published.archive.write_bytes(bytes(data))
     daemon.start(durable_broker)
@@ -222,7 +223,13 @@ def test_a_tampered_archive_is_refused_with_one_log_line_however_often_it_is_che
     log = daemon.log_text()
     assert log.count("update refused (tampered)") == 1, log[-3000:]
     assert status["update"]["refused"] == {}, "a repository's fault is not held against the version"
+    assert status["update"]["state"] == "refused" and status["update"]["last_refusal"]["reason"] == "tampered"
     assert not (daemon.state / "tiny" / "updates" / "bundles" / "v2").exists()
+
+    published.archive.write_bytes(whole)  # the repository is fixed: the next check takes v2 to its trial
+    update = status_when(durable_broker, daemon, lambda s: s["update"]["state"] == "trial", "v2 on trial")["update"]
+    assert update["last_refusal"] is None, "the status no longer says refused"
+    assert "the refusal of v2 (tampered) no longer applies" in daemon.log_text()
 
 
 STEP_LOGS = {
@@ -367,6 +374,10 @@ def test_a_version_whose_trial_the_process_never_survives_is_refused(
     state = daemon.update_state()
     assert state["refused"]["2"]["reason"] == "trial" and state["trying"] is None and state["committed"] is None
     assert ten_more_answered_by(publisher, answers, unique_topic, "late") == {1}
+    update = status_when(durable_broker, daemon, lambda s: "trial" in s["update"]["refusals"], "the refusal")["update"]
+    assert update["refusals"] == {"trial": 1}, "counted like every other refusal"
+    metrics = daemon.metrics()
+    assert metrics is None or re.search(r'edgeline_update_refused_total\{[^}]*reason="trial"[^}]*\} 1\.0', metrics)
 
 
 RETRAINED_SOURCE = TINY_MODEL_SOURCE.replace(
@@ -411,6 +422,29 @@ def test_a_version_that_disagrees_in_its_trial_is_rolled_back_and_never_answers_
     assert update["last_trial"]["agreement"] < 0.9
     checked_three_more_times(durable_broker, daemon)
     assert daemon.log_text().count("v2 found") == 1, "a rolled-back version is not tried again"
+
+
+def test_a_daemon_started_on_a_corrupt_state_file_answers_and_keeps_refusing_what_it_refused(
+    daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
+    answers: DurableCollector, unique_topic: str,
+) -> None:  # fmt: skip
+    """``[]`` in state.json ended the daemon with an AttributeError at every start: under systemd, a crash loop that
+    answers nothing. v2 was refused before the file went bad: ``refused.jsonl`` still says so."""
+    repo.publish(2)
+    updates_dir = daemon.state / "tiny" / "updates"
+    updates_dir.mkdir(parents=True)
+    (updates_dir / "state.json").write_text("[]")
+    refusal = {"version": 2, "reason": "trial", "message": "agreed with v1 (top-1 class) on 3.3% of inputs (< 90%)"}
+    (updates_dir / "refused.jsonl").write_text(json.dumps(refusal) + "\n")
+    daemon.start(durable_broker)
+    assert ten_more_answered_by(publisher, answers, unique_topic, "after") == {1}
+    checked_three_more_times(durable_broker, daemon)
+    log = daemon.log_text()
+    assert log.count("cannot be used (Input should be an object): set aside as state.json.bad-") == 1, log[-3000:]
+    assert "v2 found" not in log, "refused before: never fetched again"
+    (aside,) = updates_dir.glob("state.json.bad-*")
+    assert aside.read_text() == "[]"
+    assert latest_status(durable_broker, daemon)["update"]["refused"]["2"]["reason"] == "trial"
 
 
 def test_a_revoked_version_sends_the_devices_that_committed_it_back_to_their_previous_one(
