@@ -387,19 +387,19 @@ RETRAINED_SOURCE = TINY_MODEL_SOURCE.replace(
 
 
 @pytest.mark.workstation
-def test_a_version_that_disagrees_in_its_trial_is_rolled_back_and_never_answers_after_it(
+def test_a_version_with_random_weights_is_rolled_back_after_a_few_dozen_answers_and_never_answers_after_it(
     daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
     answers: DurableCollector, unique_topic: str, sample_files: dict[str, Path], tmp_path: Path,
 ) -> None:  # fmt: skip
+    """Random weights (another initialisation of the tiny model, agreeing with v1 on about 1 input in 6) once answered
+    all 200 inputs of the default trial, though its rollback was certain from about the 25th."""
     needs_torch("exporting a retrained model")
     source = tmp_path / "retrained.py"
     source.write_text(RETRAINED_SOURCE)
     assert RETRAINED_SOURCE != TINY_MODEL_SOURCE
     exported = tmp_path / "retrained"
     assert export_tiny(source, sample_files, exported) == 0
-    repo.repository.publish(
-        versioned(tmp_path / "v2", 2, source=exported, manifest={"name": "tiny"}), gates=Gates(inputs=40, seconds=120)
-    )
+    repo.repository.publish(versioned(tmp_path / "v2", 2, source=exported, manifest={"name": "tiny"}), gates=Gates())
 
     daemon.start(durable_broker)
     messages = inputs(f"{unique_topic}/sensors/cam0/image", 300)
@@ -411,15 +411,17 @@ def test_a_version_that_disagrees_in_its_trial_is_rolled_back_and_never_answers_
     assert all(len(v) == 1 for v in versions.values()), "an input was answered twice"
     in_order = [versions[json.loads(p)["id"]][0] for _, p in messages]
     first, last = in_order.index(2), len(in_order) - 1 - in_order[::-1].index(2)
-    assert set(in_order[first : last + 1]) == {2} and last - first + 1 == 40, "v2 answered its 40 trial inputs"
+    by_v2 = last - first + 1
+    assert set(in_order[first : last + 1]) == {2} and by_v2 <= 40, f"v2 answered {by_v2} inputs, not a few dozen"
     assert set(in_order[last + 1 :]) == {1} and len(in_order) - last > 100, "only v1 after the trial"
 
     state = daemon.update_state()
     assert state["refused"]["2"]["reason"] == "trial" and state["committed"] is None
-    assert "agreed with v1" in state["refused"]["2"]["message"]
+    assert "agreed with v1" in state["refused"]["2"]["message"] and "stopped early" in state["refused"]["2"]["message"]
     update = latest_status(durable_broker, daemon)["update"]
     assert update["last"]["step"] == "rolled-back" and "agreed with v1" in update["last"]["message"]
-    assert update["last_trial"]["agreement"] < 0.9
+    assert update["last_trial"]["inputs"] == by_v2 and update["last_trial"]["of"] == 200
+    assert update["last_trial"]["agreement"] < 0.5
     checked_three_more_times(durable_broker, daemon)
     assert daemon.log_text().count("v2 found") == 1, "a rolled-back version is not tried again"
 
