@@ -207,11 +207,12 @@ def test_a_signed_bundle_failing_its_self_test_is_refused_and_never_answers(
     assert metrics is None or re.search(r'edgeline_update_refused_total\{[^}]*reason="self-test"[^}]*\} 1\.0', metrics)
 
 
-def test_a_tampered_archive_is_refused_with_one_log_line_however_often_it_is_checked(
+def test_a_tampered_archive_is_refused_with_one_log_line_however_often_it_is_checked_and_forgotten_once_fixed(
     daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker
 ) -> None:
     published = repo.publish(2)
-    data = bytearray(published.archive.read_bytes())
+    whole = published.archive.read_bytes()
+    data = bytearray(whole)
     data[len(data) // 2] ^= 0xFF
     published.archive.write_bytes(bytes(data))
     daemon.start(durable_broker)
@@ -222,7 +223,13 @@ def test_a_tampered_archive_is_refused_with_one_log_line_however_often_it_is_che
     log = daemon.log_text()
     assert log.count("update refused (tampered)") == 1, log[-3000:]
     assert status["update"]["refused"] == {}, "a repository's fault is not held against the version"
+    assert status["update"]["state"] == "refused" and status["update"]["last_refusal"]["reason"] == "tampered"
     assert not (daemon.state / "tiny" / "updates" / "bundles" / "v2").exists()
+
+    published.archive.write_bytes(whole)  # the repository is fixed: the next check takes v2 to its trial
+    update = status_when(durable_broker, daemon, lambda s: s["update"]["state"] == "trial", "v2 on trial")["update"]
+    assert update["last_refusal"] is None, "the status no longer says refused"
+    assert "the refusal of v2 (tampered) no longer applies" in daemon.log_text()
 
 
 STEP_LOGS = {
@@ -367,6 +374,10 @@ def test_a_version_whose_trial_the_process_never_survives_is_refused(
     state = daemon.update_state()
     assert state["refused"]["2"]["reason"] == "trial" and state["trying"] is None and state["committed"] is None
     assert ten_more_answered_by(publisher, answers, unique_topic, "late") == {1}
+    update = status_when(durable_broker, daemon, lambda s: "trial" in s["update"]["refusals"], "the refusal")["update"]
+    assert update["refusals"] == {"trial": 1}, "counted like every other refusal"
+    metrics = daemon.metrics()
+    assert metrics is None or re.search(r'edgeline_update_refused_total\{[^}]*reason="trial"[^}]*\} 1\.0', metrics)
 
 
 RETRAINED_SOURCE = TINY_MODEL_SOURCE.replace(
@@ -376,19 +387,19 @@ RETRAINED_SOURCE = TINY_MODEL_SOURCE.replace(
 
 
 @pytest.mark.workstation
-def test_a_version_that_disagrees_in_its_trial_is_rolled_back_and_never_answers_after_it(
+def test_a_version_with_random_weights_is_rolled_back_after_a_few_dozen_answers_and_never_answers_after_it(
     daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
     answers: DurableCollector, unique_topic: str, sample_files: dict[str, Path], tmp_path: Path,
 ) -> None:  # fmt: skip
+    """Random weights (another initialisation of the tiny model, agreeing with v1 on about 1 input in 6) once answered
+    all 200 inputs of the default trial, though its rollback was certain from about the 25th."""
     needs_torch("exporting a retrained model")
     source = tmp_path / "retrained.py"
     source.write_text(RETRAINED_SOURCE)
     assert RETRAINED_SOURCE != TINY_MODEL_SOURCE
     exported = tmp_path / "retrained"
     assert export_tiny(source, sample_files, exported) == 0
-    repo.repository.publish(
-        versioned(tmp_path / "v2", 2, source=exported, manifest={"name": "tiny"}), gates=Gates(inputs=40, seconds=120)
-    )
+    repo.repository.publish(versioned(tmp_path / "v2", 2, source=exported, manifest={"name": "tiny"}), gates=Gates())
 
     daemon.start(durable_broker)
     messages = inputs(f"{unique_topic}/sensors/cam0/image", 300)
@@ -400,17 +411,42 @@ def test_a_version_that_disagrees_in_its_trial_is_rolled_back_and_never_answers_
     assert all(len(v) == 1 for v in versions.values()), "an input was answered twice"
     in_order = [versions[json.loads(p)["id"]][0] for _, p in messages]
     first, last = in_order.index(2), len(in_order) - 1 - in_order[::-1].index(2)
-    assert set(in_order[first : last + 1]) == {2} and last - first + 1 == 40, "v2 answered its 40 trial inputs"
+    by_v2 = last - first + 1
+    assert set(in_order[first : last + 1]) == {2} and by_v2 <= 40, f"v2 answered {by_v2} inputs, not a few dozen"
     assert set(in_order[last + 1 :]) == {1} and len(in_order) - last > 100, "only v1 after the trial"
 
     state = daemon.update_state()
     assert state["refused"]["2"]["reason"] == "trial" and state["committed"] is None
-    assert "agreed with v1" in state["refused"]["2"]["message"]
+    assert "agreed with v1" in state["refused"]["2"]["message"] and "stopped early" in state["refused"]["2"]["message"]
     update = latest_status(durable_broker, daemon)["update"]
     assert update["last"]["step"] == "rolled-back" and "agreed with v1" in update["last"]["message"]
-    assert update["last_trial"]["agreement"] < 0.9
+    assert update["last_trial"]["inputs"] == by_v2 and update["last_trial"]["of"] == 200
+    assert update["last_trial"]["agreement"] < 0.5
     checked_three_more_times(durable_broker, daemon)
     assert daemon.log_text().count("v2 found") == 1, "a rolled-back version is not tried again"
+
+
+def test_a_daemon_started_on_a_corrupt_state_file_answers_and_keeps_refusing_what_it_refused(
+    daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
+    answers: DurableCollector, unique_topic: str,
+) -> None:  # fmt: skip
+    """``[]`` in state.json ended the daemon with an AttributeError at every start: under systemd, a crash loop that
+    answers nothing. v2 was refused before the file went bad: ``refused.jsonl`` still says so."""
+    repo.publish(2)
+    updates_dir = daemon.state / "tiny" / "updates"
+    updates_dir.mkdir(parents=True)
+    (updates_dir / "state.json").write_text("[]")
+    refusal = {"version": 2, "reason": "trial", "message": "agreed with v1 (top-1 class) on 3.3% of inputs (< 90%)"}
+    (updates_dir / "refused.jsonl").write_text(json.dumps(refusal) + "\n")
+    daemon.start(durable_broker)
+    assert ten_more_answered_by(publisher, answers, unique_topic, "after") == {1}
+    checked_three_more_times(durable_broker, daemon)
+    log = daemon.log_text()
+    assert log.count("cannot be used (Input should be an object): set aside as state.json.bad-") == 1, log[-3000:]
+    assert "v2 found" not in log, "refused before: never fetched again"
+    (aside,) = updates_dir.glob("state.json.bad-*")
+    assert aside.read_text() == "[]"
+    assert latest_status(durable_broker, daemon)["update"]["refused"]["2"]["reason"] == "trial"
 
 
 def test_a_revoked_version_sends_the_devices_that_committed_it_back_to_their_previous_one(

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgeline.model import Model, load
 from edgeline.updates.policy import Gates
@@ -108,3 +110,87 @@ def test_the_previous_version_answers_what_the_new_one_fails_on(tmp_path: Path) 
     assert answered_by is previous and np.allclose(outputs[0], previous.predict(bright)[0])
     assert (t.inputs, t.failures, t.agreed) == (2, 1, 1)
     assert "the delegate failed" in (t.last_failure or "")
+
+
+def feed(t: Trial, outcomes: str, *, now: float | None = None) -> int:
+    """Record ``outcomes`` (``a`` agreed, ``d`` disagreed, ``f`` failed) until the trial is done; the inputs taken."""
+    for outcome in outcomes:
+        t.record(new_ok=outcome != "f", agreed=outcome == "a", new_s=0.001, old_s=0.001, failure="RuntimeError: boom")
+        if t.done(now=now):
+            break
+    return t.inputs
+
+
+def test_a_trial_stops_as_soon_as_its_gates_can_no_longer_be_met() -> None:
+    # 90% of 200: 20 disagreements are allowed, the 21st decides: random weights (17% agreement) stop at ~25
+    random_weights = trial()
+    assert feed(random_weights, "ddddda" * 40) == 25, "21 disagreements among 25: 89.5% at best"
+    verdict = random_weights.judge()
+    assert not verdict.commit and "on 4 of 25 inputs" in verdict.reason and "stopped early" in verdict.reason
+    assert "175 inputs left" in verdict.reason and "89.5%" in verdict.reason, verdict.reason
+
+    at_the_gate = trial()
+    assert feed(at_the_gate, "d" * 20 + "a" * 180) == 200, "20 disagreements may still make 90%: never stopped"
+    assert at_the_gate.judge().commit
+
+    # 1% of 200: 2 failures are allowed, the 3rd decides
+    failing = trial()
+    assert feed(failing, "f" * 200) == 3
+    verdict = failing.judge()
+    assert not verdict.commit and "failed on 3 of 3 inputs" in verdict.reason and "boom" in verdict.reason
+    assert "more than 1.0% of even 200" in verdict.reason, verdict.reason
+
+
+def test_once_its_seconds_are_up_a_trial_can_take_only_the_inputs_it_lacks() -> None:
+    quiet = trial(inputs=200, seconds=60, min_inputs=20)
+    assert feed(quiet, "d" * 5, now=quiet.started + 1) == 5, "before its time: 195 inputs may still come"
+    assert quiet.remaining(now=quiet.started + 1) == 195
+    assert quiet.remaining(now=quiet.started + 61) == 15, "after it: the trial ends at its 20th input"
+    assert quiet.done(now=quiet.started + 61), "15 more agreeing of 20: 75% at best"
+    assert not trial(inputs=200, seconds=60, min_inputs=20).done(now=quiet.started + 61), "nothing seen, nothing known"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    outcomes=st.text(alphabet="aadf", min_size=1, max_size=60),
+    min_agreement=st.sampled_from([0.0, 0.5, 0.8, 0.9, 0.95, 1.0]),
+    max_error_rate=st.sampled_from([0.0, 0.01, 0.05, 0.2, 1.0]),
+)
+def test_a_trial_stops_early_exactly_when_no_continuation_could_pass(
+    outcomes: str, min_agreement: float, max_error_rate: float
+) -> None:
+    gates = {"inputs": len(outcomes), "min_agreement": min_agreement, "max_error_rate": max_error_rate}
+    stopped = feed(trial(**gates), outcomes)
+    for taken in range(1, len(outcomes) + 1):
+        best = trial(**gates)
+        for outcome in outcomes[:taken] + "a" * (len(outcomes) - taken):  # the rest all answered and agreeing
+            best.record(new_ok=outcome != "f", agreed=outcome == "a", new_s=0.001, old_s=0.001)
+        hopeless = not best.judge().commit
+        if taken < stopped:
+            assert not hopeless, f"{outcomes[:taken]}: could not pass any more, yet the trial went on"
+        elif taken == stopped and stopped < len(outcomes):
+            assert hopeless, f"stopped after {outcomes[:taken]}, yet it could still pass"
+
+
+def test_the_rollback_reason_quotes_the_runtimes_error_once(tmp_path: Path) -> None:
+    """LiteRT's error reporter keeps every message it was given and says them all at each failure: the fourth
+    failure quoted the first three too, and a rollback reason said "gather index out of bounds" four times."""
+    previous = load(COMMITTED_BUNDLE)
+    failing = load(versioned(tmp_path / "v2", 2, fail_every_input=True))
+    image = np.full((1, 1, 8, 8), 0.5, np.float32)
+    said = []
+    for _ in range(3):
+        with pytest.raises(RuntimeError) as caught:
+            failing.predict(image)
+        said.append(str(caught.value))
+    assert said[0] == said[1] == said[2] and said[0].count("gather index out of bounds") == 1, said
+
+    t = Trial(version=2, previous_version=1, gates=Gates(), kind="classify", latency_budget_ms=None)
+    runner = TrialRunner(previous, t)
+    rng = np.random.default_rng(0)
+    while not t.done():
+        answered_by, _, _ = runner.run(failing, [rng.random((1, 1, 8, 8), dtype=np.float32)])
+        assert answered_by is previous, "the previous version answers what the new one fails on"
+    verdict = t.judge()
+    assert t.inputs == 3 and not verdict.commit
+    assert verdict.reason.count("gather index out of bounds") == 1, verdict.reason

@@ -1,8 +1,9 @@
 """Signed update repositories for the tests: keys, bundles of any version made from a committed bundle (no torch),
-and a bundle whose golden self-test fails."""
+a bundle whose golden self-test fails, and one whose runtime fails on every input."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
@@ -26,20 +27,63 @@ def _rewrite_manifest(bundle: Path, change: dict[str, Any]) -> None:
     path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
+def _failing_at_every_input(model_file: Path) -> None:
+    """Rewrite a LiteRT model so that its runtime fails on every input: its output is gathered at an index out of
+    range (index 99 of 10 classes), which the interpreter checks only when it runs, not when it loads."""
+    import flatbuffers
+    from ai_edge_litert import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(model_file.read_bytes(), 0))
+    graph = model.subgraphs[0]
+    (output,) = graph.outputs
+    code = schema.OperatorCodeT()
+    code.builtinCode = code.deprecatedBuiltinCode = schema.BuiltinOperator.GATHER
+    code.version = 1
+    model.operatorCodes.append(code)
+    positions = schema.BufferT()
+    positions.data = np.array([*range(9), 99], np.int32).view(np.uint8)
+    model.buffers.append(positions)
+    indices = schema.TensorT()
+    indices.shape, indices.type, indices.buffer = [10], schema.TensorType.INT32, len(model.buffers) - 1
+    gathered = copy.deepcopy(graph.tensors[output])  # the output's name, type and quantization
+    model.buffers.append(schema.BufferT())
+    gathered.buffer = len(model.buffers) - 1
+    graph.tensors[output].name += b";before-gather"
+    graph.tensors += [indices, gathered]
+    gather = schema.OperatorT()
+    gather.opcodeIndex = len(model.operatorCodes) - 1
+    gather.inputs, gather.outputs = [output, len(graph.tensors) - 2], [len(graph.tensors) - 1]
+    gather.builtinOptionsType = schema.BuiltinOptions.GatherOptions
+    gather.builtinOptions = schema.GatherOptionsT()
+    gather.builtinOptions.axis = 1
+    graph.operators.append(gather)
+    graph.outputs = [len(graph.tensors) - 1]
+    for signature in model.signatureDefs or []:
+        for named in signature.outputs:
+            named.tensorIndex = len(graph.tensors) - 1 if named.tensorIndex == output else named.tensorIndex
+    builder = flatbuffers.Builder(1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    model_file.write_bytes(bytes(builder.Output()))
+
+
 def versioned(
     destination: Path,
     version: int,
     *,
     source: Path = COMMITTED_BUNDLE,
     break_golden: bool = False,
+    fail_every_input: bool = False,
     manifest: dict[str, Any] | None = None,
 ) -> Path:
     """A copy of ``source`` as ``version``; ``break_golden``: its golden outputs moved by 1.0, so the bundle is
-    intact and signed but fails its self-test on any machine; ``manifest``: other fields to set."""
+    intact and signed but fails its self-test on any machine; ``fail_every_input``: its LiteRT model fails on every
+    input when it runs (``_failing_at_every_input``; it fails its self-test too); ``manifest``: other fields to
+    set."""
     if destination.exists():
         shutil.rmtree(destination)
     shutil.copytree(source, destination)
     change: dict[str, Any] = {"version": version, **(manifest or {})}
+    changed = []
     if break_golden:
         golden = destination / "golden.npz"
         with np.load(golden, allow_pickle=False) as data:
@@ -49,11 +93,18 @@ def versioned(
                 arrays[key] = arrays[key] + 1.0
         with golden.open("wb") as handle:
             np.savez(handle, **arrays)
+        changed.append(golden)
+    if fail_every_input:
+        (model_file,) = destination.glob("*.tflite")
+        _failing_at_every_input(model_file)
+        changed.append(model_file)
+    if changed:
         files = json.loads((destination / "manifest.json").read_text())["files"]
         for entry in files:
-            if entry["path"] == "golden.npz":
-                entry["size"] = golden.stat().st_size
-                entry["sha256"] = hashlib.sha256(golden.read_bytes()).hexdigest()
+            for path in changed:
+                if entry["path"] == path.name:
+                    entry["size"] = path.stat().st_size
+                    entry["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
         change["files"] = files
     _rewrite_manifest(destination, change)
     return destination

@@ -93,6 +93,8 @@ class _InterpreterSession:
         self._output_details = outputs
         self._input_indices = [detail["index"] for detail in inputs]
         self._output_indices = [detail["index"] for detail in outputs]
+        self._reported = ""
+        """What the interpreter's error reporter said last (``_news``)."""
         self._bind_calls()
 
     def _on_ethos_u(self, interpreter_module: Any, model_path: Path) -> tuple[Path, list[Any]]:
@@ -138,8 +140,20 @@ class _InterpreterSession:
 
     def _run_single(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         self._set(self._input_indices[0], inputs[0])
-        self._invoke()
+        try:
+            self._invoke()
+        except RuntimeError as exc:
+            raise self._news(exc) from None
         return [self._get(self._output_indices[0])]
+
+    def _news(self, exc: RuntimeError) -> RuntimeError:
+        """The interpreter's error reporter keeps every message it was given and says them all at each failure
+        (its buffer is never emptied): the fourth failure would quote the first three too. Only the new part."""
+        text = str(exc)
+        said, self._reported = self._reported, text
+        if said and len(text) > len(said) and text.startswith(said):
+            return RuntimeError(text[len(said) :])
+        return exc
 
     def batched(self, size: int) -> _InterpreterSession | None:
         """The same model taking ``size`` samples per call (every input's first dimension resized), or None when
@@ -164,7 +178,10 @@ class _InterpreterSession:
     def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         for index, array in zip(self._input_indices, inputs, strict=True):
             self._set(index, array)
-        self._invoke()
+        try:
+            self._invoke()
+        except RuntimeError as exc:
+            raise self._news(exc) from None
         return [self._get(index) for index in self._output_indices]
 
 

@@ -67,23 +67,15 @@ class Event:
 
 def starting_bundle(store: Store, given: Path, given_version: int) -> tuple[Path, State]:
     """The bundle to start on: the committed version when it is newer than the one given and still whole, else
-    the one given. A trial the last process did not finish counts one attempt against its version."""
+    the one given. Whatever the state directory holds, this never raises (``Store.load`` sets a bad state file
+    aside). A trial the last process did not finish counted one attempt against its version (``note_trying``);
+    the agent refuses a version that used up its attempts when it starts (``refuse_died_in_trial``)."""
     from edgeline.bundle import read_bundle
 
     state = store.load()
-    if state.trying is not None:
-        attempts = int(state.trying.get("attempts", 1))
-        version = int(state.trying["version"])
-        if attempts >= MAX_TRIAL_ATTEMPTS:
-            state.refused[version] = {
-                "reason": "trial",
-                "message": f"the process ended {attempts} times during its trial",
-            }
-            log.error("update v%d refused: the process ended %d times during its trial", version, attempts)
-        else:
-            log.warning("the trial of v%d was cut short (the process ended); it will be tried again", version)
-        state.trying = None if attempts >= MAX_TRIAL_ATTEMPTS else {"version": version, "attempts": attempts}
-        store.save(state)
+    trying = state.trying
+    if trying is not None and trying["attempts"] < MAX_TRIAL_ATTEMPTS:
+        log.warning("the trial of v%d was cut short (the process ended); it will be tried again", trying["version"])
     committed = state.committed
     if committed is not None and committed.version > given_version:
         path = store.resolve(committed)
@@ -145,6 +137,7 @@ class UpdateAgent:
     def run(self, stopping: threading.Event) -> None:
         """Check at start, then every ``interval_s``; a failed check is logged and tried again at the next one.
         While a trial runs, no new version is looked for."""
+        self.refuse_died_in_trial()
         delay = 0.0
         while not stopping.wait(delay):
             delay = self.interval_s
@@ -157,7 +150,27 @@ class UpdateAgent:
                 self.counts["check_errors"] += 1
                 self._say(logging.ERROR, f"update check failed: {type(exc).__name__}: {exc}", exc_info=True)
 
+    def refuse_died_in_trial(self) -> None:
+        """At start: a version whose trial the process did not survive ``MAX_TRIAL_ATTEMPTS`` times is refused (it
+        may be what kills it), counted and reported like every other refusal."""
+        trying = self.state.trying
+        if trying is None or trying["attempts"] < MAX_TRIAL_ATTEMPTS:
+            return
+        version, attempts = trying["version"], trying["attempts"]
+        message = f"v{version}: the process ended {attempts} times during its trial"
+        self._refused(UpdateRefused(message, reason="trial", version=version), version)
+
     def check_once(self) -> None:
+        """One check. The last refusal stands until a check reads the repository and ends without a refusal and
+        without losing its way to it: then the repository was fixed (or the disk freed) and it is cleared; one
+        remembered against its version stands."""
+        before = self.counts["refused"], self.counts["unreachable"], self.counts["checked"]
+        self._check()
+        refused, unreachable, checked = self.counts["refused"], self.counts["unreachable"], self.counts["checked"]
+        if checked > before[2] and (refused, unreachable) == before[:2]:
+            self._refusal_over()
+
+    def _check(self) -> None:
         from edgeline.model import load
         from edgeline.verify import golden_check
 
@@ -304,11 +317,11 @@ class UpdateAgent:
     def commit(self, version: int, bundle: Path, previous: Model) -> None:
         with self._lock:
             state = self.state
-            old = state.committed or Installed(previous.version, str(self.running_bundle.resolve()))
-            if old.version != previous.version:  # the given bundle ran, not the committed one
-                old = Installed(previous.version, str(self.running_bundle.resolve()))
+            old = state.committed
+            if old is None or old.version != previous.version:  # the given bundle ran, not the committed one
+                old = Installed(version=previous.version, bundle=str(self.running_bundle.resolve()), given=True)
             state.previous = old
-            state.committed = Installed(version, self.store.relative(bundle))
+            state.committed = Installed(version=version, bundle=self.store.relative(bundle))
             state.trying = None
             self.store.save(state)
             self.running_bundle = bundle
@@ -325,7 +338,7 @@ class UpdateAgent:
 
     def refuse_version(self, version: int, reason: str, message: str) -> None:
         with self._lock:
-            self.state.refused[version] = {"reason": reason, "message": message[:500]}
+            self.store.refuse(self.state, version, reason, message)
             if self.state.trying and self.state.trying.get("version") == version:
                 self.state.trying = None
             self.store.save(self.state)
@@ -361,6 +374,27 @@ class UpdateAgent:
         # the figures of a "no-room" refusal move at every check: it is said again only for another version
         key = f"no-room v{version}" if exc.reason == "no-room" else None
         self.event("refused", version, f"update refused ({exc.reason}): {exc}", reason=exc.reason, key=key)
+
+    def _refusal_over(self) -> None:
+        """A check went through: the last refusal no longer applies (unless it is remembered against its version),
+        and the status stops saying it."""
+        with self._lock:
+            refusal = self.last_refusal
+            if refusal is None or refusal.version in self.state.refused:
+                return
+            self.last_refusal = None
+            what = f"v{refusal.version} " if refusal.version is not None else ""
+            event = Event(
+                "checked", refusal.version,
+                f"the refusal of {what}({refusal.reason}) no longer applies: {self.client.repository} checked",
+            )  # fmt: skip
+            if self.last is not None and self.last.step == "refused":
+                self.last = event
+        self._say(logging.INFO, event.message)
+        try:
+            self.on_event(event)
+        except Exception:
+            log.exception("publishing the update event failed")
 
     def _say(self, level: int, message: str, key: str | None = None, *, exc_info: bool = False) -> bool:
         """Log ``message`` unless it (or ``key``, when given) was said already: a check that keeps ending the same

@@ -5,6 +5,12 @@ published): the two are compared, and the new version's failures and latencies a
 version fails on (an exception, NaN or Inf out) while the previous one answers is answered by the previous one,
 naming its version: an update never costs a user an answer. The trial ends after ``gates.inputs`` inputs, or after
 ``gates.seconds`` once ``gates.min_inputs`` have been seen; ``judge`` then says commit or roll back, and why.
+
+It also ends as soon as its outcome is certain: when the error rate or the agreement would miss its gate even if
+every input the trial may still take were answered and agreed (``remaining``: up to ``gates.inputs``; once
+``gates.seconds`` are up, only those still missing to ``gates.min_inputs``). A version with random weights stops
+after 21 to 26 of the default 200 inputs, one that fails on every input after 3: never a verdict the whole trial
+would not have reached (``docs/updates.md`` says why not a statistical test).
 """
 
 from __future__ import annotations
@@ -86,11 +92,46 @@ class Trial:
     def finite(outputs: Sequence[np.ndarray]) -> bool:
         return all(all_finite(o) for o in outputs)
 
+    def remaining(self, now: float | None = None) -> int:
+        """The most inputs the trial may still take: up to ``gates.inputs``; once ``gates.seconds`` are up, only
+        those still missing to ``gates.min_inputs`` (it ends as soon as it has them)."""
+        now = time.monotonic() if now is None else now
+        if now - self.started >= self.gates.seconds:
+            return max(0, min(self.gates.min_inputs, self.gates.inputs) - self.inputs)
+        return max(0, self.gates.inputs - self.inputs)
+
     def done(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         if self.inputs >= self.gates.inputs:
             return True
-        return now - self.started >= self.gates.seconds and self.inputs >= min(self.gates.min_inputs, self.gates.inputs)
+        if now - self.started >= self.gates.seconds and self.inputs >= min(self.gates.min_inputs, self.gates.inputs):
+            return True
+        return self._missed_gate(self.remaining(now)) is not None
+
+    def _missed_gate(self, remaining: int) -> str | None:
+        """Why the error rate or the agreement misses its gate even if the ``remaining`` inputs are all answered
+        and agree (0: as the trial stands), or None."""
+        g = self.gates
+        inputs = self.inputs + remaining
+        if inputs and self.failures / inputs > g.max_error_rate:
+            why = f"failed on {self.failures} of {self.inputs} inputs the previous version answered"
+            if remaining:
+                why += f": more than {g.max_error_rate:.1%} of even {inputs}, stopped {remaining} inputs early"
+            else:
+                why += f" ({self.failures / inputs:.1%} > {g.max_error_rate:.1%})"
+            return why + (f", e.g. {self.last_failure}" if self.last_failure else "")
+        answered = self.inputs - self.failures
+        best = (self.agreed + remaining) / (answered + remaining) if answered + remaining else None
+        if best is not None and best < g.min_agreement:
+            what = "top-1 class" if self.kind == "classify" else ("flag" if self.kind == "anomaly" else "outputs")
+            agreed = f"agreed with v{self.previous_version} ({what})"
+            if not remaining:
+                return f"{agreed} on {best:.1%} of inputs (< {g.min_agreement:.0%})"
+            return (
+                f"{agreed} on {self.agreed} of {answered} inputs: below {g.min_agreement:.0%} even if the "
+                f"{remaining} inputs left all agreed ({best:.1%}), stopped early"
+            )
+        return None
 
     @staticmethod
     def _percentile(values: deque[float], q: float) -> float | None:
@@ -116,16 +157,9 @@ class Trial:
     def judge(self) -> Judgement:
         f = self.figures()
         g = self.gates
-        if f["error_rate"] is not None and f["error_rate"] > g.max_error_rate:
-            why = f"failed on {self.failures} of {self.inputs} inputs the previous version answered"
-            why += f" ({f['error_rate']:.1%} > {g.max_error_rate:.1%})"
-            if self.last_failure:
-                why += f", e.g. {self.last_failure}"
-            return Judgement(False, why, f)
-        if f["agreement"] is not None and f["agreement"] < g.min_agreement:
-            what = "top-1 class" if self.kind == "classify" else ("flag" if self.kind == "anomaly" else "outputs")
-            share = f"{f['agreement']:.1%} of inputs (< {g.min_agreement:.0%})"
-            return Judgement(False, f"agreed with v{self.previous_version} ({what}) on {share}", f)
+        missed = self._missed_gate(self.remaining())
+        if missed is not None:
+            return Judgement(False, missed, f)
         p95, median, old = f["p95_ms"], f["median_ms"], f["previous_median_ms"]
         limit = g.max_latency_ms or self.latency_budget_ms
         if p95 is not None and limit is not None and p95 > limit:
