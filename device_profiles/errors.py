@@ -115,6 +115,7 @@ REFUSAL_REASONS = (
     "trial",  # its trial beside the previous version did not meet the gates
     "revoked",  # the publisher withdrew it (a halted rollout)
     "no-room",  # not now: the state directory's disk or the memory a trial needs (tried again at the next check)
+    "timeout",  # a download not whole within download_timeout_s: given up, tried again at the next check
 )
 
 

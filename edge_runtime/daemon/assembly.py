@@ -205,7 +205,9 @@ def _update_plan(config: DaemonConfig, store: Store, state: State, start_on: Pat
 
     updates = config.updates
     assert updates.repository is not None and updates.trusted_root is not None
-    client = UpdateClient(updates.repository, updates.trusted_root, store.directory)
+    client = UpdateClient(
+        updates.repository, updates.trusted_root, store.directory, download_timeout_s=updates.download_timeout_s
+    )
     return UpdatePlan(client=client, store=store, state=state, bundle=start_on, backend=backend)
 
 

@@ -39,6 +39,7 @@ from edgeline.daemon.topics import SENSOR_SUBSCRIPTION, TopicFilter, validate_te
 from edgeline.device_profiles.validation import describe_validation_error
 from edgeline.errors import EdgelineError
 from edgeline.manifest import Window
+from edgeline.updates.policy import DOWNLOAD_TIMEOUT_S
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -257,6 +258,9 @@ class UpdatesConfig(_Section):
     trusted_root: Path | None = None
     """The root.json of ``edgeline keys generate``, pinned on the device."""
     check_interval_s: float = Field(default=300.0, gt=0, le=7 * 86400)
+    download_timeout_s: float = Field(default=DOWNLOAD_TIMEOUT_S, gt=0, le=86400)
+    """Each file a check downloads (metadata, an archive) must arrive whole within this, or it is given up (refusal
+    ``timeout``) and tried again at the next check: set it for the largest archive over the slowest link."""
 
     @model_validator(mode="after")
     def _both(self) -> UpdatesConfig:
@@ -326,6 +330,7 @@ class DaemonConfig(_Section):
         updates: str | None = None,
         trusted_root: Path | None = None,
         check_interval_s: float | None = None,
+        download_timeout_s: float | None = None,
     ) -> DaemonConfig:
         """The command line wins over the file; the result is validated like the file.
 
@@ -361,6 +366,8 @@ class DaemonConfig(_Section):
             data["updates"]["trusted_root"] = trusted_root
         if check_interval_s is not None:
             data["updates"]["check_interval_s"] = check_interval_s
+        if download_timeout_s is not None:
+            data["updates"]["download_timeout_s"] = download_timeout_s
         return _validate(data, "command line")
 
 

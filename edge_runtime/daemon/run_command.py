@@ -69,6 +69,13 @@ def register(subparsers: Any) -> None:
         "--trusted-root", type=Path, metavar="ROOT.json", help="the pinned root metadata (edgeline keys generate)"
     )
     updates.add_argument("--check-interval", type=float, metavar="S", help="seconds between checks (default 300)")
+    updates.add_argument(
+        "--download-timeout-s",
+        type=float,
+        metavar="S",
+        help="each file a check downloads must arrive whole within S seconds, else it is tried at the next check "
+        "(default 600)",
+    )
     sources = run.add_argument_group("sources other than MQTT (one at a time)")
     exclusive = sources.add_mutually_exclusive_group()
     exclusive.add_argument(
@@ -169,6 +176,7 @@ def run_daemon(args: argparse.Namespace) -> int:
         updates=args.updates,
         trusted_root=args.trusted_root,
         check_interval_s=args.check_interval,
+        download_timeout_s=args.download_timeout_s,
     )
     # A setting of another source would be dropped without a word: refuse it.
     for flag, value, kind in (

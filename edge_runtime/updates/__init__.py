@@ -6,6 +6,7 @@ between two messages, tried beside the previous version, committed or rolled bac
     repository  ``edgeline publish``: the TUF repository a workstation or gateway writes
     served      what a repository serves, read as a device would before a publisher writes: it signs only what it wrote
     client      the device's side: TUF's Updater over a directory, ``file://`` or HTTP(S); every refusal coded
+    fetchers    every download whole within its deadline and no longer than signed, spooled on the state's disk
     policy      what the device takes: compatibility, audience, downgrade, the trial's gates
     agent       the daemon's update thread: found → verified → self-test → swap → trial → committed | rolled back
     rollout     ``edgeline rollout``: canary, waves, halt (at a gateway beside the broker)

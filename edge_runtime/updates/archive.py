@@ -4,26 +4,30 @@ The archive is a plain tar (no compression: nothing to inflate, and its length i
 deterministic: ``manifest.json`` first, then the manifest's files in its order, with zeroed owners and times, so the
 same bundle always packs to the same bytes (and the same sha256).
 
-Unpacking trusts nothing but the signed sha256 of the manifest: the first member must be ``manifest.json`` with
-that hash; every later member must be a regular file the manifest lists, once, of the listed size, inside the
-destination. Links, devices, directories given as members, absolute or ``..`` paths and anything unlisted are
-refused before a byte of it is written. The model's bytes are then checked against the manifest's sha256 by
-``edgeline.bundle.verify_files``; no runtime has parsed anything yet.
+Unpacking trusts nothing but the signed metadata: the first member must be ``manifest.json`` with the signed
+sha256; every later member must be a regular file the manifest lists, once, of the listed size, inside the
+destination, and all of them together no more bytes, files and directories than the signed unpacked size
+(``unpacked_size``, which the device's room check counted on). Links, devices, sparse members (a few bytes of
+archive that unpack to any number of zeros), directories given as members, absolute or ``..`` paths and anything
+unlisted are refused before a byte of it is written. The model's bytes are then checked against the manifest's
+sha256 by ``edgeline.bundle.verify_files``; no runtime has parsed anything yet.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
 import shutil
 import tarfile
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from edgeline.bundle import MANIFEST_FILE, MAX_MANIFEST_BYTES, Bundle, read_bundle, read_manifest
 from edgeline.errors import BundleError, UpdateError, UpdateRefused
 
-__all__ = ["ARCHIVE_SUFFIX", "manifest_sha256", "pack", "unpack"]
+__all__ = ["ARCHIVE_SUFFIX", "manifest_sha256", "pack", "unpack", "unpacked_size"]
 
 ARCHIVE_SUFFIX = ".tar"
 _CHUNK = 1 << 20
@@ -31,6 +35,15 @@ _CHUNK = 1 << 20
 
 def manifest_sha256(bundle_dir: Path) -> str:
     return hashlib.sha256((bundle_dir / MANIFEST_FILE).read_bytes()).hexdigest()
+
+
+def unpacked_size(bundle: Bundle) -> tuple[int, int]:
+    """What ``bundle``'s archive unpacks to: (bytes of its files, ``manifest.json`` included; its files and the
+    directories they are in). Signed with the target, so a device can count the room before it downloads."""
+    paths = [MANIFEST_FILE, *(entry.path for entry in bundle.manifest.files)]
+    directories = {parent for path in paths for parent in PurePosixPath(path).parents if parent.parts}
+    size = (bundle.path / MANIFEST_FILE).stat().st_size + sum(entry.size for entry in bundle.manifest.files)
+    return size, len(paths) + len(directories)
 
 
 def _info(name: str, size: int) -> tarfile.TarInfo:
@@ -64,17 +77,59 @@ def _member_path(name: str, archive: Path) -> PurePosixPath:
     return path
 
 
-def unpack(archive: Path, destination: Path, *, manifest_sha: str) -> Bundle:
+@dataclass
+class _Budget:
+    """What the signed metadata says the archive unpacks to, and what was taken of it so far (None: not signed, for
+    a target published before it was; the manifest's sizes still bound every file)."""
+
+    archive: Path
+    max_bytes: int | None
+    max_entries: int | None
+    taken_bytes: int = 0
+    taken_entries: int = 0
+    directories: set[PurePosixPath] = field(default_factory=set)
+
+    def take(self, path: PurePosixPath, size: int) -> None:
+        """Count ``path`` (``size`` bytes) and the directories it makes; refuse it, before it is written, beyond the
+        signed figures."""
+        new = {parent for parent in path.parents if parent.parts} - self.directories
+        taken_bytes, taken_entries = self.taken_bytes + size, self.taken_entries + 1 + len(new)
+        if self.max_bytes is not None and taken_bytes > self.max_bytes:
+            raise UpdateRefused(
+                f"{self.archive}: member {path.as_posix()!r} takes it past the {self.max_bytes} bytes its signed "
+                "metadata says it unpacks to",
+                reason="malformed",
+            )
+        if self.max_entries is not None and taken_entries > self.max_entries:
+            raise UpdateRefused(
+                f"{self.archive}: member {path.as_posix()!r} takes it past the {self.max_entries} files and "
+                "directories its signed metadata says it unpacks to",
+                reason="malformed",
+            )
+        self.taken_bytes, self.taken_entries = taken_bytes, taken_entries
+        self.directories |= new
+
+
+def unpack(
+    archive: Path,
+    destination: Path,
+    *,
+    manifest_sha: str,
+    unpacked_bytes: int | None = None,
+    unpacked_entries: int | None = None,
+) -> Bundle:
     """Unpack ``archive`` into ``destination`` (which must not exist; it is created whole or not at all) and
-    return the verified bundle. ``manifest_sha`` is the manifest's sha256 from the signed metadata."""
+    return the verified bundle. ``manifest_sha`` is the manifest's sha256 from the signed metadata;
+    ``unpacked_bytes`` and ``unpacked_entries`` the signed unpacked size (``unpacked_size``; None when not
+    signed)."""
     if destination.exists():
         raise BundleError(f"{destination} already exists")
     work = destination.with_name(destination.name + ".partial")
     if work.exists():
         shutil.rmtree(work)
-    work.mkdir(parents=True)
     try:
-        _unpack_into(archive, work, manifest_sha)
+        work.mkdir(parents=True)
+        _unpack_into(archive, work, manifest_sha, _Budget(archive, unpacked_bytes, unpacked_entries))
         bundle = read_bundle(work)  # sizes and sha256 of every listed file
         os.replace(work, destination)
     except BundleError as exc:
@@ -89,14 +144,17 @@ def unpack(archive: Path, destination: Path, *, manifest_sha: str) -> Bundle:
         ) from exc
     except OSError as exc:  # a full disk, a read-only state directory: this device's trouble, tried again later
         shutil.rmtree(work, ignore_errors=True)
-        raise UpdateError(f"{archive}: cannot be unpacked into {destination.parent}: {exc.strerror or exc}") from exc
+        where = f"{archive}: cannot be unpacked into {destination.parent}: {exc.strerror or exc}"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UpdateRefused(f"{where} (tried again at the next check)", reason="no-room") from exc
+        raise UpdateError(where) from exc
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return Bundle(path=destination, manifest=bundle.manifest)
 
 
-def _unpack_into(archive: Path, work: Path, manifest_sha: str) -> None:
+def _unpack_into(archive: Path, work: Path, manifest_sha: str, budget: _Budget) -> None:
     try:
         tar = tarfile.open(archive, "r:")  # noqa: SIM115 - closed by the with below; plain tar only: no decompression
     except (tarfile.TarError, OSError) as exc:
@@ -107,6 +165,8 @@ def _unpack_into(archive: Path, work: Path, manifest_sha: str) -> None:
             first = next(members, None)
             if first is None or first.name != MANIFEST_FILE or not first.isreg() or first.size > MAX_MANIFEST_BYTES:
                 raise UpdateRefused(f"{archive}: the first member must be {MANIFEST_FILE}", reason="malformed")
+            _refuse_sparse(first, archive)
+            budget.take(PurePosixPath(MANIFEST_FILE), first.size)
             data = _read_member(tar, first)
             if hashlib.sha256(data).hexdigest() != manifest_sha:
                 raise UpdateRefused(
@@ -122,6 +182,7 @@ def _unpack_into(archive: Path, work: Path, manifest_sha: str) -> None:
                 name = path.as_posix()
                 if not member.isreg():
                     raise UpdateRefused(f"{archive}: member {name!r} is not a regular file", reason="malformed")
+                _refuse_sparse(member, archive)
                 if name not in sizes or name in seen or name == MANIFEST_FILE:
                     raise UpdateRefused(
                         f"{archive}: member {name!r} is {'repeated' if name in seen else 'not listed in the manifest'}",
@@ -132,6 +193,7 @@ def _unpack_into(archive: Path, work: Path, manifest_sha: str) -> None:
                         f"{archive}: member {name!r} has {member.size} bytes, the manifest says {sizes[name]}",
                         reason="malformed",
                     )
+                budget.take(path, member.size)
                 seen.add(name)
                 target = work.joinpath(*path.parts)
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -144,6 +206,16 @@ def _unpack_into(archive: Path, work: Path, manifest_sha: str) -> None:
                 raise UpdateRefused(f"{archive}: missing {', '.join(missing[:5])}", reason="malformed")
         except tarfile.TarError as exc:
             raise UpdateRefused(f"{archive}: a broken archive ({exc})", reason="malformed") from exc
+
+
+def _refuse_sparse(member: tarfile.TarInfo, archive: Path) -> None:
+    """A sparse member (GNU's old format or pax's) unpacks to its full size from a few bytes of archive: ``pack``
+    never writes one, and its zeros would be written before any size is checked."""
+    if member.issparse():
+        raise UpdateRefused(
+            f"{archive}: member {member.name[:200]!r} is sparse ({member.size} bytes from a map of holes)",
+            reason="malformed",
+        )
 
 
 def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:

@@ -5,13 +5,14 @@
 and expiry checked by python-tuf) and says which version this device should take. ``fetch`` downloads that
 target (its length and sha256 checked against the signed metadata while it arrives) and ``unpack`` opens it into a
 bundle whose manifest and files match. Every failure is an ``UpdateRefused`` with a reason: nothing of a refused
-update reaches a model parser.
+update reaches a model parser. Every file is downloaded by edgeline's fetchers (``edgeline.updates.fetchers``): whole
+within ``download_timeout_s`` or given up (``timeout``, tried again at the next check), never longer than python-tuf
+allows, into the state directory.
 
 Only python-tuf's own exceptions (``RepositoryError``: what the metadata or a target says is wrong; ``DownloadError``:
-what its fetcher could not get) and the transport's (``OSError``: a file, a socket, a full disk;
-``urllib3.exceptions.HTTPError``: what urllib3 raises while a body streams) are translated; anything else (an
-``AttributeError``, a ``RuntimeError`` from python-tuf's state machine) is a bug, and reaches the update thread's
-top as one, never a refusal that would be remembered against a good version.
+what a fetcher could not get) and the OS's (``OSError``: a file, the disk downloads land on) are translated; anything
+else (an ``AttributeError``, a ``RuntimeError`` from python-tuf's state machine) is a bug, and reaches the update
+thread's top as one, never a refusal that would be remembered against a good version.
 
 The list of targets is read from the targets metadata python-tuf has just verified and stored (``targets.json`` in
 its metadata directory, its documented cache); the chosen target is then asked of the ``Updater`` itself
@@ -20,10 +21,12 @@ its metadata directory, its documented cache); the chosen target is then asked o
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+import os
 import shutil
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +35,10 @@ from urllib.parse import unquote, urlparse
 from edgeline.bundle import Bundle
 from edgeline.errors import UpdateError, UpdateRefused
 from edgeline.updates.archive import unpack
-from edgeline.updates.policy import Choice, TargetFacts, choose, target_path
+from edgeline.updates.fetchers import HttpFetcher, LocalFetcher
+from edgeline.updates.policy import DOWNLOAD_TIMEOUT_S, Choice, TargetFacts, choose, target_path
 
-__all__ = ["LocalFetcher", "UpdateClient", "refusal_from", "repository_urls", "tuf_errors"]
+__all__ = ["UpdateClient", "refusal_from", "repository_urls", "tuf_errors"]
 
 log = logging.getLogger("edgeline.updates")
 
@@ -55,45 +59,14 @@ def repository_urls(repository: str) -> tuple[str, str, bool]:
     return f"{base}/metadata/", f"{base}/targets/", True
 
 
-def _fetcher_base() -> type:
-    from tuf.ngclient import FetcherInterface
-
-    return FetcherInterface
-
-
-class LocalFetcher(_fetcher_base()):  # type: ignore[misc]
-    """``file://`` URLs: a repository on a mounted medium. A missing file is a 404, as python-tuf expects from a
-    fetcher (it ends the walk along the root chain)."""
-
-    def _fetch(self, url: str) -> Iterator[bytes]:
-        from tuf.api.exceptions import DownloadHTTPError
-
-        path = Path(unquote(urlparse(url).path))
-        try:
-            handle = path.open("rb")
-        except FileNotFoundError as exc:
-            raise DownloadHTTPError(f"{path}: not found", 404) from exc
-        except OSError as exc:
-            raise DownloadHTTPError(f"{path}: {exc.strerror or exc}", 403) from exc
-        return self._chunks(handle)
-
-    @staticmethod
-    def _chunks(handle: Any) -> Iterator[bytes]:
-        with handle:
-            while chunk := handle.read(1 << 16):
-                yield chunk
-
-
 @functools.cache
 def tuf_errors() -> tuple[type[Exception], ...]:
     """What python-tuf and its transport raise for a repository that cannot be trusted or read: python-tuf's two
-    roots, the OS's (a local file, a socket, the disk downloads land on) and urllib3's, which python-tuf's fetcher
-    lets through while a body streams (``Urllib3Fetcher._chunks`` re-raises a ``MaxRetryError`` that is not a
-    timeout). Imported on first use, as python-tuf is."""
-    import urllib3.exceptions
+    roots (edgeline's fetchers raise ``DownloadError`` for what they could not get) and the OS's (a local file, a
+    socket, the disk downloads land on). Imported on first use, as python-tuf is."""
     from tuf.api.exceptions import DownloadError, RepositoryError
 
-    return (RepositoryError, DownloadError, OSError, urllib3.exceptions.HTTPError)
+    return (RepositoryError, DownloadError, OSError)
 
 
 @dataclass(frozen=True)
@@ -124,15 +97,24 @@ def refusal_from(exc: Exception, what: str) -> UpdateError:
         return UpdateRefused(f"{text} ({fix}; the running version keeps serving)", reason="expired")
     if isinstance(exc, tuf_exceptions.DownloadLengthMismatchError):
         return UpdateRefused(f"{text} (longer than the signed metadata allows)", reason="tampered")
+    if isinstance(exc, tuf_exceptions.SlowRetrievalError):
+        return UpdateRefused(f"{text}; given up, tried again at the next check", reason="timeout")
     if isinstance(exc, tuf_exceptions.RepositoryError):
         return UpdateRefused(text, reason="malformed")
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UpdateRefused(f"{text} (the state directory's disk is full; tried again at the next check)",
+                             reason="no-room")  # fmt: skip
     return UpdateError(f"{text} (the repository cannot be read now; tried again at the next check)")
 
 
 class UpdateClient:
-    """One device's view of one repository. ``work`` holds python-tuf's metadata (``work/tuf``) and downloads."""
+    """One device's view of one repository. ``work`` holds python-tuf's metadata (``work/tuf``) and downloads
+    (``work/downloads``, python-tuf's temporary files included); every download is whole within
+    ``download_timeout_s`` or given up."""
 
-    def __init__(self, repository: str, trusted_root: Path, work: Path):
+    def __init__(
+        self, repository: str, trusted_root: Path, work: Path, *, download_timeout_s: float = DOWNLOAD_TIMEOUT_S
+    ):
         try:
             self.bootstrap = trusted_root.read_bytes()
         except OSError as exc:
@@ -143,6 +125,11 @@ class UpdateClient:
         self.work = work
         self.metadata_dir = work / "tuf"
         self.downloads = work / "downloads"
+        fetcher = LocalFetcher if self.local else HttpFetcher
+        self.fetcher = fetcher(spool=self.downloads, timeout_s=download_timeout_s)
+        self._spoiled: dict[tuple[int, str, int], str] = {}
+        """Targets refused whole as ``tampered`` (or longer than signed), by (version, signed sha256, signed length),
+        with the refusal: not downloaded again until the repository signs another target for that version."""
 
     def _updater(self) -> Any:
         from tuf.ngclient import Updater
@@ -155,7 +142,7 @@ class UpdateClient:
                 self.metadata_url,
                 str(self.downloads),
                 self.targets_url,
-                fetcher=LocalFetcher() if self.local else None,
+                fetcher=self.fetcher,
                 bootstrap=self.bootstrap,
             )
         except tuf_errors() as exc:
@@ -169,7 +156,7 @@ class UpdateClient:
         try:
             updater.refresh()
         except tuf_errors() as exc:
-            if self.local and not (self.directory / "metadata" / "timestamp.json").is_file():
+            if self.local and not os.path.lexists(self.directory / "metadata" / "timestamp.json"):
                 raise UpdateError(
                     f"repository {self.repository}: nothing published there yet (no metadata/timestamp.json)"
                 ) from exc
@@ -202,17 +189,31 @@ class UpdateClient:
 
     def fetch(self, updater: Any, offer: Offer) -> Path:
         """The target's archive, downloaded and checked against its signed length and sha256."""
+        from tuf.api.exceptions import DownloadLengthMismatchError
+
         destination = self.downloads / f"{offer.facts.name}-v{offer.facts.version}.tar"
         cached = updater.find_cached_target(offer.info, str(destination))
         if cached:
             return Path(cached)
+        version, length = offer.facts.version, int(offer.info.length)
+        signed = (version, str(offer.info.hashes.get("sha256", "")), length)
+        if signed in self._spoiled:
+            raise UpdateRefused(self._spoiled[signed], reason="tampered", version=version)
         try:
             return Path(updater.download_target(offer.info, str(destination)))
         except tuf_errors() as exc:
             destination.unlink(missing_ok=True)
             error = refusal_from(exc, f"target {offer.path}")
             if isinstance(error, UpdateRefused):
-                error.version = offer.facts.version
+                error.version = version
+                # Longer than signed, or whole and other bytes: never a copy still under way (that is shorter, and
+                # tried again at the next check): a server streaming without end is not downloaded at every check.
+                if error.reason == "tampered" and (
+                    isinstance(exc, DownloadLengthMismatchError) or self.fetcher.received >= length
+                ):
+                    message = f"{error} (not downloaded again while its signed metadata stays the same)"
+                    self._spoiled[signed] = message
+                    error = UpdateRefused(message, reason="tampered", version=version)
             raise error from exc
 
     def unpack(self, archive: Path, offer: Offer, destination: Path) -> Bundle:
@@ -221,7 +222,10 @@ class UpdateClient:
         if destination.exists():
             shutil.rmtree(destination)
         try:
-            bundle = unpack(archive, destination, manifest_sha=offer.facts.manifest_sha256)
+            bundle = unpack(
+                archive, destination, manifest_sha=offer.facts.manifest_sha256,
+                unpacked_bytes=offer.facts.unpacked_bytes, unpacked_entries=offer.facts.unpacked_entries,
+            )  # fmt: skip
         except UpdateRefused as exc:
             exc.version = offer.facts.version
             raise

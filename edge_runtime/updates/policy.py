@@ -7,6 +7,9 @@ object under ``"edgeline"`` (signed with the targets metadata, so it can be beli
     trial      the gates its trial must meet on the device (``Gates``; set at ``edgeline publish``)
     audience   the devices (instance ids) it is offered to, or null for every device (``edgeline rollout``)
     revoked    null, or why the publisher withdrew it (a halted rollout): devices running it go back
+    unpacked_bytes, unpacked_entries
+               what the archive unpacks to: its files' bytes (the manifest's included), and its files and
+               directories; null for a target published before they were signed
 
 ``choose`` picks the newest version offered to this device that it has not refused; ``precheck`` refuses what the
 metadata alone shows cannot run here (another name or profile, a runtime missing or too old: the check
@@ -26,12 +29,15 @@ from edgeline.errors import UpdateRefused
 
 __all__ = [
     "CUSTOM_KEY",
+    "DOWNLOAD_TIMEOUT_S",
+    "ENTRY_BYTES",
     "MEMORY_MARGIN",
     "Choice",
     "Gates",
     "Room",
     "TargetFacts",
     "choose",
+    "disk_needed",
     "precheck",
     "room_refusal",
     "target_path",
@@ -41,6 +47,12 @@ CUSTOM_KEY = "edgeline"
 MEMORY_MARGIN = 1.5
 """The memory a device must have available for a new version: its measured ``resident_mb`` times this (the figure
 was taken on the export machine; the device's allocator and runtime build differ)."""
+ENTRY_BYTES = 4096
+"""The disk one unpacked file or directory may take beyond its bytes: a file of one byte takes a whole block, and
+4 KiB is the block of ext4 and f2fs, the file systems a state directory lives on (a FAT card's clusters are larger:
+a state directory does not belong there)."""
+DOWNLOAD_TIMEOUT_S = 600.0
+"""The default deadline of one whole download (``[updates] download_timeout_s``): a metadata file or an archive."""
 MB = 1 << 20
 
 
@@ -96,6 +108,11 @@ class TargetFacts(_Frozen):
     resident_mb: float | None = Field(default=None, ge=0)
     """The manifest's ``memory.resident_mb``: what loading and running the model adds to a process, measured at
     export (on the export machine, with the bundle's runtime); None where it was not measured."""
+    unpacked_bytes: int | None = Field(default=None, ge=0)
+    """The bytes of the files the archive unpacks to, ``manifest.json`` included (``archive.unpacked_size``); the
+    unpacker refuses an archive that holds more. None for a target published before this was signed."""
+    unpacked_entries: int | None = Field(default=None, ge=1)
+    """The files and directories the archive unpacks to (each takes a block of the disk at least)."""
 
     def offered_to(self, device: str) -> bool:
         return self.audience is None or device in self.audience
@@ -181,18 +198,35 @@ class Room:
     available_mb: float | None  # memory this process may still take (MemAvailable, a cgroup limit); None: unknown
 
 
+def disk_needed(facts: TargetFacts, length: int) -> int:
+    """The most disk the update of ``facts`` (an archive of ``length`` bytes, signed) takes at once: while it
+    downloads, python-tuf's temporary copy and the archive it is copied to (twice the length); while it unpacks,
+    the archive and the unpacked bundle, each file and directory counted a block more than its bytes. A target
+    published before its unpacked size was signed counts as unpacking to its own length."""
+    if facts.unpacked_bytes is None or facts.unpacked_entries is None:
+        unpacked = length
+    else:
+        unpacked = facts.unpacked_bytes + facts.unpacked_entries * ENTRY_BYTES
+    return length + max(length, unpacked)
+
+
 def room_refusal(facts: TargetFacts, length: int, room: Room) -> str | None:
-    """Why this device cannot take ``facts``'s version now (None: it can). The archive (``length`` bytes, signed)
-    and its unpacked bundle are on the disk at once while it unpacks, beside what the outbox may still need; during
-    the trial both versions are loaded. A figure that is unknown does not refuse."""
+    """Why this device cannot take ``facts``'s version now (None: it can): the disk it takes at once
+    (``disk_needed``) beside what the outbox may still need; during the trial both versions are loaded. A figure
+    that is unknown does not refuse."""
     version = facts.version
     if room.free_bytes is not None:
-        needed = 2 * length + room.reserve_bytes
-        if room.free_bytes < needed:
+        disk = disk_needed(facts, length)
+        if room.free_bytes < disk + room.reserve_bytes:
+            unpacked = (
+                f"{facts.unpacked_bytes / MB:.1f} MB in {facts.unpacked_entries} files and directories"
+                if facts.unpacked_bytes is not None and facts.unpacked_entries is not None
+                else "unpacked size not signed: counted as its length"
+            )
             return (
-                f"v{version} needs {2 * length / MB:.1f} MB of disk to download and unpack, and "
-                f"{room.reserve_bytes / MB:.1f} MB stay free for the outbox; the state directory has "
-                f"{room.free_bytes / MB:.1f} MB free"
+                f"v{version} needs {disk / MB:.1f} MB of disk to download and unpack (a {length / MB:.1f} MB "
+                f"archive, {unpacked}), and {room.reserve_bytes / MB:.1f} MB stay free for the outbox; the state "
+                f"directory has {room.free_bytes / MB:.1f} MB free"
             )
     if facts.resident_mb is not None and room.available_mb is not None:
         needed_mb = facts.resident_mb * MEMORY_MARGIN

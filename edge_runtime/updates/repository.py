@@ -26,7 +26,7 @@ from typing import Any
 from edgeline.bundle import read_bundle
 from edgeline.errors import UpdateError
 from edgeline.updates import keys as keyring
-from edgeline.updates.archive import manifest_sha256, pack
+from edgeline.updates.archive import manifest_sha256, pack, unpacked_size
 from edgeline.updates.policy import Gates, Runtime, TargetFacts, target_path
 from edgeline.updates.served import SignedState, verified_state
 from edgeline.updates.store import write_atomically
@@ -93,6 +93,7 @@ class Repository:
                 f"{bundle_dir}: {manifest.name} v{manifest.version} cannot be published: the repository already has "
                 f"v{max(existing)} (versions of one name only grow; export it again with --version {max(existing) + 1})"
             )
+        unpacked_bytes, unpacked_entries = unpacked_size(bundle)
         facts = TargetFacts(
             name=manifest.name,
             version=manifest.version,
@@ -105,6 +106,8 @@ class Repository:
             trial=gates or Gates(),
             audience=audience,
             resident_mb=manifest.memory.resident_mb if manifest.memory is not None else None,
+            unpacked_bytes=unpacked_bytes,
+            unpacked_entries=unpacked_entries,
         )
         signers = self._signers()  # a wrong passphrase or key is said before anything is written
         path = target_path(manifest.name, manifest.version)
