@@ -226,7 +226,8 @@ def test_a_tampered_archive_is_refused_with_one_log_line_however_often_it_is_che
     assert status["update"]["state"] == "refused" and status["update"]["last_refusal"]["reason"] == "tampered"
     assert not (daemon.state / "tiny" / "updates" / "bundles" / "v2").exists()
 
-    published.archive.write_bytes(whole)  # the repository is fixed: the next check takes v2 to its trial
+    published.archive.write_bytes(whole)  # the repository is fixed and re-signed: the next check takes v2 to its trial
+    repo.repository.refresh()
     update = status_when(durable_broker, daemon, lambda s: s["update"]["state"] == "trial", "v2 on trial")["update"]
     assert update["last_refusal"] is None, "the status no longer says refused"
     assert "the refusal of v2 (tampered) no longer applies" in daemon.log_text()

@@ -100,7 +100,7 @@ def sign_archive(repo: UpdateRepo, version: int, tar: Path) -> None:
     def replace(targets: Any) -> None:
         targets.targets[path] = info
 
-    repo.repository._sign(replace, None)
+    repo.repository._sign(repo.repository._current(), replace, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

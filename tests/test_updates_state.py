@@ -290,7 +290,8 @@ def test_once_the_repository_is_fixed_the_status_no_longer_says_refused(
     assert agent.status()["last_refusal"]["reason"] == "tampered" and agent.counts["unreachable"] == 1
     hidden.rename(repo.directory)
 
-    archive.write_bytes(whole)  # the repository is fixed: the next check goes through
+    archive.write_bytes(whole)  # the repository is fixed, and re-signed (`edgeline publish --refresh`)
+    repo.repository.refresh()
     agent.check_once()
     status = agent.status()
     assert status["last_refusal"] is None and status["state"] == "self-test", status

@@ -127,9 +127,14 @@ class UpdateClient:
         self.downloads = work / "downloads"
         fetcher = LocalFetcher if self.local else HttpFetcher
         self.fetcher = fetcher(spool=self.downloads, timeout_s=download_timeout_s)
-        self._spoiled: dict[tuple[int, str, int], str] = {}
-        """Targets refused whole as ``tampered`` (or longer than signed), by (version, signed sha256, signed length),
-        with the refusal: not downloaded again until the repository signs another target for that version."""
+        self._spoiled: dict[tuple[int, str, int, int], str] = {}
+        """Targets refused whole as ``tampered`` (or longer than signed), by (version, signed sha256, signed length,
+        targets metadata version), with the refusal: not downloaded again until the publisher signs the targets
+        metadata again (a fixed repository is re-signed: ``edgeline publish --refresh``, which first checks every
+        archive it signs, or any publish or rollout step; and a gateway refreshes at least as often as timestamps
+        expire)."""
+        self._targets_version = 0
+        """The version of the targets metadata the last check verified."""
 
     def _updater(self) -> Any:
         from tuf.ngclient import Updater
@@ -162,6 +167,7 @@ class UpdateClient:
                 ) from exc
             raise refusal_from(exc, f"repository {self.repository}") from exc
         stored = Metadata[Targets].from_file(str(self.metadata_dir / "targets.json"))
+        self._targets_version = int(stored.signed.version)
         facts = []
         for path, info in stored.signed.targets.items():
             if not path.startswith(f"{name}/"):
@@ -196,7 +202,7 @@ class UpdateClient:
         if cached:
             return Path(cached)
         version, length = offer.facts.version, int(offer.info.length)
-        signed = (version, str(offer.info.hashes.get("sha256", "")), length)
+        signed = (version, str(offer.info.hashes.get("sha256", "")), length, self._targets_version)
         if signed in self._spoiled:
             raise UpdateRefused(self._spoiled[signed], reason="tampered", version=version)
         try:
@@ -211,7 +217,7 @@ class UpdateClient:
                 if error.reason == "tampered" and (
                     isinstance(exc, DownloadLengthMismatchError) or self.fetcher.received >= length
                 ):
-                    message = f"{error} (not downloaded again while its signed metadata stays the same)"
+                    message = f"{error} (not downloaded again until the publisher signs the repository again)"
                     self._spoiled[signed] = message
                     error = UpdateRefused(message, reason="tampered", version=version)
             raise error from exc
