@@ -297,3 +297,20 @@ def test_once_the_repository_is_fixed_the_status_no_longer_says_refused(
     assert status["last_refusal"] is None and status["state"] == "self-test", status
     assert status["refusals"] == {"tampered": 1} and status["refused"] == {}, "counted, never held against v2"
     assert "the refusal of v2 (tampered) no longer applies" in caplog.text
+
+
+def test_a_version_whose_runtime_fails_on_its_golden_inputs_is_refused_for_its_self_test_once(
+    store: Store, tmp_path: Path
+) -> None:
+    """Its model raises at every call (LiteRT: a gather index out of range): the self-test refuses it, remembered, as
+    a trial would count the failures; not an error of the update thread, downloaded again at every check."""
+    repo = UpdateRepo(tmp_path / "updates")
+    repo.publish(2, fail_every_input=True)
+    agent = agent_on(store, repo, store.load())
+    agent.check_once()
+    assert agent.counts["check_errors"] == 0
+    refusal = agent.status()["last_refusal"]
+    assert refusal["reason"] == "self-test" and "gather index out of bounds" in refusal["message"], refusal
+    assert store.load().refused[2]["reason"] == "self-test"
+    agent.check_once()
+    assert agent.counts["check_errors"] == 0 and agent.refusals["self-test"] == 1, "not fetched or tested again"

@@ -234,7 +234,18 @@ class UpdateAgent:
                     f"v{facts.version} cannot be opened: {exc}", reason="malformed", version=facts.version
                 ) from exc
             self._check_same_io(model, facts.version)
-            golden = golden_check(model)
+            try:
+                golden = golden_check(model)
+            except Exception as exc:  # the version's model failed on its own golden inputs (as a trial counts it)
+                raise UpdateRefused(
+                    f"v{facts.version} failed its golden self-test here: {type(exc).__name__}: {exc}"[:500],
+                    reason="self-test", version=facts.version,
+                ) from exc  # fmt: skip
+            if golden["ok"] is None:
+                raise UpdateRefused(
+                    f"v{facts.version} cannot test itself here: {golden.get('reason')}",
+                    reason="self-test", version=facts.version,
+                )  # fmt: skip
             if not golden["ok"]:
                 raise UpdateRefused(
                     f"v{facts.version} failed its golden self-test here: {golden.get('mismatched_samples')} of "
