@@ -15,7 +15,17 @@ from edgeline.cli import main
 from edgeline.errors import UpdateError
 from edgeline.sim.fleet import SimFleet
 from edgeline.updates.policy import Gates
-from edgeline.updates.rollout import Health, load_fleet, regression, waves
+from edgeline.updates.repository import Repository
+from edgeline.updates.rollout import (
+    UNJUDGED,
+    Fleet,
+    FleetDevice,
+    Health,
+    Rollout,
+    load_fleet,
+    regression,
+    waves,
+)
 from tests.mqtt_broker import Broker
 from tests.update_repo import UpdateRepo
 
@@ -60,6 +70,19 @@ def test_a_regression_is_judged_against_the_devices_own_rates_before() -> None:
     ), "three times a 0.3 ms call is still under a millisecond more"
     quiet = health(1000, 10, 990, 50, 2.0)
     assert regression(before, quiet, max_error_increase=0.02, max_anomaly_increase=0.05) is None, "no inputs: no rate"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("reason", "state"), [("no-room", "no-room"), ("timeout", "timeout"), ("tampered", "waiting")])
+def test_a_device_refusing_the_version_for_now_is_judged_by_why(tmp_path: Path, reason: str, state: str) -> None:
+    """A device that has no room for the version, or whose download of it did not finish in time, says nothing of
+    the version: left out of the failure rate, as one out of reach is; other refusals for now keep it waiting."""
+    fleet = Fleet(device=(FleetDevice(id="d1"),))
+    rollout = Rollout(repository=Repository(tmp_path / "repo", tmp_path / "keys"), fleet=fleet, name="tiny", version=2)
+    refusal = {"version": 2, "reason": reason, "message": "why"}
+    outcome = rollout._outcome("d1", {"update": {"last_refusal": refusal, "refused": {}}}, None, was_reporting=True)
+    assert outcome.state == state and outcome.detail == f"refused ({reason}): why"
+    assert (state in UNJUDGED) == (reason != "tampered")
 
 
 @pytest.mark.quick

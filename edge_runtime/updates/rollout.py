@@ -13,7 +13,8 @@ directory and the targets, snapshot and timestamp keys.
 
 A device that was reporting before its wave and stops reporting during it counts as failed (a version that kills
 the daemon looks like this); a device never heard from is "unreachable", and one without the disk or memory for the
-version now is "no-room" (it takes the version once it has room): both are said and left out of the rate. A wave
+version now is "no-room" (it takes the version once it has room), and one whose download of it did not finish in
+time is "timeout": all are said and left out of the rate. A wave
 that no device could judge stops the rollout without revoking anything.
 """
 
@@ -204,14 +205,14 @@ class StatusWatch:
         self.client.loop_stop()
 
 
-UNJUDGED = frozenset({"unreachable", "no-room"})
+UNJUDGED = frozenset({"unreachable", "no-room", "timeout"})
 """Outcomes that say nothing of the version: said, and left out of a wave's failure rate."""
 
 
 @dataclass
 class Outcome:
     device: str
-    state: str  # committed | failed | unreachable | no-room | waiting
+    state: str  # committed | failed | unreachable | no-room | timeout | waiting
     detail: str = ""
 
     def as_dict(self) -> dict[str, str]:
@@ -324,8 +325,10 @@ class Rollout:
         last_refusal = update.get("last_refusal") or {}
         if last_refusal.get("version") == self.version:  # refused for now: the device tries again at each check
             detail = f"refused ({last_refusal.get('reason')}): {last_refusal.get('message')}"
-            # a full disk says nothing of the version: left out of the rate, like a device out of reach
-            return Outcome(device, "no-room" if last_refusal.get("reason") == "no-room" else "waiting", detail)
+            # a full disk or a link too slow for the archive says nothing of the version: left out of the rate, like
+            # a device out of reach
+            reason = last_refusal.get("reason")
+            return Outcome(device, reason if reason in ("no-room", "timeout") else "waiting", detail)
         return Outcome(device, "waiting", str((update.get("last") or {}).get("step", "")))
 
     def _await_outcomes(self, watch: StatusWatch, wave: list[str], baseline: dict[str, Health]) -> None:
