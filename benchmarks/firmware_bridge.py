@@ -276,9 +276,10 @@ class SlowDaemon:
     bridge_exit: int
 
 
-def slow_daemon_row(broker: Broker, scratch: Path, data: Path, boards: int, total: int) -> SlowDaemon:
+def slow_daemon_row(broker: Broker, scratch: Path, data: Path, boards: int, total: int, window: bool) -> SlowDaemon:
+    """``window`` False: ``--max-unanswered 0``, the bridge as it was before its window (for comparison)."""
     count = max(1, total // boards)
-    instance = f"slow-{boards}"
+    instance = f"slow-{boards}-{'window' if window else 'off'}"
     with ExitStack() as stack:
         started = []
         for i in range(boards):
@@ -289,19 +290,27 @@ def slow_daemon_row(broker: Broker, scratch: Path, data: Path, boards: int, tota
         holder: list[Command] = []
         watch = StatusWatch(broker, instance, lambda: holder[0].pid if holder else None)
         stack.callback(watch.close)
+        more = () if window else ("--max-unanswered", "0")
         bridge = stack.enter_context(command(scratch, instance, *bridge_args([b.url for b in started], broker,
-                                                                             instance)))  # fmt: skip
+                                                                             instance, *more)))  # fmt: skip
         holder.append(bridge)
 
         def all_answered() -> bool:
             return (
                 all((s := b.session) is not None and s.done and s.stats()["answered"] >= count for b in started)
                 or bridge.process.poll() is not None
+                or stuck()
             )
+
+        def stuck() -> bool:
+            """Every board done, and no answer for 5 status messages (1 s): what is not answered now never will be."""
+            routed = [s.status["counts"].get("answers_routed") for s in watch.snapshots[-6:]]
+            boards_done = all((s := b.session) is not None and s.done for b in started)
+            return boards_done and len(routed) == 6 and len(set(routed)) == 1
 
         began = time.monotonic()
         wait_until(all_answered, ROW_TIMEOUT_S)
-        window = time.monotonic() - began
+        elapsed_s = time.monotonic() - began
         seen = len(watch.snapshots)
         wait_until(lambda: len(watch.snapshots) > seen + 1, 5.0)  # a status after the last answer
         exit_code = bridge.stop()
@@ -318,12 +327,12 @@ def slow_daemon_row(broker: Broker, scratch: Path, data: Path, boards: int, tota
         answered=answered,
         resent=sum(int(s.get("resent", 0)) for s in stats),
         done=all(bool(s.get("done")) for s in stats),
-        rate=answered / window,
+        rate=answered / elapsed_s,
         max_in_flight=max(int(s.status.get("in_flight", 0)) for s in watch.snapshots),
         max_acks_held=max(int(s.status.get("acks_held", 0)) for s in watch.snapshots),
         counts=final.status["counts"],
         samples=final.status.get("samples", {}),
-        window_s=window,
+        window_s=elapsed_s,
         bridge_exit=exit_code,
     )
 
@@ -427,11 +436,14 @@ def daemon(broker: Broker, scratch: Path, config: str = "") -> Iterator[Command]
 
 COLUMNS = {
     "samples acked / sent (lost)": "the boards' own counters at the end (reliable mode: acked = the bridge said the "
-    "broker has it); lost = samples asked for - acked",
+    "broker has it); lost = samples asked for - acked; in the stock-broker rows, samples asked for - samples the "
+    "boards say were answered",
     "resent": "frames the boards sent again (go-back-N: the whole window of 8 after 500 ms without an ACK, or "
     "after a HELLO_REQUEST); the boards start before the bridge, so a second or so of start-up resends is in it",
     "samples/s": "the bridge's `published` (samples the broker acknowledged; one sample per SAMPLES frame) per "
-    "second of the bridge's uptime, between its first and last status message of the steady state",
+    "second of the bridge's uptime, between its first and last status message of the steady state; in the "
+    "stock-broker rows, samples the boards say were answered per second from the bridge's start to the last answer "
+    "(with the daemon at `[queue] max_batch = 1`, `[outbox] commit_interval_s = 0.05`: slower than the boards)",
     "bridge CPU µs/sample": "user + sys CPU of the `edgeline bridge` process (all threads) over the same window, "
     "per published sample",
     "bridge CPU / boards' CPU": "the same CPU per wall second (100% = one core); boards' CPU is this script's "
@@ -519,20 +531,26 @@ def main() -> int:
                     + (f"; {trip.extra}" if trip.extra else "")
                 )
                 print(f"round trip, {kind}: {trip}", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="edgeline-fwb-") as tmp, running_broker(stock=True) as broker:
-        scratch = Path(tmp)
-        data = make_data(scratch / "samples.npz")
-        with daemon(broker, scratch, SLOW_DAEMON):
-            slow = slow_daemon_row(broker, scratch, data, args.slow_boards, args.slow_samples)
+    for window in (True, False):  # a fresh broker and daemon each: nothing queued from the other run
+        with (
+            tempfile.TemporaryDirectory(prefix="edgeline-fwb-") as tmp,
+            running_broker(stock=True) as broker,
+        ):
+            scratch = Path(tmp)
+            data = make_data(scratch / "samples.npz")
+            with daemon(broker, scratch, SLOW_DAEMON):
+                slow = slow_daemon_row(broker, scratch, data, args.slow_boards, args.slow_samples, window)
         lost = slow.count * slow.boards - slow.answered
         dropped = slow.samples.get("dropped", {})
+        setting = "window 500 (default)" if window else "no window (--max-unanswered 0: the bridge before it)"
         rows.append((
-            "stock Mosquitto (max_queued_messages 1,000), daemon slower than the boards (PythonBoards on loopback TCP, "
-            "unpaced, reliable)", str(slow.boards), f"{slow.acked} / {slow.sent} ({lost} not answered)",
+            f"stock Mosquitto (max_queued_messages 1,000), daemon slower than the boards, {setting} (PythonBoards on "
+            "loopback TCP, unpaced, reliable)", str(slow.boards), f"{slow.acked} / {slow.sent} ({lost} not answered)",
             str(slow.resent), f"{slow.rate:.0f} answered", "-", "-", "-", "-", "-", "-",
         ))  # fmt: skip
         notes.append(
-            f"stock broker, {slow.boards} boards x {slow.count} samples: boards say answered {slow.answered} of "
+            f"stock broker, {setting}, {slow.boards} boards x {slow.count} samples: boards say answered "
+            f"{slow.answered} of "
             f"{slow.count * slow.boards} in {slow.window_s:.1f} s; the bridge's window peaked at in_flight "
             f"{slow.max_in_flight} with {slow.max_acks_held} ACKs held (the daemon behind the boards); samples "
             f"{slow.samples}; published {slow.counts.get('published')}, answers_routed "

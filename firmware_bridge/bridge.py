@@ -83,6 +83,10 @@ CLAIMS = "edgeline/board-claims/{device}"
 LIVE_S = 3.0
 """A board heard this recently is live (it sends a HEARTBEAT at least once a second): only live boards are claimed."""
 TICK_S = 0.5
+UNKNOWN_DAEMON = "a daemon not known yet"
+"""The window of every board before any daemon answered: one, as if one daemon served them all (the common case,
+and the safe guess: a window per board would let a daemon's queue take a window from each). Then a board no daemon
+has answered yet counts in the window of the first daemon that answered any."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,9 @@ class Bridge:
         self._unacknowledged = 0
         self.window = AnswerWindow(options.max_unanswered, options.answer_timeout_s, MAX_TRACKED)
         self._answerer: dict[str, str] = {}
-        """Each board's window key: the daemon that last answered it, once one has."""
+        """Each board's window key: the first daemon that answered it."""
+        self._first_daemon = UNKNOWN_DAEMON
+        """The window key of a board no daemon has answered yet."""
         self._early: OrderedDict[str, deque[bytes]] = OrderedDict()
         """Answers that came before their board's HELLO, by device: sent down at its HELLO."""
         self._claims: dict[tuple[str, str], int] = {}
@@ -309,7 +315,7 @@ class Bridge:
             return
         failed = partial(link.retake, frame.stream, frame.seq)
         arrived = time.monotonic()
-        key = self._answerer.get(board.device) or self.options.answers.format(device=board.device)
+        key = self._answerer.get(board.device, self._first_daemon)
         for index, sample in enumerate(samples):
             if not frame.ack_requested and self.window.full(key):  # a reliable frame's ACK waits instead (safe)
                 self.metrics.count("dropped_backpressure")
@@ -322,7 +328,7 @@ class Bridge:
             pushed = self.window.enter(f"{board.device} {ident}", key, arrived)  # ids repeat across boards
             if pushed:
                 self.metrics.count("unanswered", pushed)
-            done = partial(self._published, f"{board.device} {ident}", key, safe[index],
+            done = partial(self._published, f"{board.device} {ident}", safe[index],
                            failed if frame.ack_requested else None, arrived)  # fmt: skip
             self.connection.publish(topic, sample_payload(ident, sample), qos=self.options.qos, done=done)
 
@@ -344,7 +350,7 @@ class Bridge:
         return True
 
     def _published(
-        self, ident: str, key: str, safe: Callable[[], None], failed: Callable[[], None] | None, arrived: float,
+        self, ident: str, safe: Callable[[], None], failed: Callable[[], None] | None, arrived: float,
         ok: bool, reason: str | None,
     ) -> None:  # fmt: skip
         with self._lock:
@@ -353,7 +359,7 @@ class Bridge:
         if ok:
             self.metrics.count("published")
             self.metrics.observe("publish", time.monotonic() - arrived)
-            self.window.when_room(key, safe)
+            self.window.when_room(ident, safe)
             return
         self.window.forget(ident)
         self.metrics.count("publish_failed")
@@ -419,8 +425,11 @@ class Bridge:
         if arrived is not None:
             self.metrics.count("answered")
             answerer = record.get("instance") if isinstance(record, dict) else None
-            if isinstance(answerer, str) and answerer:
+            if isinstance(answerer, str) and answerer and device not in self._answerer:
                 self._answerer[device] = f"daemon {answerer}"
+                if self._first_daemon == UNKNOWN_DAEMON:
+                    self._first_daemon = self._answerer[device]
+                    self.window.rekey(UNKNOWN_DAEMON, self._first_daemon)
         link = self.boards.get(device)
         board = link.board if link is not None else None
         if link is None or board is None or board.device != device:

@@ -3,7 +3,8 @@
 A broker acknowledges a publish, then keeps it for a slow subscriber only up to a limit (Mosquitto's default
 ``max_queued_messages``: 1,000 per client), and drops the rest without telling the publisher. The broker's PUBACK is
 therefore not "safe" with a daemon slower than the boards; an answer is. ``AnswerWindow`` counts, per key (the
-daemon that answers, or the answer topic while none has), the samples published and not yet answered; above its high
+daemon that answers; one shared key for boards whose daemon is not known yet), the samples published and not yet
+answered; above its high
 water mark the bridge holds the ACKs of reliable frames (``when_room``: the board's window holds the samples, and
 it waits) and drops unreliable samples (``full``: counted). Each sample leaves the window once: answered, refused by
 the broker, or not answered within the timeout (the broker or the daemon lost it: counted, never silent).
@@ -61,11 +62,13 @@ class AnswerWindow:
         self._leave(pushed)
         return len(pushed)
 
-    def when_room(self, key: str, safe: Callable[[], None]) -> None:
-        """Call ``safe`` (the sample's ACK may go to its board) now if the window of ``key`` is at or below its high
-        water mark, else once answers have brought it there."""
+    def when_room(self, ident: str, safe: Callable[[], None]) -> None:
+        """Call ``safe`` (the sample's ACK may go to its board) now if the window the sample is in is at or below its
+        high water mark (or the sample has left it), else once answers have brought it there."""
         with self._lock:
-            if 0 < self.high_water < self._open[key]:
+            entry = self._entries.get(ident)
+            key = entry[0] if entry is not None else None
+            if key is not None and 0 < self.high_water < self._open[key]:
                 self._held.setdefault(key, deque()).append(safe)
                 return
         safe()
@@ -101,6 +104,20 @@ class AnswerWindow:
         self._leave(keys)
         return len(keys)
 
+    def rekey(self, old: str, new: str) -> None:
+        """The samples of ``old`` count for ``new`` from now on (the daemon that answers them is known now)."""
+        with self._lock:
+            if old == new or old not in self._open:
+                return
+            for ident, (key, arrived) in self._entries.items():
+                if key == old:
+                    self._entries[ident] = (new, arrived)
+            self._open[new] += self._open.pop(old)
+            waiting = self._held.pop(old, None)
+            if waiting:
+                self._held.setdefault(new, deque()).extend(waiting)
+        self._leave([])
+
     def _leave(self, keys: list[str]) -> None:
         released: list[Callable[[], None]] = []
         with self._lock:
@@ -108,9 +125,7 @@ class AnswerWindow:
                 self._open[key] -= 1
                 if self._open[key] <= 0:
                     del self._open[key]
-                waiting = self._held.get(key)
-                if waiting and self._open[key] <= self.high_water:
-                    released.extend(waiting)
-                    del self._held[key]
+            for key in [key for key in self._held if self._open[key] <= self.high_water]:
+                released.extend(self._held.pop(key))
         for safe in released:
             safe()

@@ -43,7 +43,7 @@ def test_the_window_holds_acks_above_its_mark_and_releases_them_as_answers_come(
     acked: list[int] = []
     for i in range(4):
         window.enter(f"s{i}", "d", arrived=0.0)
-        window.when_room("d", lambda i=i: acked.append(i))
+        window.when_room(f"s{i}", lambda i=i: acked.append(i))
     assert acked == [0, 1] and window.full("d") and window.held == 2 and not window.full("other")
     window.enter("s0", "d", arrived=0.0)  # a resend of a sample in the window: not counted twice
     assert window.in_flight == 4
@@ -52,6 +52,16 @@ def test_the_window_holds_acks_above_its_mark_and_releases_them_as_answers_come(
     window.forget("s1")  # the broker refused it
     assert acked == [0, 1, 2, 3] and window.held == 0
     assert window.expire(now=5.0) == 0 and window.expire(now=10.0) == 2 and window.in_flight == 0
+    for i in range(3):  # boards whose daemon is not known yet share one window, moved to the daemon once known
+        window.enter(f"u{i}", "unknown", arrived=20.0)
+        window.when_room(f"u{i}", lambda i=i: acked.append(10 + i))
+    window.enter("k0", "daemon a", arrived=20.0)
+    window.rekey("unknown", "daemon a")
+    assert window.full("daemon a") and not window.full("unknown") and window.held == 1 and acked[-2:] == [10, 11]
+    window.answered("k0")
+    assert window.held == 1  # 3 in the window of daemon a: above the mark
+    window.answered("u0")
+    assert acked[-1] == 12 and window.held == 0 and window.in_flight == 2
 
 
 @pytest.mark.quick
