@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from edgeline.firmware_bridge.link import parse_hello
 from edgeline.firmware_bridge.window import AnswerWindow
 from edgeline.sim.board import BoardOptions, PythonBoard, Uart
 from tests import test_firmware_bridge as end_to_end
-from tests.mqtt_broker import Broker, Collector
+from tests.mqtt_broker import Broker, Collector, free_port
 from tests.serial_faults import FrameRelay
 from tests.test_firmware_bridge import BOARDS, HELLO, TIMEOUT_S, Process, make_board
 from tests.waiting import wait_until
@@ -188,21 +190,24 @@ def test_reliable_samples_are_all_answered_through_a_stock_broker_with_a_daemon_
 
 
 @pytest.mark.integration
+@pytest.mark.workstation  # /metrics needs prometheus-client (the metrics extra)
 def test_unreliable_samples_the_window_has_no_room_for_are_dropped_and_counted_never_lost_silently(
     built_litert_bundle: Path, board_data: Path, stock_broker: Broker, watch: Watch, tmp_path: Path,
     processes: list[Process],
 ) -> None:  # fmt: skip
     """Unreliable samples, faster than the daemon takes them (it is stopped while the board sends): those past the
     window are dropped by the bridge and counted (``dropped_backpressure``); every other one is answered. Before,
-    the broker dropped what its queue had no room for, and the bridge said ``published N, publish_failed 0``."""
+    the broker dropped what its queue had no room for, and the bridge said ``published N, publish_failed 0``. The
+    counters reconcile, in the status message and on /metrics."""
     count = 12_000  # 6 s at 2 kHz: the bridge, started after the board, takes over 1,500 while the daemon is stopped
     board = PythonBoard(BoardOptions("slow-2", rate_hz=2000, count=count, reliable=False), board_data, Uart.SOCKET)
     with board:
         processes.append(daemon := start_daemon(built_litert_bundle, stock_broker, tmp_path / "state", watch))
         with stopped(daemon):
-            processes.append(gateway := bridge(board.url, stock_broker, "gw"))
-            taken = wait_until(lambda: watch.counts("gw").get("serial_samples", 0) > 1500, TIMEOUT_S)
-            assert taken, f"the bridge took {watch.counts('gw').get('serial_samples')} while the daemon was stopped"
+            metrics_port = free_port()
+            processes.append(gateway := bridge(board.url, stock_broker, "gw", "--prometheus-port", str(metrics_port)))
+            behind = wait_until(lambda: watch.counts("gw").get("serial_samples", 0) > 1500, TIMEOUT_S)
+            assert behind, f"the bridge took {watch.counts('gw').get('serial_samples')} while the daemon was stopped"
         assert wait_until(lambda: watch.board_stats("gw").get("done"), TIMEOUT_S), "the board did not finish"
 
         def accounted() -> int:
@@ -211,6 +216,7 @@ def test_unreliable_samples_the_window_has_no_room_for_are_dropped_and_counted_n
 
         wait_until(lambda: accounted() >= watch.counts("gw")["serial_samples"] and reconciled(watch.status("gw")), 60)
         stats, status = watch.board_stats("gw"), watch.status("gw")
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
         code, _, err = gateway.stop()
     assert code == 0, err[-3000:]
     counts = status["counts"]
@@ -221,6 +227,10 @@ def test_unreliable_samples_the_window_has_no_room_for_are_dropped_and_counted_n
     assert counts["dropped_backpressure"] > 0 and counts["unanswered"] == 0, counts
     assert reconciled(status), status["samples"]
     assert status["samples"]["answered"] == stats["answered"]
+    scraped = {m[0]: float(m[1]) for m in re.findall(r"^edgeline_(\w+?)(?:_total)?\{[^}]*\} (\S+)$", metrics, re.M)}
+    dropped = ("dropped_backpressure", "publish_failed", "unpublished_at_stop", "unanswered", "dropped_topic")
+    assert scraped["serial_samples"] == scraped["answered"] + sum(scraped[n] for n in dropped) + scraped["in_flight"]
+    assert scraped["serial_samples"] == taken and scraped["dropped_backpressure"] == counts["dropped_backpressure"]
 
 
 @pytest.mark.integration
