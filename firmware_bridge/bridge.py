@@ -47,6 +47,7 @@ from edgeline.daemon.health import Metrics, MetricsServer
 from edgeline.daemon.mqtt import MqttConnection
 from edgeline.daemon.topics import topic_problem
 from edgeline.errors import EdgelineError
+from edgeline.firmware_bridge.claims import Claims
 from edgeline.firmware_bridge.link import Board, BoardLink, StreamSpec, input_id, parse_input_id, sum_counters
 from edgeline.firmware_bridge.protocol import Frame
 from edgeline.firmware_bridge.source import sample_payload
@@ -78,8 +79,6 @@ DEFAULT_ANSWER_TIMEOUT_S = 60.0
 MAX_EARLY_ANSWERS = 1024
 """Answers kept per board before its HELLO (a restarted bridge's session delivers them first), at most."""
 MAX_EARLY_DEVICES = 64
-CLAIMS = "edgeline/board-claims/{device}"
-"""Where each bridge claims the boards it serves (retained): two live claims of one name are twins."""
 LIVE_S = 3.0
 """A board heard this recently is live (it sends a HEARTBEAT at least once a second): only live boards are claimed."""
 TICK_S = 0.5
@@ -150,7 +149,8 @@ class Bridge:
             config, client_id=f"edgeline-bridge-{self.instance}", will=(self.availability_topic, b"offline")
         )
         self.connection.subscribe([], options.qos, self._on_answer)
-        self.connection.add_subscription(CLAIMS.format(device="+"), 1)
+        self.claims = Claims(self.instance, partial(self.connection.publish, qos=1, retain=True))
+        self.connection.add_subscription(self.claims.topic_filter, 1)
         self.boards: dict[str, BoardLink] = {}
         self._config_topics: dict[str, str] = {}
         """Each board's config topic, to its device."""
@@ -165,9 +165,6 @@ class Bridge:
         """The window key of a board no daemon has answered yet."""
         self._early: OrderedDict[str, deque[bytes]] = OrderedDict()
         """Answers that came before their board's HELLO, by device: sent down at its HELLO."""
-        self._claims: dict[tuple[str, str], int] = {}
-        """The last claim number seen from another bridge, by (device, its instance)."""
-        self._claim_number = 0
         self._stopping = threading.Event()
         self.failed_log = Repeated(log, "samples the broker did not take (not acknowledged to the board)")
         self.unrouted_log = Repeated(log, "answers that name no board of this bridge", level=logging.DEBUG)
@@ -299,7 +296,7 @@ class Bridge:
         config = self._configs.get(board.device)
         if restarted and config is not None:  # it booted with its compiled-in settings: give it the operator's again
             self._configure(link, board.device, config)
-        self._claim(link, board)
+        self.claims.claim(board.device, link.url, board.boot)
         with self._lock:
             early = self._early.pop(board.device, deque())
         for payload in early:
@@ -373,8 +370,8 @@ class Bridge:
             device = self._config_topics.get(topic)
             if device is not None:
                 self._board_config(device, payload)
-            elif topic.startswith(CLAIMS.format(device="")):
-                self._claimed(topic[len(CLAIMS.format(device="")) :], payload)
+            elif topic.startswith(self.claims.prefix):
+                self._claimed(topic, payload)
             else:
                 self._route(payload, topic)
         finally:
@@ -462,39 +459,25 @@ class Bridge:
             kept.append(payload)
         self.metrics.count("answers_before_hello")
 
-    # -- twins: one name claimed by boards on two bridges -----------------------------------------------------
-    def _claim(self, link: BoardLink, board: Board) -> None:
-        self._claim_number += 1
-        claim = {"instance": self.instance, "port": link.url, "boot": board.boot, "n": self._claim_number}
-        self.connection.publish(CLAIMS.format(device=board.device), orjson.dumps(claim), qos=1, retain=True)
-
+    # -- twins: one name claimed by boards on two bridges (claims.py) -----------------------------------------
     def _claim_live_boards(self) -> None:
-        """Claimed again at every status message: a claim that changes is a live bridge's (a retained one may be
-        a bridge's that is gone)."""
+        """Claimed again at every status message: a claim that changes is a live bridge's."""
         for link in self.links:
             board = link.board
             if board is not None and self._live(link):
-                self._claim(link, board)
+                self.claims.claim(board.device, link.url, board.boot)
 
     @staticmethod
     def _live(link: BoardLink) -> bool:
         return link.connected.is_set() and link.last_heard is not None and time.monotonic() - link.last_heard < LIVE_S
 
-    def _claimed(self, device: str, payload: bytes) -> None:
-        try:
-            claim = orjson.loads(payload)
-        except orjson.JSONDecodeError:
+    def _claimed(self, topic: str, payload: bytes) -> None:
+        twin = self.claims.received(topic, payload)
+        link = self.boards.get(twin[0]) if twin is not None else None
+        if twin is None or link is None or not self._live(link):
             return
-        if not isinstance(claim, dict) or claim.get("instance") in (None, self.instance):
-            return
-        other, number = str(claim.get("instance")), claim.get("n")
-        seen = self._claims.get((device, other))
-        self._claims[(device, other)] = number if isinstance(number, int) else 0
-        link = self.boards.get(device)
-        if seen is None or seen == number or link is None or not self._live(link):
-            return  # the first one may be retained (a bridge gone since); the next one, changed, is live
-        if self.twin_log.happened(1, f"{device} on {link.url} here and on bridge {other} ({claim.get('port')})",
-                                  key=(device, other)):  # fmt: skip
+        device, other, port = twin
+        if self.twin_log.happened(1, f"{device} on {link.url} here and on bridge {other} ({port})", key=twin[:2]):
             self.metrics.count("duplicate_devices")
 
 

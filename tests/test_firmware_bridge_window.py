@@ -92,6 +92,20 @@ def test_an_answer_goes_only_to_this_bridges_board_of_its_boot_and_waits_for_its
     assert (counts["answers_other_bridge"], counts["answers_earlier_boot"], counts["answers_routed"]) == (1, 1, 2)
 
 
+@pytest.mark.quick
+def test_a_claim_of_another_bridge_is_a_twin_once_it_changes_a_retained_one_alone_is_not() -> None:
+    from edgeline.firmware_bridge.claims import Claims
+
+    sent: list[tuple[str, bytes]] = []
+    here, there = Claims("gw-a", lambda t, p: sent.append((t, p))), Claims("gw-b", lambda t, p: sent.append((t, p)))
+    there.claim("twin", "/dev/ttyACM0", 0)
+    assert here.received(*sent[-1]) is None  # the first seen may be a retained claim of a bridge gone since
+    there.claim("twin", "/dev/ttyACM0", 0)
+    assert here.received(*sent[-1]) == ("twin", "gw-b", "/dev/ttyACM0")
+    here.claim("twin", "/dev/ttyUSB1", 0)
+    assert here.received(*sent[-1]) is None and here.received(sent[-1][0], b"not json") is None
+
+
 # -- end to end ----------------------------------------------------------------------------------------------
 
 
