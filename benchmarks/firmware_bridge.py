@@ -10,6 +10,13 @@ reads the bridge's CPU (``/proc/PID/stat``: user + sys), its own (the boards' th
 are taken between the first and the last status message with ``0 < published < total``: the steady state, without
 start-up and tail.
 
+Slow-daemon row: N ``PythonBoard``s (reliable, unpaced) through a *stock* Mosquitto (its default
+``max_queued_messages``, 1,000 per client) to ``edgeline run tests/data/tiny-int8``, which answers fewer samples a
+second than the boards offer. The bridge's window (``--max-unanswered``, default 500) holds the boards' ACKs while
+the daemon is behind; lost = samples asked for - samples the boards say were answered (0 is the goal: before the
+window, the broker dropped what did not fit its queue). The row reports the highest ``in_flight`` and ``acks_held``
+the bridge's status showed, which says whether the daemon was in fact slower than the boards.
+
 Latency rows: one board (the C firmware on QEMU's mps2-an386, and a ``PythonBoard`` for comparison), reliable, at
 ``--rate`` Hz, with ``edgeline run tests/data/tiny-int8`` (default topics) answering; the figure is the bridge's own
 ``total`` stage: from the moment the bridge decoded the SAMPLES frame (after reading it from the port) to the moment
@@ -161,9 +168,9 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
-def bridge_args(urls: list[str], broker: Broker, instance: str) -> list[str]:
+def bridge_args(urls: list[str], broker: Broker, instance: str, *more: str) -> list[str]:
     return ["bridge", *urls, "--broker", broker.address, "--instance", instance,
-            "--status-interval", str(STATUS_INTERVAL_S)]  # fmt: skip
+            "--status-interval", str(STATUS_INTERVAL_S), *more]  # fmt: skip
 
 
 # -- throughput ----------------------------------------------------------------------------------------------
@@ -200,8 +207,10 @@ def throughput_row(broker: Broker, scratch: Path, data: Path, boards: int, total
         holder: list[Command] = []
         watch = StatusWatch(broker, instance, lambda: holder[0].pid if holder else None)
         stack.callback(watch.close)
-        bridge = stack.enter_context(
-            command(scratch, instance, *bridge_args([b.url for b in started], broker, instance))
+        bridge = stack.enter_context(  # no daemon answers: the window (samples not answered) is off
+            command(
+                scratch, instance, *bridge_args([b.url for b in started], broker, instance, "--max-unanswered", "0")
+            )
         )
         holder.append(bridge)
 
@@ -242,6 +251,88 @@ def throughput_row(broker: Broker, scratch: Path, data: Path, boards: int, total
         machine_pct=busy / jiffies * 100 if jiffies else 0.0,
         publish_ms=(publish_stage["p50"], publish_stage["p99"]),
         window_s=window,
+        bridge_exit=exit_code,
+    )
+
+
+# -- a stock broker and a daemon slower than the boards ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlowDaemon:
+    boards: int
+    count: int
+    sent: int
+    acked: int
+    answered: int
+    resent: int
+    done: bool
+    rate: float
+    max_in_flight: int
+    max_acks_held: int
+    counts: dict[str, Any]
+    samples: dict[str, Any]
+    window_s: float
+    bridge_exit: int
+
+
+def slow_daemon_row(broker: Broker, scratch: Path, data: Path, boards: int, total: int, window: bool) -> SlowDaemon:
+    """``window`` False: ``--max-unanswered 0``, the bridge as it was before its window (for comparison)."""
+    count = max(1, total // boards)
+    instance = f"slow-{boards}-{'window' if window else 'off'}"
+    with ExitStack() as stack:
+        started = []
+        for i in range(boards):
+            board = PythonBoard(BoardOptions(f"slow{boards}-{i}", MAX_RATE_HZ, count, reliable=True), data)
+            stack.callback(board.stop)
+            board.start()
+            started.append(board)
+        holder: list[Command] = []
+        watch = StatusWatch(broker, instance, lambda: holder[0].pid if holder else None)
+        stack.callback(watch.close)
+        more = () if window else ("--max-unanswered", "0")
+        bridge = stack.enter_context(command(scratch, instance, *bridge_args([b.url for b in started], broker,
+                                                                             instance, *more)))  # fmt: skip
+        holder.append(bridge)
+
+        def all_answered() -> bool:
+            return (
+                all((s := b.session) is not None and s.done and s.stats()["answered"] >= count for b in started)
+                or bridge.process.poll() is not None
+                or stuck()
+            )
+
+        def stuck() -> bool:
+            """Every board done, and no answer for 5 status messages (1 s): what is not answered now never will be."""
+            routed = [s.status["counts"].get("answers_routed") for s in watch.snapshots[-6:]]
+            boards_done = all((s := b.session) is not None and s.done for b in started)
+            return boards_done and len(routed) == 6 and len(set(routed)) == 1
+
+        began = time.monotonic()
+        wait_until(all_answered, ROW_TIMEOUT_S)
+        elapsed_s = time.monotonic() - began
+        seen = len(watch.snapshots)
+        wait_until(lambda: len(watch.snapshots) > seen + 1, 5.0)  # a status after the last answer
+        exit_code = bridge.stop()
+        stats = [b.session.stats() if b.session is not None else {} for b in started]
+    final = watch.last()
+    if final is None:
+        raise RuntimeError(f"slow daemon: no status from the bridge; its log:\n{bridge.tail()}")
+    answered = sum(int(s.get("answered", 0)) for s in stats)
+    return SlowDaemon(
+        boards=boards,
+        count=count,
+        sent=sum(int(s.get("sent", 0)) for s in stats),
+        acked=sum(int(s.get("acked", 0)) for s in stats),
+        answered=answered,
+        resent=sum(int(s.get("resent", 0)) for s in stats),
+        done=all(bool(s.get("done")) for s in stats),
+        rate=answered / elapsed_s,
+        max_in_flight=max(int(s.status.get("in_flight", 0)) for s in watch.snapshots),
+        max_acks_held=max(int(s.status.get("acks_held", 0)) for s in watch.snapshots),
+        counts=final.status["counts"],
+        samples=final.status.get("samples", {}),
+        window_s=elapsed_s,
         bridge_exit=exit_code,
     )
 
@@ -316,13 +407,19 @@ def round_trip_row(
     )
 
 
+SLOW_DAEMON = "[queue]\nmax_batch = 1\n[outbox]\ncommit_interval_s = 0.05\n"
+"""A daemon slower than unpaced boards: one input per batch, its outbox committed every 50 ms."""
+
+
 @contextmanager
-def daemon(broker: Broker, scratch: Path) -> Iterator[Command]:
+def daemon(broker: Broker, scratch: Path, config: str = "") -> Iterator[Command]:
     """``edgeline run`` on the bundle with its default topics, once it is online (subscribed)."""
     instance = f"fwb-daemon-{os.getpid()}"
     online = Collector(broker, f"edgeline/+/{instance}/availability")
+    settings = scratch / "daemon.toml"
+    settings.write_text(config)
     try:
-        args = ("run", str(BUNDLE), "--broker", broker.address, "--instance", instance,
+        args = ("run", str(BUNDLE), "--broker", broker.address, "--instance", instance, "--config", str(settings),
                 "--state-dir", str(scratch / "daemon-state"))  # fmt: skip
         with command(scratch, "daemon", *args) as running:
             if not wait_until(lambda: b"online" in online.payloads or running.process.poll() is not None,
@@ -339,11 +436,14 @@ def daemon(broker: Broker, scratch: Path) -> Iterator[Command]:
 
 COLUMNS = {
     "samples acked / sent (lost)": "the boards' own counters at the end (reliable mode: acked = the bridge said the "
-    "broker has it); lost = samples asked for - acked",
+    "broker has it); lost = samples asked for - acked; in the stock-broker rows, samples asked for - samples the "
+    "boards say were answered",
     "resent": "frames the boards sent again (go-back-N: the whole window of 8 after 500 ms without an ACK, or "
     "after a HELLO_REQUEST); the boards start before the bridge, so a second or so of start-up resends is in it",
     "samples/s": "the bridge's `published` (samples the broker acknowledged; one sample per SAMPLES frame) per "
-    "second of the bridge's uptime, between its first and last status message of the steady state",
+    "second of the bridge's uptime, between its first and last status message of the steady state; in the "
+    "stock-broker rows, samples the boards say were answered per second from the bridge's start to the last answer "
+    "(with the daemon at `[queue] max_batch = 1`, `[outbox] commit_interval_s = 0.05`: slower than the boards)",
     "bridge CPU µs/sample": "user + sys CPU of the `edgeline bridge` process (all threads) over the same window, "
     "per published sample",
     "bridge CPU / boards' CPU": "the same CPU per wall second (100% = one core); boards' CPU is this script's "
@@ -379,11 +479,15 @@ def main() -> int:
     )
     parser.add_argument("--rate", type=float, default=10.0, help="round-trip rows: samples per second (default 10)")
     parser.add_argument("--count", type=int, default=200, help="round-trip rows: samples (default 200)")
+    parser.add_argument(
+        "--slow-boards", type=int, default=4, help="the slow-daemon row (stock broker): boards (default 4)"
+    )
+    parser.add_argument("--slow-samples", type=int, default=8000, help="the slow-daemon row: samples (default 8000)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 400 samples per row, 40 round trips")
     parser.add_argument("--write", type=Path, help="also write the table (markdown) here")
     args = parser.parse_args()
     if args.quick:
-        args.samples, args.count, args.rate = 400, 40, 20.0
+        args.samples, args.count, args.rate, args.slow_samples = 400, 40, 20.0, 2000
     began = time.monotonic()
     header = ("row", "boards", "samples acked / sent (lost)", "resent", "samples/s", "bridge CPU µs/sample",
               "bridge CPU", "boards' CPU", "machine busy", "publish p50 / p99 ms", "total p50 / p99 ms")  # fmt: skip
@@ -427,6 +531,33 @@ def main() -> int:
                     + (f"; {trip.extra}" if trip.extra else "")
                 )
                 print(f"round trip, {kind}: {trip}", file=sys.stderr)
+    for window in (True, False):  # a fresh broker and daemon each: nothing queued from the other run
+        with (
+            tempfile.TemporaryDirectory(prefix="edgeline-fwb-") as tmp,
+            running_broker(stock=True) as broker,
+        ):
+            scratch = Path(tmp)
+            data = make_data(scratch / "samples.npz")
+            with daemon(broker, scratch, SLOW_DAEMON):
+                slow = slow_daemon_row(broker, scratch, data, args.slow_boards, args.slow_samples, window)
+        lost = slow.count * slow.boards - slow.answered
+        dropped = slow.samples.get("dropped", {})
+        setting = "window 500 (default)" if window else "no window (--max-unanswered 0: the bridge before it)"
+        rows.append((
+            f"stock Mosquitto (max_queued_messages 1,000), daemon slower than the boards, {setting} (PythonBoards on "
+            "loopback TCP, unpaced, reliable)", str(slow.boards), f"{slow.acked} / {slow.sent} ({lost} not answered)",
+            str(slow.resent), f"{slow.rate:.0f} answered", "-", "-", "-", "-", "-", "-",
+        ))  # fmt: skip
+        notes.append(
+            f"stock broker, {setting}, {slow.boards} boards x {slow.count} samples: boards say answered "
+            f"{slow.answered} of "
+            f"{slow.count * slow.boards} in {slow.window_s:.1f} s; the bridge's window peaked at in_flight "
+            f"{slow.max_in_flight} with {slow.max_acks_held} ACKs held (the daemon behind the boards); samples "
+            f"{slow.samples}; published {slow.counts.get('published')}, answers_routed "
+            f"{slow.counts.get('answers_routed')}, dropped {dropped}; all done: {slow.done}; bridge exit code "
+            f"{slow.bridge_exit}"
+        )
+        print(f"slow daemon: {slow}", file=sys.stderr)
     elapsed = time.monotonic() - began
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")  # fmt: skip

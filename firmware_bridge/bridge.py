@@ -6,10 +6,19 @@
     board ◄─CONFIG── link ◄─ boards/{device}/config                (an operator's settings: rate, streams on/off)
 
 Every sample is published in the daemon's own payload format (``{"id", "data"}``, QoS 1), so a daemon with its
-default subscription answers it; its id (``stream.seq.index.t_us[.boot]``) routes the answer back to the frame. The
-bridge subscribes to the answers of each board it meets (by the ``device`` of its HELLO), once. In reliable mode a
-frame's ACK goes to the board once the broker has acknowledged every sample of it: a bridge killed at any moment
-loses nothing, since the board resends what was not acknowledged to the next one.
+default subscription answers it; its id (``stream.seq.index.t_us[.boot]@instance``) routes the answer back to the
+frame: to this bridge's board (a board of the same name on another bridge, a twin, makes the same numbers), and to
+the boot that sent it. The bridge subscribes to the answers of each board it meets (by the ``device`` of its HELLO),
+once; answers that come before the board's HELLO (a restarted bridge's persistent session) wait for it, bounded.
+Each board it serves is claimed, retained, on ``edgeline/board-claims/{device}``: another bridge's live claim for a
+name served here is a twin, counted (``duplicate_devices``) and said.
+
+In reliable mode a frame's ACK goes to the board once the broker has acknowledged every sample of it, and the
+daemon's window has room (``window.AnswerWindow``: samples published and not answered, at most
+``max_unanswered`` per daemon, or the broker's queue for a slow daemon overflows and drops them); a bridge killed
+at any moment loses nothing, since the board resends what was not acknowledged to the next one. Unreliable samples
+that find the window full are dropped and counted (``dropped_backpressure``). What the bridge took reconciles:
+``samples`` in the status message: sent = answered + dropped (by reason) + in flight.
 
 Each port has its own thread and ``BoardLink`` (reopened with back-off); one MQTT connection carries them all. The
 links' counters, summed, are the bridge's ``serial_*`` counters, in its status message (``edgeline/bridge/
@@ -24,7 +33,7 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -38,10 +47,12 @@ from edgeline.daemon.health import Metrics, MetricsServer
 from edgeline.daemon.mqtt import MqttConnection
 from edgeline.daemon.topics import topic_problem
 from edgeline.errors import EdgelineError
+from edgeline.firmware_bridge.claims import Claims
 from edgeline.firmware_bridge.link import Board, BoardLink, StreamSpec, input_id, parse_input_id, sum_counters
 from edgeline.firmware_bridge.protocol import Frame
 from edgeline.firmware_bridge.source import sample_payload
 from edgeline.firmware_bridge.topics import DEFAULT_ANSWERS, DEFAULT_CONFIG, DEFAULT_PUBLISH, DEFAULT_RESULTS
+from edgeline.firmware_bridge.window import AnswerWindow
 from edgeline.lograte import Repeated
 
 __all__ = ["Bridge", "BridgeOptions"]
@@ -54,7 +65,27 @@ STOP_WAIT_S = 5.0
 MAX_CONFIG_BYTES = 1024
 """A CONFIG is a few settings: a larger payload is a mistake (it must fit one frame in any case)."""
 MAX_TRACKED = 65536
-"""Input frames whose arrival time is kept for the round-trip latency (``total``), at most."""
+"""Samples in the window (published, not answered) at most, whatever ``max_unanswered``: past it the oldest count
+as not answered."""
+DEFAULT_MAX_UNANSWERED = 500
+"""Per daemon. A stock Mosquitto queues 1,000 messages per client (``max_queued_messages``) besides 20 in flight
+(``max_inflight_messages``); a daemon acknowledges an input once it is answered, so what a daemon has not answered
+is in its queue or in flight. With reliable boards the bridge may publish one window of frames per board past the
+mark before their ACKs stop (8 frames on the emulated boards): 500 + 8 x boards x samples per frame stays under
+1,020 up to 65 one-sample boards per daemon, and leaves room for a second bridge's boards. Unreliable samples never
+pass it."""
+DEFAULT_ANSWER_TIMEOUT_S = 60.0
+"""A sample not answered this long after its frame arrived leaves the window, counted ``unanswered``."""
+MAX_EARLY_ANSWERS = 1024
+"""Answers kept per board before its HELLO (a restarted bridge's session delivers them first), at most."""
+MAX_EARLY_DEVICES = 64
+LIVE_S = 3.0
+"""A board heard this recently is live (it sends a HEARTBEAT at least once a second): only live boards are claimed."""
+TICK_S = 0.5
+UNKNOWN_DAEMON = "a daemon not known yet"
+"""The window of every board before any daemon answered: one, as if one daemon served them all (the common case,
+and the safe guess: a window per board would let a daemon's queue take a window from each). Then a board no daemon
+has answered yet counts in the window of the first daemon that answered any."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +101,9 @@ class BridgeOptions:
     prometheus_port: int = 0
     max_unacknowledged: int = 256
     """Samples handed to the broker and not yet acknowledged, at most: past it a link waits (its board waits)."""
+    max_unanswered: int = DEFAULT_MAX_UNANSWERED
+    """Samples published and not answered per daemon, at most (0: no limit; for samples nobody answers)."""
+    answer_timeout_s: float = DEFAULT_ANSWER_TIMEOUT_S
 
     def topic(self, template: str, board: Board, stream: str) -> str:
         return template.format(device=board.device, stream=stream, instance=self.instance)
@@ -97,6 +131,14 @@ class Bridge:
             "answers_unrouted",
             "board_results",
             "duplicate_devices",
+            "answered",
+            "unanswered",
+            "dropped_backpressure",
+            "dropped_topic",
+            "answers_other_bridge",
+            "answers_earlier_boot",
+            "answers_before_hello",
+            "answers_before_hello_dropped",
         )
         self.metrics.counters(lambda: {f"serial_{k}": v for k, v in sum_counters(self.links).items()})
         self.metrics.gauges(self._gauges)
@@ -107,6 +149,8 @@ class Bridge:
             config, client_id=f"edgeline-bridge-{self.instance}", will=(self.availability_topic, b"offline")
         )
         self.connection.subscribe([], options.qos, self._on_answer)
+        self.claims = Claims(self.instance, partial(self.connection.publish, qos=1, retain=True))
+        self.connection.add_subscription(self.claims.topic_filter, 1)
         self.boards: dict[str, BoardLink] = {}
         self._config_topics: dict[str, str] = {}
         """Each board's config topic, to its device."""
@@ -114,11 +158,24 @@ class Bridge:
         """Each board's last config: sent again when the board restarts."""
         self._lock = threading.Condition()
         self._unacknowledged = 0
-        self._arrived: OrderedDict[tuple[str, int, int], float] = OrderedDict()
-        """When each recent input frame came, by (device, stream, seq): the answer sent down closes its round trip."""
+        self.window = AnswerWindow(options.max_unanswered, options.answer_timeout_s, MAX_TRACKED)
+        self._answerer: dict[str, str] = {}
+        """Each board's window key: the first daemon that answered it."""
+        self._first_daemon = UNKNOWN_DAEMON
+        """The window key of a board no daemon has answered yet."""
+        self._early: OrderedDict[str, deque[bytes]] = OrderedDict()
+        """Answers that came before their board's HELLO, by device: sent down at its HELLO."""
         self._stopping = threading.Event()
         self.failed_log = Repeated(log, "samples the broker did not take (not acknowledged to the board)")
         self.unrouted_log = Repeated(log, "answers that name no board of this bridge", level=logging.DEBUG)
+        self.full_log = Repeated(log, "unreliable samples dropped: the daemon's window is full (it is slower than the "
+                                 "boards)")  # fmt: skip
+        self.unanswered_log = Repeated(log, "samples published and never answered (the broker or the daemon lost "
+                                       "them; a stock broker drops what a slow daemon has not taken)")  # fmt: skip
+        self.twin_log = Repeated(
+            log, "two boards claim one name on two bridges (a cloned firmware image?); each gets only its own answers",
+            level=logging.ERROR, remember=MAX_EARLY_DEVICES,
+        )  # fmt: skip
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def run(self, stopping: threading.Event, duration_s: float | None = None) -> int:
@@ -137,14 +194,19 @@ class Bridge:
             self.options.results, f"; /metrics on port {server.port}" if server else "",
         )  # fmt: skip
         deadline = None if duration_s is None else time.monotonic() + duration_s
+        next_status = time.monotonic() + self.options.status_interval_s
         try:
             while not stopping.is_set():
-                wait = self.options.status_interval_s
+                wait = min(TICK_S, max(0.0, next_status - time.monotonic()))
                 if deadline is not None:
                     wait = min(wait, max(0.0, deadline - time.monotonic()))
                 if stopping.wait(wait):
                     break
-                self.publish_status()
+                self._tick()
+                if time.monotonic() >= next_status:
+                    next_status = time.monotonic() + self.options.status_interval_s
+                    self._claim_live_boards()
+                    self.publish_status()
                 if deadline is not None and time.monotonic() >= deadline:
                     break
         finally:
@@ -161,7 +223,38 @@ class Bridge:
         return 0
 
     def status(self) -> dict[str, Any]:
-        return self.metrics.snapshot({"boards": [link.status() for link in self.links]})
+        return self.metrics.snapshot({"boards": [link.status() for link in self.links], "samples": self.reconcile()})
+
+    def reconcile(self) -> dict[str, Any]:
+        """Where every sample the links took went: ``sent`` = ``answered`` + ``dropped`` (by reason) + ``in_flight``
+        (published or being published, not answered yet). Exact once the bridge is at rest; a sample between its
+        frame and its publish is counted in ``sent`` only. ``publish_failed`` samples of reliable frames are taken
+        again when the board resends them (each taking counts)."""
+        counts = self.metrics.snapshot()["counts"]
+        dropped = {
+            reason: int(counts.get(name, 0))
+            for reason, name in (
+                ("backpressure", "dropped_backpressure"),
+                ("publish_failed", "publish_failed"),
+                ("at_stop", "unpublished_at_stop"),
+                ("unanswered", "unanswered"),
+                ("topic", "dropped_topic"),
+            )
+        }
+        return {
+            "sent": int(counts.get("serial_samples", 0)),
+            "answered": int(counts.get("answered", 0)),
+            "dropped": dropped,
+            "in_flight": self.window.in_flight,
+        }
+
+    def _tick(self) -> None:
+        expired = self.window.expire(time.monotonic())
+        if expired:
+            self.metrics.count("unanswered", expired)
+            self.unanswered_log.happened(expired, f"{expired} not answered within {self.options.answer_timeout_s:g} s")
+        for said in (self.failed_log, self.unrouted_log, self.full_log, self.unanswered_log, self.twin_log):
+            said.tick()
 
     def publish_status(self) -> None:
         self.connection.publish(self.status_topic, orjson.dumps(self.status()), qos=1, retain=True)
@@ -172,6 +265,8 @@ class Bridge:
             "ports_open": sum(link.connected.is_set() for link in self.links),
             "boards_known": len(self.boards),
             "unacknowledged": self._unacknowledged,
+            "in_flight": self.window.in_flight,
+            "acks_held": self.window.held,
         }
 
     # -- LinkHandler (a link's thread) -------------------------------------------------------------------------
@@ -201,6 +296,11 @@ class Bridge:
         config = self._configs.get(board.device)
         if restarted and config is not None:  # it booted with its compiled-in settings: give it the operator's again
             self._configure(link, board.device, config)
+        self.claims.claim(board.device, link.url, board.boot)
+        with self._lock:
+            early = self._early.pop(board.device, deque())
+        for payload in early:
+            self._route(payload)
 
     def on_samples(
         self, link: BoardLink, board: Board, stream: StreamSpec, frame: Frame, samples: np.ndarray,
@@ -208,20 +308,26 @@ class Bridge:
     ) -> None:  # fmt: skip
         topic = self.options.topic(self.options.publish, board, stream.name)
         if topic_problem(topic) is not None:
-            return  # said at its HELLO
+            self.metrics.count("dropped_topic", len(samples))  # said at its HELLO
+            return
         failed = partial(link.retake, frame.stream, frame.seq)
         arrived = time.monotonic()
-        with self._lock:
-            self._arrived[(board.device, frame.stream, frame.seq)] = arrived
-            if len(self._arrived) > MAX_TRACKED:
-                self._arrived.popitem(last=False)
+        key = self._answerer.get(board.device, self._first_daemon)
         for index, sample in enumerate(samples):
+            if not frame.ack_requested and self.window.full(key):  # a reliable frame's ACK waits instead (safe)
+                self.metrics.count("dropped_backpressure")
+                self.full_log.happened(1, f"e.g. board {board.device}, {self.options.max_unanswered} unanswered")
+                continue
             if not self._wait_for_room():  # stopping: not acknowledged, so a reliable board resends it to the next
                 self.metrics.count("unpublished_at_stop", len(samples) - index)  # bridge; any other board's is lost
                 return
-            payload = sample_payload(input_id(frame.stream, frame.seq, index, frame.t_us, board.boot), sample)
-            done = partial(self._published, safe[index], failed if frame.ack_requested else None, arrived)
-            self.connection.publish(topic, payload, qos=self.options.qos, done=done)
+            ident = input_id(frame.stream, frame.seq, index, frame.t_us, board.boot, self.instance)
+            pushed = self.window.enter(f"{board.device} {ident}", key, arrived)  # ids repeat across boards
+            if pushed:
+                self.metrics.count("unanswered", pushed)
+            done = partial(self._published, f"{board.device} {ident}", safe[index],
+                           failed if frame.ack_requested else None, arrived)  # fmt: skip
+            self.connection.publish(topic, sample_payload(ident, sample), qos=self.options.qos, done=done)
 
     def on_result(self, link: BoardLink, board: Board, frame: Frame, record: dict[str, Any]) -> None:
         spec = board.streams.get(frame.stream)
@@ -241,16 +347,18 @@ class Bridge:
         return True
 
     def _published(
-        self, safe: Callable[[], None], failed: Callable[[], None] | None, arrived: float, ok: bool, reason: str | None
-    ) -> None:
+        self, ident: str, safe: Callable[[], None], failed: Callable[[], None] | None, arrived: float,
+        ok: bool, reason: str | None,
+    ) -> None:  # fmt: skip
         with self._lock:
             self._unacknowledged -= 1
             self._lock.notify_all()
         if ok:
             self.metrics.count("published")
             self.metrics.observe("publish", time.monotonic() - arrived)
-            safe()
+            self.window.when_room(ident, safe)
             return
+        self.window.forget(ident)
         self.metrics.count("publish_failed")
         self.failed_log.happened(1, f"e.g. {reason}")
         if failed is not None:
@@ -260,10 +368,12 @@ class Bridge:
     def _on_answer(self, topic: str, payload: bytes, ack: Callable[[], None] | None, reply: object) -> None:
         try:
             device = self._config_topics.get(topic)
-            if device is None:
-                self._route(topic, payload)
-            else:
+            if device is not None:
                 self._board_config(device, payload)
+            elif topic.startswith(self.claims.prefix):
+                self._claimed(topic, payload)
+            else:
+                self._route(payload, topic)
         finally:
             if ack is not None:
                 ack()
@@ -290,23 +400,85 @@ class Bridge:
             self.metrics.count("configs_sent")
             log.info("board %s: sent its config %s", device, orjson.dumps(config).decode()[:300])
 
-    def _route(self, topic: str, payload: bytes) -> None:
+    def _route(self, payload: bytes, topic: str = "") -> None:
+        """An answer: down to the board whose input it answers (this bridge's, the boot that sent it), kept until
+        the board's HELLO when it is not known yet."""
         try:
             record = orjson.loads(payload)
         except orjson.JSONDecodeError:
             record = None
         device = record.get("device") if isinstance(record, dict) else None
-        where = parse_input_id(record.get("id")) if isinstance(record, dict) else None
-        link = self.boards.get(device) if isinstance(device, str) else None
-        if link is None or where is None or not link.answer(where[0], where[1], payload):
+        ident = record.get("id") if isinstance(record, dict) else None
+        where = parse_input_id(ident)
+        if not isinstance(device, str) or not isinstance(ident, str) or where is None:
             self.metrics.count("answers_unrouted")
             self.unrouted_log.happened(1, f"e.g. on {topic}: {payload[:200]!r}")
             return
+        numbers, _, origin = ident.partition("@")
+        if origin != self.instance:  # a board of the same name on another bridge (or before ids said whose)
+            self.metrics.count("answers_other_bridge")
+            return
+        arrived = self.window.answered(f"{device} {ident}")
+        if arrived is not None:
+            self.metrics.count("answered")
+            answerer = record.get("instance") if isinstance(record, dict) else None
+            if isinstance(answerer, str) and answerer and device not in self._answerer:
+                self._answerer[device] = f"daemon {answerer}"
+                if self._first_daemon == UNKNOWN_DAEMON:
+                    self._first_daemon = self._answerer[device]
+                    self.window.rekey(UNKNOWN_DAEMON, self._first_daemon)
+        link = self.boards.get(device)
+        board = link.board if link is not None else None
+        if link is None or board is None or board.device != device:
+            self._keep_early(device, payload)
+            return
+        parts = numbers.split(".")
+        boot = int(parts[4]) if len(parts) == 5 else None
+        if boot != board.boot:  # an input of its previous boot: its stream and seq now name another input
+            self.metrics.count("answers_earlier_boot")
+            return
+        if not link.answer(where[0], where[1], payload):
+            self.metrics.count("answers_unrouted")
+            self.unrouted_log.happened(1, f"e.g. on {topic}: board {device} away")
+            return
         self.metrics.count("answers_routed")
-        with self._lock:
-            arrived = self._arrived.pop((str(device), where[0], where[1]), None)
         if arrived is not None:
             self.metrics.observe("total", time.monotonic() - arrived)
+
+    def _keep_early(self, device: str, payload: bytes) -> None:
+        with self._lock:
+            kept = self._early.get(device)
+            if kept is None:
+                if len(self._early) >= MAX_EARLY_DEVICES:
+                    gone = self._early.popitem(last=False)[1]
+                    self.metrics.count("answers_before_hello_dropped", len(gone))
+                kept = self._early[device] = deque()
+            if len(kept) >= MAX_EARLY_ANSWERS:
+                kept.popleft()
+                self.metrics.count("answers_before_hello_dropped")
+            kept.append(payload)
+        self.metrics.count("answers_before_hello")
+
+    # -- twins: one name claimed by boards on two bridges (claims.py) -----------------------------------------
+    def _claim_live_boards(self) -> None:
+        """Claimed again at every status message: a claim that changes is a live bridge's."""
+        for link in self.links:
+            board = link.board
+            if board is not None and self._live(link):
+                self.claims.claim(board.device, link.url, board.boot)
+
+    @staticmethod
+    def _live(link: BoardLink) -> bool:
+        return link.connected.is_set() and link.last_heard is not None and time.monotonic() - link.last_heard < LIVE_S
+
+    def _claimed(self, topic: str, payload: bytes) -> None:
+        twin = self.claims.received(topic, payload)
+        link = self.boards.get(twin[0]) if twin is not None else None
+        if twin is None or link is None or not self._live(link):
+            return
+        device, other, port = twin
+        if self.twin_log.happened(1, f"{device} on {link.url} here and on bridge {other} ({port})", key=twin[:2]):
+            self.metrics.count("duplicate_devices")
 
 
 def _thread(name: str) -> Callable[[Callable[[], None]], threading.Thread]:

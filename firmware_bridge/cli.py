@@ -61,6 +61,22 @@ def register(subparsers: Any) -> None:
         "--status-interval", type=float, default=10.0, metavar="S", help="status message period (default 10 s)"
     )
     parser.add_argument("--prometheus-port", type=int, default=0, metavar="PORT", help="serve /metrics (0: off)")
+    parser.add_argument(
+        "--max-unanswered",
+        type=int,
+        default=500,
+        metavar="N",
+        help="samples published and not yet answered, per daemon, at most (default 500, under a stock Mosquitto's "
+        "queue of 1,000 per client): past it reliable frames wait for their ACK and other samples are dropped, "
+        "counted; 0: no limit (samples nobody answers: then the broker's queue limits apply)",
+    )
+    parser.add_argument(
+        "--answer-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a sample not answered this long leaves the window, counted as unanswered (default 60 s)",
+    )
     parser.add_argument("--for", dest="duration", type=float, metavar="S", help="stop after S seconds")
     parser.set_defaults(func=run_bridge)
 
@@ -85,6 +101,10 @@ def run_bridge(args: argparse.Namespace) -> int:
         raise EdgelineError(f"--instance {args.instance!r}: 1-64 letters, digits, '.', '_' or '-'")
     if not 0 < args.status_interval <= 3600:
         raise EdgelineError(f"--status-interval {args.status_interval:g}: between 0 and 3600 seconds")
+    if args.max_unanswered < 0:
+        raise EdgelineError(f"--max-unanswered {args.max_unanswered}: 0 (no limit) or more")
+    if not 0 < args.answer_timeout <= 86400:
+        raise EdgelineError(f"--answer-timeout {args.answer_timeout:g}: between 0 and 86400 seconds")
     options = BridgeOptions(
         publish=_template("--publish", args.publish, ("device", "stream")),
         answers=_template("--answers", args.answers, ("device",), wildcards=True),
@@ -95,6 +115,8 @@ def run_bridge(args: argparse.Namespace) -> int:
         instance=args.instance or "",
         status_interval_s=args.status_interval,
         prometheus_port=args.prometheus_port,
+        max_unanswered=args.max_unanswered,
+        answer_timeout_s=args.answer_timeout,
     )
     bridge = Bridge(args.urls, BrokerAddress.parse(args.broker), options)
     stopping = threading.Event()

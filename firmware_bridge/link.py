@@ -158,18 +158,19 @@ def parse_hello(payload: bytes) -> Board:
     return Board(device, str(hello.get("firmware", "")), streams, boot)
 
 
-def input_id(stream: int, seq: int, index: int, t_us: int, boot: int | None = None) -> str:
-    """The id an input from a board carries through the daemon: ``stream.seq.index.t_us``, and ``.boot`` when the
-    board's HELLO gives one; all numbers, so that an answer on MQTT can be routed back down to the frame it answers
-    (``parse_input_id``). A resend of a frame has the same id: duplicates are removed by it."""
-    return f"{stream}.{seq}.{index}.{t_us}" + ("" if boot is None else f".{boot}")
+def input_id(stream: int, seq: int, index: int, t_us: int, boot: int | None = None, origin: str = "") -> str:
+    """The id an input from a board carries through the daemon: ``stream.seq.index.t_us``, ``.boot`` when the
+    board's HELLO gives one, and ``@origin`` when a bridge says whose input it is (its instance: a board of the same
+    name on another bridge makes the same numbers); so that an answer on MQTT can be routed back down to the frame
+    it answers (``parse_input_id``). A resend of a frame has the same id: duplicates are removed by it."""
+    return f"{stream}.{seq}.{index}.{t_us}" + ("" if boot is None else f".{boot}") + (f"@{origin}" if origin else "")
 
 
 def parse_input_id(text: object) -> tuple[int, int] | None:
     """(stream, seq) of an id made by ``input_id``; None for any other id."""
     if not isinstance(text, str):
         return None
-    parts = text.split(".")
+    parts = text.split("@", 1)[0].split(".")
     if len(parts) not in (4, 5) or not all(p.isdigit() and len(p) <= 20 for p in parts):
         return None
     stream, seq = int(parts[0]), int(parts[1])

@@ -1,6 +1,7 @@
 """A real Mosquitto broker for tests, and the pytest fixtures that start it.
 
     broker          a fresh broker for one test (function scope): safe to stop and restart
+    stock_broker    a fresh broker with Mosquitto's default queue limits (``stock``): what a user installs
     session_broker  one broker shared by the whole session: never stop it
     broker_factory  fresh brokers with options (persistence, a TLS + password + ACL listener), stopped at teardown
     pki             a CA, server and client certificates for this session (``tests.faults.make_pki``)
@@ -53,6 +54,7 @@ __all__ = [
     "pki",
     "running_broker",
     "session_broker",
+    "stock_broker",
     "unique_topic",
 ]
 
@@ -63,7 +65,10 @@ START_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 5.0
 PORT_ATTEMPTS = 5
 MAX_QUEUED_MESSAGES = 100_000
-"""Per client; far above anything a test sends, so a slow test subscriber never loses messages."""
+"""Per client; far above anything a test sends, so a slow test subscriber never loses messages (unless ``stock``)."""
+STOCK_MAX_QUEUED_MESSAGES = 1000
+"""Mosquitto's own default (``max_queued_messages``, per client; mosquitto.conf(5)): past it, QoS 1 messages for a
+client are dropped although their publisher was acknowledged."""
 SETUP_HINT = "run scripts/setup.sh (it installs Debian's mosquitto and mosquitto-clients)"
 
 
@@ -168,6 +173,11 @@ class Broker:
         SIGKILL in between loses a message the publisher was told was received. There is no setting to save
         before acknowledging; this is the smallest window Mosquitto offers.
 
+    ``stock``
+        Leave ``max_queued_messages`` at Mosquitto's default (1,000 per client, with 20 in flight): the broker a
+        user installs, which drops what a slow subscriber has not taken (logging "Outgoing messages are being
+        dropped"). Without it the limit is raised to ``MAX_QUEUED_MESSAGES``.
+
     ``trace``
         Also log every packet (``log_type debug``): "Received PUBLISH from CLIENT (d0, q1, r0, m5, 'TOPIC', ...)"
         and "Sending PUBLISH to CLIENT (...)", flushed line by line, so a test can tell which hop lost a message.
@@ -196,6 +206,7 @@ class Broker:
         require_certificate: bool = False,
         users: Mapping[str, str] | None = None,
         acl: str | None = None,
+        stock: bool = False,
     ) -> None:
         if require_certificate and tls is None:
             raise ValueError("require_certificate needs tls")
@@ -210,6 +221,7 @@ class Broker:
         self.require_certificate = require_certificate
         self.users = dict(users) if users is not None else None
         self.acl = acl
+        self.stock = stock
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -428,7 +440,7 @@ class Broker:
             "log_type unsubscribe",
             "log_timestamp_format %Y-%m-%dT%H:%M:%S",
             "connection_messages true",
-            f"max_queued_messages {MAX_QUEUED_MESSAGES}",
+            *([] if self.stock else [f"max_queued_messages {MAX_QUEUED_MESSAGES}"]),
             "set_tcp_nodelay true",
         ]
         if os.geteuid() == 0:
@@ -502,11 +514,11 @@ class Broker:
 
 
 @contextmanager
-def running_broker(directory: Path | None = None) -> Iterator[Broker]:
+def running_broker(directory: Path | None = None, *, stock: bool = False) -> Iterator[Broker]:
     """A started broker for code outside pytest (benchmarks, demos); in a temporary directory unless given one."""
     with (
         tempfile.TemporaryDirectory(prefix="edgeline-mosquitto-") as scratch,
-        Broker(directory or Path(scratch)) as running,
+        Broker(directory or Path(scratch), stock=stock) as running,
     ):
         yield running
 
@@ -538,6 +550,16 @@ class BrokerFactory(Protocol):
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     """A fresh Mosquitto for this test only; the test may stop and restart it."""
     running = _started(partial(Broker, tmp_path_factory.mktemp("mosquitto")))
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def stock_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """A fresh Mosquitto for this test only, with Mosquitto's default queue limits (``Broker(stock=True)``)."""
+    running = _started(partial(Broker, tmp_path_factory.mktemp("mosquitto"), stock=True))
     try:
         yield running
     finally:

@@ -32,6 +32,7 @@ room for the session's tiny bundles being converted once on a cold cache."""
 COSTLY_FIXTURES = {
     "broker": "integration",
     "session_broker": "integration",
+    "stock_broker": "integration",
     "broker_factory": "integration",
     "durable_broker": "integration",
     "answers": "integration",
