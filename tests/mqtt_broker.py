@@ -20,6 +20,8 @@ Registered for every test by ``tests/conftest.py``; importing this module starts
 
 from __future__ import annotations
 
+import collections
+import fcntl
 import os
 import shutil
 import signal
@@ -109,10 +111,35 @@ def _worker_index() -> int:
     return int(name[2:]) % 12 if name.startswith("gw") and name[2:].isdigit() else 0
 
 
+PORT_LOCKS = Path(tempfile.gettempdir()) / "edgeline-test-ports"
+"""One lock file per port handed out: two pytest sessions on one machine (a developer's and CI's, or a helper's)
+share the workers' bands, and a port one of them has just handed out is not bound yet."""
+HELD_PORTS = 64
+"""The latest ports this process handed out stay reserved (their ``flock`` held): long after each was bound by its
+test, which is what closes the window; an older one is released (a process that dies releases its own)."""
+_held: collections.deque[int] = collections.deque()
+
+
+def _reserve(port: int) -> bool:
+    """Whether ``port`` is now this process's: no other process holds its lock (``flock``, released by the kernel
+    when its holder dies, so a killed session leaves nothing behind)."""
+    PORT_LOCKS.mkdir(exist_ok=True)
+    descriptor = os.open(PORT_LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        return False
+    _held.append(descriptor)
+    if len(_held) > HELD_PORTS:
+        os.close(_held.popleft())
+    return True
+
+
 def free_port(host: str = HOST) -> int:
-    """A loopback port nobody listens on right now, from this worker's own band, never the same twice in a row:
-    a restarted broker keeps its port, a new one gets the next. Someone outside the suite may still take it
-    before we bind it (``Broker.start`` tries again)."""
+    """A loopback port nobody listens on right now and no other test process has just handed out, from this
+    worker's own band, never the same twice in a row: a restarted broker keeps its port, a new one gets the next.
+    Someone outside the suite may still take it before we bind it (``Broker.start`` tries again)."""
     band = PORT_BAND_BASE + _worker_index() * PORT_BAND_SIZE
     with _band_lock:
         for _ in range(PORT_BAND_SIZE):
@@ -124,6 +151,8 @@ def free_port(host: str = HOST) -> int:
                     probe.bind((host, port))
                 except OSError:
                     continue
+            if not _reserve(port):
+                continue
             return port
     raise BrokerStartError(f"no free port in {band}-{band + PORT_BAND_SIZE - 1} on {host}")
 

@@ -147,3 +147,31 @@ def test_a_broker_that_cannot_start_says_why(tmp_path: Path) -> None:
     fake.chmod(0o755)
     with pytest.raises(BrokerStartError, match="pretend failure"):
         Broker(tmp_path / "run", executable=str(fake)).start()
+
+
+@pytest.mark.quick
+def test_a_port_another_test_process_has_just_handed_out_is_never_handed_out_again() -> None:
+    """Two pytest sessions on one machine share the workers' port bands: a port one of them handed out (not bound
+    yet: a daemon is about to bind it) must not be the next one the other hands out; once that process is gone,
+    its ports are free again."""
+    import os
+    import sys
+
+    from tests import mqtt_broker
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from tests.mqtt_broker import free_port; print(free_port(), flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "PYTEST_XDIST_WORKER": os.environ.get("PYTEST_XDIST_WORKER", "gw0")},
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        taken = int(child.stdout.readline())
+        band = taken - taken % mqtt_broker.PORT_BAND_SIZE
+        mqtt_broker._next_in_band[band] = taken - band  # this process would hand out the same port next
+        mine = mqtt_broker.free_port()
+        assert mine != taken and band <= mine < band + mqtt_broker.PORT_BAND_SIZE
+    finally:
+        child.communicate("\n", timeout=30)
+    mqtt_broker._next_in_band[band] = taken - band
+    assert mqtt_broker.free_port() == taken, "released when the process that held it ended"
