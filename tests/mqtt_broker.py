@@ -123,8 +123,11 @@ _held: collections.deque[int] = collections.deque()
 def _reserve(port: int) -> bool:
     """Whether ``port`` is now this process's: no other process holds its lock (``flock``, released by the kernel
     when its holder dies, so a killed session leaves nothing behind)."""
-    PORT_LOCKS.mkdir(exist_ok=True)
-    descriptor = os.open(PORT_LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        PORT_LOCKS.mkdir(exist_ok=True)
+        descriptor = os.open(PORT_LOCKS / str(port), os.O_RDONLY | os.O_CREAT, 0o644)  # flock needs no write access
+    except OSError:  # another user's lock directory: no reservation, the bind probe alone (as before)
+        return True
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
