@@ -41,7 +41,7 @@ import pytest
 
 from edgeline.bundle import read_bundle
 from edgeline.daemon.config import DaemonConfig, load_config
-from edgeline.errors import REFUSAL_REASONS, EdgelineError, UpdateError, UpdateRefused
+from edgeline.errors import EdgelineError, UpdateError, UpdateRefused
 from edgeline.model import Model, load
 from edgeline.updates import archive
 from edgeline.updates.agent import UpdateAgent
@@ -50,7 +50,7 @@ from edgeline.updates.policy import ENTRY_BYTES, Room, disk_needed, room_refusal
 from edgeline.updates.store import Store
 from edgeline.updates.swap import Swap
 from tests.test_daemon_backpressure import fill, small_disk
-from tests.update_repo import UpdateRepo
+from tests.update_repo import UpdateRepo, refused
 
 pytestmark = [pytest.mark.quick, pytest.mark.device]
 __all__ = ["small_disk"]  # the 4 MB tmpfs fixture (root only)
@@ -64,14 +64,6 @@ BYTE_EVERY_S = 0.5
 @pytest.fixture
 def repo(tmp_path: Path) -> UpdateRepo:
     return UpdateRepo(tmp_path / "publisher")
-
-
-def refused(reason: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> UpdateRefused:
-    assert reason in REFUSAL_REASONS
-    with pytest.raises(UpdateRefused) as caught:
-        call(*args, **kwargs)
-    assert caught.value.reason == reason, f"refused as {caught.value.reason!r}, not {reason!r}: {caught.value}"
-    return caught.value
 
 
 def offered(client: UpdateClient, running: int = 1) -> tuple[Any, Any]:

@@ -40,13 +40,13 @@ import pytest
 
 from edgeline.bundle import Bundle, read_bundle
 from edgeline.cli import main
-from edgeline.errors import REFUSAL_REASONS, UpdateError, UpdateRefused
+from edgeline.errors import UpdateError, UpdateRefused
 from edgeline.updates import archive
 from edgeline.updates.client import UpdateClient
 from edgeline.updates.policy import Gates, Runtime, TargetFacts, choose, precheck, target_path
 from tests.faults import Pki
 from tests.tiny_bundle import COMMITTED_BUNDLE
-from tests.update_repo import UpdateRepo, versioned
+from tests.update_repo import UpdateRepo, refused, versioned
 
 pytestmark = [pytest.mark.quick, pytest.mark.device]
 
@@ -108,14 +108,6 @@ def take(client: UpdateClient, destination: Path, *, running: int = 1, dev: str 
     offer = client.offer(updater, choice.take)
     fetched = client.fetch(updater, offer)
     return client.unpack(fetched, offer, destination)
-
-
-def refused(reason: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> UpdateRefused:
-    assert reason in REFUSAL_REASONS
-    with pytest.raises(UpdateRefused) as caught:
-        call(*args, **kwargs)
-    assert caught.value.reason == reason, f"refused as {caught.value.reason!r}, not {reason!r}: {caught.value}"
-    return caught.value
 
 
 def target_archive(repo_dir: Path, version: int) -> Path:

@@ -7,17 +7,20 @@ import copy
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
+from edgeline.errors import REFUSAL_REASONS, UpdateRefused
 from edgeline.updates.keys import generate
 from edgeline.updates.policy import Gates
 from edgeline.updates.repository import Published, Repository
 from tests.tiny_bundle import COMMITTED_BUNDLE
 
-__all__ = ["UpdateRepo", "versioned"]
+__all__ = ["UpdateRepo", "refused", "versioned"]
 
 
 def _rewrite_manifest(bundle: Path, change: dict[str, Any]) -> None:
@@ -128,3 +131,12 @@ class UpdateRepo:
         return self.repository.publish(
             self.bundle(version, **kwargs), gates=gates, audience=audience, expires_days=expires_days
         )
+
+
+def refused(reason: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> UpdateRefused:
+    """What ``call(*args, **kwargs)`` raised: an ``UpdateRefused`` for ``reason`` (one of the refusal reasons)."""
+    assert reason in REFUSAL_REASONS
+    with pytest.raises(UpdateRefused) as caught:
+        call(*args, **kwargs)
+    assert caught.value.reason == reason, f"refused as {caught.value.reason!r}, not {reason!r}: {caught.value}"
+    return caught.value
