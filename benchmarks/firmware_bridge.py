@@ -194,25 +194,44 @@ class Throughput:
     bridge_exit: int
 
 
+def boards_and_bridge(
+    stack: ExitStack,
+    broker: Broker,
+    scratch: Path,
+    data: Path,
+    devices: list[str],
+    count: int,
+    instance: str,
+    uart: Uart,
+    *bridge_flags: str,
+) -> tuple[list[PythonBoard], StatusWatch, Command]:
+    """Reliable Python boards sending ``count`` samples each at full rate, a watch of the bridge's status, and
+    ``edgeline bridge`` over their ports: all stopped when ``stack`` closes."""
+    started = []
+    for device in devices:
+        options = BoardOptions(device, MAX_RATE_HZ, count, reliable=True)
+        board = PythonBoard(options, data, uart)
+        stack.callback(board.stop)
+        board.start()
+        started.append(board)
+    holder: list[Command] = []
+    watch = StatusWatch(broker, instance, lambda: holder[0].pid if holder else None)
+    stack.callback(watch.close)
+    urls = [b.url for b in started]
+    bridge = stack.enter_context(command(scratch, instance, *bridge_args(urls, broker, instance, *bridge_flags)))
+    holder.append(bridge)
+    return started, watch, bridge
+
+
 def throughput_row(broker: Broker, scratch: Path, data: Path, boards: int, total: int, uart: Uart) -> Throughput:
     count = max(1, total // boards)
     instance = f"tp-{boards}-{uart.value}"
     with ExitStack() as stack:
-        started = []
-        for i in range(boards):
-            board = PythonBoard(BoardOptions(f"tp{boards}-{i}", MAX_RATE_HZ, count, reliable=True), data, uart)
-            stack.callback(board.stop)
-            board.start()
-            started.append(board)
-        holder: list[Command] = []
-        watch = StatusWatch(broker, instance, lambda: holder[0].pid if holder else None)
-        stack.callback(watch.close)
-        bridge = stack.enter_context(  # no daemon answers: the window (samples not answered) is off
-            command(
-                scratch, instance, *bridge_args([b.url for b in started], broker, instance, "--max-unanswered", "0")
-            )
-        )
-        holder.append(bridge)
+        # no daemon answers: the window (samples not answered) is off
+        started, watch, bridge = boards_and_bridge(
+            stack, broker, scratch, data, [f"tp{boards}-{i}" for i in range(boards)], count, instance, uart,
+            "--max-unanswered", "0",
+        )  # fmt: skip
 
         def all_done() -> bool:
             return all((s := b.session) is not None and s.done for b in started) or bridge.process.poll() is not None
@@ -224,9 +243,9 @@ def throughput_row(broker: Broker, scratch: Path, data: Path, boards: int, total
         stats = [b.session.stats() if b.session is not None else {} for b in started]
     snaps = [s for s in watch.snapshots if s.bridge_cpu_s == s.bridge_cpu_s]  # NaN: after the bridge exited
     mid = [s for s in snaps if 0 < s.published < count * boards]
-    if len(mid) < 2:  # a very short run: from the first sample to the end
-        mid = [s for s in snaps if s.published > 0]
-    if len(mid) < 2:
+    if len(mid) < 2 or mid[0].published == mid[-1].published:  # a very short run: from the start to the end
+        mid = snaps
+    if len(mid) < 2 or mid[0].published == mid[-1].published:
         raise RuntimeError(
             f"{boards} boards: fewer than two status messages with samples; bridge log:\n{bridge.tail()}"
         )
@@ -281,19 +300,11 @@ def slow_daemon_row(broker: Broker, scratch: Path, data: Path, boards: int, tota
     count = max(1, total // boards)
     instance = f"slow-{boards}-{'window' if window else 'off'}"
     with ExitStack() as stack:
-        started = []
-        for i in range(boards):
-            board = PythonBoard(BoardOptions(f"slow{boards}-{i}", MAX_RATE_HZ, count, reliable=True), data)
-            stack.callback(board.stop)
-            board.start()
-            started.append(board)
-        holder: list[Command] = []
-        watch = StatusWatch(broker, instance, lambda: holder[0].pid if holder else None)
-        stack.callback(watch.close)
         more = () if window else ("--max-unanswered", "0")
-        bridge = stack.enter_context(command(scratch, instance, *bridge_args([b.url for b in started], broker,
-                                                                             instance, *more)))  # fmt: skip
-        holder.append(bridge)
+        devices = [f"slow{boards}-{i}" for i in range(boards)]
+        started, watch, bridge = boards_and_bridge(
+            stack, broker, scratch, data, devices, count, instance, Uart.SOCKET, *more
+        )
 
         def all_answered() -> bool:
             return (
@@ -483,11 +494,11 @@ def main() -> int:
         "--slow-boards", type=int, default=4, help="the slow-daemon row (stock broker): boards (default 4)"
     )
     parser.add_argument("--slow-samples", type=int, default=8000, help="the slow-daemon row: samples (default 8000)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 400 samples per row, 40 round trips")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 8,000 samples a row, 40 round trips")
     parser.add_argument("--write", type=Path, help="also write the table (markdown) here")
     args = parser.parse_args()
     if args.quick:
-        args.samples, args.count, args.rate, args.slow_samples = 400, 40, 20.0, 2000
+        args.samples, args.count, args.rate, args.slow_samples = 8000, 40, 20.0, 2000
     began = time.monotonic()
     header = ("row", "boards", "samples acked / sent (lost)", "resent", "samples/s", "bridge CPU µs/sample",
               "bridge CPU", "boards' CPU", "machine busy", "publish p50 / p99 ms", "total p50 / p99 ms")  # fmt: skip

@@ -324,3 +324,31 @@ def test_an_unsigned_file_under_targets_is_said_and_never_signed(cli: RunCli, re
     assert code == 0, err
     assert "1 file(s) that no signed target names" in err and stray.name in err, err
     assert sorted(repo.repository.versions(NAME)) == [2, 3] and stray.is_file()
+
+
+@pytest.mark.parametrize("planted", ["metadata/timestamp.json", "archive"])
+def test_a_fifo_planted_in_the_repository_is_refused_not_waited_on(
+    cli: RunCli, repo: UpdateRepo, tmp_path: Path, planted: str
+) -> None:
+    """Whoever can write the repository can put a FIFO where a file belongs: reading it would block the publisher's
+    command for ever. It is refused by name, without being opened."""
+    import os
+    import threading
+
+    repo.publish(2)
+    path = target_archive(repo.directory, 2) if planted == "archive" else repo.directory / planted
+    path.unlink()
+    os.mkfifo(path)
+    result: list[tuple[int, str, str]] = []
+    command = threading.Thread(target=lambda: result.append(cli("publish", "--refresh", "--repo", repo.directory,
+                                                                "--keys", repo.keys)), daemon=True)  # fmt: skip
+    command.start()
+    command.join(60)
+    if not result:  # the command waits in open(): let it go (a writer opening the FIFO ends its read)
+        with open(path, "wb"):
+            pass
+        command.join(10)
+        pytest.fail(f"publish --refresh blocked on the FIFO {path}")
+    code, _, err = result[0]
+    assert code == 2 and f"{path} is a FIFO, not a regular file" in err, err
+    assert "Traceback" not in err

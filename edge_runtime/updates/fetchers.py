@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Generator, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, BinaryIO
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 from edgeline.updates.policy import DOWNLOAD_TIMEOUT_S
@@ -38,7 +38,15 @@ from edgeline.updates.policy import DOWNLOAD_TIMEOUT_S
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
 
-__all__ = ["SOCKET_TIMEOUT_S", "BoundedFetcher", "Deadline", "HttpFetcher", "LocalFetcher"]
+__all__ = [
+    "SOCKET_TIMEOUT_S",
+    "BoundedFetcher",
+    "Deadline",
+    "HttpFetcher",
+    "LocalFetcher",
+    "NotRegularFile",
+    "open_regular",
+]
 
 SOCKET_TIMEOUT_S = 30.0
 """The longest wait for any byte (python-tuf's own): a link gone silent is given up before the deadline."""
@@ -278,35 +286,51 @@ _KINDS = (
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
 
 
-def _regular(path: Path, status: os.stat_result) -> None:
-    from tuf.api.exceptions import DownloadError
+class NotRegularFile(OSError):
+    """A path that names a FIFO, a device, a socket or a directory where a file belongs."""
 
+
+def _regular(path: Path, status: os.stat_result) -> None:
     if not stat.S_ISREG(status.st_mode):
         kind = next((name for test, name in _KINDS if test(status.st_mode)), "not a file")
-        raise DownloadError(f"{path} is {kind}, not a regular file: not read")
+        raise NotRegularFile(f"{path} is {kind}, not a regular file: not read")
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading when it is a regular file (a symbolic link to one is followed). Anything else is
+    refused (``NotRegularFile``) before it is opened (opening a device may act on it: a serial port resets its
+    board) and again after, non-blocking (a FIFO swapped in meanwhile), so a reader never waits in ``open``."""
+    _regular(path, path.stat())
+    descriptor = os.open(path, _OPEN_FLAGS)
+    handle = open(descriptor, "rb", buffering=0)  # noqa: SIM115 - returned to the caller, who closes it
+    try:
+        _regular(path, os.fstat(descriptor))
+    except BaseException:
+        handle.close()
+        raise
+    return handle
 
 
 class LocalFetcher(BoundedFetcher):
     """``file://`` URLs: a repository on a mounted medium. A missing file is a 404, as python-tuf expects from a
-    fetcher (it ends the walk along the root chain). Only regular files are read; a symbolic link to one is followed
-    (a repository assembled with links reads like any other: its bytes are checked against the signed metadata all
-    the same). Anything else is refused before it is opened (opening a device may act on it: a serial port resets
-    its board) and again after, non-blocking (a FIFO swapped in meanwhile), so a check never waits in ``open``."""
+    fetcher (it ends the walk along the root chain). Only regular files are read (``open_regular``); a symbolic
+    link to one is followed (a repository assembled with links reads like any other: its bytes are checked against
+    the signed metadata all the same)."""
 
     def _download(self, url: str, deadline: Deadline, max_length: int | None) -> Generator[bytes, None, None]:
-        from tuf.api.exceptions import DownloadHTTPError
+        from tuf.api.exceptions import DownloadError, DownloadHTTPError
 
         path = Path(unquote(urlsplit(url).path))
         try:
-            _regular(path, path.stat())
-            descriptor = os.open(path, _OPEN_FLAGS)
+            handle = open_regular(path)
         except FileNotFoundError as exc:
             raise DownloadHTTPError(f"{path}: not found", 404) from exc
+        except NotRegularFile as exc:
+            raise DownloadError(str(exc)) from exc
         except OSError as exc:
             raise DownloadHTTPError(f"{path}: {exc.strerror or exc}", 403) from exc
-        with open(descriptor, "rb", buffering=0) as handle:
-            status = os.fstat(descriptor)
-            _regular(path, status)
+        with handle:
+            status = os.fstat(handle.fileno())
             if max_length is not None and status.st_size > max_length:
                 raise _too_long(url, max_length)
             while chunk := handle.read(CHUNK):  # the deadline is checked between chunks (download_file)

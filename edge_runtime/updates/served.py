@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeline.errors import UpdateError
+from edgeline.updates.fetchers import open_regular
 from edgeline.updates.keys import RootChain, root_files
 
 if TYPE_CHECKING:
@@ -61,6 +62,28 @@ class _Trusted:
 
     file: Path
     root: Root
+
+
+MAX_METADATA_BYTES = 16 << 20
+"""Larger than any metadata this publisher writes (python-tuf's devices take a targets file of 5 MB at most)."""
+
+
+def _read(path: Path) -> bytes:
+    """A metadata file's bytes: a regular file only (a FIFO planted in the repository would hang the command, a
+    device would never end), of at most ``MAX_METADATA_BYTES``. ``FileNotFoundError`` is left to the caller."""
+    try:
+        with open_regular(path) as handle:
+            chunks, size = [], 0
+            while size <= MAX_METADATA_BYTES and (chunk := handle.read(1 << 20)):
+                chunks.append(chunk)
+                size += len(chunk)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise UpdateError(f"{exc if exc.strerror is None else f'{path}: {exc.strerror}'}; {_RESTORE}") from exc
+    if size > MAX_METADATA_BYTES:
+        raise UpdateError(f"{path}: over {MAX_METADATA_BYTES} bytes: not metadata this publisher wrote; {_RESTORE}")
+    return b"".join(chunks)
 
 
 def verified_state(directory: Path, chain: RootChain) -> SignedState | None:
@@ -101,14 +124,14 @@ def _repository_root(metadata_dir: Path, chain: RootChain) -> _Trusted | None:
                 "device walking the chain refuses the whole repository while it is there: remove it once you know "
                 "how it got there)"
             )
-        if path.read_bytes() != source.read_bytes():
+        if _read(path) != source.read_bytes():
             raise UpdateError(
                 f"{path}: differs from {source}, the root version {version} of these keys (a device walking the "
                 "chain refuses the whole repository while it is there: replace it with that file once you know how "
                 "it got there)"
             )
     shown = metadata_dir / "root.json"
-    if shown.is_file() and shown.read_bytes() not in {path.read_bytes() for path in chain.files.values()}:
+    if shown.is_file() and _read(shown) not in {path.read_bytes() for path in chain.files.values()}:
         raise UpdateError(f"{shown}: none of the root versions of {chain.directory}: this publisher did not write it")
     if not roots:
         return None
@@ -145,7 +168,7 @@ def _verified(
 
     named = f" ({named_by.name} names it)" if named_by is not None else ""
     try:
-        data = path.read_bytes()
+        data = _read(path)
     except FileNotFoundError as exc:
         raise UpdateError(f"{path}: missing{named}; {_RESTORE}") from exc
     except OSError as exc:
@@ -184,7 +207,7 @@ def _check_archives(targets_dir: Path, targets: Metadata[Targets], targets_file:
         archive = targets_dir / prefixed[0]
         signed.add(archive)
         try:
-            with archive.open("rb") as handle:
+            with open_regular(archive) as handle:
                 info.verify_length_and_hashes(handle)
         except FileNotFoundError as exc:
             raise UpdateError(
