@@ -117,6 +117,7 @@ class Bridge:
         self._arrived: OrderedDict[tuple[str, int, int], float] = OrderedDict()
         """When each recent input frame came, by (device, stream, seq): the answer sent down closes its round trip."""
         self._stopping = threading.Event()
+        self._link_ended = False
         self.failed_log = Repeated(log, "samples the broker did not take (not acknowledged to the board)")
         self.unrouted_log = Repeated(log, "answers that name no board of this bridge", level=logging.DEBUG)
 
@@ -129,7 +130,8 @@ class Bridge:
             server = MetricsServer(self.metrics, self.options.prometheus_port).start()
         self.connection.start(_thread("edgeline-bridge-mqtt"))
         self.connection.publish(self.availability_topic, b"online", qos=1, retain=True)
-        threads = [_thread(f"edgeline-bridge-{i}")(partial(link.run, stopping)) for i, link in enumerate(self.links)]
+        serve = partial(self._serve_link, stopping=stopping)
+        threads = [_thread(f"edgeline-bridge-{i}")(partial(serve, link)) for i, link in enumerate(self.links)]
         ports = ", ".join(link.url for link in self.links)
         log.info(
             "edgeline bridge %s: %s to %s; samples to %s, answers from %s, board results to %s%s",
@@ -158,7 +160,19 @@ class Bridge:
             self.connection.close()
             if server is not None:
                 server.stop()
-        return 0
+        return 1 if self._link_ended else 0
+
+    def _serve_link(self, link: BoardLink, stopping: threading.Event) -> None:
+        """A link's thread. A link takes every exception of its board and reopens its port: if it ends all the same,
+        the bridge cannot do its job, and stops with exit status 1 (a service manager starts it again), rather than
+        live on with a port nobody reads."""
+        try:
+            link.run(stopping)
+        finally:
+            if not stopping.is_set():
+                log.critical("the link of %s ended while the bridge runs: the bridge stops (exit status 1)", link.url)
+                self._link_ended = True
+                stopping.set()
 
     def status(self) -> dict[str, Any]:
         return self.metrics.snapshot({"boards": [link.status() for link in self.links]})
