@@ -407,6 +407,9 @@ class BoardLink:
                 self.connected.clear()
                 with self._write_lock:
                     self._port_for_writes, self._write_port = None, _closed
+                    # what was queued for this port goes with it, as what comes while it is closed: the next port
+                    # starts with its HELLO_REQUEST, not behind a backlog for a board that may have restarted since
+                    self.counters.answers_unsent += self._drop_queued().count(FrameType.ANSWER)
                 with contextlib.suppress(serial.SerialException, OSError):
                     port.close()
 
@@ -725,6 +728,7 @@ class BoardLink:
             "device": board.device if board is not None else None,
             "firmware": board.firmware if board is not None else None,
             "heard_s_ago": None if self.last_heard is None else round(time.monotonic() - self.last_heard, 3),
+            "hello_pending": self._hello_wanted_since is not None,
             **self.counters.as_dict(),
             "refused_by_reason": dict(self.counters.refused),
             "board_stats": self.stats,
