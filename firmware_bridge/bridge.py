@@ -48,7 +48,15 @@ from edgeline.daemon.mqtt import MqttConnection
 from edgeline.daemon.topics import topic_problem
 from edgeline.errors import EdgelineError
 from edgeline.firmware_bridge.claims import Claims
-from edgeline.firmware_bridge.link import Board, BoardLink, StreamSpec, input_id, parse_input_id, sum_counters
+from edgeline.firmware_bridge.link import (
+    DOWNLINK_FRAMES,
+    Board,
+    BoardLink,
+    StreamSpec,
+    input_id,
+    parse_input_id,
+    sum_counters,
+)
 from edgeline.firmware_bridge.protocol import Frame
 from edgeline.firmware_bridge.source import sample_payload
 from edgeline.firmware_bridge.topics import DEFAULT_ANSWERS, DEFAULT_CONFIG, DEFAULT_PUBLISH, DEFAULT_RESULTS
@@ -88,6 +96,18 @@ and the safe guess: a window per board would let a daemon's queue take a window 
 has answered yet counts in the window of the first daemon that answered any."""
 
 
+MAX_DOWNLINK_FRAMES = 4096
+"""Frames queued for one board, at most, whatever the window (16 MB of the largest frames)."""
+
+
+def downlink_frames(max_unanswered: int) -> int:
+    """The queue to each board: every answer its daemon may owe (one window: a board that reads never loses one to
+    a burst of them) and room for the ACKs and control frames beside them."""
+    if max_unanswered <= 0:  # no window: samples nobody answers
+        return DOWNLINK_FRAMES
+    return min(MAX_DOWNLINK_FRAMES, max(DOWNLINK_FRAMES, max_unanswered + 64))
+
+
 @dataclass(frozen=True)
 class BridgeOptions:
     publish: str = DEFAULT_PUBLISH
@@ -121,7 +141,10 @@ class Bridge:
             raise EdgelineError(f"a serial URL is named twice: {', '.join(urls)}")
         self.options = options
         self.instance = options.instance or default_instance()
-        self.links = [BoardLink(url, self, baudrate=options.baudrate) for url in urls]
+        self.links = [
+            BoardLink(url, self, baudrate=options.baudrate, downlink_frames=downlink_frames(options.max_unanswered))
+            for url in urls
+        ]
         self.metrics = Metrics(model="bridge", version=1, instance=self.instance)
         self.metrics.declare(
             "published",
@@ -166,6 +189,7 @@ class Bridge:
         self._early: OrderedDict[str, deque[bytes]] = OrderedDict()
         """Answers that came before their board's HELLO, by device: sent down at its HELLO."""
         self._stopping = threading.Event()
+        self._link_ended = False
         self.failed_log = Repeated(log, "samples the broker did not take (not acknowledged to the board)")
         self.unrouted_log = Repeated(log, "answers that name no board of this bridge", level=logging.DEBUG)
         self.full_log = Repeated(log, "unreliable samples dropped: the daemon's window is full (it is slower than the "
@@ -186,7 +210,8 @@ class Bridge:
             server = MetricsServer(self.metrics, self.options.prometheus_port).start()
         self.connection.start(_thread("edgeline-bridge-mqtt"))
         self.connection.publish(self.availability_topic, b"online", qos=1, retain=True)
-        threads = [_thread(f"edgeline-bridge-{i}")(partial(link.run, stopping)) for i, link in enumerate(self.links)]
+        serve = partial(self._serve_link, stopping=stopping)
+        threads = [_thread(f"edgeline-bridge-{i}")(partial(serve, link)) for i, link in enumerate(self.links)]
         ports = ", ".join(link.url for link in self.links)
         log.info(
             "edgeline bridge %s: %s to %s; samples to %s, answers from %s, board results to %s%s",
@@ -220,7 +245,19 @@ class Bridge:
             self.connection.close()
             if server is not None:
                 server.stop()
-        return 0
+        return 1 if self._link_ended else 0
+
+    def _serve_link(self, link: BoardLink, stopping: threading.Event) -> None:
+        """A link's thread. A link takes every exception of its board and reopens its port: if it ends all the same,
+        the bridge cannot do its job, and stops with exit status 1 (a service manager starts it again), rather than
+        live on with a port nobody reads."""
+        try:
+            link.run(stopping)
+        finally:
+            if not stopping.is_set():
+                log.critical("the link of %s ended while the bridge runs: the bridge stops (exit status 1)", link.url)
+                self._link_ended = True
+                stopping.set()
 
     def status(self) -> dict[str, Any]:
         return self.metrics.snapshot({"boards": [link.status() for link in self.links], "samples": self.reconcile()})

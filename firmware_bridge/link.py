@@ -6,7 +6,13 @@ reopens it with back-off when it goes away, one log line per change of state), a
 what the wire did (frames, bytes, CRC errors, resyncs, sequence gaps, board restarts, refused frames), and hands every
 sample to a ``LinkHandler`` with a ``safe`` callback. In reliable mode the ``ACK`` of a frame goes out only once every
 sample of it, and of every frame before it, is safe (the caller says when: in the daemon's outbox, or acknowledged
-by the broker). Answers go back down with ``answer``, from any thread.
+by the broker). Answers go back down with ``answer``, from any thread, without ever waiting: frames to the board go
+through a bounded queue that the link's writer thread drains, each write bounded by ``write_timeout_s``. A board that
+does not read (many sensor firmwares never read their RX line, and a USB CDC device that does not read fills the
+host's buffer) has what does not fit dropped, counted (``answers_unsent``) and said once per change of state.
+
+Nothing a board sends stops a link: an exception while serving it is said once (with the board and the traceback),
+counted (``link_errors``), and the port is reopened with back-off.
 
 Each board is named by the ``device`` of its ``HELLO``, never by its port: a board that comes back on another port
 keeps its streams.
@@ -16,9 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
+import queue
 import select
 import threading
 import time
+import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,8 +38,10 @@ import numpy as np
 import orjson
 
 from edgeline.daemon.reconnect import Retry
+from edgeline.daemon.topics import topic_problem
 from edgeline.errors import EdgelineError
 from edgeline.firmware_bridge.protocol import (
+    MAX_ENCODED,
     MAX_PAYLOAD,
     SEQ_MODULO,
     Decoder,
@@ -40,6 +52,7 @@ from edgeline.firmware_bridge.protocol import (
     encode,
     pack_ack,
 )
+from edgeline.lograte import Repeated
 
 __all__ = [
     "DTYPES",
@@ -49,6 +62,7 @@ __all__ = [
     "LinkHandler",
     "StreamSpec",
     "input_id",
+    "name_problem",
     "parse_hello",
     "parse_input_id",
 ]
@@ -74,6 +88,34 @@ READ_TIMEOUT_S = 0.05
 READ_CHUNK = 65536
 MAX_STREAMS = 255
 MAX_HELLO_DEVICE = 128
+DOWNLINK_FRAMES = 256
+"""Frames waiting to be written to one board, at most, by default: past it a new one is dropped (the board does not
+read, or reads slower than its answers come). ``edgeline bridge`` sizes it from its window (``--max-unanswered``):
+every answer a daemon may owe fits behind a board that reads."""
+FRAME_WRITE_TURNS = 8
+"""A board that reads, however slowly, has one frame at most this many write timeouts to take it."""
+WRITER_IDLE_S = 0.25
+LOG_EVERY_S = 10.0
+"""A board's LOG lines: the first of a burst is said, the rest counted and summarised at most this often."""
+
+
+def write_timeout_s(baudrate: int) -> float:
+    """How long a port may take no byte of a frame: twice the largest frame's time on the wire, at least 1 s. A board
+    whose port takes nothing for that long does not read it (one that reads, however slowly, is given
+    ``FRAME_WRITE_TURNS`` times this for the whole frame)."""
+    return max(1.0, 2 * MAX_ENCODED * 10 / baudrate)
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a board's device or stream name, or None: each becomes one MQTT topic level (the same
+    rule as ``topic_problem``, and no ``/``), so a name the broker would refuse never reaches it."""
+    if not isinstance(name, str) or not name:
+        return "not a non-empty string"
+    if len(name) > MAX_HELLO_DEVICE:
+        return f"longer than {MAX_HELLO_DEVICE} characters"
+    if "/" in name:
+        return "it holds a /, which would make it two topic levels"
+    return topic_problem(name)
 
 
 @dataclass(frozen=True)
@@ -89,9 +131,14 @@ class StreamSpec:
     """Where reliable frames take up after this HELLO (the board's oldest unacknowledged frame), if it said. Neither
     this nor the rate (a CONFIG changes it) makes a stream another one."""
 
+    def __post_init__(self) -> None:
+        problem = name_problem(self.name)
+        if problem is not None:
+            raise FrameError("hello", f"stream name {self.name!r}: {problem}")
+
     @property
     def sample_bytes(self) -> int:
-        return int(self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64)))
+        return self.dtype.itemsize * math.prod(self.shape)  # Python integers: numpy's int64 would wrap
 
 
 @dataclass(frozen=True)
@@ -102,6 +149,11 @@ class Board:
     boot: int | None = None
     """The HELLO's ``boot``, a number that differs between the board's boots (a counter in flash, a random draw):
     part of its inputs' ids, which could otherwise repeat after a restart. None: the board does not say."""
+
+    def __post_init__(self) -> None:
+        problem = name_problem(self.device)
+        if problem is not None:
+            raise FrameError("hello", f"device {self.device!r}: {problem}")
 
 
 def parse_hello(payload: bytes) -> Board:
@@ -117,8 +169,9 @@ def parse_hello(payload: bytes) -> Board:
     if not isinstance(hello, dict):
         raise refuse("not a JSON object")
     device = hello.get("device")
-    if not isinstance(device, str) or not device or len(device) > MAX_HELLO_DEVICE or any(c in device for c in "/+#"):
-        raise refuse(f"device {device!r} is not an id of 1-{MAX_HELLO_DEVICE} characters without /, + or #")
+    problem = name_problem(device)
+    if problem is not None or not isinstance(device, str):
+        raise refuse(f"device {device!r} is not a board's id: {problem}")
     if hello.get("protocol") != 1:
         raise refuse(f"protocol {hello.get('protocol')!r}; this host speaks 1")
     entries = hello.get("streams")
@@ -132,15 +185,16 @@ def parse_hello(payload: bytes) -> Board:
         sid, name, dtype, shape = entry.get("id"), entry.get("name"), entry.get("dtype"), entry.get("shape")
         if not isinstance(sid, int) or isinstance(sid, bool) or not 1 <= sid <= MAX_STREAMS or sid in streams:
             raise refuse(f"{where}.id {sid!r} is not a new stream id of 1-255 (0 is the control stream)")
-        if not isinstance(name, str) or not name or any(c in name for c in "/+#"):
-            raise refuse(f"{where}.name {name!r} is not a name without /, + or #")
+        problem = name_problem(name)
+        if problem is not None or not isinstance(name, str):
+            raise refuse(f"{where}.name {name!r} is not a stream's name: {problem}")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise refuse(f"{where}.dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         if (
             not isinstance(shape, list)
             or not shape
             or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
-            or int(np.prod(shape)) * DTYPES[dtype].itemsize > MAX_PAYLOAD
+            or math.prod(shape) * DTYPES[dtype].itemsize > MAX_PAYLOAD  # Python integers, never wrapping
         ):
             raise refuse(f"{where}.shape {shape!r} is not a list of positive sizes that fits in a frame")
         rate, seq = entry.get("rate_hz"), entry.get("seq")
@@ -195,8 +249,12 @@ class LinkCounters:
     results: int = 0
     answers_sent: int = 0
     answers_unsent: int = 0
+    """Answers not written to the board: it does not read (its port took nothing for ``write_timeout_s``, or the
+    queue to it was full), its port was closed, or the answer does not fit a frame."""
     acks_sent: int = 0
     reopens: int = 0
+    link_errors: int = 0
+    """Exceptions while serving the board (a bug its frames met): each reopened the port."""
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -214,6 +272,7 @@ class LinkCounters:
             "answers_unsent": self.answers_unsent,
             "acks_sent": self.acks_sent,
             "reopens": self.reopens,
+            "link_errors": self.link_errors,
         }
 
 
@@ -245,7 +304,10 @@ class _Reliable:
 class BoardLink:
     """See the module. ``run`` blocks until ``stopping`` is set; everything else may be called from any thread."""
 
-    def __init__(self, url: str, handler: LinkHandler, *, baudrate: int = 115200, label: str | None = None):
+    def __init__(
+        self, url: str, handler: LinkHandler, *, baudrate: int = 115200, label: str | None = None,
+        downlink_frames: int = DOWNLINK_FRAMES,
+    ):  # fmt: skip
         self.url = url
         self.baudrate = baudrate
         self.handler = handler
@@ -268,16 +330,29 @@ class BoardLink:
         self._decoder_seen: Counter[str] = Counter()
         self._decoder_resyncs = 0
         self._port_for_writes: Any = None
+        self._write_port: Callable[[bytes], bool] = _closed
+        self.write_timeout_s = write_timeout_s(baudrate)
+        self.downlink_frames = max(1, downlink_frames)
+        self._downlink: queue.Queue[tuple[int, bytes]] = queue.Queue(self.downlink_frames)
+        """Frames to the board (their type, their bytes), drained by the writer thread."""
+        self._cut = False
+        """The last write timed out part way through a frame: the next one starts with a delimiter."""
         self._board_clock_us = 0
         """The ``t_us`` of the board's last frame: a HELLO with an earlier one is from a board that restarted."""
-        self._logged_lines: Counter[str] = Counter()
+        self._refused_log = Repeated(log, f"serial {url}: frames refused", remember=16)
+        self._unsent_log = Repeated(log, f"serial {url}: frames to the board dropped, not written")
+        self._board_log = Repeated(log, "board LOG lines", level=logging.INFO, every_s=LOG_EVERY_S)
+        self._errors_log = Repeated(log, f"serial {url}: the link failed", level=logging.ERROR, every_s=math.inf,
+                                    remember=16)  # fmt: skip
 
     # -- the port ----------------------------------------------------------------------------------------------
     def _open(self) -> Any:
         import serial
 
         try:
-            return serial.serial_for_url(self.url, baudrate=self.baudrate, timeout=0)
+            return serial.serial_for_url(
+                self.url, baudrate=self.baudrate, timeout=0, write_timeout=self.write_timeout_s
+            )
         except (serial.SerialException, ValueError, OSError) as exc:
             raise EdgelineError(f"serial {self.url}: {exc}") from exc
 
@@ -286,6 +361,21 @@ class BoardLink:
         self._port = self._open()
 
     def run(self, stopping: threading.Event) -> None:
+        """Serve the board until ``stopping`` is set: this thread reads, a writer thread of its own writes."""
+        ended = threading.Event()
+        writer = threading.Thread(
+            target=self._write_downlink, args=(stopping, ended), name=f"{threading.current_thread().name}-writer",
+            daemon=True,
+        )  # fmt: skip
+        writer.start()
+        try:
+            self._read(stopping)
+        finally:
+            ended.set()
+            writer.join(self.write_timeout_s + 1.0)
+            self.counters.answers_unsent += self._drop_queued().count(FrameType.ANSWER)  # queued as it stopped
+
+    def _read(self, stopping: threading.Event) -> None:
         import serial
 
         retry = Retry(BACKOFF_FIRST_S, BACKOFF_MAX_S, jitter=False)  # reset only once the port worked again
@@ -320,16 +410,32 @@ class BoardLink:
                         log.warning("serial %s opens but fails at once: %s; retrying with back-off", self.url, exc)
                     flapping = True
                     stopping.wait(retry.next_delay())
+            except Exception as exc:  # a bug this board's frames met: said once per place, counted; the port reopened
+                self._failed(exc, "reopening the port")
+                stopping.wait(retry.next_delay())  # never reset here: a board that repeats it waits longer each time
             finally:
                 self.connected.clear()
                 with self._write_lock:
-                    self._port_for_writes = None
+                    self._port_for_writes, self._write_port = None, _closed
+                    # what was queued for this port goes with it, as what comes while it is closed: the next port
+                    # starts with its HELLO_REQUEST, not behind a backlog for a board that may have restarted since
+                    self.counters.answers_unsent += self._drop_queued().count(FrameType.ANSWER)
                 with contextlib.suppress(serial.SerialException, OSError):
                     port.close()
 
+    def _failed(self, exc: Exception, then: str) -> None:
+        self.counters.link_errors += 1
+        board = self.board.device if self.board is not None else "not named yet"
+        where = traceback.extract_tb(exc.__traceback__)[-1:]
+        key = (type(exc).__name__, *((where[0].filename, where[0].lineno) if where else ()))
+        self._errors_log.happened(
+            1, f"board {board}: {type(exc).__name__}: {exc}; {then} (said once per place; counted as link_errors)",
+            key=key, exc_info=True,
+        )  # fmt: skip
+
     def _serve(self, port: Any, stopping: threading.Event) -> None:
         with self._write_lock:
-            self._port_for_writes = port
+            self._port_for_writes, self._write_port = port, _writer(port, self.write_timeout_s)
         self._decoder = Decoder()  # a frame cut by the unplug is not glued to the next port's bytes
         self._decoder_seen, self._decoder_resyncs = Counter(), 0
         self.connected.set()
@@ -359,18 +465,66 @@ class BoardLink:
 
     # -- writing -----------------------------------------------------------------------------------------------
     def send(self, frame: Frame) -> bool:
-        """Write one frame; False when the port is not open (the board is away)."""
-        data = encode(frame)
-        with self._write_lock:
-            port = self._port_for_writes
-            if port is None:
-                return False
+        """Queue one frame for the board, never waiting; False when it is dropped instead: the port is not open (the
+        board is away), or the queue is full (the board does not read)."""
+        if self._port_for_writes is None:
+            return False
+        try:
+            self._downlink.put_nowait((frame.type, encode(frame)))
+        except queue.Full:
+            self._unsent_log.happened(
+                1, f"the queue to the board is full ({self.downlink_frames} frames): it does not read, or too slowly"
+            )
+            return False
+        return True
+
+    def _write_downlink(self, stopping: threading.Event, ended: threading.Event) -> None:
+        """The writer thread: one frame at a time from the queue to the port, each within ``write_timeout_s``."""
+        while not (stopping.is_set() or ended.is_set()):
             try:
-                port.write(data)
+                kind, data = self._downlink.get(timeout=WRITER_IDLE_S)
+            except queue.Empty:
+                for said in (self._unsent_log, self._board_log, self._refused_log):
+                    said.tick()
+                continue
+            try:
+                self._write(kind, data)
+            except Exception as exc:  # never: _write takes what a port raises; still, the writer never dies
+                self._failed(exc, "the frame is dropped")
+
+    def _write(self, kind: int, data: bytes) -> None:
+        with self._write_lock:
+            try:
+                written = self._write_port(b"\x00" + data if self._cut else data)
             except Exception as exc:  # a port that just went away: the reader reopens it
                 log.debug("serial %s: write failed: %s", self.url, exc)
-                return False
-        return True
+                written = None
+            if written is False:
+                self._cut = True
+                lost = [kind, *self._drop_queued()]
+                self._unsent_log.happened(
+                    len(lost), f"the board took no byte of a frame for {self.write_timeout_s:g} s (or not the whole "
+                    f"frame in {FRAME_WRITE_TURNS * self.write_timeout_s:g} s): it does not read its port "
+                    f"(the {len(lost)} frames waiting for it dropped, answers counted as answers_unsent)",
+                )  # fmt: skip
+                self.counters.answers_unsent += lost.count(FrameType.ANSWER)
+                return
+        if not written:
+            if kind == FrameType.ANSWER:
+                self.counters.answers_unsent += 1
+            return
+        self._cut = False
+        if kind == FrameType.ANSWER:
+            self.counters.answers_sent += 1
+        elif kind == FrameType.ACK:
+            self.counters.acks_sent += 1
+
+    def _drop_queued(self) -> list[int]:
+        dropped = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                dropped.append(self._downlink.get_nowait()[0])
+        return dropped
 
     def _control(self, kind: FrameType, payload: bytes = b"") -> bool:
         with self._state_lock:
@@ -387,20 +541,19 @@ class BoardLink:
         return self._control(FrameType.CONFIG, orjson.dumps(dict(settings)))
 
     def answer(self, stream: int, seq: int, payload: bytes) -> bool:
-        """Send an answer down to the board, as the ANSWER of its input ``stream``/``seq``."""
-        sent = len(payload) <= MAX_PAYLOAD and self.send(Frame(int(FrameType.ANSWER), stream, seq, _now_us(), payload))
-        if sent:
-            self.counters.answers_sent += 1
-        else:
+        """Queue an answer for the board, as the ANSWER of its input ``stream``/``seq``, never waiting; False when it
+        is dropped at once (counted in ``answers_unsent``; ``answers_sent`` counts those written)."""
+        queued = len(payload) <= MAX_PAYLOAD and self.send(
+            Frame(int(FrameType.ANSWER), stream, seq, _now_us(), payload)
+        )
+        if not queued:
             self.counters.answers_unsent += 1
-        return sent
+        return queued
 
     # -- reading -----------------------------------------------------------------------------------------------
     def _refuse(self, reason: str, text: str) -> None:
         self.counters.refused[reason] += 1
-        self._logged_lines[reason] += 1
-        if self._logged_lines[reason] in (1, 10, 100, 1000) or self._logged_lines[reason] % 10000 == 0:
-            log.warning("serial %s: %s (%d such frames so far)", self.url, text, self._logged_lines[reason])
+        self._refused_log.happened(1, text, key=reason)
 
     def _frame(self, frame: Frame) -> None:
         self.last_heard = time.monotonic()
@@ -408,7 +561,10 @@ class BoardLink:
         restarted = kind == FrameType.HELLO and self._restarted(frame)
         if restarted:  # it counts from 0 again: so does the gap count
             self._gaps.reset()
+        repeats = self._gaps.repeats
         self.counters.sequence_gaps += self._gaps.observe(frame.stream, frame.seq)
+        if self._gaps.repeats > repeats and not (kind == FrameType.SAMPLES and frame.ack_requested):
+            self.counters.repeats += 1  # (a reliable frame's resend is counted by _samples, which tells it apart)
         self._board_clock_us = frame.t_us
         if kind == FrameType.SAMPLES:
             self._samples(frame)
@@ -469,7 +625,7 @@ class BoardLink:
                 self.stats = stats
                 log.debug("board %s: %s", device, text)
                 return
-        log.info("board %s: %s", device, text[:500])
+        self._board_log.happened(1, f"{device}: {text[:500]}")
 
     def _result(self, frame: Frame) -> None:
         board = self.board
@@ -574,8 +730,7 @@ class BoardLink:
             state.expected = seq
 
     def _send_ack(self, stream: int, seq: int) -> None:
-        if self._control(FrameType.ACK, pack_ack(stream, seq)):
-            self.counters.acks_sent += 1
+        self._control(FrameType.ACK, pack_ack(stream, seq))  # counted in acks_sent once written
 
     def status(self) -> dict[str, Any]:
         """For the status message: the board, what the wire did, the board's own counters."""
@@ -586,6 +741,7 @@ class BoardLink:
             "device": board.device if board is not None else None,
             "firmware": board.firmware if board is not None else None,
             "heard_s_ago": None if self.last_heard is None else round(time.monotonic() - self.last_heard, 3),
+            "hello_pending": self._hello_wanted_since is not None,
             **self.counters.as_dict(),
             "refused_by_reason": dict(self.counters.refused),
             "board_stats": self.stats,
@@ -599,11 +755,8 @@ def _reader(port: Any) -> Callable[[], bytes]:
     ``in_waiting`` (readable or not), which read a frame one byte per call (19 times the CPU of a pty, measured:
     ``benchmarks/results/firmware_bridge.md``). With a file descriptor the port is read without a timeout after a
     ``select`` on it (a POSIX port, a socket); otherwise (``rfc2217://``, ``loop://``) with the timeout, as before."""
-    try:
-        fd = port.fileno()
-    except Exception:  # a URL handler without one (pyserial raises NotImplementedError or AttributeError)
-        fd = None
-    if not isinstance(fd, int):
+    fd = _fileno(port)
+    if fd is None:
         port.timeout = READ_TIMEOUT_S
         return lambda: bytes(port.read(max(1, port.in_waiting)))
 
@@ -612,6 +765,61 @@ def _reader(port: Any) -> Callable[[], bytes]:
         return bytes(port.read(READ_CHUNK)) if ready else b""
 
     return read
+
+
+def _writer(port: Any, timeout_s: float) -> Callable[[bytes], bool]:
+    """A function that writes bytes to the port; False when the port took no byte for ``timeout_s`` (a board that
+    does not read: its buffer, or the pty's, is full), or not all of them in ``FRAME_WRITE_TURNS`` times that (a
+    trickle). A board that reads slowly, or an emulated one a busy machine runs late, is not taken for a deaf one.
+
+    With a file descriptor, a ``select`` for room then a non-blocking write, as ``_reader``: pyserial's own write
+    timeout spins on EAGAIN for the whole timeout (a core busy for each frame to a board that does not read).
+    Otherwise (``rfc2217://``, ``loop://``) pyserial's ``write_timeout`` (set when the port was opened)."""
+    import serial
+
+    fd = _fileno(port)
+    if fd is None:
+
+        def write_with_pyserial(data: bytes) -> bool:
+            try:
+                port.write(data)
+            except serial.SerialTimeoutException:
+                return False
+            return True
+
+        return write_with_pyserial
+
+    def write(data: bytes) -> bool:
+        view = memoryview(data)
+        start = time.monotonic()
+        deadline, last = start + FRAME_WRITE_TURNS * timeout_s, start  # the whole frame; the last byte taken
+        while view:
+            now = time.monotonic()
+            left = min(deadline, last + timeout_s) - now
+            _, ready, _ = select.select([], [fd], [], max(0.0, left))
+            if not ready:
+                return False
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                continue
+            last = time.monotonic()
+        return True
+
+    return write
+
+
+def _closed(data: bytes) -> bool:
+    """The writer of a port that is not open: nothing written."""
+    raise OSError("the port is not open")
+
+
+def _fileno(port: Any) -> int | None:
+    try:
+        fd = port.fileno()
+    except Exception:  # a URL handler without one (pyserial raises NotImplementedError or AttributeError)
+        return None
+    return fd if isinstance(fd, int) else None
 
 
 def _not_after(seq: int, reference: int) -> bool:

@@ -208,23 +208,30 @@ class Decoder:
 class SequenceGaps:
     """Frames lost on the wire, per stream, from ``seq`` (a per-stream, per-direction count wrapping at 65,536).
 
-    A frame more than half the sequence space behind the last one is a resend (reliable mode) or a replay, not a
-    gap: it is counted as ``repeats``. A board that restarts starts again from any number: call ``reset``."""
+    A frame more than half the sequence space ahead of the last one is behind it: a resend (reliable mode) or a
+    replay, counted in ``repeats``, not a gap, and the last one stays where it was. When the frame after such a one
+    follows it, the stream has jumped there (a board that restarted unseen, a counter reset): gaps are counted from
+    there again, instead of every later frame being "behind". A board that restarts starts again from any number:
+    call ``reset``."""
 
     def __init__(self) -> None:
         self._last: dict[int, int] = {}
+        self._behind: dict[int, int] = {}
+        """Per stream, the last frame taken as a repeat: the next one following it means the stream jumped."""
         self.lost = 0
         self.repeats = 0
 
     def observe(self, stream: int, seq: int) -> int:
-        """The frames missing before this one (0 when it follows the last)."""
+        """The frames missing before this one: 0 when it follows the last one, or is a repeat (``repeats``)."""
         last = self._last.get(stream)
-        if last is None:
+        behind = self._behind.pop(stream, None)
+        if last is None or (behind is not None and seq == (behind + 1) % SEQ_MODULO):
             self._last[stream] = seq
             return 0
         ahead = (seq - last) % SEQ_MODULO
         if ahead == 0 or ahead > SEQ_MODULO // 2:
             self.repeats += 1
+            self._behind[stream] = seq
             return 0
         self._last[stream] = seq
         self.lost += ahead - 1
@@ -232,3 +239,4 @@ class SequenceGaps:
 
     def reset(self) -> None:
         self._last.clear()
+        self._behind.clear()

@@ -12,6 +12,7 @@ daemon's counters ``serial_*`` (status message and ``/metrics``), and the board 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -35,7 +36,12 @@ _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
 def sample_payload(identity: str, sample: np.ndarray) -> bytes:
-    """One sample in the daemon's json codec, ``{"id": ..., "data": [...]}``, serialised in C (no Python loop)."""
+    """One sample in the daemon's json codec, ``{"id": ..., "data": [...]}``, serialised in C (no Python loop).
+
+    orjson writes NaN and Inf as ``null``, which the daemon would answer ``wrong-dtype``: a sample holding one is
+    written by Python's json instead, as ``NaN``/``Infinity``, which the daemon answers ``non-finite``."""
+    if sample.dtype.kind == "f" and not np.isfinite(sample).all():
+        return json.dumps({"id": identity, "data": sample.tolist()}).encode()
     return orjson.dumps({"id": identity, "data": np.ascontiguousarray(sample)}, option=_NUMPY)
 
 

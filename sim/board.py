@@ -81,12 +81,14 @@ class Uart(str, enum.Enum):
 @dataclass(frozen=True)
 class BoardOptions:
     """What a board is and sends: its id, samples per second (three decimals: the firmware counts milli-hertz), how
-    many, and whether each asks to be acknowledged (reliable mode)."""
+    many, whether each asks to be acknowledged (reliable mode), and whether it never reads its RX line (``deaf``, as
+    many sensor firmwares: what the host writes fills the port's buffer)."""
 
     device: str = "mcu-1"
     rate_hz: float = 10.0
     count: int = 100
     reliable: bool = False
+    deaf: bool = False
 
     def __post_init__(self) -> None:
         if not _DEVICE_ID.fullmatch(self.device):
@@ -420,7 +422,11 @@ class PythonBoard:
                 self._write(session.boot(0))
             now = (time.monotonic_ns() - boot) // 1000
             wait_s = min(max(session.next_due_us() - now, 0) / 1e6, _POLL_S)
-            data = self._read(wait_s)
+            if self.options.deaf and (self.uart is Uart.PTY or self._client is not None):
+                self._stopping.wait(wait_s)  # it never reads: the host's bytes stay in the port's buffer, which fills
+                data = b""
+            else:
+                data = self._read(wait_s)
             now = (time.monotonic_ns() - boot) // 1000
             for frame in decoder.feed(data):
                 self._write(session.receive(frame, now))

@@ -77,7 +77,7 @@ def build_firmware(options: BoardOptions, samples: BoardSamples, cache_dir: Path
     if compiler is None:
         raise EdgelineError(f"building the emulated board needs arm-none-eabi-gcc, not found on PATH: {TOOLS_HINT}")
     defines = (f'-DDEVICE_ID="{options.device}"', f"-DRATE_MHZ={options.rate_mhz}u", f"-DCOUNT={options.count}u",
-               f"-DRELIABLE={int(options.reliable)}")  # fmt: skip
+               f"-DRELIABLE={int(options.reliable)}", *(["-DDEAF=1"] if options.deaf else []))  # fmt: skip
     include = _samples_inc(samples)
     key = hashlib.sha256()
     for part in (*CFLAGS, *defines, include):

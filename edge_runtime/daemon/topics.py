@@ -9,6 +9,7 @@ from the ``+`` level after the prefix. Publish templates use ``{device}``, ``{na
 
 from __future__ import annotations
 
+import re
 import string
 from dataclasses import dataclass, field
 
@@ -28,6 +29,12 @@ __all__ = [
 TEMPLATE_FIELDS = ("device", "name", "instance")
 MAX_TOPIC_BYTES = 65535
 """MQTT's limit on a topic's UTF-8 length (a two-byte length prefix)."""
+_REFUSED_BY_BROKERS = re.compile(
+    "[\x01-\x1f\x7f-\x9f\ufdd0-\ufdef"
+    + "".join(chr(plane | 0xFFFE) + chr(plane | 0xFFFF) for plane in range(0, 0x110000, 0x10000))
+    + "]"
+)
+"""MQTT 5's 1.5.4 (SHOULD NOT): control characters U+0001-U+001F and U+007F-U+009F, and Unicode's non-characters."""
 SHARE_PREFIX = "$share/"
 SENSOR_TOPIC = "sensors/{device}/{sensor}"
 """The default topic scheme of sensor messages: where ``edgeline sim`` publishes (and a sensor should)."""
@@ -109,7 +116,8 @@ def render_topic(template: str, *, device: str, name: str, instance: str = "") -
 
 
 def topic_problem(topic: str) -> str | None:
-    """Why ``topic`` cannot be published to (wildcards, NUL, empty, too long), or None when it can."""
+    """Why ``topic`` cannot be published to (wildcards, NUL, a control character, empty, too long), or None when it
+    can."""
     if not topic:
         return "an empty topic"
     if "+" in topic or "#" in topic:
@@ -120,6 +128,9 @@ def topic_problem(topic: str) -> str | None:
         size = len(topic.encode("utf-8"))
     except UnicodeEncodeError:
         return "a topic that is not valid UTF-8"
+    refused = _REFUSED_BY_BROKERS.search(topic)
+    if refused is not None:  # MQTT says SHOULD NOT; Mosquitto closes the connection of a client that sends one
+        return f"a topic with a control character or a Unicode non-character (U+{ord(refused.group()):04X})"
     if size > MAX_TOPIC_BYTES:
         return f"a topic of {size} bytes (MQTT allows {MAX_TOPIC_BYTES})"
     return None

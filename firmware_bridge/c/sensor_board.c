@@ -14,6 +14,8 @@
  *
  * Built by edgeline.sim.mcu with, from the user's settings:
  *   -DDEVICE_ID="id"  -DRATE_MHZ=10000 (milli-hertz: rates below 1 Hz too)  -DCOUNT=100  -DRELIABLE=0|1
+ *   -DDEAF=1 (optional): the board never reads its RX line, as many sensor firmwares; the UART's receive register
+ *   stays full, so the emulator stops taking the host's bytes and the host's writes find no room
  * and samples.inc (generated from the .npz): EL_SAMPLE_COUNT, EL_SAMPLE_BYTES, EL_SAMPLE_SHAPE, EL_STREAM_NAME and
  * SAMPLE_DATA, the samples as little-endian float32 bytes.
  *
@@ -34,6 +36,9 @@
 #endif
 #ifndef RELIABLE
 #define RELIABLE 0
+#endif
+#ifndef DEAF
+#define DEAF 0
 #endif
 
 #define FIRMWARE "edgeline-sensor-board 1"
@@ -62,6 +67,7 @@ static uint8_t rx_ring[1024];
 static uint32_t rx_head, rx_tail, rx_dropped;
 
 static void rx_poll(void) {
+    if (DEAF) return; /* the only place the board reads: a deaf board takes nothing, ever */
     for (uint32_t i = 0; i < RX_BURST && (UART_STATE & UART_RX_FULL); i++) {
         uint8_t byte = (uint8_t)UART_DATA;
         if (rx_head - rx_tail < sizeof rx_ring) {
