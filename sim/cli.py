@@ -128,6 +128,12 @@ def _mcu_parser(prog: str) -> argparse.ArgumentParser:
         "--reliable", action="store_true", help="ask for an ACK of every sample: window of 8, go-back-N resends"
     )
     parser.add_argument(
+        "--deaf",
+        action="store_true",
+        help="never read the RX line, as many sensor firmwares: nothing the host sends is taken (with --uart pty, "
+        "the host's writes find the port full); the board's HELLO at boot is all the host learns of it",
+    )
+    parser.add_argument(
         "--data",
         type=Path,
         metavar="DIR_OR_NPZ",
@@ -288,7 +294,7 @@ def run_mcu(args: argparse.Namespace) -> int:
 
     if args.duration is not None and args.duration <= 0:
         raise EdgelineError(f"--for {args.duration:g}: seconds above 0")
-    options = BoardOptions(args.device, args.rate, args.count, args.reliable)
+    options = BoardOptions(args.device, args.rate, args.count, args.reliable, deaf=args.deaf)
     samples = load_board_samples(args.data)
     kind = args.board
     if kind is None:
@@ -307,7 +313,8 @@ def run_mcu(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: stopped.set()) if in_main else None
     try:
         with board:
-            print(f"board {options.device} ({board.description}) on {board.url}", flush=True)
+            deaf = ", deaf: it never reads its RX line" if options.deaf else ""
+            print(f"board {options.device} ({board.description}{deaf}) on {board.url}", flush=True)
             deadline = None if args.duration is None else time.monotonic() + args.duration
             # until stopped: a board runs as long as its user wants; each wait is short, so a signal is seen at once
             while not stopped.is_set() and board.alive:

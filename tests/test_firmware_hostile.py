@@ -452,6 +452,55 @@ def test_a_board_that_never_reads_gets_every_input_answered_on_mqtt(
     assert len(said) == 1, said
 
 
+@pytest.mark.integration
+def test_a_board_that_never_reads_on_a_bridge_never_holds_up_the_other_boards(
+    built_litert_bundle: Path, board_data: Path, broker: Broker, tmp_path: Path, processes: list[Process]
+) -> None:
+    """One bridge, two boards: one never reads its RX line, the other reads. Each board has its own queue and writer,
+    so the reading board gets every answer while the deaf one's port is full, and every input of the deaf one is
+    still answered on MQTT, what could not be written to it counted (answers_unsent)."""
+    count = 300
+    deaf = PythonBoard(BoardOptions("deaf-2", rate_hz=100, count=count, deaf=True), board_data, Uart.PTY)
+    hearing = PythonBoard(BoardOptions("hearing-1", rate_hz=100, count=count, reliable=True), board_data, Uart.PTY)
+    # (reliable: what it sends before the bridge opens its port is sent again, not lost before the test starts)
+    collector = Collector(broker, "edgeline/#")
+    wanted = {(1, seq) for seq in range(count)}
+
+    def boards() -> dict[str, dict[str, Any]]:
+        status = retained_status(collector, "edgeline/bridge/gw/status") or {}
+        return {str(b.get("device")): b for b in status.get("boards") or []}
+
+    try:
+        with deaf, hearing:
+            processes.append(start_daemon(collector, built_litert_bundle, broker, tmp_path / "state"))
+            processes.append(gateway := Process("bridge", deaf.url, hearing.url, "--broker", broker.address,
+                                                "--instance", "gw", "--status-interval", "0.3"))  # fmt: skip
+            assert wait_until(lambda: (s := retained_status(collector, "edgeline/bridge/gw/status")) is not None
+                              and all(b.get("connected") for b in s.get("boards") or [{}]))  # fmt: skip
+            deaf.reset()  # it boots after the host: its HELLO at boot is heard (it never hears a HELLO_REQUEST)
+            heard = wait_until(lambda: (boards().get("hearing-1", {}).get("board_stats") or {}).get("answered", 0)
+                               >= count, timeout=120)  # fmt: skip
+            answered = wait_until(
+                lambda: {parse_input_id(i) for i, r in results_of(collector).items() if r.get("device") == "deaf-2"}
+                >= wanted, timeout=120,
+            )  # fmt: skip
+            reconciled = wait_until(
+                lambda: (b := boards().get("deaf-2", {})).get("answers_sent", 0) + b.get("answers_unsent", 0) >= count
+            )
+            found = boards()
+            code, _, err = gateway.stop()
+    finally:
+        collector.close()
+    assert heard, f"the reading board: {found.get('hearing-1')}"
+    assert answered, f"the deaf board's inputs not all answered on MQTT: {found.get('deaf-2')}"
+    assert code == 0, err[-3000:]
+    deaf_link, hearing_link = found["deaf-2"], found["hearing-1"]
+    assert reconciled and deaf_link["answers_unsent"] > 0, deaf_link
+    assert deaf_link["answers_sent"] + deaf_link["answers_unsent"] == count, deaf_link
+    assert hearing_link["answers_unsent"] == 0 and hearing_link["board_stats"]["answered"] == count, hearing_link
+    assert sum("does not read" in line for line in err.splitlines()) <= 3, err[-3000:]  # said, not once per frame
+
+
 # -- smaller -----------------------------------------------------------------------------------------------------
 
 

@@ -336,6 +336,28 @@ def test_sim_mcu_command_prints_where_the_board_is(
 
 
 @pytest.mark.quick
+def test_sim_mcu_deaf_makes_a_board_that_never_reads_and_says_so(
+    images: tuple[Path, np.ndarray], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--deaf` reaches the board (the firmware's -DDEAF=1, the Python board's never-read loop) and its line says it."""
+    from edgeline.sim import board as boards
+
+    made: list[boards.BoardOptions] = []
+    real = boards.PythonBoard.__init__
+
+    def keep(self: Any, options: boards.BoardOptions, *args: Any, **kwargs: Any) -> None:
+        made.append(options)
+        real(self, options, *args, **kwargs)
+
+    monkeypatch.setattr(boards.PythonBoard, "__init__", keep)
+    argv = ["sim", "mcu", "--board", "python", "--deaf", "--data", str(images[0]), "--for", "0.2"]
+    assert main(argv) == 0
+    assert [options.deaf for options in made] == [True]
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("board mcu-1 (Python board, deaf: it never reads its RX line) on socket://127.0.0.1:")
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
