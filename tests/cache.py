@@ -8,10 +8,12 @@ wait; a half-made entry (a killed run) is never used: an entry counts only once 
 
     build/test-cache/<kind>/<key>/        what ``make`` wrote, read-only by agreement: copy before changing it
 
-A test that checks the conversion itself still converts: only fixtures that need *a* bundle use this. Entries of
-older code are not removed (about 2 MB of bundles per version of the sources; the reference models change only with
-``export/reference``): ``rm -r build/test-cache`` empties it, and the next run makes what it needs.
-``EDGELINE_TEST_CACHE`` moves the cache; ``EDGELINE_TEST_CACHE=off`` makes every entry anew in a temporary folder.
+Bundles are keyed by the sources ``edgeline export`` can import (``EXPORT_FOLDERS``), reference models by
+``export/reference``'s. A test that checks the conversion itself still converts: only fixtures that need *a* bundle
+use this. Entries of older code are not removed (about 2 MB of bundles per version of the sources; the reference
+models change only with ``export/reference``): ``rm -r build/test-cache`` empties it, and the next run makes what it
+needs. ``EDGELINE_TEST_CACHE`` moves the cache; ``EDGELINE_TEST_CACHE=off`` makes every entry anew in a temporary
+folder.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tests.package_tree import REPO, package_dirs
+from tests.test_import_contracts import LAYERS
 
 if TYPE_CHECKING:
     from edgeline.export.reference import Prepared
@@ -113,7 +116,12 @@ def cached_export(model: str | Path, *args: str | Path) -> Path:
         code = main(["export", str(model), *map(str, args), "--out", str(directory / "bundle"), "-q"])
         assert code == 0, f"edgeline export {model} {' '.join(map(str, args))} failed (exit {code})"
 
-    return cached("bundle", [Path(file), attribute, *args], make) / "bundle"
+    return cached("bundle", [Path(file), attribute, *args], make, folders=EXPORT_FOLDERS) / "bundle"
+
+
+EXPORT_FOLDERS = ("export", *sorted(LAYERS["export"]))
+"""What ``edgeline export`` runs: the export folder and those it may import (the import contracts' arrows, checked by
+``tests/test_import_contracts.py``). A change to ``sim`` or ``firmware_bridge`` does not make every bundle again."""
 
 
 def cached(

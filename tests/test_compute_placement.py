@@ -173,36 +173,39 @@ def _torch_macs(module: nn.Module, example: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("model", ["pooled_cnn", "mobilenet_v3_like"])
+@pytest.mark.parametrize(
+    ("backend", "precision", "profile"),
+    [
+        ("litert", "int8-static", "rpi5"),
+        ("executorch-xnnpack", "int8-static", "rpi5"),
+        ("onnxruntime", "int8-static", "x86-64"),
+        ("ethos-u", "int8-static", "ethos-u55-128"),
+    ],
+)
 def test_the_work_counted_from_each_converted_graph_agrees_with_the_torch_modules(
-    workspace: Path, model: str, tmp_path: Path
+    workspace: Path, model: str, backend: str, precision: str, profile: str, tmp_path: Path
 ) -> None:
     module = getattr(_models(workspace / "models.py"), model)()
     example = torch.rand(1, 1, 8, 8)
     layers = _torch_macs(module, example)
     images = np.load(workspace / "cal.npz")["x"]
     calibration = [(torch.from_numpy(images[i : i + 1].copy()),) for i in range(16)]
-    for backend, precision, profile in (
-        ("litert", "int8-static", "rpi5"),
-        ("executorch-xnnpack", "int8-static", "rpi5"),
-        ("onnxruntime", "int8-static", "x86-64"),
-        ("ethos-u", "int8-static", "ethos-u55-128"),
-    ):
-        out = tmp_path / backend
-        out.mkdir()
-        request = ExportRequest(module=module, example_inputs=calibration[0], calibration=calibration,
-                                precision=Precision(precision), out_dir=out, input_names=("x",),
-                                profile=load_profile(profile))  # fmt: skip
-        exported = get_exporter(backend).export(request)
-        placement = exported.placement
-        assert placement is not None and placement.macs is not None, backend
-        # the layers' multiply-accumulates, plus one per output element of the other operators (a few percent here)
-        assert layers <= placement.macs <= 1.1 * layers, (backend, placement.macs, layers)
-        assert placement.quantized_macs is not None and placement.quantized_macs <= placement.macs
-        if backend == "ethos-u":
-            # vela's own count: the layers' (and the pools it runs as depthwise convolutions), within the placement's
-            assert exported.estimates is not None and exported.estimates.macs is not None
-            assert layers <= exported.estimates.macs <= placement.macs
-            assert placement.accelerator_macs is not None and placement.accelerator_macs >= layers
+    out = tmp_path / backend  # one conversion per test: the four backends spread over the test processes
+    out.mkdir()
+    request = ExportRequest(module=module, example_inputs=calibration[0], calibration=calibration,
+                            precision=Precision(precision), out_dir=out, input_names=("x",),
+                            profile=load_profile(profile))  # fmt: skip
+    exported = get_exporter(backend).export(request)
+    placement = exported.placement
+    assert placement is not None and placement.macs is not None, backend
+    # the layers' multiply-accumulates, plus one per output element of the other operators (a few percent here)
+    assert layers <= placement.macs <= 1.1 * layers, (backend, placement.macs, layers)
+    assert placement.quantized_macs is not None and placement.quantized_macs <= placement.macs
+    if backend == "ethos-u":
+        # vela's own count: the layers' (and the pools it runs as depthwise convolutions), within the placement's
+        assert exported.estimates is not None and exported.estimates.macs is not None
+        assert layers <= exported.estimates.macs <= placement.macs
+        assert placement.accelerator_macs is not None and placement.accelerator_macs >= layers
 
 
 @pytest.mark.parametrize("profile", ["ethos-u55-128", "imx93"])
