@@ -145,6 +145,9 @@ class Bridge:
             BoardLink(url, self, baudrate=options.baudrate, downlink_frames=downlink_frames(options.max_unanswered))
             for url in urls
         ]
+        self._origin = {id(link): f"{self.instance}:{port}" for port, link in enumerate(self.links)}
+        """What each port's input ids end with (``@INSTANCE:PORT``): two boards of one name on this bridge (a cloned
+        image on two ports) each get only the answers to their own inputs."""
         self.metrics = Metrics(model="bridge", version=1, instance=self.instance)
         self.metrics.declare(
             "published",
@@ -320,8 +323,8 @@ class Bridge:
             if other.connected.is_set():  # both ports are live: two boards, one id
                 self.metrics.count("duplicate_devices")
                 log.error(
-                    "two boards say they are %s, on %s and %s (a cloned firmware image?): answers go to %s",
-                    board.device, other.url, link.url, link.url,
+                    "two boards say they are %s, on %s and %s (a cloned firmware image?): each gets the answers "
+                    "to its own inputs; their samples share the device's topics", board.device, other.url, link.url,
                 )  # fmt: skip
             else:  # its old port is gone: the board was plugged in elsewhere, and keeps its name and streams
                 log.info("board %s moved from %s to %s", board.device, other.url, link.url)
@@ -358,7 +361,7 @@ class Bridge:
             if not self._wait_for_room():  # stopping: not acknowledged, so a reliable board resends it to the next
                 self.metrics.count("unpublished_at_stop", len(samples) - index)  # bridge; any other board's is lost
                 return
-            ident = input_id(frame.stream, frame.seq, index, frame.t_us, board.boot, self.instance)
+            ident = input_id(frame.stream, frame.seq, index, frame.t_us, board.boot, self._origin[id(link)])
             pushed = self.window.enter(f"{board.device} {ident}", key, arrived)  # ids repeat across boards
             if pushed:
                 self.metrics.count("unanswered", pushed)
@@ -452,9 +455,10 @@ class Bridge:
             self.unrouted_log.happened(1, f"e.g. on {topic}: {payload[:200]!r}")
             return
         numbers, _, origin = ident.partition("@")
-        if origin != self.instance:  # a board of the same name on another bridge (or before ids said whose)
-            self.metrics.count("answers_other_bridge")
-            return
+        instance, _, port = origin.rpartition(":")
+        if instance != self.instance or not port.isdigit() or int(port) >= len(self.links):
+            self.metrics.count("answers_other_bridge")  # a board of the same name on another bridge (or before ids
+            return  # said whose)
         arrived = self.window.answered(f"{device} {ident}")
         if arrived is not None:
             self.metrics.count("answered")
@@ -464,7 +468,9 @@ class Bridge:
                 if self._first_daemon == UNKNOWN_DAEMON:
                     self._first_daemon = self._answerer[device]
                     self.window.rekey(UNKNOWN_DAEMON, self._first_daemon)
-        link = self.boards.get(device)
+        link: BoardLink | None = self.links[int(port)]  # the port its input came from
+        if link is None or link.board is None or link.board.device != device:
+            link = self.boards.get(device)  # another board on that port now: this one moved to another port
         board = link.board if link is not None else None
         if link is None or board is None or board.device != device:
             self._keep_early(device, payload)

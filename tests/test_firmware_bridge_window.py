@@ -78,18 +78,42 @@ def test_an_answer_goes_only_to_this_bridges_board_of_its_boot_and_waits_for_its
     def answer(ident: str) -> bytes:
         return json.dumps({"id": ident, "device": "b-1", "label": "3"}).encode()
 
-    bridge._route(answer("1.5.0.100.7@gw"))  # before the board's HELLO: kept
+    bridge._route(answer("1.5.0.100.7@gw:0"))  # before the board's HELLO: kept
     assert written == [] and bridge.metrics.snapshot()["counts"]["answers_before_hello"] == 1
     board = parse_hello(json.dumps({**HELLO, "boot": 7}).encode())
     link.board = board
     bridge.on_hello(link, board, False)
     assert written == [(1, 5)]
     bridge._route(answer("1.6.0.100.7@other-bridge"))  # the twin's input, on another bridge
-    bridge._route(answer("1.6.0.100.6@gw"))  # its previous boot's input
-    bridge._route(answer("1.6.0.100.7@gw"))
+    bridge._route(answer("1.6.0.100.6@gw:0"))  # its previous boot's input
+    bridge._route(answer("1.6.0.100.7@gw:0"))
     counts = bridge.metrics.snapshot()["counts"]
     assert written == [(1, 5), (1, 6)]
     assert (counts["answers_other_bridge"], counts["answers_earlier_boot"], counts["answers_routed"]) == (1, 1, 2)
+
+
+@pytest.mark.quick
+def test_twin_boards_on_one_bridge_each_get_only_the_answers_to_their_own_inputs() -> None:
+    """A cloned image on two ports of one bridge: one name, one boot number. The input ids name the port
+    (``@INSTANCE:PORT``), so each board gets the answers to its own inputs, never its twin's."""
+    from edgeline.daemon.config import BrokerAddress
+
+    bridge = Bridge(["test://a", "test://b"], BrokerAddress("127.0.0.1", 1), BridgeOptions(instance="gw"))
+    written: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+    for port, link in enumerate(bridge.links):
+        link.answer = lambda stream, seq, payload, port=port: written[port].append((stream, seq)) or True  # type: ignore[method-assign]
+        link.board = board = parse_hello(json.dumps({**HELLO, "boot": 7}).encode())
+        bridge.on_hello(link, board, False)
+
+    def answer(ident: str) -> bytes:
+        return json.dumps({"id": ident, "device": board.device, "label": "3"}).encode()
+
+    bridge._route(answer("1.5.0.100.7@gw:0"))
+    bridge._route(answer("1.5.0.230.7@gw:1"))  # the twin's input of the same stream and seq
+    bridge._route(answer("1.6.0.300.7@gw:1"))
+    bridge._route(answer("1.6.0.300.7@gw:2"))  # no such port here
+    assert written == {0: [(1, 5)], 1: [(1, 5), (1, 6)]}
+    assert bridge.metrics.snapshot()["counts"]["answers_other_bridge"] == 1
 
 
 @pytest.mark.quick
