@@ -244,6 +244,7 @@ class Bridge:
             with self._lock:  # what the broker has not acknowledged yet: the boards resend it to the next run
                 self._lock.wait_for(lambda: self._unacknowledged == 0, STOP_WAIT_S)
             self.publish_status()
+            self.claims.release()  # a board that moves to another bridge is not met by our claim
             self.connection.publish(self.availability_topic, b"offline", qos=1, retain=True)
             self.connection.close()
             if server is not None:

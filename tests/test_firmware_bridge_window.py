@@ -130,6 +130,24 @@ def test_a_claim_of_another_bridge_is_a_twin_once_it_changes_a_retained_one_alon
     assert here.received(*sent[-1]) is None and here.received(sent[-1][0], b"not json") is None
 
 
+@pytest.mark.quick
+def test_a_stopping_bridge_clears_only_the_claims_that_are_still_its_own() -> None:
+    from edgeline.firmware_bridge.claims import Claims
+
+    sent: list[tuple[str, bytes]] = []
+    here, there = Claims("gw-a", lambda t, p: sent.append((t, p))), Claims("gw-b", lambda t, p: sent.append((t, p)))
+    here.claim("moved", "/dev/ttyACM0", 0)
+    here.claim("kept", "/dev/ttyACM1", 0)
+    for claim in list(sent):  # the broker sends each bridge every claim, its own included
+        here.received(*claim)
+    there.claim("moved", "/dev/ttyUSB0", 1)  # the board moved to the other bridge, which claims it now
+    here.received(*sent[-1])
+    sent.clear()
+    assert here.release() == 1 and sent == [("edgeline/board-claims/kept", b"")]
+    here.received(*sent[-1])  # the broker's cleared claim: nothing left to release
+    assert here.release() == 0
+
+
 # -- end to end ----------------------------------------------------------------------------------------------
 
 
