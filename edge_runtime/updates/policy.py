@@ -73,9 +73,9 @@ class Gates(_Frozen):
     ``min_inputs``), at most 1% of inputs failing where the previous version answered, top-1 agreement with the
     previous version on at least 90% of inputs (a retrained model may rightly change some answers; a broken one
     changes most), and a p95 model latency within the profile's budget measured on the device (without a budget:
-    a median at most twice the previous version's, measured beside it). Non-classifiers agree when every output is
-    within ``tolerance`` of the previous one, relative to its largest magnitude; anomaly detectors when both flag the
-    same inputs.
+    a median, or a lower quartile, at most twice the previous version's, measured beside it). Non-classifiers agree
+    when every output is within ``tolerance`` of the previous one, relative to its largest magnitude; anomaly
+    detectors when both flag the same inputs.
     """
 
     inputs: int = Field(default=200, ge=1, le=1_000_000)
