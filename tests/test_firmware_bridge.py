@@ -412,28 +412,37 @@ def test_wire_faults_are_counted_exactly_and_cost_nothing_else(
                                   "0.3")
             )  # fmt: skip
             wait_until(lambda: relay.frames_passed > 30, 30, "frames through the relay")
-            time.sleep(0.6)  # a status message after them: what the start cost (samples before the HELLO)
-            before = Counter(bridge_status(collector, "gw")["boards"][0]["refused_by_reason"])
+
+            def link() -> dict[str, Any]:
+                return dict(bridge_status(collector, "gw")["boards"][0])
+
+            # what the start cost (samples before the HELLO): counted by a status that has the HELLO and frames after it
+            wait_until(lambda: not link()["hello_pending"] and link()["samples"] > 10, 30, "samples after the HELLO")
+            before = Counter(link()["refused_by_reason"])
             relay.garbage(3)
             relay.flip(2)
             relay.drop(4)
             relay.split(3)
             relay.merge(3)
             wait_until(lambda: relay.pending() == 0, 30, "faults injected")
-            time.sleep(0.5)
+            expected = Counter(cobs=3, crc=2)  # the garbage and the flipped frames; the others make gaps
+            try:  # every fault read by the bridge before the unplug: a frame still in the port's buffer goes with it
+                wait_until(lambda: Counter(link()["refused_by_reason"]) - before == expected, 30, "the faults refused")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {Counter(link()['refused_by_reason']) - before}") from None
             relay.unplug(1.5)
             wait_until(lambda: bridge_status(collector, "gw")["counts"]["serial_reopens"] == 1, 30, "reopened")
             passed = relay.frames_passed
             wait_until(lambda: relay.frames_passed > passed + 30, 30, "frames after the replug")
             lost = relay.lost_unplugged  # (the frames the relay drops once the bridge has stopped are no gap)
-            time.sleep(0.6)  # a status message after them
-            faults = Counter(bridge_status(collector, "gw")["boards"][0]["refused_by_reason"]) - before
+            faults = Counter(link()["refused_by_reason"]) - before
             # the HELLO_REQUEST of the reopen answered first: a reply that came after the reset would be a second
             # restart (an emulator on a busy machine can take seconds to read it)
             wait_until(lambda: not bridge_status(collector, "gw")["boards"][0]["hello_pending"], 30, "its HELLO")
             board.reset()
             wait_until(lambda: bridge_status(collector, "gw")["counts"]["serial_board_restarts"] == 1, 30, "reset")
-            time.sleep(1.0)
+            passed = relay.frames_passed
+            wait_until(lambda: relay.frames_passed > passed + 30, 30, "frames after the reset")
             code, _, err = bridge.stop()
             assert code == 0, err[-3000:]
             # one log line per change of state: lost, failing to open (while unplugged), open again; and a restart
