@@ -17,7 +17,12 @@ the disk is full:
   being dropped at the outbox's cap.
 - **A full disk** is a state: a commit that fails for lack of space is kept in memory and retried every
   ``DISK_RETRY_S``; nothing of it is acknowledged; the intake gate is shut meanwhile (``disk_full``); what is
-  already stored is still delivered. One line when it starts, one when it ends. Any other failure to write or
+  already stored is still delivered. Before each retry the outbox measures its budget again and checkpoints its WAL
+  (``OutboxInterface.check``), so room that comes back is taken without a restart, and the inputs the broker held
+  meanwhile are taken and answered. One line when it starts, one when it ends.
+- **The budget** (``edgeline.daemon.disk``): the outbox measures the state directory's file system once a second
+  (the committer calls ``check``); the intake gate's byte marks follow ``bytes_cap``, so a disk that others fill
+  holds the inputs back at the broker before the outbox would have to drop an answer. Any other failure to write or
   read the outbox ends the committer, and the supervisor ends the process (exit 1).
 """
 
@@ -36,7 +41,7 @@ from typing import TypeVar
 
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.mqtt import MqttConnection, MqttSink
-from edgeline.daemon.outbox import DiskFull, OutboxClosed, OutboxInterface, Pending
+from edgeline.daemon.outbox import CHECK_EVERY_S, DiskFull, OutboxClosed, OutboxInterface, Pending
 from edgeline.lograte import Repeated
 
 __all__ = ["COMMIT_BACKLOG", "Delivery"]
@@ -244,13 +249,17 @@ class Delivery:
         return taken
 
     def _expire(self) -> None:
-        """At most once a second: drop (and count) the answers past their time to live."""
+        """At most once a second: drop (and count) the answers past their time to live, and measure the outbox's
+        budget again (``OutboxInterface.check``; on a full disk, with its WAL checkpointed and truncated, so that
+        what SQLite can give back is given back before the next retry)."""
         if time.monotonic() >= self._next_expiry:
-            self._next_expiry = time.monotonic() + 1.0
+            self._next_expiry = time.monotonic() + CHECK_EVERY_S
             with contextlib.suppress(
                 DiskFull, OutboxClosed
             ):  # the expired rows are never handed out all the same (``take``,
                 self.outbox.expire()  # and ``_publish``, check their age)
+            with contextlib.suppress(OutboxClosed, sqlite3.Error, OSError):  # measured again at the next turn
+                self.outbox.check(truncate=self.disk_full)
 
     # -- network thread: answers to the client -----------------------------------------------------------------
     def _dropped(self, seqs: list[int]) -> None:
