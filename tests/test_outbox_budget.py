@@ -110,3 +110,32 @@ def test_a_budget_that_shrinks_below_what_the_outbox_holds_drops_nothing(one_mb:
         assert box.check() > shrunk
     finally:
         box.close()
+
+
+def test_a_full_disk_does_not_shrink_the_budget_the_held_answers_were_taken_within(one_mb: Path) -> None:
+    """The committer holds what a full disk refused and commits it once there is room: measured on the full disk the
+    budget would be a sliver and that commit would drop the oldest answers (their inputs then acknowledged, the
+    answers lost). While the disk is full the budget only grows; the held answers are stored whole."""
+    box = Outbox(one_mb / "state" / "outbox.sqlite")
+    try:
+        box.add(rows(10))
+        before = box.check()
+        filler = one_mb / "filler"
+        filler.touch()
+        fill(filler)
+        held: list[tuple[str, bytes, float]] = []
+        for turn in range(200):  # the WAL's room in place runs out within a few commits
+            batch = rows(50, start=10 + turn * 50)
+            try:
+                box.add(batch)
+            except DiskFull:
+                held = batch
+                break
+        assert held, "the disk never refused a commit"
+        assert box.check(truncate=True) >= before  # on the full disk: not shrunk
+        filler.unlink()
+        assert box.check() >= before
+        added = box.add(held)
+        assert len(added) == len(held) and box.stats().overflowed == 0
+    finally:
+        box.close()

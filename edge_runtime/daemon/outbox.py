@@ -29,7 +29,8 @@ refills) and the status thread (stats): every operation is a short transaction.
 
 On disk, the outbox's files (the database and its write-ahead log together) stay within its ``budget``: the
 smaller of ``max_bytes`` and a half of the state directory's file system (its free bytes and the outbox's own),
-measured at open and again at every ``check`` (``edgeline.daemon.disk`` says why a half). The WAL may take
+measured at open and again at every ``check`` (``edgeline.daemon.disk`` says why a half), except while the disk is
+full: then it does not shrink (the answers held for the next commit were taken within it). The WAL may take
 ``wal_limit`` of it (a quarter, at most 4 MiB): SQLite checkpoints it at half that, and once its file passes
 ``wal_limit`` it is checkpointed with TRUNCATE (SQLite's default lets it grow to about 4 MB whatever the outbox
 holds: on a 3 MB disk, that filled the disk and a checkpoint could never run again). The answers' counted bytes
@@ -270,6 +271,8 @@ class Outbox:
         self.free_bytes: int | None = None
         """Free on the state directory's file system at the last check (None: not measurable here)."""
         self._set_budget(self._measure())
+        self._full = False
+        """A write failed for lack of space, and no add has been committed since: the budget does not shrink."""
         self._synchronous = "FULL" if synchronous == "full" else "NORMAL"
         self._lock = threading.Lock()
         self._closed = False
@@ -357,7 +360,10 @@ class Outbox:
         ``CHECK_EVERY_S`` and on every retry of a full disk. Returns the budget in effect."""
         with self._using():
             wal_limit = self.wal_limit
-            self._set_budget(self._measure())
+            measured = self._measure()
+            # a full disk measures nothing useful (no free bytes): the answers the committer holds meanwhile were
+            # taken within the budget before it, and must fit in it once there is room, whenever the next check runs
+            self._set_budget(max(measured, self.budget) if self._full else measured)
             if self.wal_limit != wal_limit:
                 with contextlib.suppress(sqlite3.Error):
                     self._limit_wal(self._db)
@@ -401,8 +407,10 @@ class Outbox:
             except BaseException as exc:
                 self._rollback()
                 if _is_full(exc):
+                    self._full = True
                     raise DiskFull(f"outbox {self.path}: the disk is full ({exc})") from exc
                 raise
+            self._full = False
             self._added += len(rows)
             self._removed += gone
             self._truncate_wal()
@@ -515,6 +523,7 @@ class Outbox:
         except (sqlite3.Error, OSError) as exc:
             self._rollback()
             if _is_full(exc):
+                self._full = True
                 raise DiskFull(f"outbox {self.path}: the disk is full ({exc})") from exc
             raise
 
