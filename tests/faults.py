@@ -5,7 +5,7 @@
     DurablePublisher  a QoS 1 publisher with a persistent session that reconnects by itself and records its PUBACKs
     DurableCollector  a QoS 1 subscriber with a persistent session that reconnects by itself and keeps everything
     kill_and_restart  SIGKILL a broker, leave it down for a while, start it again on the same ports
-    tmpfs             a small file system of a test's own (root only), unmounted when done; ``fill`` takes its room
+    tmpfs, ext4       a small file system of a test's own (root only), unmounted when done; ``fill`` takes its room
 
 Everything here talks to 127.0.0.1 only, and every loop is bounded in count and in time; ``close()`` (or the
 context manager) ends every thread it started. The broker side (``Broker(persistence=..., tls=...)``) is in
@@ -776,7 +776,30 @@ def tmpfs(directory: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(directory)], check=False, timeout=30)
 
 
-def can_mount() -> bool:
+@contextlib.contextmanager
+def ext4(directory: Path, size: str, image: Path) -> Iterator[Path]:
+    """An ext4 file system (what an SD card holds) of ``size`` (``3M``) in the file ``image``, mounted on
+    ``directory`` (made) through a loop device that is freed when it is unmounted at the end of the block. Root
+    only, and ``mkfs.ext4`` (``can_mount``)."""
+    mkfs = shutil.which("mkfs.ext4") or "/usr/sbin/mkfs.ext4"
+    subprocess.run(["truncate", "-s", size, str(image)], check=True, timeout=30)
+    subprocess.run([mkfs, "-q", "-F", str(image)], check=True, timeout=60)
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(directory)], check=True, timeout=30)
+    try:
+        yield directory
+    finally:
+        if subprocess.run(["umount", str(directory)], check=False, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(directory)], check=False, timeout=30)  # busy: freed when let go
+        image.unlink(missing_ok=True)
+
+
+def can_mount(kind: str = "tmpfs") -> bool:
+    """Whether this process may mount a file system of ``kind`` (``tmpfs``, ``ext4``: a loop device)."""
+    if kind == "ext4" and not (shutil.which("mkfs.ext4") or Path("/usr/sbin/mkfs.ext4").exists()):
+        return False
+    if kind == "ext4" and not Path("/dev/loop-control").exists():
+        return False
     return os.geteuid() == 0 and shutil.which("mount") is not None
 
 

@@ -227,7 +227,10 @@ class Delivery:
                 )
             return False, None
         if self.disk_full_since is not None:
-            log.debug("outbox %s: room again after %.1f s", self.outbox.path, time.monotonic() - self.disk_full_since)
+            log.info(
+                "outbox %s: room on the disk again after %.1f s (a budget of %d bytes): intake resumes",
+                self.outbox.path, time.monotonic() - self.disk_full_since, self.outbox.budget,
+            )  # fmt: skip
             self.disk_full_since = None
         return True, result
 

@@ -294,7 +294,6 @@ class Outbox:
                 raise EdgelineError(f"outbox {path}: {again}") from again
         self._depth, self._bytes = int(depth), int(size)
         self._set_budget(self.budget)  # what it holds is not dropped for a budget that shrank
-        self._next_check = time.monotonic() + CHECK_EVERY_S
         self._added = self._removed = self._expired = self._overflowed = 0
         self._floor = 0
         """The highest seq the bounds dropped."""
@@ -370,12 +369,7 @@ class Outbox:
             self._truncate_wal(always=truncate)
             if truncate:
                 self.disk_bytes = files_bytes(self.path, self._wal)
-            self._next_check = time.monotonic() + CHECK_EVERY_S
         return self.budget
-
-    @property
-    def check_due(self) -> bool:
-        return time.monotonic() >= self._next_check
 
     # -- worker ----------------------------------------------------------------------------------------------
     def add(
