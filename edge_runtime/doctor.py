@@ -7,7 +7,7 @@ facts:
   it), the runtimes that import here with their versions, the accelerators present, the device profiles this
   machine is of the kind of (its figures may be held against their budgets) or can run bundles of, and the state
   directory: its file system (type, mount point), its free space and the outbox budget that leads to
-  (``edgeline.daemon.disk``: the smaller of ``[outbox] max_bytes`` and a share of the file system).
+  (``edgeline.disk``: the smaller of ``[outbox] max_bytes`` and a share of the file system).
 - ``verdict(manifest, files, facts)``: will this bundle run here, on which runtime and accelerator, with which
   fallback, or why not. ``edgeline.model.load`` asks the same question before it opens a bundle, so ``run``,
   ``verify`` and ``infer`` refuse what cannot run here (a Core ML model on Linux, a vela model with neither an
@@ -129,7 +129,7 @@ class StateFacts:
 
 def state_facts(directory: Path, max_bytes: int | None) -> StateFacts:
     """Measure the state directory's file system (it may not exist yet: its nearest ancestor is measured)."""
-    from edgeline.daemon.disk import file_system, files_bytes
+    from edgeline.disk import file_system, files_bytes
 
     found = file_system(directory)
     outboxes: dict[str, int] = {}
@@ -425,8 +425,7 @@ def report(facts: Facts, profiles: list[Profile], cpuinfo: str = "") -> dict[str
 
 def _state_report(state: StateFacts) -> dict[str, Any]:
     """The state directory's file system and the outbox budget it leads to (a new outbox's, and each one's there)."""
-    from edgeline.daemon.disk import DISK_SHARE, budget
-    from edgeline.daemon.outbox import MAX_WAL
+    from edgeline.disk import DISK_SHARE, budget, wal_share
 
     def outbox_budget(held: int) -> int | None:
         return None if state.max_bytes is None else budget(state.max_bytes, state.free_bytes, held)
@@ -444,7 +443,7 @@ def _state_report(state: StateFacts) -> dict[str, Any]:
             "max_bytes": state.max_bytes,
             "share": DISK_SHARE,
             "budget_bytes": total,
-            "wal_bytes": None if total is None else min(MAX_WAL, total // 4),
+            "wal_bytes": None if total is None else wal_share(total),
             "existing": {
                 name: {"disk_bytes": held, "budget_bytes": outbox_budget(held)}
                 for name, held in sorted(state.outboxes.items())
@@ -763,7 +762,7 @@ def _describe_state(state: dict[str, Any]) -> list[str]:
 
 
 def _min_budget(max_bytes: int) -> int:
-    from edgeline.daemon.disk import MIN_BUDGET
+    from edgeline.disk import MIN_BUDGET
 
     return min(MIN_BUDGET, max_bytes)
 

@@ -1,5 +1,5 @@
 """A small disk is a budget, not a surprise (issue 35): the outbox takes at most a share of the state directory's
-file system (``edgeline.daemon.disk``), its WAL included, and a daemon whose disk was full goes on once there is
+file system (``edgeline.disk``), its WAL included, and a daemon whose disk was full goes on once there is
 room, with or without a restart.
 
 The case of the issue, as a device meets it: a state directory of 3 MB (and 1 MB) that is full while 5,000 QoS 1
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from edgeline.daemon.config import DaemonConfig
-from edgeline.daemon.disk import DISK_SHARE, files_bytes
 from edgeline.daemon.service import Daemon
+from edgeline.disk import DISK_SHARE, files_bytes
 from tests import waiting
 from tests.faults import can_mount, ext4, fill, tmpfs
 from tests.mqtt_broker import Broker, Collector

@@ -346,8 +346,8 @@ def test_doctor_says_the_state_directorys_file_system_free_space_and_outbox_budg
     """On a 3 MB tmpfs: its type and mount point, its free bytes, and the budget they lead to (half of it, below the
     default ``max_bytes``); an outbox already there is named with what it takes; ``[outbox] enabled = false`` says
     there is no budget on the disk."""
-    from edgeline.daemon.disk import DISK_SHARE
     from edgeline.daemon.outbox import Outbox
+    from edgeline.disk import DISK_SHARE
     from tests.faults import can_mount, tmpfs
 
     if not can_mount():

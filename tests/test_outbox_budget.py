@@ -1,4 +1,4 @@
-"""The outbox's budget on the disk (``edgeline.daemon.disk``): the smaller of ``max_bytes`` and a share of the
+"""The outbox's budget on the disk (``edgeline.disk``): the smaller of ``max_bytes`` and a share of the
 state directory's file system, its WAL included, measured again at every check; what the outbox holds is never
 dropped because the budget shrank. On small tmpfs mounts of the test's own (root only), without a daemon."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from edgeline.daemon.disk import DISK_SHARE, MIN_BUDGET, budget, file_system, files_bytes, mount_of
 from edgeline.daemon.outbox import DiskFull, Outbox
+from edgeline.disk import DISK_SHARE, MIN_BUDGET, budget, file_system, files_bytes, mount_of
 from tests.faults import can_mount, fill, tmpfs
 
 pytestmark = [pytest.mark.quick, pytest.mark.device]  # the device tier runs these (scripts/test_device.sh)

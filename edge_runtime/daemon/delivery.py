@@ -20,7 +20,7 @@ the disk is full:
   already stored is still delivered. Before each retry the outbox measures its budget again and checkpoints its WAL
   (``OutboxInterface.check``), so room that comes back is taken without a restart, and the inputs the broker held
   meanwhile are taken and answered. One line when it starts, one when it ends.
-- **The budget** (``edgeline.daemon.disk``): the outbox measures the state directory's file system once a second
+- **The budget** (``edgeline.disk``): the outbox measures the state directory's file system once a second
   (the committer calls ``check``); the intake gate's byte marks follow ``bytes_cap``, so a disk that others fill
   holds the inputs back at the broker before the outbox would have to drop an answer. Any other failure to write or
   read the outbox ends the committer, and the supervisor ends the process (exit 1).

@@ -17,7 +17,7 @@ held is answered, the daemon reconnects (``MqttConnection.redeliver``) and the b
 inputs again, as MQTT requires of a resumed session. Nothing is lost, memory stays bounded.
 
 The marks: ``high`` is 90% of ``[outbox] max_answers`` (and of the outbox's byte cap, which follows its budget on
-the disk: ``edgeline.daemon.disk``, read at every look), so that what is already in the pipeline when the gate shuts
+the disk: ``edgeline.disk``, read at every look), so that what is already in the pipeline when the gate shuts
 still fits under the cap; ``low`` is half of ``high``, so that the gate does not flap (each shut lets the broker's
 window of answers drain before taking more).
 """

@@ -29,7 +29,7 @@ refills) and the status thread (stats): every operation is a short transaction.
 
 On disk, the outbox's files (the database and its write-ahead log together) stay within its ``budget``: the
 smaller of ``max_bytes`` and a half of the state directory's file system (its free bytes and the outbox's own),
-measured at open and again at every ``check`` (``edgeline.daemon.disk`` says why a half), except while the disk is
+measured at open and again at every ``check`` (``edgeline.disk`` says why a half), except while the disk is
 full: then it does not shrink (the answers held for the next commit were taken within it). The WAL may take
 ``wal_limit`` of it (a quarter, at most 4 MiB): SQLite checkpoints it at half that, and once its file passes
 ``wal_limit`` it is checkpointed with TRUNCATE (SQLite's default lets it grow to about 4 MB whatever the outbox
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from edgeline.daemon.disk import budget, files_bytes, free_bytes
+from edgeline.disk import budget, files_bytes, free_bytes, wal_share
 from edgeline.errors import EdgelineError
 from edgeline.lograte import Repeated
 
@@ -86,8 +86,6 @@ DELETE_CHUNK = 500
 """Seqs per DELETE statement (SQLite's oldest limit on parameters is 999)."""
 ROW_OVERHEAD = 40
 """Bytes a row takes beyond its payload and topic (seq, two times, SQLite's cell header): counted in the bound."""
-MAX_WAL = 4 << 20
-"""The WAL's share of the budget is a quarter, and never more than this."""
 PAGE_SLACK = 2
 """The answers' counted bytes take at most 1/PAGE_SLACK of what the budget leaves the database file (see the module:
 measured, 1.06-1.1 for rows of 20 to 700 bytes, 1.4 for 3,000-byte rows, near 2 for rows just over half a page)."""
@@ -324,14 +322,14 @@ class Outbox:
 
     # -- the budget ----------------------------------------------------------------------------------------------
     def _measure(self) -> int:
-        """The budget now: the file system's free bytes and what the outbox's files take (``edgeline.daemon.disk``)."""
+        """The budget now: the file system's free bytes and what the outbox's files take (``edgeline.disk``)."""
         self.disk_bytes = files_bytes(self.path, self._wal)
         self.free_bytes = free_bytes(self.path.parent)
         return budget(self.max_bytes, self.free_bytes, self.disk_bytes)
 
     def _set_budget(self, total: int) -> None:
         self.budget = total
-        self.wal_limit = min(MAX_WAL, total // 4)
+        self.wal_limit = wal_share(total)
         room = max(1, (total - self.wal_limit) // PAGE_SLACK)
         self.answer_bytes = max(room, self._bytes)
         """What the answers' rows may take (counted: ``row_size``); never less than they take now."""

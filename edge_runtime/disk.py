@@ -27,13 +27,25 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DISK_SHARE", "MIN_BUDGET", "FileSystem", "budget", "file_system", "files_bytes", "free_bytes"]
+__all__ = [
+    "DISK_SHARE", "MAX_WAL", "MIN_BUDGET", "FileSystem", "budget", "file_system", "files_bytes", "free_bytes",
+    "wal_share",
+]  # fmt: skip
 
 DISK_SHARE = 0.5
 """The share of the state directory's file system (its free bytes and the outbox's own) the outbox may take."""
 MIN_BUDGET = 256 << 10
 """A budget is never smaller (unless ``max_bytes`` is): room for a WAL of 16 pages and some answers. A disk with less
 free meets the full-disk state instead (intake paused, retried)."""
+
+
+MAX_WAL = 4 << 20
+"""The WAL's share of the budget is a quarter, and never more than this."""
+
+
+def wal_share(total: int) -> int:
+    """What the outbox's write-ahead log may take of a budget of ``total`` bytes."""
+    return min(MAX_WAL, total // 4)
 
 
 def budget(max_bytes: int, free: int | None, held: int, *, share: float = DISK_SHARE) -> int:
