@@ -4,8 +4,10 @@ Two parts, both read from facts gathered once (``Facts``) and decided by pure fu
 facts:
 
 - ``report(facts)``: the machine (architecture, CPU and its features, cores, memory, OS, whether an emulator runs
-  it), the runtimes that import here with their versions, the accelerators present, and the device profiles this
-  machine is of the kind of (its figures may be held against their budgets) or can run bundles of.
+  it), the runtimes that import here with their versions, the accelerators present, the device profiles this
+  machine is of the kind of (its figures may be held against their budgets) or can run bundles of, and the state
+  directory: its file system (type, mount point), its free space and the outbox budget that leads to
+  (``edgeline.disk``: the smaller of ``[outbox] max_bytes`` and a share of the file system).
 - ``verdict(manifest, files, facts)``: will this bundle run here, on which runtime and accelerator, with which
   fallback, or why not. ``edgeline.model.load`` asks the same question before it opens a bundle, so ``run``,
   ``verify`` and ``infer`` refuse what cannot run here (a Core ML model on Linux, a vela model with neither an
@@ -41,12 +43,14 @@ __all__ = [
     "TARGET_RUNTIMES",
     "Facts",
     "RuntimeFacts",
+    "StateFacts",
     "Verdict",
     "cpu_features",
     "gather",
     "register",
     "report",
     "runtime_refusal",
+    "state_facts",
     "verdict",
 ]
 
@@ -108,6 +112,40 @@ class RuntimeFacts:
 
 
 @dataclass(frozen=True)
+class StateFacts:
+    """The daemon's state directory: the file system it is on and what the outbox may take of it."""
+
+    directory: str
+    mount_point: str | None
+    fs_type: str | None
+    device: str | None
+    total_bytes: int | None
+    free_bytes: int | None
+    max_bytes: int | None
+    """``[outbox] max_bytes``; None: the outbox is kept in memory (``[outbox] enabled = false``)."""
+    outboxes: Mapping[str, int] = field(default_factory=dict)
+    """The outboxes already there (``DIR/<bundle name>/outbox.sqlite``), by bundle name: the bytes their files take."""
+
+
+def state_facts(directory: Path, max_bytes: int | None) -> StateFacts:
+    """Measure the state directory's file system (it may not exist yet: its nearest ancestor is measured)."""
+    from edgeline.disk import file_system, files_bytes
+
+    found = file_system(directory)
+    outboxes: dict[str, int] = {}
+    try:
+        databases = sorted(directory.glob("*/outbox.sqlite"))
+    except OSError:
+        databases = []
+    for database in databases:
+        outboxes[database.parent.name] = files_bytes(database, Path(f"{database}-wal"))
+    return StateFacts(
+        directory=str(directory), mount_point=found.mount_point, fs_type=found.fs_type, device=found.device,
+        total_bytes=found.total_bytes, free_bytes=found.free_bytes, max_bytes=max_bytes, outboxes=outboxes,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Facts:
     """What this machine says of itself. Gathered by ``gather``; tests build them for other machines."""
 
@@ -127,6 +165,8 @@ class Facts:
     os_name: str = ""
     kernel: str = ""
     python: str = field(default_factory=platform.python_version)
+    state: StateFacts | None = None
+    """The daemon's state directory, when it was looked at."""
 
 
 def _version(package: str) -> str | None:
@@ -196,7 +236,13 @@ def _soc() -> str | None:
     return name or None
 
 
-def gather(backends: Collection[str] | None = None, *, try_import: bool = True, qnn: bool = True) -> Facts:
+def gather(
+    backends: Collection[str] | None = None,
+    *,
+    try_import: bool = True,
+    qnn: bool = True,
+    state: StateFacts | None = None,
+) -> Facts:
     """This machine's facts. ``backends``: the runtimes to look at (all by default); ``try_import``: import them
     (what ``edgeline doctor`` reports) rather than only look for them (the check before a model is opened, which
     imports its runtime right after); ``qnn``: ask onnxruntime-qnn for the HTP (it registers its provider library,
@@ -235,6 +281,7 @@ def gather(backends: Collection[str] | None = None, *, try_import: bool = True, 
         memory_mb=_meminfo(),
         os_name=_os_name(),
         kernel=platform.release(),
+        state=state,
     )
 
 
@@ -371,6 +418,36 @@ def report(facts: Facts, profiles: list[Profile], cpuinfo: str = "") -> dict[str
             "matches": matches,
             "emulates": emulates,
             "runs": runs,
+        },
+        "state_dir": None if facts.state is None else _state_report(facts.state),
+    }
+
+
+def _state_report(state: StateFacts) -> dict[str, Any]:
+    """The state directory's file system and the outbox budget it leads to (a new outbox's, and each one's there)."""
+    from edgeline.disk import DISK_SHARE, budget, wal_share
+
+    def outbox_budget(held: int) -> int | None:
+        return None if state.max_bytes is None else budget(state.max_bytes, state.free_bytes, held)
+
+    total = outbox_budget(0)
+    return {
+        "directory": state.directory,
+        "mount_point": state.mount_point,
+        "fs_type": state.fs_type,
+        "device": state.device,
+        "total_bytes": state.total_bytes,
+        "free_bytes": state.free_bytes,
+        "outbox": {
+            "in_memory": state.max_bytes is None,
+            "max_bytes": state.max_bytes,
+            "share": DISK_SHARE,
+            "budget_bytes": total,
+            "wal_bytes": None if total is None else wal_share(total),
+            "existing": {
+                name: {"disk_bytes": held, "budget_bytes": outbox_budget(held)}
+                for name, held in sorted(state.outboxes.items())
+            },
         },
     }
 
@@ -602,6 +679,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--backend", metavar="RUNTIME", choices=sorted(RUNTIMES),
                         help="ask about this runtime backend instead of the bundle's: %(choices)s")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument(
+        "--state-dir", type=Path, metavar="DIR",
+        help="the daemon's state directory to measure (default: as `edgeline run`: [daemon] state_dir, "
+        "$STATE_DIRECTORY, else ~/.local/state/edgeline)",
+    )  # fmt: skip
+    parser.add_argument("--config", type=Path, metavar="daemon.toml",
+                        help="the daemon's configuration: its [outbox] and [daemon] state_dir")  # fmt: skip
     parser.set_defaults(func=_run)
 
 
@@ -620,7 +704,7 @@ def _run(args: argparse.Namespace) -> int:
             for line in found.describe():
                 print(f"  {line}")
         return 0 if found.runs else 1
-    facts = gather()
+    facts = gather(state=_state_of(args))
     document = report(facts, list_profiles(), _read("/proc/cpuinfo"))
     if args.json:
         print(json.dumps(document, indent=2))
@@ -628,6 +712,59 @@ def _run(args: argparse.Namespace) -> int:
     for line in _describe_report(document):
         print(line)
     return 0
+
+
+def _state_of(args: argparse.Namespace) -> StateFacts:
+    """The state directory ``edgeline run`` would use with the same ``--state-dir`` and ``--config``, measured."""
+    from edgeline.daemon.config import load_config
+    from edgeline.daemon.state import default_state_dir
+
+    config = load_config(args.config)
+    directory = args.state_dir or config.daemon.state_dir or default_state_dir()
+    return state_facts(directory, config.outbox.max_bytes if config.outbox.enabled else None)
+
+
+def _size(count: int | None) -> str:
+    if count is None:
+        return "unknown"
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
+
+
+def _describe_state(state: dict[str, Any]) -> list[str]:
+    where = state["fs_type"] or "file system of unknown type"
+    if state["device"]:
+        where += f" {state['device']}"
+    if state["mount_point"]:
+        where += f" mounted at {state['mount_point']}"
+    lines = [
+        f"state dir:    {state['directory']} ({where}): {_size(state['free_bytes'])} free of "
+        f"{_size(state['total_bytes'])}"
+    ]
+    outbox = state["outbox"]
+    if outbox["in_memory"]:
+        lines.append("outbox:       in memory ([outbox] enabled = false): no budget on the disk")
+        return lines
+    share = f"{outbox['share']:.0%}"
+    lines.append(
+        f"outbox:       a budget of {_size(outbox['budget_bytes'])} on the disk, its WAL at most "
+        f"{_size(outbox['wal_bytes'])} of it (the smaller of [outbox] max_bytes, {_size(outbox['max_bytes'])}, and "
+        f"{share} of the free space and the outbox's own, at least {_size(_min_budget(outbox['max_bytes']))})"
+    )
+    for name, existing in outbox["existing"].items():
+        lines.append(
+            f"  {name:15} its outbox takes {_size(existing['disk_bytes'])}: a budget of "
+            f"{_size(existing['budget_bytes'])}"
+        )
+    return lines
+
+
+def _min_budget(max_bytes: int) -> int:
+    from edgeline.disk import MIN_BUDGET
+
+    return min(MIN_BUDGET, max_bytes)
 
 
 def _describe_report(document: dict[str, Any]) -> list[str]:
@@ -670,4 +807,6 @@ def _describe_report(document: dict[str, Any]) -> list[str]:
         lines.append(f"              it emulates the CPU of {', '.join(profiles['emulates'])} (timings are not theirs)")
     for profile_id, targets in profiles["runs"].items():
         lines.append(f"  runs {profile_id:20} {', '.join(targets)}")
+    if document.get("state_dir"):
+        lines += _describe_state(document["state_dir"])
     return lines

@@ -5,6 +5,7 @@
     DurablePublisher  a QoS 1 publisher with a persistent session that reconnects by itself and records its PUBACKs
     DurableCollector  a QoS 1 subscriber with a persistent session that reconnects by itself and keeps everything
     kill_and_restart  SIGKILL a broker, leave it down for a while, start it again on the same ports
+    tmpfs, ext4       a small file system of a test's own (root only), unmounted when done; ``fill`` takes its room
 
 Everything here talks to 127.0.0.1 only, and every loop is bounded in count and in time; ``close()`` (or the
 context manager) ends every thread it started. The broker side (``Broker(persistence=..., tls=...)``) is in
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
 import secrets
 import shutil
 import socket
@@ -24,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -760,3 +762,58 @@ def kill_and_restart(broker: Broker, down_s: float = 0.5) -> None:
     broker.kill()
     time.sleep(down_s)
     broker.restart()
+
+
+@contextlib.contextmanager
+def tmpfs(directory: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -o size=``: ``4m``, ``1m``) mounted on ``directory`` (made), unmounted when the
+    block ends. Root only (CI runs as root): the caller skips otherwise (``can_mount``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], check=True, timeout=30)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False, timeout=30)
+
+
+@contextlib.contextmanager
+def ext4(directory: Path, size: str, image: Path) -> Iterator[Path]:
+    """An ext4 file system (what an SD card holds) of ``size`` (``3M``) in the file ``image``, mounted on
+    ``directory`` (made) through a loop device that is freed when it is unmounted at the end of the block. Root
+    only, and ``mkfs.ext4`` (``can_mount``)."""
+    mkfs = shutil.which("mkfs.ext4") or "/usr/sbin/mkfs.ext4"
+    subprocess.run(["truncate", "-s", size, str(image)], check=True, timeout=30)
+    subprocess.run([mkfs, "-q", "-F", str(image)], check=True, timeout=60)
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(directory)], check=True, timeout=30)
+    try:
+        yield directory
+    finally:
+        if subprocess.run(["umount", str(directory)], check=False, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(directory)], check=False, timeout=30)  # busy: freed when let go
+        image.unlink(missing_ok=True)
+
+
+def can_mount(kind: str = "tmpfs") -> bool:
+    """Whether this process may mount a file system of ``kind`` (``tmpfs``, ``ext4``: a loop device)."""
+    if kind == "ext4" and not (shutil.which("mkfs.ext4") or Path("/usr/sbin/mkfs.ext4").exists()):
+        return False
+    if kind == "ext4" and not Path("/dev/loop-control").exists():
+        return False
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+def fill(filler: Path) -> Path:
+    """Take every free byte of the disk with ``filler`` (made beforehand: writes end on ENOSPC)."""
+    chunk = b"\0" * 65536
+    fd = os.open(filler, os.O_WRONLY | os.O_APPEND)
+    try:
+        for size in (65536, 4096, 512, 1):
+            try:
+                while True:
+                    os.write(fd, chunk[:size])
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+    return filler

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +25,7 @@ from edgeline.daemon.reconnect import TAKEOVER_AFTER, TAKEOVER_BACKOFF_S, Backof
 from edgeline.daemon.service import Daemon
 from edgeline.daemon.state import instance_id
 from tests import waiting
+from tests.faults import can_mount, fill, tmpfs
 from tests.mqtt_broker import Broker, Collector
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
@@ -261,31 +259,10 @@ def test_a_broker_slow_to_acknowledge_holds_the_inputs_back_and_loses_none(
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 4 MB tmpfs of the test's own (root only: CI runs as root), unmounted at teardown."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
+    if not can_mount():
         pytest.skip("mounting a tmpfs needs root and mount(8) (CI runs as root)")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True, timeout=30)
-    try:
+    with tmpfs(tmp_path / "disk", "4m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False, timeout=30)
-
-
-def fill(filler: Path) -> Path:
-    """Take every free byte of the disk with ``filler`` (made beforehand: writes end on ENOSPC)."""
-    chunk = b"\0" * 65536
-    fd = os.open(filler, os.O_WRONLY | os.O_APPEND)
-    try:
-        for size in (65536, 4096, 512, 1):
-            try:
-                while True:
-                    os.write(fd, chunk[:size])
-            except OSError:
-                continue
-    finally:
-        os.close(fd)
-    return filler
 
 
 def commits_refused_for_room(outbox: Any) -> list[float]:

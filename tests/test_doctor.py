@@ -337,3 +337,40 @@ def test_the_verdict_is_what_the_session_does_for_a_gpu_bundle_without_its_gpu(
     assert model.accelerator_fallback is not None and said["fallback"] is not None
     assert said["fallback"].startswith("TensorrtExecutionProvider is not in this onnxruntime")
     assert "TensorrtExecutionProvider" in model.accelerator_fallback
+
+
+@pytest.mark.quick
+def test_doctor_says_the_state_directorys_file_system_free_space_and_outbox_budget(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a 3 MB tmpfs: its type and mount point, its free bytes, and the budget they lead to (half of it, below the
+    default ``max_bytes``); an outbox already there is named with what it takes; ``[outbox] enabled = false`` says
+    there is no budget on the disk."""
+    from edgeline.daemon.outbox import Outbox
+    from edgeline.disk import DISK_SHARE
+    from tests.faults import can_mount, tmpfs
+
+    if not can_mount():
+        pytest.skip("mounting a tmpfs needs root and mount(8) (CI runs as root)")
+    with tmpfs(tmp_path / "disk", "3m") as disk:
+        state = disk / "state"
+        Outbox(state / "tiny" / "outbox.sqlite").close()
+        assert main(["doctor", "--json", "--state-dir", str(state)]) == 0
+        found = json.loads(capsys.readouterr().out)["state_dir"]
+        assert (found["fs_type"], found["mount_point"], found["total_bytes"]) == ("tmpfs", str(disk), 3 << 20)
+        free = found["free_bytes"]
+        assert 0 < free <= 3 << 20
+        outbox = found["outbox"]
+        assert outbox["share"] == DISK_SHARE and outbox["max_bytes"] == 64 << 20
+        assert outbox["budget_bytes"] == int(DISK_SHARE * free) and outbox["wal_bytes"] == outbox["budget_bytes"] // 4
+        assert set(outbox["existing"]) == {"tiny"} and outbox["existing"]["tiny"]["disk_bytes"] > 0
+
+        assert main(["doctor", "--state-dir", str(state)]) == 0
+        text = capsys.readouterr().out
+        assert f"state dir:    {state} (tmpfs tmpfs mounted at {disk})" in text
+        assert "outbox:       a budget of 1." in text and "50% of the free space" in text
+
+        config = tmp_path / "daemon.toml"
+        config.write_text("[outbox]\nenabled = false\n")
+        assert main(["doctor", "--state-dir", str(state), "--config", str(config)]) == 0
+        assert "outbox:       in memory" in capsys.readouterr().out

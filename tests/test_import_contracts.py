@@ -80,11 +80,15 @@ RULES = (
     Rule(
         "the library half of edgeline (bundle, manifest, model, backends and the rest outside daemon/ and updates/) "
         "imports neither edgeline.daemon nor edgeline.updates; the commands infer and bundle show borrow the "
-        "daemon's codecs and processor inside their functions",
+        "daemon's codecs and processor inside their functions, and doctor its configuration and state directory",
         scope=("edgeline",),
         but=("edgeline.daemon", "edgeline.updates"),
         forbidden=("edgeline.daemon", "edgeline.updates"),
-        allowed={"edgeline.commands": frozenset({When.ON_CALL}), "edgeline.bundle_cli": frozenset({When.ON_CALL})},
+        allowed={
+            "edgeline.commands": frozenset({When.ON_CALL}),
+            "edgeline.bundle_cli": frozenset({When.ON_CALL}),
+            "edgeline.doctor": frozenset({When.ON_CALL}),
+        },
     ),
     Rule(
         "edgeline.updates never imports edgeline.daemon: the daemon imports updates, and hands the swap its "

@@ -496,17 +496,17 @@ def test_an_update_the_disk_has_no_room_for_waits_and_is_taken_once_there_is(
     small_disk: Path, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
     answers: DurableCollector, unique_topic: str,
 ) -> None:  # fmt: skip
-    reserve = 1 << 20  # the outbox may grow to 1 MB: an update must leave it that
     daemon = UpdatingDaemon(
-        repo, durable_broker, unique_topic, small_disk / "state", config=f"[outbox]\nmax_bytes = {reserve}\n"
+        repo, durable_broker, unique_topic, small_disk / "state", config=f"[outbox]\nmax_bytes = {1 << 20}\n"
     )
     try:
         daemon.start(durable_broker)
         bundle = repo.bundle(2)
         bundle_bytes = sum(f.stat().st_size for f in bundle.iterdir())  # the archive is longer (tar headers)
-        # leave the archive's size above the outbox's room: not twice it (download and unpacked), so no room
+        # leave room for the archive and its unpacked bundle and 64 KiB more: the update alone would fit, but the
+        # outbox's budget (half of the disk's free bytes and its own, 256 KiB at least) would not be left free
         ballast = small_disk / "ballast"
-        ballast.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - reserve - bundle_bytes))
+        ballast.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - 2 * bundle_bytes - (64 << 10)))
         repo.publish(2, gates=Gates(inputs=10, seconds=120))
         daemon.wait_logged("update refused (no-room)")
         status = status_when(  # three checks, each refused: said once

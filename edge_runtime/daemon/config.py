@@ -19,9 +19,10 @@
            the broker, for replay and sim, and for framed serial, whose boards wait and resend; drop-oldest for
            serial JSON lines and MQTT at QoS 0), max_batch (inputs taken at once, and run as one batch when the
            model allows it; 1 = one sample per call)
-[outbox]   enabled (false: the same bounds in memory, lost with the process), max_answers, max_bytes, ttl_s,
-           synchronous ("full": survives a power cut; "normal": a crash), commit_interval_s (group commit: at
-           most one fsync per interval, default 20 ms)
+[outbox]   enabled (false: the same bounds in memory, lost with the process), max_answers, max_bytes (the outbox's
+           files, WAL included, take at most this, and at most half of the state directory's file system:
+           edgeline.disk), ttl_s, synchronous ("full": survives a power cut; "normal": a crash),
+           commit_interval_s (group commit: at most one fsync per interval, default 20 ms)
 [health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off), prometheus_host (loopback)
 [window]   size, hop, channels (overrides the bundle's)
 """
@@ -227,6 +228,8 @@ class OutboxConfig(_Section):
     enabled: bool = True
     max_answers: int = Field(default=100_000, ge=1)
     max_bytes: int = Field(default=64 << 20, ge=1024)
+    """The most the outbox's files (database and WAL) take on the disk; the budget in effect is smaller on a small
+    disk: half of the state directory's file system (``edgeline.disk``)."""
     ttl_s: float = Field(default=86400.0, gt=0)
     synchronous: Literal["full", "normal"] = "full"
     commit_interval_s: float = Field(default=0.02, ge=0, le=1)

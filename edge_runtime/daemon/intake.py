@@ -16,9 +16,10 @@ that comes back to queued messages (after the first PUBACK it sends hundreds at 
 held is answered, the daemon reconnects (``MqttConnection.redeliver``) and the broker sends the unacknowledged
 inputs again, as MQTT requires of a resumed session. Nothing is lost, memory stays bounded.
 
-The marks: ``high`` is 90% of ``[outbox] max_answers`` (and of ``max_bytes``), so that what is already in the
-pipeline when the gate shuts still fits under the cap; ``low`` is half of ``high``, so that the gate does not
-flap (each shut lets the broker's window of answers drain before taking more).
+The marks: ``high`` is 90% of ``[outbox] max_answers`` (and of the outbox's byte cap, which follows its budget on
+the disk: ``edgeline.disk``, read at every look), so that what is already in the pipeline when the gate shuts
+still fits under the cap; ``low`` is half of ``high``, so that the gate does not flap (each shut lets the broker's
+window of answers drain before taking more).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class IntakeGate:
         level: Callable[[], tuple[int, int]],
         *,
         max_answers: int,
-        max_bytes: int,
+        max_bytes: int | Callable[[], int],
         disk_full: Callable[[], bool],
         metrics: Metrics,
     ):
@@ -56,8 +57,9 @@ class IntakeGate:
         self._disk_full = disk_full
         self.high = max(1, max_answers * 9 // 10)
         self.low = self.high // 2
-        self.high_bytes = max(1, max_bytes * 9 // 10)
-        self.low_bytes = self.high_bytes // 2
+        self._max_bytes = max_bytes
+        """The byte level at which answers would be dropped: a number, or read at every look (the outbox's
+        ``bytes_cap``, which follows its budget on the disk)."""
         self.metrics = metrics
         self._open = True
         self._lock = threading.Lock()
@@ -67,6 +69,15 @@ class IntakeGate:
         self.pauses = Repeated(log, "intake paused (flow control)", level=logging.INFO)
 
     @property
+    def high_bytes(self) -> int:
+        cap = self._max_bytes() if callable(self._max_bytes) else self._max_bytes
+        return max(1, cap * 9 // 10)
+
+    @property
+    def low_bytes(self) -> int:
+        return self.high_bytes // 2
+
+    @property
     def is_shut(self) -> bool:
         return not self._open
 
@@ -74,8 +85,9 @@ class IntakeGate:
         """Whether an input may be taken now (any thread; cheap: a few counters are read)."""
         answers, size = self._level()
         full = self._disk_full()
+        high_bytes = self.high_bytes
         if self._open:
-            if full or answers >= self.high or size >= self.high_bytes:
+            if full or answers >= self.high or size >= high_bytes:
                 with self._lock:
                     if self._open:
                         self._open = False
@@ -86,12 +98,12 @@ class IntakeGate:
                             if full
                             else (
                                 f"{answers} answers ({size} bytes) wait for the broker; high-water mark {self.high} "
-                                f"answers or {self.high_bytes} bytes; resuming at {self.low} / {self.low_bytes}"
+                                f"answers or {high_bytes} bytes; resuming at {self.low} / {high_bytes // 2}"
                             )
                         )
                         self.pauses.happened(1, why + "; the backlog waits at the broker")
             return self._open
-        if not full and answers <= self.low and size <= self.low_bytes:
+        if not full and answers <= self.low and size <= high_bytes // 2:
             with self._lock:
                 if not self._open:
                     self._open = True

@@ -27,10 +27,17 @@ is worth a thread of its own.
 One SQLite connection, used under a lock from the committer (add, remove, expire), the network thread (take, on
 refills) and the status thread (stats): every operation is a short transaction.
 
-On disk, ``max_bytes`` bounds the file and its write-ahead log together: the WAL is checkpointed and truncated
-once it reaches ``wal_limit`` (a quarter of ``max_bytes``, at most 4 MiB; SQLite's default lets it grow to about
-4 MB whatever the outbox holds), and the answers may take the rest (their payload, topic and a row's overhead are
-counted). A write that fails for lack of space raises ``DiskFull``: the transaction is rolled back, nothing is
+On disk, the outbox's files (the database and its write-ahead log together) stay within its ``budget``: the
+smaller of ``max_bytes`` and a half of the state directory's file system (its free bytes and the outbox's own),
+measured at open and again at every ``check`` (``edgeline.disk`` says why a half), except while the disk is
+full: then it does not shrink (the answers held for the next commit were taken within it). The WAL may take
+``wal_limit`` of it (a quarter, at most 4 MiB): SQLite checkpoints it at half that, and once its file passes
+``wal_limit`` it is checkpointed with TRUNCATE (SQLite's default lets it grow to about 4 MB whatever the outbox
+holds: on a 3 MB disk, that filled the disk and a checkpoint could never run again). The answers' counted bytes
+(payload, topic and a row's overhead) may take half of the rest (``PAGE_SLACK``): SQLite's pages hold rows with up to
+a half of them lost (a row a little over half a page takes a page alone), so the database file stays within its
+share whatever the answers' size. A budget that shrinks below what the outbox holds drops nothing: the outbox stops
+growing. A write that fails for lack of space raises ``DiskFull``: the transaction is rolled back, nothing is
 half-stored, and the caller keeps what it wanted to write and tries again (``edgeline.daemon.delivery``). An
 outbox that is not a database any more (a corrupted file) is set aside at open (renamed ``*.corrupt-<time>``,
 said in an error) and a new one started, so that a restart does not fail on it for ever.
@@ -41,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -50,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from edgeline.disk import budget, files_bytes, free_bytes, wal_share
 from edgeline.errors import EdgelineError
 from edgeline.lograte import Repeated
 
@@ -77,7 +86,11 @@ DELETE_CHUNK = 500
 """Seqs per DELETE statement (SQLite's oldest limit on parameters is 999)."""
 ROW_OVERHEAD = 40
 """Bytes a row takes beyond its payload and topic (seq, two times, SQLite's cell header): counted in the bound."""
-MAX_WAL = 4 << 20
+PAGE_SLACK = 2
+"""The answers' counted bytes take at most 1/PAGE_SLACK of what the budget leaves the database file (see the module:
+measured, 1.06-1.1 for rows of 20 to 700 bytes, 1.4 for 3,000-byte rows, near 2 for rows just over half a page)."""
+CHECK_EVERY_S = 1.0
+"""The delivery path's committer calls ``check`` this often (and on every retry of a full disk)."""
 SIZE_OF = "LENGTH(payload) + LENGTH(CAST(topic AS BLOB)) + 40"
 """A row's size as counted against ``max_bytes`` (``ROW_OVERHEAD`` included)."""
 
@@ -142,7 +155,7 @@ OnDrop = Callable[[list[int]], None]
 
 def _overflow_detail(box: OutboxInterface, count: int, bounds: bool) -> str:
     if bounds:
-        return f"{count} dropped ({box.max_answers} answers, {box.max_bytes} bytes at most)"
+        return f"{count} dropped ({box.max_answers} answers, a budget of {box.budget} bytes at most)"
     return f"{count} dropped while the disk was full"
 
 
@@ -184,6 +197,12 @@ class OutboxStats:
     overflowed: int
     corrupt: int = 0
     """Corrupted outbox files set aside at open (0 or 1)."""
+    budget_bytes: int = 0
+    """The budget in effect (see the module): what the outbox's files may take on the disk."""
+    disk_bytes: int = 0
+    """What the outbox's files (database and WAL) took on the disk at the last check (0 in memory)."""
+    free_bytes: int | None = None
+    """Free on the state directory's file system at the last check (None: in memory, or not measurable)."""
 
 
 class OutboxInterface(Protocol):
@@ -200,6 +219,10 @@ class OutboxInterface(Protocol):
 
     max_answers: int
     max_bytes: int
+    budget: int
+    """The bytes its files may take on the disk: ``max_bytes`` or less (``Outbox``); ``max_bytes`` in memory."""
+    disk_bytes: int
+    """What its files take on the disk (0 in memory)."""
     ttl_s: float
     overflow_log: Repeated
     expiry_log: Repeated
@@ -213,10 +236,13 @@ class OutboxInterface(Protocol):
     def drop(self, seq: int) -> None: ...
     def count_expired(self, count: int) -> None: ...
     def count_overflow(self, count: int, *, bounds: bool = True) -> None: ...
+    def check(self, *, truncate: bool = False) -> int: ...
     @property
     def depth(self) -> int: ...
     @property
     def used_bytes(self) -> int: ...
+    @property
+    def bytes_cap(self) -> int: ...
     def stats(self) -> OutboxStats: ...
     def close(self) -> None: ...
 
@@ -237,9 +263,14 @@ class Outbox:
         self.max_answers = max_answers
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self.wal_limit = min(MAX_WAL, max_bytes // 4)
-        self.answer_bytes = max(1, max_bytes - self.wal_limit)
-        """What the answers' rows may take: ``max_bytes`` less the WAL's bound."""
+        self._wal = Path(f"{path}-wal")
+        self._bytes = 0
+        self.budget = self.wal_limit = self.answer_bytes = self.disk_bytes = 0
+        self.free_bytes: int | None = None
+        """Free on the state directory's file system at the last check (None: not measurable here)."""
+        self._set_budget(self._measure())
+        self._full = False
+        """A write failed for lack of space, and no add has been committed since: the budget does not shrink."""
         self._synchronous = "FULL" if synchronous == "full" else "NORMAL"
         self._lock = threading.Lock()
         self._closed = False
@@ -260,6 +291,7 @@ class Outbox:
             except sqlite3.Error as again:
                 raise EdgelineError(f"outbox {path}: {again}") from again
         self._depth, self._bytes = int(depth), int(size)
+        self._set_budget(self.budget)  # what it holds is not dropped for a budget that shrank
         self._added = self._removed = self._expired = self._overflowed = 0
         self._floor = 0
         """The highest seq the bounds dropped."""
@@ -274,9 +306,7 @@ class Outbox:
             db.execute("PRAGMA locking_mode=EXCLUSIVE")
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(f"PRAGMA synchronous={self._synchronous}")
-            # the WAL: checkpointed at half its bound (a commit group may add the other half), truncated to it after
-            db.execute(f"PRAGMA wal_autocheckpoint={max(16, self.wal_limit // 2 // 4096)}")
-            db.execute(f"PRAGMA journal_size_limit={self.wal_limit}")
+            self._limit_wal(db)
             if db.execute("SELECT name FROM sqlite_master WHERE name = 'answers'").fetchone() is None:
                 db.execute(SCHEMA)
             elif "correlation" not in {row[1] for row in db.execute("PRAGMA table_info(answers)")}:
@@ -289,6 +319,55 @@ class Outbox:
             db.close()
             raise
         return db, depth, size
+
+    # -- the budget ----------------------------------------------------------------------------------------------
+    def _measure(self) -> int:
+        """The budget now: the file system's free bytes and what the outbox's files take (``edgeline.disk``)."""
+        self.disk_bytes = files_bytes(self.path, self._wal)
+        self.free_bytes = free_bytes(self.path.parent)
+        return budget(self.max_bytes, self.free_bytes, self.disk_bytes)
+
+    def _set_budget(self, total: int) -> None:
+        self.budget = total
+        self.wal_limit = wal_share(total)
+        room = max(1, (total - self.wal_limit) // PAGE_SLACK)
+        self.answer_bytes = max(room, self._bytes)
+        """What the answers' rows may take (counted: ``row_size``); never less than they take now."""
+
+    def _limit_wal(self, db: sqlite3.Connection) -> None:
+        # the WAL: checkpointed at half its bound (a commit group may add the other half), truncated to it after
+        db.execute(f"PRAGMA wal_autocheckpoint={max(16, self.wal_limit // 2 // 4096)}")
+        db.execute(f"PRAGMA journal_size_limit={self.wal_limit}")
+
+    def _truncate_wal(self, *, always: bool = False) -> None:
+        """Under the lock, outside a transaction: checkpoint the WAL and truncate it to nothing when its file is past
+        ``wal_limit`` (or ``always``: room is short). On a full disk the checkpoint may fail (the database file
+        cannot grow): tried again at the next check."""
+        try:
+            size = os.stat(self._wal).st_size
+        except OSError:
+            return
+        if size and (always or size > self.wal_limit):
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def check(self, *, truncate: bool = False) -> int:
+        """Measure the budget again (the file system's free bytes change under us) and checkpoint the WAL when it is
+        past its share (``truncate``: in any case, to give room back on a full disk). The committer calls it every
+        ``CHECK_EVERY_S`` and on every retry of a full disk. Returns the budget in effect."""
+        with self._using():
+            wal_limit = self.wal_limit
+            measured = self._measure()
+            # a full disk measures nothing useful (no free bytes): the answers the committer holds meanwhile were
+            # taken within the budget before it, and must fit in it once there is room, whenever the next check runs
+            self._set_budget(max(measured, self.budget) if self._full else measured)
+            if self.wal_limit != wal_limit:
+                with contextlib.suppress(sqlite3.Error):
+                    self._limit_wal(self._db)
+            self._truncate_wal(always=truncate)
+            if truncate:
+                self.disk_bytes = files_bytes(self.path, self._wal)
+        return self.budget
 
     # -- worker ----------------------------------------------------------------------------------------------
     def add(
@@ -320,10 +399,13 @@ class Outbox:
             except BaseException as exc:
                 self._rollback()
                 if _is_full(exc):
+                    self._full = True
                     raise DiskFull(f"outbox {self.path}: the disk is full ({exc})") from exc
                 raise
+            self._full = False
             self._added += len(rows)
             self._removed += gone
+            self._truncate_wal()
         if dropped:
             self._dropped(dropped, on_drop)
         first = int(last) - len(rows) + 1  # one writer, inside one transaction: consecutive seqs
@@ -433,6 +515,7 @@ class Outbox:
         except (sqlite3.Error, OSError) as exc:
             self._rollback()
             if _is_full(exc):
+                self._full = True
                 raise DiskFull(f"outbox {self.path}: the disk is full ({exc})") from exc
             raise
 
@@ -473,8 +556,14 @@ class Outbox:
 
     @property
     def used_bytes(self) -> int:
-        """What the answers take, as counted against ``max_bytes`` (the WAL's bound included)."""
+        """What the answers take, counted (``row_size``), and the WAL's bound: what the intake gate holds against
+        ``bytes_cap``."""
         return self._bytes + self.wal_limit
+
+    @property
+    def bytes_cap(self) -> int:
+        """``used_bytes`` at which the oldest answers are dropped: the answers' share of the budget and the WAL's."""
+        return self.answer_bytes + self.wal_limit
 
     def stats(self) -> OutboxStats:
         with self._lock:
@@ -493,6 +582,9 @@ class Outbox:
                 expired=self._expired,
                 overflowed=self._overflowed,
                 corrupt=int(self.set_aside is not None),
+                budget_bytes=self.budget,
+                disk_bytes=self.disk_bytes,
+                free_bytes=self.free_bytes,
             )
 
     def close(self) -> None:
@@ -526,7 +618,8 @@ class MemoryOutbox:
     def __init__(self, *, max_answers: int = 100_000, max_bytes: int = 64 << 20, ttl_s: float = 86400.0):
         self.max_answers = max_answers
         self.max_bytes = max_bytes
-        self.answer_bytes = max_bytes
+        self.answer_bytes = self.budget = max_bytes
+        self.disk_bytes = 0
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._rows: OrderedDict[int, Pending] = OrderedDict()
@@ -624,6 +717,14 @@ class MemoryOutbox:
     def used_bytes(self) -> int:
         return self._bytes
 
+    @property
+    def bytes_cap(self) -> int:
+        return self.max_bytes
+
+    def check(self, *, truncate: bool = False) -> int:
+        """Nothing to measure: no disk."""
+        return self.budget
+
     def stats(self) -> OutboxStats:
         with self._lock:
             oldest = next(iter(self._rows.values()), None)
@@ -635,6 +736,7 @@ class MemoryOutbox:
                 removed=self._removed,
                 expired=self._expired,
                 overflowed=self._overflowed,
+                budget_bytes=self.budget,
             )
 
     def close(self) -> None:

@@ -106,6 +106,9 @@ class Reporter:
                 outbox_bytes=box.bytes,
                 outbox_oldest_age_seconds=box.oldest_age_s if box.oldest_age_s is not None else 0.0,
                 disk_full=delivery.disk_full,
+                outbox_budget_bytes=box.budget_bytes,
+                outbox_disk_bytes=box.disk_bytes,
+                state_free_bytes=box.free_bytes,
             )
         return gauges
 

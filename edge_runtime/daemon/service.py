@@ -175,14 +175,15 @@ class Daemon:
         return self.delivery.outbox.depth if self.delivery is not None else 0
 
     def _outbox_room(self) -> int:
-        """The bytes the durable outbox may still grow into on the state directory's disk: what an update leaves
-        free there (0 for an outbox in memory)."""
+        """The bytes the durable outbox may still grow into on the state directory's disk (its budget less what its
+        files take): what an update leaves free there (0 for an outbox in memory)."""
         box = self.config.outbox
         if not box.enabled:
             return 0
         outbox = self.outbox
-        used = outbox.stats().bytes if outbox is not None else 0
-        return max(0, box.max_bytes - used)
+        if outbox is None:
+            return box.max_bytes
+        return max(0, outbox.budget - outbox.disk_bytes)
 
     @property
     def description(self) -> str:
@@ -275,7 +276,7 @@ class Daemon:
             self.intake.gate = IntakeGate(
                 network.level,
                 max_answers=box.max_answers,
-                max_bytes=box.max_bytes,
+                max_bytes=lambda: delivery.outbox.bytes_cap,
                 disk_full=lambda: delivery.disk_full,
                 metrics=self.metrics,
             )

@@ -23,6 +23,7 @@ from edgeline.daemon.health import Metrics
 from edgeline.daemon.intake import Intake
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.mqtt import MqttConnection
+from edgeline.daemon.outbox import row_size
 from edgeline.lograte import Repeated
 
 __all__ = ["Sinks"]
@@ -51,8 +52,8 @@ class Sinks:
         self.delivery: Delivery | None = None
         self.unpublishable_log = Repeated(log, "answers without a topic (their device cannot form one), not sent")
         self.answer_size = 256
-        """Bytes of a recent answer (worker writes, any thread reads): the intake gate's estimate for the inputs
-        not answered yet."""
+        """Bytes of a recent answer as the outbox counts it (worker writes, any thread reads): the intake gate's
+        estimate for the inputs not answered yet."""
         self._echo_lock = threading.Lock()
 
     def answer_evicted(self) -> None:
@@ -91,7 +92,7 @@ class Sinks:
                 self.metrics.observe("total", max(0.0, time.time() - message.received))
         self.intake.answered(len(pairs))
         if to_broker:
-            self.answer_size = len(to_broker[-1][1])
+            self.answer_size = row_size(to_broker[-1][0], to_broker[-1][1])  # as the outbox counts it
         if acks and self.connection is not None:
             self.connection.call_soon(lambda: _call_each(acks))
         else:

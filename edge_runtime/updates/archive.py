@@ -11,6 +11,10 @@ destination, and all of them together no more bytes, files and directories than 
 archive that unpack to any number of zeros), directories given as members, absolute or ``..`` paths and anything
 unlisted are refused before a byte of it is written. The model's bytes are then checked against the manifest's
 sha256 by ``edgeline.bundle.verify_files``; no runtime has parsed anything yet.
+
+Both write durably (``edgeline.durable``): an archive is fsync'ed before it is renamed into place; an unpacked
+bundle's files and directories are fsync'ed before ``NAME.partial`` is renamed to ``NAME``, and the parent after,
+so that a power cut never leaves a name (which ``state.json`` may already hold) over data that did not reach the disk.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from edgeline.bundle import MANIFEST_FILE, MAX_MANIFEST_BYTES, Bundle, read_bundle, read_manifest
+from edgeline.durable import flush_directory, sync_file, sync_tree
 from edgeline.errors import BundleError, UpdateError, UpdateRefused
 
 __all__ = ["ARCHIVE_SUFFIX", "manifest_sha256", "pack", "unpack", "unpacked_size"]
@@ -66,7 +71,9 @@ def pack(bundle: Bundle, destination: Path) -> Path:
         for entry in bundle.manifest.files:
             with (bundle.path / entry.path).open("rb") as handle:
                 tar.addfile(_info(entry.path, entry.size), handle)
+    sync_file(tmp)  # on the disk before its name is, and before any metadata names its hash
     os.replace(tmp, destination)
+    flush_directory(destination.parent)
     return destination
 
 
@@ -131,7 +138,10 @@ def unpack(
         work.mkdir(parents=True)
         _unpack_into(archive, work, manifest_sha, _Budget(archive, unpacked_bytes, unpacked_entries))
         bundle = read_bundle(work)  # sizes and sha256 of every listed file
+        # every byte on the disk before the directory gets its name, and the name before ``state.json`` says it
+        sync_tree(work)
         os.replace(work, destination)
+        flush_directory(destination.parent)
     except BundleError as exc:
         shutil.rmtree(work, ignore_errors=True)
         if isinstance(exc, UpdateRefused):

@@ -14,6 +14,10 @@ what a fetcher could not get) and the OS's (``OSError``: a file, the disk downlo
 else (an ``AttributeError``, a ``RuntimeError`` from python-tuf's state machine) is a bug, and reaches the update
 thread's top as one, never a refusal that would be remembered against a good version.
 
+python-tuf stores the trusted metadata with a temporary file and a rename and never flushes either; ``DurableUpdater``
+stores it the way edgeline stores its own state (``edgeline.durable.write_atomically``), so that a power cut right
+after a refresh cannot take back the versions a device has seen (its protection against rollback).
+
 The list of targets is read from the targets metadata python-tuf has just verified and stored (``targets.json`` in
 its metadata directory, its documented cache); the chosen target is then asked of the ``Updater`` itself
 (``get_targetinfo``), so what is fetched is always what the trusted metadata says.
@@ -33,14 +37,28 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from edgeline.bundle import Bundle
+from edgeline.durable import write_atomically
 from edgeline.errors import UpdateError, UpdateRefused
 from edgeline.updates.archive import unpack
 from edgeline.updates.fetchers import HttpFetcher, LocalFetcher
 from edgeline.updates.policy import DOWNLOAD_TIMEOUT_S, Choice, TargetFacts, choose, target_path
 
-__all__ = ["UpdateClient", "refusal_from", "repository_urls", "tuf_errors"]
+__all__ = ["UpdateClient", "durable_updater", "refusal_from", "repository_urls", "tuf_errors"]
 
 log = logging.getLogger("edgeline.updates")
+
+
+@functools.cache
+def durable_updater() -> type[Any]:
+    """python-tuf's ``Updater`` with its metadata stored durably (see the module). ``_persist_file`` is where
+    python-tuf 7.0 (pinned) writes every metadata file, root versions included; a test holds that true."""
+    from tuf.ngclient import Updater
+
+    class DurableUpdater(Updater):
+        def _persist_file(self, filename: str, data: bytes) -> None:
+            write_atomically(Path(filename), data)
+
+    return DurableUpdater
 
 
 def repository_urls(repository: str) -> tuple[str, str, bool]:
@@ -137,12 +155,10 @@ class UpdateClient:
         """The version of the targets metadata the last check verified."""
 
     def _updater(self) -> Any:
-        from tuf.ngclient import Updater
-
         self.metadata_dir.mkdir(parents=True, exist_ok=True)
         self.downloads.mkdir(parents=True, exist_ok=True)
         try:
-            return Updater(
+            return durable_updater()(
                 str(self.metadata_dir),
                 self.metadata_url,
                 str(self.downloads),

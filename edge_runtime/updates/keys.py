@@ -32,8 +32,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeline.durable import flush_directory, write_atomically
 from edgeline.errors import EdgelineError
-from edgeline.updates.store import write_atomically
 
 if TYPE_CHECKING:
     from securesystemslib.signer import CryptoSigner
@@ -180,6 +180,7 @@ def new_root(directory: Path, *, rotate: str | None = None, expires_days: float 
     _write_root(directory, metadata)
     if rotate is not None:  # after the root that trusts it: a cut here leaves ROLE.key.new (``signer`` says so)
         os.replace(files.key(rotate).with_suffix(".key.new"), files.key(rotate))
+        flush_directory(directory)
     return NewRoot(path=files.root, version=root.version, expires=root.expires, rotated=rotate)
 
 

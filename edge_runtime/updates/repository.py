@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from edgeline.bundle import read_bundle
+from edgeline.durable import flush_directory, write_atomically
 from edgeline.errors import UpdateError
 from edgeline.updates import keys as keyring
 from edgeline.updates.archive import manifest_sha256, pack, unpacked_size
 from edgeline.updates.policy import Gates, Runtime, TargetFacts, target_path
 from edgeline.updates.served import SignedState, verified_state
-from edgeline.updates.store import write_atomically
 
 __all__ = ["EXPIRY_DAYS", "Published", "Repository"]
 
@@ -116,6 +116,7 @@ class Repository:
         info.unrecognized_fields["custom"] = facts.as_custom()
         final = self.targets_dir / manifest.name / f"{info.hashes['sha256']}.{Path(path).name}"
         os.replace(staged, final)
+        flush_directory(final.parent)
 
         def add(targets: Any) -> None:
             targets.targets[path] = info

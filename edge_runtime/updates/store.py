@@ -33,6 +33,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from edgeline.durable import flush_directory, write_atomically
+
 __all__ = [
     "KEPT_REFUSALS",
     "MAX_TRIAL_ATTEMPTS",
@@ -56,27 +58,6 @@ KEPT_SET_ASIDE = 3
 MAX_FILE_BYTES = 4 << 20
 """A state file or record larger than this is not one edgeline wrote (the refusals it keeps are bounded)."""
 MESSAGE_CHARS = 500
-
-
-def write_atomically(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace ``path`` with ``data``: written to a temporary file (created with ``mode``), flushed to the disk,
-    renamed over ``path``, and the directory flushed. A reader (or a power cut) sees the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _flush_directory(path.parent)
-
-
-def _flush_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Checked(BaseModel):
@@ -308,7 +289,7 @@ class Store:
             finally:
                 os.close(fd)
             if created:
-                _flush_directory(self.directory)
+                flush_directory(self.directory)
         except OSError as exc:
             log.error("v%d refused (%s), but %s cannot be written (%s): only %s keeps it", version, reason,
                       self.record, exc.strerror or exc, self.path.name)  # fmt: skip
