@@ -48,16 +48,13 @@ LIBRARIES = (
 
 
 @cache
-def code_fingerprint(folders: tuple[str, ...] | None = None, excluded: tuple[str, ...] = ()) -> str:
-    """sha256 of the sources under ``folders`` (repository-relative; default: every package folder) but those under
-    ``excluded``, and of the versions of ``LIBRARIES``."""
+def code_fingerprint(folders: tuple[str, ...] | None = None) -> str:
+    """sha256 of the sources under ``folders`` (repository-relative; default: every package folder) and of the
+    versions of ``LIBRARIES``."""
     roots = [REPO / folder for folder in folders] if folders else sorted(set(package_dirs().values()))
-    skipped = tuple(REPO / folder for folder in excluded)
     digest = hashlib.sha256()
     for root in roots:
         for path in sorted(root.rglob("*")):
-            if any(path.is_relative_to(folder) for folder in skipped):
-                continue
             if path.is_file() and path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts:
                 digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
     for name in LIBRARIES:
@@ -69,8 +66,8 @@ def code_fingerprint(folders: tuple[str, ...] | None = None, excluded: tuple[str
     return digest.hexdigest()
 
 
-def _key(kind: str, inputs: Iterable[object], folders: tuple[str, ...] | None, excluded: tuple[str, ...] = ()) -> str:
-    digest = hashlib.sha256(f"{kind}\0{code_fingerprint(folders, excluded)}\0".encode())
+def _key(kind: str, inputs: Iterable[object], folders: tuple[str, ...] | None) -> str:
+    digest = hashlib.sha256(f"{kind}\0{code_fingerprint(folders)}\0".encode())
     for value in inputs:
         if isinstance(value, Path) and value.suffix == ".npz":
             digest.update(b"npz\0" + _arrays_digest(value))  # np.savez stamps the time: key the arrays
@@ -119,16 +116,12 @@ def cached_export(model: str | Path, *args: str | Path) -> Path:
         code = main(["export", str(model), *map(str, args), "--out", str(directory / "bundle"), "-q"])
         assert code == 0, f"edgeline export {model} {' '.join(map(str, args))} failed (exit {code})"
 
-    made = cached("bundle", [Path(file), attribute, *args], make, folders=EXPORT_FOLDERS, excluded=NOT_EXPORT)
-    return made / "bundle"
+    return cached("bundle", [Path(file), attribute, *args], make, folders=EXPORT_FOLDERS) / "bundle"
 
 
 EXPORT_FOLDERS = ("export", *sorted(LAYERS["export"]))
 """What ``edgeline export`` runs: the export folder and those it may import (the import contracts' arrows, checked by
 ``tests/test_import_contracts.py``). A change to ``sim`` or ``firmware_bridge`` does not make every bundle again."""
-NOT_EXPORT = ("edge_runtime/daemon", "edge_runtime/updates", "edge_runtime/systemd")
-"""The device side's own parts, which ``edgeline export`` never imports (checked: ``tests/test_import_contracts.py``,
-``test_the_export_side_never_imports_the_daemon_or_the_updates``): a change to them keeps every bundle."""
 
 
 def cached(
@@ -137,7 +130,6 @@ def cached(
     make: Callable[[Path], None],
     *,
     folders: tuple[str, ...] | None = None,
-    excluded: tuple[str, ...] = (),
 ) -> Path:
     """The directory ``make(directory)`` fills for these ``inputs``, made at most once for this code and these
     libraries. ``make``'s own source is part of the key (the seeds and shapes written in it); what it reads from
@@ -147,7 +139,7 @@ def cached(
         directory = Path(tempfile.mkdtemp(prefix=f"edgeline-{kind}-"))
         make(directory)
         return directory
-    entry = CACHE_ROOT / kind / _key(kind, [inspect.getsource(make), *inputs], folders, excluded)
+    entry = CACHE_ROOT / kind / _key(kind, [inspect.getsource(make), *inputs], folders)
     if _intact(entry):
         return entry
     entry.parent.mkdir(parents=True, exist_ok=True)

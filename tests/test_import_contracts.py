@@ -251,43 +251,6 @@ def test_every_import_of_the_package_follows_the_documented_directions() -> None
         pytest.fail("imports against docs/architecture.md:\n" + "\n".join(problems), pytrace=False)
 
 
-def test_the_export_side_never_imports_the_daemon_or_the_updates() -> None:
-    """Everything ``edgeline export`` can import, at any time: export, the device profiles, the backends (which are
-    loaded by name) and what they import in turn, never the daemon, the updates or the systemd unit's folder. The
-    test cache keys bundles on that (``tests/cache.py``, ``NOT_EXPORT``): a change there keeps every bundle."""
-    from tests.cache import NOT_EXPORT
-
-    modules = {module_of(path) for path in package_files()}
-    imported: dict[str, set[str]] = {}
-    for found in all_imports():
-        name = found.imported
-        while name and name not in modules:  # ``module.name`` of ``from module import name``
-            name = name.rpartition(".")[0]
-        if name:
-            imported.setdefault(found.importer, set()).add(name)
-    starts = [m for m in modules if folder_of(m) in ("export", "device_profiles") or within(m, "edgeline.backends")]
-    reached, via, stack = set(), {}, list(starts)
-    while stack:
-        module = stack.pop()
-        reached.add(module)
-        for name in imported.get(module, ()):
-            if name not in reached:
-                via.setdefault(name, module)
-                stack.append(name)
-    excluded = ["edgeline." + folder.split("/", 1)[1].replace("/", ".") for folder in NOT_EXPORT]
-    wrong = sorted(m for m in reached if any(within(m, package) for package in excluded))
-    chains = [" <- ".join(_chain(m, via)) for m in wrong]
-    assert not chains, "the export side imports the device side's own parts:\n" + "\n".join(chains)
-    assert "edgeline.manifest" in reached and "edgeline.export.cli" in reached  # (the walk works)
-
-
-def _chain(module: str, via: dict[str, str]) -> list[str]:
-    chain = [module]
-    while chain[-1] in via and len(chain) < 50:
-        chain.append(via[chain[-1]])
-    return chain
-
-
 def test_the_check_reads_every_folder_and_every_kind_of_import() -> None:
     """A contract that reads nothing passes: every folder of package-dir has its files read, and all three kinds of
     import are met in the code (so a change of the reader that loses one fails here)."""
