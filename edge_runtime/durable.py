@@ -37,16 +37,16 @@ def write_atomically(path: Path, data: bytes, *, mode: int = 0o644) -> None:
 
 def sync_file(path: Path) -> None:
     """Flush a file's data to the disk (it was written and closed by code that did not)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path)
 
 
 def flush_directory(directory: Path) -> None:
     """Flush a directory: the names created, renamed or removed in it are on the disk."""
-    fd = os.open(directory, os.O_RDONLY)
+    _fsync(directory)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

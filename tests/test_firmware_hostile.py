@@ -34,6 +34,7 @@ from edgeline.sim.board import BoardOptions, BoardSamples, PythonBoard, Uart
 from tests import waiting
 from tests.mqtt_broker import Broker, Collector
 from tests.test_firmware_bridge import HELLO, Process, results_of, retained_status, start_daemon
+from tests.test_firmware_bridge import processes as processes  # the same fixture: the processes a test started
 
 TIMEOUT_S = 60.0
 wait_until = partial(waiting.wait_until, timeout=TIMEOUT_S)
@@ -220,16 +221,6 @@ def pty_board() -> Iterator[Callable[[dict[str, Any]], PtyBoard]]:
     yield make
     for board in made:
         board.close()
-
-
-@pytest.fixture
-def processes() -> Iterator[list[Process]]:
-    started: list[Process] = []
-    yield started
-    for process in started:
-        if process.process.poll() is None:
-            process.process.kill()
-            process.process.communicate(timeout=TIMEOUT_S)
 
 
 def run_daemon(bundle: Path, url: str, broker: Broker, tmp_path: Path) -> Process:
