@@ -110,6 +110,11 @@ class Delivery:
         self._spilled = outbox.depth > 0
         """Network thread: answers wait in the outbox that were never taken into ``_ready`` (it was full, or the
         last run left them): the tick reads them back, in order, as it empties."""
+        self._drops_posted = 0
+        """Committer (or worker): drops the bounds made, told to the network thread (``_dropped``)."""
+        self._drops_counted = 0
+        """Network thread: those it has counted (``_count_lost``). While some are not, the tick does not read back:
+        a read-back moves ``_handed`` past the dropped seqs, and they would count as handed out, never as lost."""
         self._next_expiry = 0.0
         # flow control: each counter has one writer; readers add them up (a reading a moment old is fine)
         self._given = 0  # answers the worker handed over (worker)
@@ -274,7 +279,9 @@ class Delivery:
     # -- network thread: answers to the client -----------------------------------------------------------------
     def _dropped(self, seqs: list[int]) -> None:
         """The bounds dropped these answers (committed): posted before the hand-over of the commit that dropped
-        them, so that every earlier hand-over has run when the network thread counts them."""
+        them, so that every earlier hand-over has run when the network thread counts them; and under the outbox's
+        lock, so that no read-back sees the commit before the count is posted."""
+        self._drops_posted += 1
         self.connection.call_soon(lambda: self._count_lost(seqs))
 
     def _count_lost(self, seqs: list[int]) -> None:
@@ -282,6 +289,7 @@ class Delivery:
         ``_ready`` or in flight, from memory, and are delivered all the same)."""
         handed = self._handed
         self.outbox.count_overflow(sum(1 for seq in seqs if seq > handed))
+        self._drops_counted += 1
 
     def _hand_over(self, pending: list[Pending], acks: Acks) -> None:
         """Stored answers and their inputs' acknowledgements to the network thread: one task, one wake-up."""
@@ -303,12 +311,13 @@ class Delivery:
 
     def tick(self) -> None:
         """Every turn of the network loop: fill the in-flight window from the answers ready, and those from the
-        outbox when some wait there that were never handed over. Cheap when there is nothing to do."""
+        outbox when some wait there that were never handed over (once every drop the bounds made is counted: see
+        ``_drops_counted``). Cheap when there is nothing to do."""
         if not self.durable:
             self._expire()
         limit = self.max_queued
         room = limit - len(self._ready)
-        if self._spilled and room >= max(1, min(REFILL, limit // 2)):
+        if self._spilled and room >= max(1, min(REFILL, limit // 2)) and self._drops_counted == self._drops_posted:
             try:
                 waiting = self.outbox.take(min(room, REFILL), after=self._handed)
             except OutboxClosed:

@@ -150,7 +150,9 @@ def _set_aside(path: Path, exc: BaseException) -> Path:
 
 
 OnDrop = Callable[[list[int]], None]
-"""Told the seqs of the answers the bounds dropped, once that is committed (``add``)."""
+"""Told the seqs of the answers the bounds dropped, once that is committed (``add``), still under the outbox's lock:
+before any ``take`` can read what the commit left (a caller that counts the dropped answers it never handed out
+must see the drop before a read-back moves past those seqs). It must be quick and must not call the outbox."""
 
 
 def _overflow_detail(box: OutboxInterface, count: int, bounds: bool) -> str:
@@ -406,8 +408,10 @@ class Outbox:
             self._added += len(rows)
             self._removed += gone
             self._truncate_wal()
-        if dropped:
-            self._dropped(dropped, on_drop)
+            if dropped and on_drop is not None:
+                on_drop(dropped)  # under the lock: before any ``take`` can read what this commit left
+        if dropped and on_drop is None:
+            self.count_overflow(len(dropped), bounds=True)
         first = int(last) - len(rows) + 1  # one writer, inside one transaction: consecutive seqs
         return [
             Pending(first + i, topic, payload, now, received, correlation)
@@ -429,12 +433,6 @@ class Outbox:
             self._bytes -= sum(length for _, length in victims)
             dropped += (int(seq) for seq, _ in victims)
         return dropped
-
-    def _dropped(self, seqs: list[int], on_drop: OnDrop | None) -> None:
-        if on_drop is not None:
-            on_drop(seqs)
-        else:
-            self.count_overflow(len(seqs), bounds=True)
 
     def _rollback(self) -> None:
         """After a failed statement: SQLite may have rolled the transaction back itself (SQLITE_FULL does)."""
@@ -648,11 +646,10 @@ class MemoryOutbox:
                 self._bytes -= _row_size(oldest.topic, oldest.payload)
                 dropped.append(oldest.seq)
                 self._floor = oldest.seq
-        if dropped:
-            if on_drop is not None:
-                on_drop(dropped)
-            else:
-                self.count_overflow(len(dropped))
+            if dropped and on_drop is not None:
+                on_drop(dropped)  # under the lock: before any ``take`` can read what this add left
+        if dropped and on_drop is None:
+            self.count_overflow(len(dropped))
         return [p for p in added if p.seq > self._floor]
 
     def take(self, limit: int, *, after: int = 0) -> list[Pending]:
