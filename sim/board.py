@@ -355,8 +355,10 @@ class PythonBoard:
         """The current boot's session (its counters: ``stats()``)."""
         return self._session
 
-    def start(self) -> str:
-        if self._thread is not None:
+    def listen(self) -> str:
+        """Open the board's port without powering it: a host may open it (a TCP connection waits to be taken) before
+        the board boots and streams (``start``). Its URL."""
+        if self._listener is not None or self._master >= 0:
             return self._url
         if self.uart is Uart.PTY:
             self._master, self._slave = os.openpty()
@@ -366,6 +368,12 @@ class PythonBoard:
         else:
             self._listener = socket.create_server(("127.0.0.1", 0))
             self._url = f"socket://127.0.0.1:{self._listener.getsockname()[1]}"
+        return self._url
+
+    def start(self) -> str:
+        if self._thread is not None:
+            return self._url
+        self.listen()
         self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name=f"board {self.options.device}", daemon=True)
         self._thread.start()

@@ -255,13 +255,17 @@ def test_unreliable_samples_the_window_has_no_room_for_are_dropped_and_counted_n
     window are dropped by the bridge and counted (``dropped_backpressure``); every other one is answered. Before,
     the broker dropped what its queue had no room for, and the bridge said ``published N, publish_failed 0``. The
     counters reconcile, in the status message and on /metrics."""
-    count = 12_000  # 6 s at 2 kHz: the bridge, started after the board, takes over 1,500 while the daemon is stopped
+    count = 12_000  # 6 s at 2 kHz, all of it to the bridge: over 1,500 are taken while the daemon is stopped
     board = PythonBoard(BoardOptions("slow-2", rate_hz=2000, count=count, reliable=False), board_data, Uart.SOCKET)
-    with board:
+    url = board.listen()  # the bridge is up and has the port open before the board boots (a busy machine once
+    with contextlib.ExitStack() as powered:  # took so long to start the bridge that most of the stream went to no one)
+        powered.callback(board.stop)
         processes.append(daemon := start_daemon(built_litert_bundle, stock_broker, tmp_path / "state", watch))
         with stopped(daemon):
             metrics_port = free_port()
-            processes.append(gateway := bridge(board.url, stock_broker, "gw", "--prometheus-port", str(metrics_port)))
+            processes.append(gateway := bridge(url, stock_broker, "gw", "--prometheus-port", str(metrics_port)))
+            assert wait_until(lambda: watch.status("gw"), TIMEOUT_S), "the bridge never said its status"
+            board.start()
             behind = wait_until(lambda: watch.counts("gw").get("serial_samples", 0) > 1500, TIMEOUT_S)
             assert behind, f"the bridge took {watch.counts('gw').get('serial_samples')} while the daemon was stopped"
         assert wait_until(lambda: watch.board_stats("gw").get("done"), TIMEOUT_S), "the board did not finish"

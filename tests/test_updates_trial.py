@@ -50,6 +50,15 @@ def test_the_trial_ends_at_its_inputs_or_after_its_seconds_with_enough_inputs() 
     assert slow.done(now=slow.started + 60)
 
 
+def test_the_inputs_of_a_batch_past_the_trial_s_end_are_answered_but_not_counted() -> None:
+    """The trial ends between two batches: the rest of the batch that reached its inputs is not counted (a trial of
+    40 said it had taken 41)."""
+    t = trial(inputs=40)
+    for _ in range(45):
+        t.record(new_ok=True, agreed=True, new_s=0.001, old_s=0.001)
+    assert t.inputs == 40 and t.agreed == 40 and t.done()
+
+
 def test_the_judgement_names_the_gate_that_failed() -> None:
     good = trial(inputs=10)
     for _ in range(10):

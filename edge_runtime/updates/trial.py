@@ -77,6 +77,10 @@ class Trial:
     def record(
         self, *, new_ok: bool, agreed: bool, new_s: float | None, old_s: float | None, failure: str | None = None
     ) -> None:
+        """One input of the trial. Once it has its ``gates.inputs`` (it ends between two batches), the rest of the
+        batch is still answered but not counted: a trial of 40 inputs says 40, not where the batch ended."""
+        if self.inputs >= self.gates.inputs:
+            return
         self.inputs += 1
         if not new_ok:
             self.failures += 1
