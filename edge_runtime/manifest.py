@@ -28,6 +28,8 @@ __all__ = [
     "Postprocess",
     "Preprocess",
     "Quantization",
+    "QuantizationSummary",
+    "Rewrite",
     "RuntimeRequirement",
     "TensorSpec",
     "Window",
@@ -342,6 +344,22 @@ class Firmware(_Frozen):
     arena_margin: str  # the rule from the basis to arena_bytes, e.g. "+10%, rounded up to 16 B, +2048 B"
 
 
+class Rewrite(_Frozen):
+    """A change the export made to the function the model computes, so that a target can run it: stated, and judged
+    by the fidelity check like quantization is."""
+
+    operator: str  # the torch operator replaced, e.g. "aten.gelu"
+    replacement: str  # what computes in its place
+    reason: str
+    count: int = Field(default=1, ge=1)  # how many of them
+
+
+class QuantizationSummary(_Frozen):
+    """What quantizing the model changed beyond the numbers' precision."""
+
+    rewrites: tuple[Rewrite, ...] = ()
+
+
 class Manifest(_Frozen):
     schema_version: Literal[1] = 1
     name: str = Field(pattern=NAME_PATTERN)
@@ -368,6 +386,7 @@ class Manifest(_Frozen):
     memory: Memory | None = None
     firmware: Firmware | None = None
     device: Device | None = None
+    quantization: QuantizationSummary | None = None
     export: dict[str, str] = Field(default_factory=dict)
 
     @property

@@ -39,7 +39,7 @@ from edgeline.export.memory import measure_memory, not_measured
 from edgeline.export.progress import Progress, Silent
 from edgeline.export.report import ExportReport, TargetOutcome
 from edgeline.export.staging import write_bundle, write_float_golden, write_golden
-from edgeline.manifest import NAME_PATTERN, Device, Fidelity, Memory, Postprocess
+from edgeline.manifest import NAME_PATTERN, Device, Fidelity, Memory, Postprocess, QuantizationSummary
 from edgeline.model import load
 from edgeline.native_output import capture_native_output
 from edgeline.postprocess import interpret
@@ -236,6 +236,7 @@ def _try_target(
         runtime=exported.runtime,
         placement=exported.placement,
         estimates=exported.estimates,
+        quantization=QuantizationSummary(rewrites=exported.rewrites) if exported.rewrites else None,
         export=dict(common["export"], backend=target.backend, **exported.tool_versions),
         fidelity=Fidelity(status="not-measured", reason="export in progress", reference=REFERENCE),
     )
@@ -272,6 +273,7 @@ def _try_target(
     outcome.fidelity = fidelity
     outcome.placement = exported.placement
     outcome.estimates = exported.estimates
+    outcome.rewrites = exported.rewrites
     outcome.host_latency_ms = latency
     outcome.seconds = time.perf_counter() - start
     outcome.memory = memory

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from edgeline.manifest import Budgets, Estimates, Fidelity, Memory, Placement
+from edgeline.manifest import Budgets, Estimates, Fidelity, Memory, Placement, Rewrite
 
 __all__ = ["ExportReport", "TargetOutcome", "fidelity_summary", "format_report", "memory_summary", "shares"]
 
@@ -25,6 +25,8 @@ class TargetOutcome:
     placement: Placement | None = None
     estimates: Estimates | None = None
     memory: Memory | None = None
+    rewrites: tuple[Rewrite, ...] = ()
+    """What the export changed of the function the model computes (the manifest's ``quantization.rewrites``)."""
     seconds: float | None = None
     bundle: Path | None = None
 
@@ -45,6 +47,7 @@ class TargetOutcome:
             "quantized_macs_share": self.placement.quantized_macs_share if self.placement else None,
             "estimates": self.estimates.model_dump(mode="json") if self.estimates else None,
             "memory": self.memory.model_dump(mode="json") if self.memory else None,
+            "rewrites": [rewrite.model_dump(mode="json") for rewrite in self.rewrites],
             "export_seconds": self.seconds,
             "bundle": str(self.bundle) if self.bundle is not None else None,
         }
@@ -209,6 +212,12 @@ def format_report(report: ExportReport) -> str:
                     )
                     if f
                 )
+            )
+    for o in report.outcomes:
+        for rewrite in o.rewrites if o.status in ("selected", "passed", "rejected") else ():
+            lines.append(
+                f"{o.backend} {o.precision}: {rewrite.operator} ({rewrite.count}) computes {rewrite.replacement}: "
+                f"{rewrite.reason}; the fidelity figures include it"
             )
     for o in report.outcomes:
         if o.memory is not None and o.status in ("selected", "passed"):
