@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeline.commands import runtime_output, warn_accelerator_fallback
 from edgeline.errors import BackendUnavailableError, BundleError
+from edgeline.manifest import percent
 
 if TYPE_CHECKING:
     from edgeline.bundle import Bundle
@@ -201,7 +202,8 @@ def _describe(check: dict[str, Any]) -> str:
         )
         return f"load: {check['backend']} opened {check['model']}{instead}{where}{fallback}"
     if kind == "fidelity":
-        agreement = f", top-1 agreement {check['top1_agreement']:.1%}" if check["top1_agreement"] is not None else ""
+        top1 = check["top1_agreement"]
+        agreement = f", top-1 agreement {percent(top1)}" if top1 is not None else ""
         judged = f"budget {check['budget']}" if "budget" in check else check["reason"]
         return (
             f"fidelity against the float model (golden.npz): {check['samples']} samples, max |error| "

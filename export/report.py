@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from edgeline.manifest import Budgets, Estimates, Fidelity, Memory, Placement, Rewrite
+from edgeline.manifest import Budgets, Estimates, Fidelity, Memory, Placement, Rewrite, percent
 
 __all__ = ["ExportReport", "TargetOutcome", "fidelity_summary", "format_report", "memory_summary", "shares"]
 
@@ -101,11 +101,11 @@ def fidelity_summary(outcome: TargetOutcome) -> str:
     if fid.status != "measured":
         return f"not measured: {fid.reason}"
     if fid.accuracy is not None and fid.accuracy_float is not None:
-        return f"acc {fid.accuracy * 100:.1f}% (float {fid.accuracy_float * 100:.1f}%)"
+        return f"acc {percent(fid.accuracy)} (float {percent(fid.accuracy_float)})"
     if fid.top1_agreement is not None:
-        return f"top-1 agree {fid.top1_agreement * 100:.1f}%"
+        return f"top-1 agree {percent(fid.top1_agreement)}"
     if fid.anomaly_agreement is not None:
-        return f"flags agree {fid.anomaly_agreement * 100:.1f}%"
+        return f"flags agree {percent(fid.anomaly_agreement)}"
     return f"cos min {fid.cosine_min:.4f}"
 
 
@@ -119,9 +119,9 @@ def _share_cell(placement: Placement, kind: str, judged: bool) -> str:
     work = getattr(placement, f"{kind}_macs_share")
     ops = f"{count}/{placement.ops} ops"
     if work is not None:
-        return f"{work:.1%} work{mark}, {ops}"
+        return f"{percent(work)} work{mark}, {ops}"
     share = getattr(placement, f"{kind}_share")
-    return f"{ops}{mark}" + (f" ({share:.0%})" if share is not None else "")
+    return f"{ops}{mark}" + (f" ({percent(share, 0)})" if share is not None else "")
 
 
 def shares(outcome: TargetOutcome, budgets: Budgets | None = None) -> tuple[str, str]:
