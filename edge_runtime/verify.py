@@ -159,7 +159,9 @@ def _latency_check(model: Model, refusal: str | None) -> dict[str, Any]:
     return check
 
 
-def _memory_check(manifest: Manifest, resident_mb: float | None, refusal: str | None) -> dict[str, Any]:
+def _memory_check(
+    manifest: Manifest, resident_mb: float | None, refusal: str | None, emulator: str | None = None
+) -> dict[str, Any]:
     from edgeline.machine import this_machine
     from edgeline.memory import UNMEASURABLE
 
@@ -172,7 +174,7 @@ def _memory_check(manifest: Manifest, resident_mb: float | None, refusal: str | 
         "export_resident_mb": None if manifest.memory is None else manifest.memory.resident_mb,
         "profile": manifest.profile,
         "host": this_machine().describe(),
-        "emulator": this_machine().emulated,
+        "emulator": emulator or this_machine().emulated,  # the accelerator's emulator, or the machine's
     }
     _judged(check, resident_mb, check["budget_mb"], "memory", refusal)
     return check
@@ -291,7 +293,7 @@ def run_verify(args: argparse.Namespace) -> int:
             },
             golden_check(model),
             _latency_check(model, refusal),
-            _memory_check(manifest, resident, refusal),
+            _memory_check(manifest, resident, refusal, model.emulator),
         ]
         passed = all(check["ok"] is not False for check in checks)
         outcome.failed = not passed
