@@ -143,6 +143,14 @@ def shares(outcome: TargetOutcome, budgets: Budgets | None = None) -> tuple[str,
 def memory_summary(memory: Memory, budgets: Budgets | None) -> str:
     """What the bundle needs in memory, what measured it, and the budget it was held against (or why not)."""
     budget = budgets.max_memory_mb if budgets is not None else None
+    if memory.arena_bytes is not None and memory.resident_mb is None:  # a microcontroller: the arena is its figure
+        arena_budget = budgets.max_arena_bytes if budgets is not None else None
+        if arena_budget is None:
+            judged = ", no arena budget"
+        else:
+            where = "within" if memory.arena_bytes <= arena_budget else "over"
+            judged = f", {where} the {arena_budget:,} B arena budget"
+        return f"tensor arena {memory.arena_bytes:,} B ({memory.measured_with}){judged}"
     parts = []
     if memory.resident_mb is not None:
         parts.append(f"resident {memory.resident_mb:.1f} MB")
