@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeline.commands import runtime_output, warn_accelerator_fallback
 from edgeline.errors import BackendUnavailableError, BundleError
+from edgeline.manifest import percent
 
 if TYPE_CHECKING:
     from edgeline.bundle import Bundle
@@ -158,7 +159,40 @@ def _latency_check(model: Model, refusal: str | None) -> dict[str, Any]:
     return check
 
 
-def _memory_check(manifest: Manifest, resident_mb: float | None, refusal: str | None) -> dict[str, Any]:
+def _arena_check(model: Model) -> dict[str, Any]:
+    """A microcontroller's bundle (its firmware's C sources): its memory is the tensor arena the firmware reserves,
+    judged against the profile's ``max_arena_bytes``, and the arena the model needs when TFLite Micro runs the model
+    array here, which must fit in what is reserved. No process runs on the device: no resident memory."""
+    from edgeline.machine import this_machine
+
+    manifest = model.manifest
+    assert manifest.firmware is not None
+    reserved, budget = manifest.firmware.arena_bytes, manifest.budgets.max_arena_bytes
+    needed = model.arena_bytes if model.model_file == manifest.model else None
+    problems = []
+    if needed is not None and needed > reserved:
+        problems.append(f"the model needs {needed:,} B, more than the {reserved:,} B the firmware reserves")
+    if budget is not None and reserved > budget:
+        problems.append(f"the firmware reserves {reserved:,} B, over the {manifest.profile} budget of {budget:,} B")
+    return {
+        "check": "memory",
+        "ok": not problems if needed is not None or budget is not None else None,
+        "reason": "; ".join(problems) or None,
+        "resident_mb": None,
+        "arena_bytes": needed,
+        "firmware_arena_bytes": reserved,
+        "budget_arena_bytes": budget,
+        "budget_mb": None,
+        "export_resident_mb": None,
+        "profile": manifest.profile,
+        "host": this_machine().describe(),
+        "emulator": model.emulator or this_machine().emulated,
+    }
+
+
+def _memory_check(
+    manifest: Manifest, resident_mb: float | None, refusal: str | None, emulator: str | None = None
+) -> dict[str, Any]:
     from edgeline.machine import this_machine
     from edgeline.memory import UNMEASURABLE
 
@@ -171,7 +205,7 @@ def _memory_check(manifest: Manifest, resident_mb: float | None, refusal: str | 
         "export_resident_mb": None if manifest.memory is None else manifest.memory.resident_mb,
         "profile": manifest.profile,
         "host": this_machine().describe(),
-        "emulator": this_machine().emulated,
+        "emulator": emulator or this_machine().emulated,  # the accelerator's emulator, or the machine's
     }
     _judged(check, resident_mb, check["budget_mb"], "memory", refusal)
     return check
@@ -201,7 +235,8 @@ def _describe(check: dict[str, Any]) -> str:
         )
         return f"load: {check['backend']} opened {check['model']}{instead}{where}{fallback}"
     if kind == "fidelity":
-        agreement = f", top-1 agreement {check['top1_agreement']:.1%}" if check["top1_agreement"] is not None else ""
+        top1 = check["top1_agreement"]
+        agreement = f", top-1 agreement {percent(top1)}" if top1 is not None else ""
         judged = f"budget {check['budget']}" if "budget" in check else check["reason"]
         return (
             f"fidelity against the float model (golden.npz): {check['samples']} samples, max |error| "
@@ -216,6 +251,17 @@ def _describe(check: dict[str, Any]) -> str:
             f"(tolerance {max(check['atol']):.3g}{mismatched})"
         )
     if kind == "memory":
+        if check.get("firmware_arena_bytes") is not None:
+            needed = check["arena_bytes"]
+            here = f"the model needs {needed:,} B here (TFLite Micro on {check['host']}), "
+            measured = "" if needed is None else here
+            budget = check["budget_arena_bytes"]
+            judged = "no arena budget" if budget is None else f"budget {budget:,} B"
+            verdict = "ok" if check["ok"] else ("not checked" if check["ok"] is None else f"FAILED: {check['reason']}")
+            return (
+                f"memory: tensor arena: {measured}the firmware reserves {check['firmware_arena_bytes']:,} B "
+                f"({judged}): {verdict}"
+            )
         if check["resident_mb"] is None:
             budget = check["budget_mb"]
             unchecked = "" if budget is None else f"; the {check['profile']} budget of {budget:g} MB is not checked"
@@ -289,7 +335,9 @@ def run_verify(args: argparse.Namespace) -> int:
             },
             golden_check(model),
             _latency_check(model, refusal),
-            _memory_check(manifest, resident, refusal),
+            _arena_check(model)
+            if manifest.firmware is not None
+            else _memory_check(manifest, resident, refusal, model.emulator),
         ]
         passed = all(check["ok"] is not False for check in checks)
         outcome.failed = not passed

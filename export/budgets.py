@@ -6,7 +6,7 @@ Host timings are never held against a device budget: latency is checked on the d
 from __future__ import annotations
 
 from edgeline.device_profiles import Budgets, Precision
-from edgeline.manifest import Fidelity, Firmware, Memory, Placement
+from edgeline.manifest import Fidelity, Firmware, Memory, Placement, percent
 
 __all__ = ["budget_violations", "judged_share"]
 
@@ -90,9 +90,10 @@ def _share_text(placement: Placement, kind: str, where: str) -> str:
     assert share is not None
     ops = f"{count}/{placement.ops} ops"
     if measure == "work":
-        return f"{share:.1%} of the work ({getattr(placement, f'{kind}_macs')}/{placement.macs} MACs; {ops}) {where}"
+        macs = f"{getattr(placement, f'{kind}_macs')}/{placement.macs} MACs"
+        return f"{percent(share)} of the work ({macs}; {ops}) {where}"
     why = placement.unknown.get("macs", "not recorded")
-    return f"{ops} {where} ({share:.0%}; the work is unknown: {why})"
+    return f"{ops} {where} ({percent(share, 0)}; the work is unknown: {why})"
 
 
 def _placement_violations(budgets: Budgets, placement: Placement | None, precision: Precision | None) -> list[str]:

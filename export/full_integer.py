@@ -11,6 +11,16 @@ TFLite has int8 kernels for, that TFLite Micro runs and vela (except LOG_SOFTMAX
   on constants alone (``std + eps``, a tensor built in ``forward``) is folded into one constant first.
 - SOFTMAX and LOG_SOFTMAX, with the fixed output quantization their int8 kernels require. vela leaves LOG_SOFTMAX to
   the CPU (TFLite Micro's int8 kernel there); it has no NPU form, and TFLite Micro has no int8 EXP or LOG to build one.
+- The activations with int8 kernels: LOGISTIC and TANH (fixed output quantization), HARD_SWISH, RELU6, and the
+  pieces of those that have none. ``torch.export`` keeps ``nn.SiLU`` as one operator, ``aten.silu``, which no
+  annotator of litert-torch's quantizer knows: it stayed float, and the converter lowered it to LOGISTIC and MUL
+  between a DEQUANTIZE and a QUANTIZE (an EfficientNet's every block). It is written ``x * sigmoid(x)`` here, which
+  is the same function. An operator that consumes a fixed output quantization (TANH's, LOGISTIC's) takes it as it
+  is: a second observer there would requantize for nothing, and the converter refused the TRANSPOSE that carried
+  the requantization after a TANH ("quantization parameters violate the same scale constraint").
+- GELU, for targets whose kernels lack it (TFLite Micro: ``gelu_kernel=False``): the tanh approximation, from MUL,
+  ADD and TANH. It is not the same function as the exact GELU (0.0005 apart at most, in float); ``rewrites`` says
+  so, for the manifest and the report, and the fidelity check judges it like any other change.
 
 This keeps the model's own arithmetic, so nothing but quantization separates it from the float model; folding the
 normalisation into the first layer instead would be exact only without padding, and only before a convolution or
@@ -21,6 +31,7 @@ when a full-integer target refuses the file it went into (``write_tflite(..., fu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,10 +42,15 @@ from litert_torch.quantize.pt2e_quantizer import PT2EQuantizer, get_symmetric_qu
 from litert_torch.quantize.pt2e_quantizer_utils import propagate_annotation
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.constant_fold import constant_fold
-from torchao.quantization.pt2e.quantizer import FixedQParamsQuantizationSpec, QuantizationAnnotation
+from torchao.quantization.pt2e.quantizer import (
+    FixedQParamsQuantizationSpec,
+    QuantizationAnnotation,
+    SharedQuantizationSpec,
+)
 
 from edgeline.export.conversion import Culprit, describe_culprit, node_culprit
 from edgeline.export.errors import LoweringError
+from edgeline.manifest import Rewrite
 
 __all__ = ["FullIntegerQuantizer", "check_full_integer", "float_edges"]
 
@@ -126,15 +142,34 @@ def _attribute(model: GraphModule, target: str) -> Any:
     return value
 
 
-def _rewrite_for_int8(model: GraphModule) -> None:
+GELU_AS_TANH = Rewrite(
+    operator="aten.gelu",
+    replacement="the tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), from MUL, ADD and TANH",
+    reason="the target's kernels have no GELU (TFLite Micro)",
+)
+
+
+def _rewrite_for_int8(model: GraphModule, *, gelu_kernel: bool = True) -> list[Rewrite]:
     """Divisions by a constant into multiplications by its reciprocal; ``c - x`` into ``sub(c, x)``; numbers in
     ADD/SUB/MUL into float constants (litert-torch's quantizer makes ``x + 1`` an int64 constant its observer
-    rejects)."""
+    rejects); activations without an annotation into the operators that have one (see the module). The rewrites
+    that change what the model computes, with their counts."""
+    approximated = 0
     for node in list(model.graph.nodes):
-        if node.op != "call_function" or not _floating(node) or node.kwargs:
+        if node.op != "call_function" or not _floating(node):
+            continue
+        if node.target is _aten.gelu.default and not gelu_kernel and isinstance(node.args[0], Node):
+            exact = (node.kwargs.get("approximate") or (node.args[1] if len(node.args) > 1 else "none")) == "tanh"
+            _decompose_gelu(model, node)
+            approximated += not exact
+            continue
+        if node.kwargs:
             continue
         if node.target is _aten.hardsigmoid.default and isinstance(node.args[0], Node):
             _decompose_hardsigmoid(model, node)
+            continue
+        if node.target is _aten.silu.default and isinstance(node.args[0], Node):
+            _decompose_silu(model, node)
             continue
         if node.target in _DIVISIONS and isinstance(node.args[0], Node):
             divisor = _constant_value(model, node.args[1])
@@ -148,6 +183,51 @@ def _rewrite_for_int8(model: GraphModule) -> None:
             node.args = tuple(_constant(model, node, a) if _is_number(a) else a for a in node.args)
     model.graph.eliminate_dead_code()
     model.recompile()
+    return [GELU_AS_TANH.model_copy(update={"count": approximated})] if approximated else []
+
+
+def _replace(model: GraphModule, node: Node, steps: list[tuple[Any, tuple[Any, ...]]]) -> None:
+    """``node`` replaced by ``steps``, operators applied in order on the same shape: (target, args), where an arg
+    that is an int names the result of an earlier step (0: ``node``'s input, 1: the first step's result...), a float
+    is a constant. The last step's result takes ``node``'s uses."""
+    graph = model.graph
+    source = node.args[0]
+    assert isinstance(source, Node)
+    results: list[Node] = [source]
+    with graph.inserting_before(node):
+        for target, args in steps:
+            made = graph.call_function(
+                target, tuple(results[a] if isinstance(a, int) else _constant(model, node, a) for a in args)
+            )
+            made.meta = {**node.meta, "val": node.meta["val"]}
+            results.append(made)
+    node.replace_all_uses_with(results[-1])
+    graph.erase_node(node)
+
+
+def _decompose_silu(model: GraphModule, node: Node) -> None:
+    """``silu(x)`` as ``x * sigmoid(x)``: the same function, from LOGISTIC and MUL, which have int8 kernels."""
+    _replace(model, node, [(_aten.sigmoid.default, (0,)), (_aten.mul.Tensor, (0, 1))])
+
+
+def _decompose_gelu(model: GraphModule, node: Node) -> None:
+    """``gelu(x)`` as its tanh approximation, arranged so that every intermediate has a range int8 holds well:
+    ``s = x * (c + c k x^2)`` (``c = sqrt(2/pi)``, ``k = 0.044715``), then ``x * (0.5 + 0.5 tanh(s))``."""
+    c, k = math.sqrt(2 / math.pi), 0.044715
+    mul, add = _aten.mul.Tensor, _aten.add.Tensor
+    _replace(
+        model, node,
+        [
+            (mul, (0, 0)),  # 1: x^2
+            (mul, (1, c * k)),  # 2: c k x^2
+            (add, (2, c)),  # 3: c + c k x^2
+            (mul, (0, 3)),  # 4: s
+            (_aten.tanh.default, (4,)),  # 5
+            (mul, (5, 0.5)),  # 6
+            (add, (6, 0.5)),  # 7
+            (mul, (0, 7)),  # 8: gelu(x)
+        ],
+    )  # fmt: skip
 
 
 def _decompose_hardsigmoid(model: GraphModule, node: Node) -> None:
@@ -165,6 +245,20 @@ def _decompose_hardsigmoid(model: GraphModule, node: Node) -> None:
     graph.erase_node(node)
 
 
+def _share_fixed_outputs(model: GraphModule) -> None:
+    """An input edge from an operator with a fixed output quantization (TANH, LOGISTIC, SOFTMAX) shares it, rather
+    than observing its own: see the module."""
+    for node in model.graph.nodes:
+        annotation = node.meta.get("quantization_annotation")
+        if annotation is None:
+            continue
+        for source, spec in list(annotation.input_qspec_map.items()):
+            made = source.meta.get("quantization_annotation")
+            fixed = made is not None and isinstance(made.output_qspec, FixedQParamsQuantizationSpec)
+            if fixed and not isinstance(spec, SharedQuantizationSpec | FixedQParamsQuantizationSpec):
+                annotation.input_qspec_map[source] = SharedQuantizationSpec(source)
+
+
 def _annotated(node: Node) -> bool:
     annotation = node.meta.get("quantization_annotation")
     return annotation is not None and bool(annotation._annotated)
@@ -174,13 +268,17 @@ class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch
     """litert-torch's PT2E quantizer (symmetric per-channel weights, int8 activations) that also quantizes the
     element-wise arithmetic, SOFTMAX and LOG_SOFTMAX: see the module's docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, gelu_kernel: bool = True) -> None:
         super().__init__()
         self.set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=False))
+        self.gelu_kernel = gelu_kernel
+        """False: the target has no GELU kernel (TFLite Micro): GELU becomes its tanh approximation."""
+        self.rewrites: list[Rewrite] = []
+        """What the rewrites changed of the function the model computes (the manifest's ``quantization.rewrites``)."""
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         constant_fold(model, constraint_fn=lambda node: _op_name(node) in _FOLDED)
-        _rewrite_for_int8(model)
+        self.rewrites = _rewrite_for_int8(model, gelu_kernel=self.gelu_kernel)
         return super().transform_for_annotation(model)
 
     def annotate(self, model: GraphModule) -> GraphModule:
@@ -202,6 +300,7 @@ class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch
                 input_qspec_map=inputs, output_qspec=output, _annotated=True
             )
         propagate_annotation(model)  # reshapes after the operators annotated here share their quantization
+        _share_fixed_outputs(model)
         return model
 
 

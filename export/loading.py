@@ -45,9 +45,18 @@ def default_name(spec: str) -> str:
     return Path(location).stem if location.endswith(".py") else location.rpartition(".")[2]
 
 
+def _importable(folder: Path) -> None:
+    """``folder`` on ``sys.path`` (first), as Python puts a script's folder there and uvicorn, gunicorn and pytest
+    put the current one for ``module:function``: the model's own imports of its sibling modules then work."""
+    entry = str(folder.resolve())
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
+
+
 def _import_file(path: Path) -> Any:
     if not path.is_file():
         raise ModelLoadError(f"model file {path}: no such file")
+    _importable(path.parent)
     module_name = "edgeline_user_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
@@ -63,6 +72,7 @@ def _import_file(path: Path) -> Any:
 
 
 def _import_module(name: str) -> Any:
+    _importable(Path.cwd())
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:

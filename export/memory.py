@@ -68,6 +68,11 @@ def measure_memory(bundle: Path, backend: str, model_file: str | None, measured_
     return Memory(
         resident_mb=None if found["resident_mb"] is None else round(found["resident_mb"], 2),
         arena_bytes=found["arena_bytes"],
-        measured_with=f"{measured_on}: resident memory a fresh process gains loading the model and running it once",
+        measured_with=(
+            f"{measured_on}: the tensor arena TFLite Micro's recording allocator reported, the model loaded and run "
+            "once"
+            if backend == "tflite-micro"
+            else f"{measured_on}: resident memory a fresh process gains loading the model and running it once"
+        ),
         unknown=unknown,
     )

@@ -39,7 +39,7 @@ from edgeline.export.memory import measure_memory, not_measured
 from edgeline.export.progress import Progress, Silent
 from edgeline.export.report import ExportReport, TargetOutcome
 from edgeline.export.staging import write_bundle, write_float_golden, write_golden
-from edgeline.manifest import NAME_PATTERN, Device, Fidelity, Memory, Postprocess
+from edgeline.manifest import NAME_PATTERN, Device, Fidelity, Firmware, Memory, Postprocess, QuantizationSummary
 from edgeline.model import load
 from edgeline.native_output import capture_native_output
 from edgeline.postprocess import interpret
@@ -236,6 +236,7 @@ def _try_target(
         runtime=exported.runtime,
         placement=exported.placement,
         estimates=exported.estimates,
+        quantization=QuantizationSummary(rewrites=exported.rewrites) if exported.rewrites else None,
         export=dict(common["export"], backend=target.backend, **exported.tool_versions),
         fidelity=Fidelity(status="not-measured", reason="export in progress", reference=REFERENCE),
     )
@@ -265,13 +266,15 @@ def _try_target(
     if exported.runtime_backend == "tflite-micro":  # it goes into a microcontroller's firmware: as C sources too
         firmware = write_c_sources(staging, manifest, check.model_file or exported.model_file)
         exported = replace(exported, extra_files=(*exported.extra_files, firmware.sources))
-        manifest = write_bundle(staging, exported, dict(fields, firmware=firmware))
+        memory = firmware_memory(firmware)
+        manifest = write_bundle(staging, exported, dict(fields, firmware=firmware, memory=memory))
     counted = exported.flash_files
     size = sum(e.size for e in manifest.files if e.path != "golden.npz" and (counted is None or e.path in counted))
     outcome.size_bytes = size
     outcome.fidelity = fidelity
     outcome.placement = exported.placement
     outcome.estimates = exported.estimates
+    outcome.rewrites = exported.rewrites
     outcome.host_latency_ms = latency
     outcome.seconds = time.perf_counter() - start
     outcome.memory = memory
@@ -283,6 +286,18 @@ def _try_target(
         outcome.reason = "; ".join(violations)
     else:
         outcome.status = "selected"
+
+
+def firmware_memory(firmware: Firmware) -> Memory:
+    """A microcontroller bundle's one memory figure: the tensor arena its firmware reserves (``EDGELINE_ARENA_BYTES``),
+    which ``max_arena_bytes`` judges; what it rests on (TFLite Micro's measure of the model array, or a compiler's
+    estimate) in ``measured_with``."""
+    return Memory(
+        arena_bytes=firmware.arena_bytes,
+        measured_with=f"the tensor arena the firmware reserves (EDGELINE_ARENA_BYTES): {firmware.arena_margin} over "
+        f"{firmware.arena_basis_bytes:,} B {firmware.arena_basis} ({firmware.arena_basis_with})",
+        unknown={"resident_mb": "a microcontroller runs no process: its figure is the arena"},
+    )
 
 
 def _memory(staging: Path, exported: ExportedModel, check: Verification, profile: Profile) -> Memory:

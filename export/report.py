@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from edgeline.manifest import Budgets, Estimates, Fidelity, Memory, Placement
+from edgeline.manifest import Budgets, Estimates, Fidelity, Memory, Placement, Rewrite, percent
 
 __all__ = ["ExportReport", "TargetOutcome", "fidelity_summary", "format_report", "memory_summary", "shares"]
 
@@ -25,6 +25,8 @@ class TargetOutcome:
     placement: Placement | None = None
     estimates: Estimates | None = None
     memory: Memory | None = None
+    rewrites: tuple[Rewrite, ...] = ()
+    """What the export changed of the function the model computes (the manifest's ``quantization.rewrites``)."""
     seconds: float | None = None
     bundle: Path | None = None
 
@@ -45,6 +47,7 @@ class TargetOutcome:
             "quantized_macs_share": self.placement.quantized_macs_share if self.placement else None,
             "estimates": self.estimates.model_dump(mode="json") if self.estimates else None,
             "memory": self.memory.model_dump(mode="json") if self.memory else None,
+            "rewrites": [rewrite.model_dump(mode="json") for rewrite in self.rewrites],
             "export_seconds": self.seconds,
             "bundle": str(self.bundle) if self.bundle is not None else None,
         }
@@ -98,11 +101,11 @@ def fidelity_summary(outcome: TargetOutcome) -> str:
     if fid.status != "measured":
         return f"not measured: {fid.reason}"
     if fid.accuracy is not None and fid.accuracy_float is not None:
-        return f"acc {fid.accuracy * 100:.1f}% (float {fid.accuracy_float * 100:.1f}%)"
+        return f"acc {percent(fid.accuracy)} (float {percent(fid.accuracy_float)})"
     if fid.top1_agreement is not None:
-        return f"top-1 agree {fid.top1_agreement * 100:.1f}%"
+        return f"top-1 agree {percent(fid.top1_agreement)}"
     if fid.anomaly_agreement is not None:
-        return f"flags agree {fid.anomaly_agreement * 100:.1f}%"
+        return f"flags agree {percent(fid.anomaly_agreement)}"
     return f"cos min {fid.cosine_min:.4f}"
 
 
@@ -116,9 +119,9 @@ def _share_cell(placement: Placement, kind: str, judged: bool) -> str:
     work = getattr(placement, f"{kind}_macs_share")
     ops = f"{count}/{placement.ops} ops"
     if work is not None:
-        return f"{work:.1%} work{mark}, {ops}"
+        return f"{percent(work)} work{mark}, {ops}"
     share = getattr(placement, f"{kind}_share")
-    return f"{ops}{mark}" + (f" ({share:.0%})" if share is not None else "")
+    return f"{ops}{mark}" + (f" ({percent(share, 0)})" if share is not None else "")
 
 
 def shares(outcome: TargetOutcome, budgets: Budgets | None = None) -> tuple[str, str]:
@@ -140,6 +143,14 @@ def shares(outcome: TargetOutcome, budgets: Budgets | None = None) -> tuple[str,
 def memory_summary(memory: Memory, budgets: Budgets | None) -> str:
     """What the bundle needs in memory, what measured it, and the budget it was held against (or why not)."""
     budget = budgets.max_memory_mb if budgets is not None else None
+    if memory.arena_bytes is not None and memory.resident_mb is None:  # a microcontroller: the arena is its figure
+        arena_budget = budgets.max_arena_bytes if budgets is not None else None
+        if arena_budget is None:
+            judged = ", no arena budget"
+        else:
+            where = "within" if memory.arena_bytes <= arena_budget else "over"
+            judged = f", {where} the {arena_budget:,} B arena budget"
+        return f"tensor arena {memory.arena_bytes:,} B ({memory.measured_with}){judged}"
     parts = []
     if memory.resident_mb is not None:
         parts.append(f"resident {memory.resident_mb:.1f} MB")
@@ -209,6 +220,12 @@ def format_report(report: ExportReport) -> str:
                     )
                     if f
                 )
+            )
+    for o in report.outcomes:
+        for rewrite in o.rewrites if o.status in ("selected", "passed", "rejected") else ():
+            lines.append(
+                f"{o.backend} {o.precision}: {rewrite.operator} ({rewrite.count}) computes {rewrite.replacement}: "
+                f"{rewrite.reason}; the fidelity figures include it"
             )
     for o in report.outcomes:
         if o.memory is not None and o.status in ("selected", "passed"):

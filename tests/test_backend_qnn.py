@@ -222,6 +222,9 @@ def test_verify_never_holds_the_emulators_speed_against_the_device_budget(
     latency = next(check for check in report["checks"] if check["check"] == "latency")
     assert latency["ok"] is None and "HTP emulator" in latency["emulator"]
     assert latency["budget_ms"] is not None  # the profile has one: it is the device's, checked on the device
+    memory = next(check for check in report["checks"] if check["check"] == "memory")
+    # every check that says where it was measured names the emulator (the memory check said null)
+    assert memory["ok"] is None and "HTP emulator" in memory["emulator"], memory
 
 
 def test_the_same_command_gives_the_same_bytes_wherever_the_bundle_is_written(

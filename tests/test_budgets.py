@@ -132,7 +132,8 @@ def test_the_table_shows_both_shares_and_marks_the_one_a_budget_judged() -> None
                                accelerator_macs=1_725_824, quantized_macs=1_725_856, fallback={"MEAN": 1})  # fmt: skip
     report = ExportReport(name="m", profile="ethos-u55-128", out=Path("m"), outcomes=[outcome], budgets=SHARES)
     row = format_report(report).splitlines()[2]
-    assert "100.0% work*, 7/8 ops ethos-u" in row and "100.0% work*, 8/8 ops" in row
+    # 1,725,824 of 1,725,856 MACs is not all of them: never rounded up to 100%
+    assert "99.998% work*, 7/8 ops ethos-u" in row and "100.0% work*, 8/8 ops" in row
     # without the work counted, the budget judges the operators: the mark moves to them
     outcome.placement = placed(accelerator="ethos-u", ops=8, accelerator_ops=7, quantized_ops=8,
                                unknown={"macs": "not counted"})  # fmt: skip
@@ -140,3 +141,13 @@ def test_the_table_shows_both_shares_and_marks_the_one_a_budget_judged() -> None
     assert "7/8 ops* (88%) ethos-u" in row
     report.budgets = Budgets(max_accuracy_drop=1.0)  # no share budget: nothing judged, nothing marked
     assert "*" not in format_report(report).splitlines()[2]
+
+
+def test_a_share_is_never_rounded_to_all_or_nothing_when_it_is_not() -> None:
+    from edgeline.manifest import percent
+
+    assert percent(801_382 / 801_414) == "99.996%"
+    assert percent(1.0) == "100.0%" and percent(0.0) == "0.0%" and percent(1.0, 0) == "100%"
+    assert percent(0.5) == "50.0%" and percent(0.123456) == "12.3%" and percent(0.876, 0) == "88%"
+    assert percent(0.9996, 0) == "99.96%" and percent(0.00004) == "0.004%"
+    assert percent(1 - 1e-9) == ">99.9999%" and percent(1e-9) == "<0.0001%"

@@ -270,9 +270,14 @@ def test_the_arena_is_tflite_micro_s_measurement_plus_the_stated_margin(
 
     data = manifest(m4_bundle)
     firmware = data["firmware"]
-    measured = data["memory"]["arena_bytes"]
+    measured = firmware["arena_basis_bytes"]
     assert firmware["arena_basis"] == "measured"
-    assert firmware["arena_basis_bytes"] == measured
+    # one arena figure: the manifest's memory is what the firmware reserves, labelled with what it rests on
+    memory = data["memory"]
+    assert memory["arena_bytes"] == firmware["arena_bytes"] and memory["resident_mb"] is None
+    assert memory["measured_with"].startswith("the tensor arena the firmware reserves (EDGELINE_ARENA_BYTES)")
+    assert f"{measured:,} B measured (TFLite Micro " in memory["measured_with"]
+    assert "resident memory" not in memory["measured_with"]
     assert firmware["arena_basis_with"].startswith("TFLite Micro ")
     # the margin as the header and docs/bundle.md state it: +10%, rounded up to 16 B, +2048 B
     assert firmware["arena_margin"] == "+10%, rounded up to 16 B, +2048 B"
@@ -355,6 +360,9 @@ def test_an_ethos_u55_bundle_carries_c_sources_with_vela_s_estimate(
     assert firmware["arena_basis"] == "estimated"
     assert firmware["arena_basis_bytes"] == estimates["sram_bytes"]
     assert firmware["arena_basis_with"].startswith(estimates["tool"])
+    # the manifest's memory is the same figure (not the arena of the int8 copy TFLite Micro measured here)
+    assert data["memory"]["arena_bytes"] == firmware["arena_bytes"]
+    assert f"{estimates['sram_bytes']:,} B estimated" in data["memory"]["measured_with"]
     header = _unwrapped(u55_bundle / "c" / "model_data.h")
     assert "ESTIMATED, not measured" in header and estimates["tool"] in header
     assert _defines(u55_bundle)["EDGELINE_ARENA_MEASURED"] == "0"
@@ -393,5 +401,37 @@ def test_a_model_over_the_flash_and_arena_budgets_is_refused_naming_bytes(
         rf"tensor arena (\d+) B \(measured (\d+) B, \+10%, rounded up to 16 B, \+2048 B\) > budget {arena - 16} B", err
     )
     assert found is not None, err
-    assert abs(int(found.group(2)) - data["memory"]["arena_bytes"]) <= 16 and int(found.group(1)) > arena - 16
+    assert abs(int(found.group(2)) - data["firmware"]["arena_basis_bytes"]) <= 16 and int(found.group(1)) > arena - 16
     assert "Traceback" not in err
+
+
+def test_verify_judges_a_microcontroller_bundle_by_its_arena_not_a_process(
+    m4_bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = manifest(m4_bundle)
+    capsys.readouterr()
+    assert main(["verify", "--json", str(m4_bundle)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    memory = next(check for check in report["checks"] if check["check"] == "memory")
+    assert memory["resident_mb"] is None  # no process runs on a microcontroller
+    assert memory["firmware_arena_bytes"] == data["firmware"]["arena_bytes"]
+    assert memory["budget_arena_bytes"] == 98_304 and memory["ok"] is True, memory
+    # TFLite Micro ran the model array here: what it needs fits in what the firmware reserves
+    assert memory["arena_bytes"] is not None and memory["arena_bytes"] <= memory["firmware_arena_bytes"]
+    assert main(["verify", str(m4_bundle)]) == 0
+    text = capsys.readouterr().out
+    assert f"the firmware reserves {data['firmware']['arena_bytes']:,} B (budget 98,304 B): ok" in text, text
+
+
+def test_the_export_report_holds_the_arena_against_the_arena_budget() -> None:
+    from edgeline.device_profiles import load_profile
+    from edgeline.export.report import memory_summary
+    from edgeline.manifest import Memory
+
+    budgets = load_profile("cortex-m4").budgets
+    memory = Memory(arena_bytes=12_000, measured_with="the tensor arena the firmware reserves")
+    assert memory_summary(memory, budgets) == (
+        "tensor arena 12,000 B (the tensor arena the firmware reserves), within the 98,304 B arena budget"
+    )
+    over = memory.model_copy(update={"arena_bytes": 99_000})
+    assert "over the 98,304 B arena budget" in memory_summary(over, budgets)

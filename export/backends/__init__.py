@@ -17,7 +17,7 @@ from edgeline.registry import resolve
 
 if TYPE_CHECKING:  # the registry is read by `edgeline export --help` (choices of --backend): nothing heavy for that
     from edgeline.device_profiles import Precision, Profile
-    from edgeline.manifest import Estimates, Placement, RuntimeRequirement, TensorSpec
+    from edgeline.manifest import Estimates, Placement, Rewrite, RuntimeRequirement, TensorSpec
 
 __all__ = [
     "EXPORT_BACKENDS",
@@ -97,6 +97,9 @@ class ExportedModel:
     # Per output: the step of an integer tensor dequantized to the float output inside the model (QDQ). Another
     # runtime or CPU may land one step apart: golden.npz's tolerance allows two (see export/staging.py).
     output_steps: tuple[float, ...] = ()
+    rewrites: tuple[Rewrite, ...] = ()
+    """What the export changed of the function the model computes, so that the target runs it (the manifest's
+    ``quantization.rewrites``)."""
 
 
 class Exporter(Protocol):

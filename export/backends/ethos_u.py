@@ -196,14 +196,16 @@ class EthosUExporter:
         config = vela_config()
         clock = core_clock_mhz(config, settings)
         int8_model = request.out_dir / CPU_MODEL
-        input_names = write_tflite(request, int8_model, full_integer_for=self.name)
+        on_linux = request.profile is not None and request.profile.daemon
+        # A microcontroller runs what vela leaves to its CPU with TFLite Micro, which has no GELU kernel (and a
+        # device without the NPU runs the int8 model there); LiteRT on a Linux device has one
+        written = write_tflite(request, int8_model, full_integer_for=self.name, gelu_kernel=on_linux)
         with tempfile.TemporaryDirectory(prefix="vela-") as scratch:
             _run_vela(int8_model, settings, config, Path(scratch))
             stem = int8_model.stem
             summary = read_summary(Path(scratch) / f"{stem}_summary_{settings.system_config}.csv")
             layers = read_per_layer(Path(scratch) / f"{stem}_per-layer.csv")
             shutil.move(Path(scratch) / f"{stem}_vela.tflite", request.out_dir / MODEL_FILE)
-        on_linux = request.profile is not None and request.profile.daemon
         tflm = version("tflite-micro")
         # What runs the operators vela leaves to the CPU on the device runs the int8 model here: LiteRT on a Linux
         # device (the delegate hands the rest to LiteRT's kernels), TFLite Micro on a microcontroller.
@@ -228,7 +230,8 @@ class EthosUExporter:
             runtime=RuntimeRequirement(package="ai-edge-litert", min_version="2.0")
             if on_linux
             else RuntimeRequirement(package="tflite-micro", min_version=tflm),
-            input_names=input_names,
+            input_names=written.input_names,
+            rewrites=written.rewrites,
             extra_files=(CPU_MODEL,),
             placement=_placement(int8_model, request.out_dir / MODEL_FILE, layers),
             tool_versions={**tool_versions(), "ethos-u-vela": version("ethos-u-vela"), "tflite-micro": tflm},

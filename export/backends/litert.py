@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -11,16 +12,16 @@ from edgeline.device_profiles import Precision
 from edgeline.export.backends import ExportedModel, ExportRequest
 from edgeline.export.errors import ExportError
 from edgeline.export.placement import tflite_placement
-from edgeline.manifest import RuntimeRequirement
+from edgeline.manifest import Rewrite, RuntimeRequirement
 
-__all__ = ["MODEL_FILE", "LiteRTExporter", "tool_versions", "write_tflite"]
+__all__ = ["MODEL_FILE", "LiteRTExporter", "Written", "tool_versions", "write_tflite"]
 
 MODEL_FILE = "model.tflite"
 
 
-def _pt2e(request: ExportRequest, *, dynamic: bool) -> tuple[Any, Any]:
-    """The PT2E-quantized graph and litert-torch's config for it. Static quantization is full-integer: see
-    ``edgeline.export.full_integer``."""
+def _pt2e(request: ExportRequest, *, dynamic: bool, gelu_kernel: bool = True) -> tuple[Any, Any, list[Rewrite]]:
+    """The PT2E-quantized graph, litert-torch's config for it, and what the quantizer changed of the function the
+    model computes. Static quantization is full-integer: see ``edgeline.export.full_integer``."""
     import torch
     from litert_torch.quantize import pt2e_quantizer, quant_config
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -32,7 +33,7 @@ def _pt2e(request: ExportRequest, *, dynamic: bool) -> tuple[Any, Any]:
             pt2e_quantizer.get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
         )
     else:
-        quantizer = FullIntegerQuantizer()
+        quantizer = FullIntegerQuantizer(gelu_kernel=gelu_kernel)
     graph = torch.export.export(request.module, request.example_inputs).module()
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
@@ -40,7 +41,7 @@ def _pt2e(request: ExportRequest, *, dynamic: bool) -> tuple[Any, Any]:
         for sample in request.calibration if not dynamic else request.calibration[:1]:
             prepared(*sample)
     converted = convert_pt2e(prepared, fold_quantize=False)
-    return converted, quant_config.QuantConfig(pt2e_quantizer=quantizer)
+    return converted, quant_config.QuantConfig(pt2e_quantizer=quantizer), list(getattr(quantizer, "rewrites", ()))
 
 
 def _cast_weights_to_fp16(path: str) -> None:
@@ -78,12 +79,13 @@ class LiteRTExporter:
     def export(self, request: ExportRequest) -> ExportedModel:
         if request.precision not in self.precisions:
             raise ExportError(f"litert cannot export {request.precision.value}")
-        input_names = write_tflite(request, request.out_dir / MODEL_FILE)
+        written = write_tflite(request, request.out_dir / MODEL_FILE)
         return ExportedModel(
             model_file=MODEL_FILE,
             runtime_backend=self.runtime_backend,
             runtime=RuntimeRequirement(package="ai-edge-litert", min_version="2.0"),
-            input_names=input_names,
+            input_names=written.input_names,
+            rewrites=written.rewrites,
             placement=tflite_placement(request.out_dir / MODEL_FILE, request.precision),
             tool_versions=tool_versions(),
         )
@@ -94,18 +96,31 @@ def tool_versions() -> dict[str, str]:
     return {"litert-torch": version("litert-torch"), "ai-edge-quantizer": version("ai-edge-quantizer")}
 
 
-def write_tflite(request: ExportRequest, path: Path, *, full_integer_for: str | None = None) -> tuple[str, ...]:
-    """Convert ``request.module`` at ``request.precision`` into the LiteRT model ``path``; its input tensor names in
-    forward()'s order. int8-static is full-integer: int8 inputs and outputs (what TFLite Micro and vela take), unless
-    an operator at an edge has no int8 form; ``full_integer_for`` (the backend that needs it) makes that a
-    ``LoweringError`` naming the operators and the model's lines. Shared by the exporters that start from a LiteRT
-    model (ethos-u, tflite-micro)."""
+@dataclass(frozen=True)
+class Written:
+    input_names: tuple[str, ...]
+    """The model file's input tensor names, in forward()'s order."""
+    rewrites: tuple[Rewrite, ...] = ()
+    """What the export changed of the function the model computes (the manifest's ``quantization.rewrites``)."""
+
+
+def write_tflite(
+    request: ExportRequest, path: Path, *, full_integer_for: str | None = None, gelu_kernel: bool = True
+) -> Written:
+    """Convert ``request.module`` at ``request.precision`` into the LiteRT model ``path``. int8-static is
+    full-integer: int8 inputs and outputs (what TFLite Micro and vela take), unless an operator at an edge has no
+    int8 form; ``full_integer_for`` (the backend that needs it) makes that a ``LoweringError`` naming the operators
+    and the model's lines. ``gelu_kernel`` False: the runtime has no GELU kernel (TFLite Micro), int8-static writes
+    its tanh approximation. Shared by the exporters that start from a LiteRT model (ethos-u, tflite-micro)."""
     import litert_torch
 
     module = request.module
     config = None
+    rewrites: list[Rewrite] = []
     if request.precision in (Precision.INT8_STATIC, Precision.INT8_DYNAMIC):
-        module, config = _pt2e(request, dynamic=request.precision is Precision.INT8_DYNAMIC)
+        module, config, rewrites = _pt2e(
+            request, dynamic=request.precision is Precision.INT8_DYNAMIC, gelu_kernel=gelu_kernel
+        )
     litert_torch.convert(module, request.example_inputs, quant_config=config).export(str(path))
     if request.precision is Precision.INT8_STATIC and full_integer_for is not None:
         from edgeline.export.full_integer import check_full_integer, float_edges
@@ -113,4 +128,4 @@ def write_tflite(request: ExportRequest, path: Path, *, full_integer_for: str | 
         check_full_integer(path, full_integer_for, float_edges(module))
     if request.precision is Precision.FP16:
         _cast_weights_to_fp16(str(path))
-    return _input_names_in_forward_order(str(path))
+    return Written(_input_names_in_forward_order(str(path)), tuple(rewrites))

@@ -28,13 +28,14 @@ class TFLiteMicroExporter:
         if request.precision not in self.precisions:
             raise ExportError(f"tflite-micro exports int8-static only, not {request.precision.value}")
         path = request.out_dir / MODEL_FILE
-        input_names = write_tflite(request, path, full_integer_for=self.name)
+        written = write_tflite(request, path, full_integer_for=self.name, gelu_kernel=False)
         tflm = version("tflite-micro")
         return ExportedModel(
             model_file=MODEL_FILE,
             runtime_backend=self.runtime_backend,
             runtime=RuntimeRequirement(package="tflite-micro", min_version=tflm),
-            input_names=input_names,
+            input_names=written.input_names,
+            rewrites=written.rewrites,
             placement=tflite_placement(path, request.precision),
             tool_versions={**tool_versions(), "tflite-micro": tflm},
             flash_files=(MODEL_FILE,),  # what the firmware stores is the model array; its C sources are text
