@@ -11,10 +11,12 @@ state directory survives each of them.
 
 The model of a cut: a card acknowledges writes into a volatile cache and makes them durable at the latest when a
 flush returns. So at a cut between flush k and flush k+1, everything logged before flush k is on the card; of the
-writes logged after it, any subset may be, each one whole or (it was being programmed when the power went) only some
-of its sectors. Writes that overlap are applied in the log's order, so a lost later write shows the earlier one. A
-write logged just before flush k but still in flight when the guest issued it counts as durable (the log cannot tell
-them apart): the model errs towards fewer lost writes there, never invents one.
+writes logged after it, any subset may be, each one whole or (it was being programmed when the power went) only
+some of its sectors; a FUA write, which bypasses the cache, is always there. Writes that overlap are applied in the
+log's order, so a lost later write shows the earlier one. A write logged just before flush k but still in flight
+when the guest issued it counts as durable (the log cannot tell them apart): the model errs towards fewer lost
+writes there, never invents one. Torn at the log's sector (512 bytes): a card's page is larger, so any tear it can
+make is among these, and so are some it cannot.
 
 ``python -m edgeline.sim.powercut LOG --base IMAGE --cuts N`` replays and checks offline, one JSON line per cut, then
 a summary line.
@@ -35,7 +37,7 @@ from typing import Any
 
 from edgeline.errors import EdgelineError
 from edgeline.sim.imagecheck import DEFAULT_STATE_DIR, ImageCheck, check_image
-from edgeline.sim.writelog import Entry, ImageWriter, Tail, WriteLog, WriteLogError, read_log
+from edgeline.sim.writelog import Entry, Flag, ImageWriter, Tail, WriteLog, WriteLogError, read_log
 
 __all__ = ["CacheModel", "Cut", "CutResult", "KeptWrite", "plan_cuts", "replay_cuts", "run_cuts", "window"]
 
@@ -121,6 +123,9 @@ def plan_cuts(
         writes = window(log, flush)
         kept = []
         for entry in writes:
+            if entry.flags & Flag.FUA:  # written through the cache: on the card once it completed
+                kept.append(KeptWrite(entry.index))
+                continue
             if rng.random() >= model.keep:
                 continue
             if entry.nr_sectors > 1 and rng.random() < model.tear:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from edgeline.errors import EdgelineError
 from edgeline.sim.imagecheck import check_image, outbox_state
-from edgeline.sim.powercut import CacheModel, main, plan_cuts, replay_cuts, window
+from edgeline.sim.powercut import CacheModel, KeptWrite, main, plan_cuts, replay_cuts, window
 from edgeline.sim.writelog import LOG_MAGIC, Flag, ImageWriter, Tail, WriteLogError, parse_log, read_log
 
 SECTOR = 512
@@ -151,6 +151,9 @@ def test_cut_plans_are_a_function_of_the_seed_and_keep_only_writes_of_their_wind
     assert {c.flush for c in plan_cuts(log, 5, 1, among=range(10, 12))} == {10, 11}
     with pytest.raises(WriteLogError, match="has 12"):
         plan_cuts(log, 3, 1, among=range(10, 14))
+    fua = parse_log(synthetic_log([(0, 0, int(Flag.FLUSH), b""), (8, 2, int(Flag.FUA), bytes(1024)),
+                                   (16, 2, 0, bytes(1024))]))  # fmt: skip
+    assert {cut.kept for cut in plan_cuts(fua, 20, 5, model=CacheModel(keep=0.0))} == {(KeptWrite(1),)}, "FUA stays"
     with pytest.raises(ValueError, match=r"CacheModel\.keep = 2"):
         CacheModel(keep=2)
 
