@@ -11,4 +11,6 @@ Nothing is imported here; the modules:
     source     the daemon's ``sim`` source (``edgeline run --sim``)
     fleet      N ``edgeline run`` daemons with their own state directories, fed and observed (``SimFleet``)
     cli        ``edgeline sim``, ``edgeline sim mcu``, ``edgeline sim fleet``
+    vm         a whole machine: Debian 12 booted with QEMU, the daemon under its systemd unit (``scripts/vm.sh``)
+    vm_image   the disk image it boots, built from Debian's packages and cached (``scripts/vm.sh build``)
 """

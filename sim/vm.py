@@ -146,6 +146,8 @@ class Machine:
         self.process: subprocess.Popen[bytes] | None = None
         self.scratch: Path | None = None
         self.started = 0.0
+        self.failed = False
+        """Set when ``wait`` raised: ``close`` keeps the run's logs."""
         self._echoed = 0
 
     @property
@@ -308,9 +310,11 @@ class Machine:
             self._echoed = len(text)
 
     def _tails(self) -> str:
+        self.failed = True
         qemu = _read(self.scratch / "qemu.log") if self.scratch else ""
         parts = [("QEMU", qemu), ("console", self.console()), ("command output", self.output())]
-        return "".join(f"\n--- {name}:\n" + "\n".join(text.splitlines()[-25:]) for name, text in parts if text)
+        tails = "".join(f"\n--- {name}:\n" + "\n".join(text.splitlines()[-25:]) for name, text in parts if text)
+        return f" (the whole console: {self.scratch}/console.log){tails}"
 
     def kill(self) -> None:
         """QEMU and what it started (``socat`` relays), at once: a power cut for the guest."""
@@ -320,14 +324,18 @@ class Machine:
             self.process.wait(STOP_TIMEOUT_S)
 
     def close(self) -> None:
-        """Kill QEMU if it still runs; remove the run's overlay (its console log stays, for a look)."""
+        """Kill QEMU if it still runs; remove the run's overlay, and its logs unless the run failed (they stay for
+        a look: the error names them)."""
         self.kill()
         if self.process is not None:
             with contextlib.suppress(ProcessLookupError):  # relays left by connections that outlived QEMU
                 os.killpg(self.process.pid, signal.SIGKILL)
         if self.scratch is not None:
-            with contextlib.suppress(FileNotFoundError):
-                (self.scratch / "overlay.qcow2").unlink()
+            if self.failed:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.scratch / "overlay.qcow2").unlink()
+            else:
+                shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __enter__(self) -> Machine:
         return self.start()

@@ -19,7 +19,8 @@ caller waits, then finds the result), written beside and renamed into place when
 
 Older layers are removed once a newer one is in place (a running VM keeps its open image). Building needs root
 (mmdebstrap's root mode keeps the owners mke2fs copies) and Debian's mmdebstrap, e2fsprogs and the project's Python
-with pip and setuptools. EDGELINE_DEBIAN_MIRROR overrides the mirror, as for scripts/arm64.sh.
+with pip and setuptools. EDGELINE_DEBIAN_MIRROR overrides the mirror, as for scripts/arm64.sh; EDGELINE_VM_CACHE the
+cache's place.
 """
 
 from __future__ import annotations
@@ -77,12 +78,10 @@ EOF
 systemctl --root="$root" enable systemd-networkd.service
 systemctl --root="$root" mask serial-getty@ttyS0.service getty@tty1.service e2scrub_reap.service
 systemctl --root="$root" disable mosquitto.service
-mkdir -p "$root/etc/initramfs-tools/conf.d"
-echo 'COMPRESS=gzip' > "$root/etc/initramfs-tools/conf.d/vm"
 cp -r "$wheels" "$root/tmp/wheels"
 chroot "$root" python3 -m venv /opt/edgeline
-chroot "$root" /opt/edgeline/bin/python -m pip install --disable-pip-version-check --no-input --no-index \
-    --find-links /tmp/wheels -r /tmp/wheels/requirements.txt
+chroot "$root" /opt/edgeline/bin/python -m pip install --disable-pip-version-check --no-input --no-cache-dir \
+    --no-index --find-links /tmp/wheels -r /tmp/wheels/requirements.txt
 rm -rf "$root/tmp/wheels" "$root/var/cache/apt/archives/"*.deb "$root/var/lib/apt/lists/"*_Packages
 """
 
@@ -182,7 +181,9 @@ def source_tree() -> Path:
 
 
 def default_cache_dir() -> Path:
-    return source_tree() / "build" / "vm"
+    """$EDGELINE_VM_CACHE when set (a cache that outlives a clone: CI's), else build/vm of the source tree."""
+    configured = os.environ.get("EDGELINE_VM_CACHE")
+    return Path(configured) if configured else source_tree() / "build" / "vm"
 
 
 def missing_tools() -> list[str]:
@@ -356,6 +357,7 @@ def _build_image(rootfs: Path, target: Path, tree: Path, say: Callable[[str], No
             "install",
             "--disable-pip-version-check",
             "--no-input",
+            "--no-cache-dir",
             "--no-index",
             "--no-deps",
             f"/tmp/{wheel.name}",

@@ -17,7 +17,7 @@ the host stepping through them together over the shared folder (marks the guest 
 
 The image is built once (``scripts/vm.sh build``: minutes cold, cached in build/vm); the run takes about a minute
 and a half, most of it the watchdog's 30 s and the reboot. Under pytest-xdist the run happens once per test run
-whichever worker gets these tests first: its facts are shared with the others through a file (``scenario``).
+whichever worker gets these tests first: its facts are shared with the others through a file (``vm_run``).
 Skipped unless root (mmdebstrap and 9p need it; CI runs as root).
 """
 
@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -166,8 +167,11 @@ class Run:
         self.answers = Collector(broker, f"{TOPIC}/results/#")
         self.availability = Collector(broker, "edgeline/tiny/vm/availability")
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="vm-test-publisher")
+        connected = threading.Event()
+        self.client.on_connect = lambda *_: connected.set()
         self.client.connect(broker.host, broker.port)
         self.client.loop_start()
+        assert connected.wait(ANSWER_TIMEOUT_S), "the test's publisher got no CONNACK"
         self.seconds: dict[str, float] = {}
         self.began = time.monotonic()
 
@@ -186,7 +190,7 @@ class Run:
         if not wait_until(lambda: mark.exists() or status.exists() or process.poll() is not None, STEP_TIMEOUT_S, 0.1):
             pytest.fail(f"no mark {name!r} from the guest within {STEP_TIMEOUT_S:g} s\n{self.machine.output()[-4000:]}")
         if not mark.exists():
-            console = self.machine.console()[-3000:]
+            console = f"{self.machine.scratch}/console.log:\n{self.machine.console()[-3000:]}"
             pytest.fail(f"the guest stopped before {name!r}:\n{self.machine.output()[-4000:]}\n{console}")
         self.seconds[name] = round(time.monotonic() - self.began, 1)
 
@@ -277,6 +281,9 @@ def run_scenario(image: Image, work: Path) -> dict[str, Any]:
                 run.go("done")
                 status = machine.wait(RUN_TIMEOUT_S)
                 availability = [payload.decode() for payload in run.availability.payloads]
+            except BaseException:
+                machine.failed = True  # its console log stays, for a look
+                raise
             finally:
                 run.close()
             return {
@@ -294,7 +301,7 @@ def run_scenario(image: Image, work: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def scenario(vm_image: Image, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def vm_run(vm_image: Image, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``run_scenario`` once per test run: the first worker to get here runs it (under a lock), the others read
     what it wrote; a failure is shared the same way, so it is reported by every test rather than run again."""
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
@@ -333,46 +340,46 @@ def not_only(version: int, answers: dict[str, list[int]]) -> dict[str, list[int]
 # -- the checks ---------------------------------------------------------------------------------------------------
 
 
-def test_the_unit_starts_and_the_daemon_answers_a_broker_on_the_host(scenario: dict[str, Any]) -> None:
-    started = scenario["facts"]["started"]
+def test_the_unit_starts_and_the_daemon_answers_a_broker_on_the_host(vm_run: dict[str, Any]) -> None:
+    started = vm_run["facts"]["started"]
     assert started["ActiveState"] == "active" and started["SubState"] == "running", started
     assert started["Type"] == "notify" and started["WatchdogUSec"] == "30s", "the project's unit, as shipped"
     assert started["FragmentPath"] == "/etc/systemd/system/edgeline@.service" and started["DynamicUser"] == "yes"
     assert started["StateDirectory"] == "edgeline/tiny"
-    before = scenario["answers"]["before-commit"]
+    before = vm_run["answers"]["before-commit"]
     assert before and all(len(versions) == 1 for versions in before.values()), "each input answered once"
     assert set().union(*map(set, before.values())) <= {1, 2}
-    state = scenario["facts"]["state"]
+    state = vm_run["facts"]["state"]
     assert state["committed"] == {"version": 2, "bundle": "bundles/v2"}, "the trial on the host's inputs committed v2"
-    assert scenario["availability"][:1] == ["online"], scenario["availability"]
+    assert vm_run["availability"][:1] == ["online"], vm_run["availability"]
 
 
-def test_the_watchdog_restarts_a_daemon_frozen_with_sigstop(scenario: dict[str, Any]) -> None:
-    watchdog = scenario["facts"]["watchdog"]
+def test_the_watchdog_restarts_a_daemon_frozen_with_sigstop(vm_run: dict[str, Any]) -> None:
+    watchdog = vm_run["facts"]["watchdog"]
     assert int(watchdog["NRestarts"]) == int(watchdog["RestartsBefore"]) + 1, watchdog
     assert watchdog["MainPID"] != watchdog["FrozenPID"] and watchdog["ActiveState"] == "active", watchdog
     journal = "\n".join(watchdog["Journal"])
     assert "Watchdog timeout" in journal and "Failed with result 'watchdog'" in journal, journal
     waited = float(watchdog["RestartedAt"]) - float(watchdog["FrozenAt"])
     assert 30 <= waited < 90, f"{waited:.0f} s from SIGSTOP to a running daemon (WatchdogSec=30, RestartSec=5)"
-    after = scenario["answers"]["after-watchdog"]
+    after = vm_run["answers"]["after-watchdog"]
     assert not not_only(2, after), f"the restarted daemon answers, on the committed v2: {after}"
 
 
-def test_systemctl_stop_ends_it_cleanly(scenario: dict[str, Any]) -> None:
-    stopped = scenario["facts"]["stopped"]
+def test_systemctl_stop_ends_it_cleanly(vm_run: dict[str, Any]) -> None:
+    stopped = vm_run["facts"]["stopped"]
     assert stopped["ActiveState"] == "inactive" and stopped["Result"] == "success", stopped
     assert stopped["ExecMainCode"] == "1" and stopped["ExecMainStatus"] == "0", f"exited with 0, not killed: {stopped}"
     assert float(stopped["StopEnded"]) - float(stopped["StopBegan"]) < 30, "within TimeoutStopSec, no SIGKILL"
-    said = scenario["answers"]["offline-at-stop"]
-    assert said == {"said": [1]}, f"no offline at the stop: {scenario['availability']}"
+    said = vm_run["answers"]["offline-at-stop"]
+    assert said == {"said": [1]}, f"no offline at the stop: {vm_run['availability']}"
 
 
-def test_a_reboot_brings_it_back_on_its_committed_version(scenario: dict[str, Any]) -> None:
-    assert scenario["boots"] == 2 and scenario["status"] == 0, scenario["output"]
-    boot2 = scenario["facts"]["boot2"]
+def test_a_reboot_brings_it_back_on_its_committed_version(vm_run: dict[str, Any]) -> None:
+    assert vm_run["boots"] == 2 and vm_run["status"] == 0, vm_run["output"]
+    boot2 = vm_run["facts"]["boot2"]
     assert boot2["Enabled"] == "enabled" and boot2["ActiveState"] == "active", boot2
     journal = "\n".join(boot2["Journal"])
     assert "starting on the committed v2" in journal, journal
-    after = scenario["answers"]["after-reboot"]
+    after = vm_run["answers"]["after-reboot"]
     assert not not_only(2, after), f"after the reboot, v2 answers: {after}"
