@@ -41,6 +41,8 @@ COSTLY_FIXTURES = {
     "publisher": "integration",
     "batchable_bundle": "export",
     "lookup_bundle": "export",
+    "vm_image": "vm",
+    "vm_run": "vm",
 }
 """Fixtures a quick test must not use, and the tier their cost puts a test in."""
 
