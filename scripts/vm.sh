@@ -5,6 +5,7 @@
 #   scripts/vm.sh build                  # the disk image, cached under build/vm by its inputs (root: mmdebstrap)
 #   scripts/vm.sh run [--forward HOST_PORT[:GUEST_PORT]] [--share DIR] [--timeout S] [--write-log FILE] COMMAND
 #   scripts/vm.sh run 'systemctl is-system-running --wait; edgeline --version'
+#   scripts/vm.sh power-cut [--cuts N] [--seed S] [--seconds S] [--rate HZ] [--boot K]   # edgeline.sim.powercut_vm
 #
 # `run` boots the image (KVM when /dev/kvm is usable, else plain emulation, said) on a throwaway overlay, runs
 # COMMAND (shell text, as root, in /host: the shared folder) at boot, prints its output and exits with its status.
@@ -18,4 +19,8 @@ if [ -x "$root/.venv/bin/python" ]; then
     python="$root/.venv/bin/python"
 fi
 export PATH="$PATH:/usr/sbin:/sbin"  # mke2fs, chroot
+if [ "${1:-}" = power-cut ]; then  # a recording with the disk's writes logged, cut N times, checked (issue 35)
+    shift
+    exec "$python" -m edgeline.sim.powercut_vm "$@"
+fi
 exec "$python" -m edgeline.sim.vm "$@"

@@ -7,8 +7,10 @@
                                 updates/state.json: parses as a ``StateFile``; its committed bundle: files verified
                                 (sizes, sha256) and, when this machine has its runtime, the golden self-test
 
-The state directory is the unit's ``StateDirectory`` (``/var/lib/edgeline/INSTANCE``): an instance is a directory
-holding ``outbox.sqlite`` or ``updates/`` (the state directory itself, or one level below it). An outbox or a
+The state directory is the unit's ``StateDirectory`` (``/var/lib/edgeline/INSTANCE``, a link to
+``/var/lib/private/edgeline/INSTANCE`` under ``DynamicUser=yes``), holding one directory per bundle name: an
+instance is a directory holding ``outbox.sqlite`` or ``updates/``, found up to three levels down; it is named by
+its path from the state directory's name (``edgeline/sensor/sqrt``). An outbox or a
 ``state.json`` not there yet is no finding (a cut before the daemon first wrote one); one that is there and broken is.
 e2fsprogs (Debian's ``e2fsprogs``) is needed, root is not.
 """
@@ -149,12 +151,13 @@ def _self_test(bundle: Path) -> bool | None:
             close()
 
 
-def _check_instance(directory: Path, self_test: bool) -> InstanceCheck:
+def _check_instance(directory: Path, root: Path, self_test: bool) -> InstanceCheck:
     from pydantic import ValidationError
 
     from edgeline.bundle import read_bundle
     from edgeline.updates.store import StateFile
 
+    name = directory.relative_to(root.parent).as_posix()
     problems: list[str] = []
     outbox = None
     db = directory / "outbox.sqlite"
@@ -162,11 +165,11 @@ def _check_instance(directory: Path, self_test: bool) -> InstanceCheck:
         try:
             outbox = outbox_state(db)
             if outbox.integrity != "ok":
-                problems.append(f"{directory.name}/outbox.sqlite: integrity_check: {outbox.integrity}")
+                problems.append(f"{name}/outbox.sqlite: integrity_check: {outbox.integrity}")
         except sqlite3.Error as exc:
-            problems.append(f"{directory.name}/outbox.sqlite: not a database any more: {exc}")
+            problems.append(f"{name}/outbox.sqlite: not a database any more: {exc}")
     elif (directory / "outbox.sqlite-wal").exists():
-        problems.append(f"{directory.name}/outbox.sqlite-wal is there, outbox.sqlite is not")
+        problems.append(f"{name}/outbox.sqlite-wal is there, outbox.sqlite is not")
     committed = None
     tested = None
     state = directory / "updates" / "state.json"
@@ -174,7 +177,7 @@ def _check_instance(directory: Path, self_test: bool) -> InstanceCheck:
         try:
             parsed = StateFile.model_validate_json(state.read_bytes())
         except (ValidationError, OSError) as exc:
-            problems.append(f"{directory.name}/updates/state.json does not parse: {str(exc).splitlines()[0]}")
+            problems.append(f"{name}/updates/state.json does not parse: {str(exc).splitlines()[0]}")
         else:
             if parsed.committed is not None and not parsed.committed.given:
                 committed = parsed.committed.version
@@ -183,19 +186,21 @@ def _check_instance(directory: Path, self_test: bool) -> InstanceCheck:
                     read_bundle(bundle)
                     tested = _self_test(bundle) if self_test else None
                 except EdgelineError as exc:
-                    problems.append(f"{directory.name}: committed v{committed} does not open: {exc}")
+                    problems.append(f"{name}: committed v{committed} does not open: {exc}")
                 if tested is False:
-                    problems.append(f"{directory.name}: committed v{committed} fails its golden self-test")
-    return InstanceCheck(directory.name, outbox, committed, tested, tuple(problems))
+                    problems.append(f"{name}: committed v{committed} fails its golden self-test")
+    return InstanceCheck(name, outbox, committed, tested, tuple(problems))
 
 
-def _instances(root: Path) -> list[Path]:
-    def is_instance(path: Path) -> bool:
-        return (path / "outbox.sqlite").exists() or (path / "updates").is_dir()
-
-    if is_instance(root):
+def _instances(root: Path, depth: int = 3) -> list[Path]:
+    """The daemons' state directories under ``root`` (itself included), ``depth`` levels down at most: the unit's
+    ``StateDirectory`` holds one per bundle name (``/var/lib/private/edgeline/INSTANCE/NAME``)."""
+    if (root / "outbox.sqlite").exists() or (root / "updates").is_dir():
         return [root]
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and is_instance(p))
+    if depth == 0:
+        return []
+    children = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    return [found for child in children for found in _instances(child, depth - 1)]
 
 
 def check_image(
@@ -220,7 +225,7 @@ def check_image(
         if root is None:
             problems.append(f"{state_dir} is not in the image")
         else:
-            instances = [_check_instance(path, self_test) for path in _instances(root)]
+            instances = [_check_instance(path, root, self_test) for path in _instances(root)]
             problems += [p for instance in instances for p in instance.problems]
     except EdgelineError as exc:
         problems.append(str(exc))

@@ -342,7 +342,7 @@ def test_a_good_image_passes_with_its_outbox_state_and_committed_bundle(tmp_path
     assert check.problems == (), check.problems
     assert check.fsck_clean and not check.journal_replayed
     (instance,) = check.instances
-    assert instance.name == "sensor" and instance.committed == 2
+    assert instance.name == "edgeline/sensor" and instance.committed == 2
     assert instance.self_test is True
     assert instance.outbox is not None and instance.outbox.integrity == "ok"
     assert instance.outbox.last_seq == 45 and [a[0] for a in instance.outbox.answers] == list(range(4, 46))
