@@ -41,7 +41,7 @@ from edgeline.sim.imagecheck import OutboxState
 from edgeline.sim.powercut import CutResult, plan_cuts, run_cuts
 from edgeline.sim.vm import BootOptions, Forward, Image, Machine, build_image, write_command
 from edgeline.sim.vm_image import source_tree
-from edgeline.sim.writelog import Tail, read_log
+from edgeline.sim.writelog import Tail, WriteLog, read_log
 
 __all__ = ["Account", "Recording", "account", "main", "record"]
 
@@ -260,11 +260,14 @@ class Account:
         return {**self.__dict__, "lost": self.lost}
 
 
-def account(recording: Recording, outbox: OutboxState | None, flush_offset: int) -> Account:
-    """The cut's outbox (None: there was none yet) against what the subscriber had when the cut's flush was
-    logged. An answer reaches the subscriber only after its commit's flush was logged (the guest's flush returns
-    once the log has it), and leaves the outbox only after the broker acknowledged it."""
-    before, after = recording.times_around(flush_offset)
+def account(recording: Recording, outbox: OutboxState | None, flush_offset: int, next_offset: int) -> Account:
+    """The cut's outbox (None: there was none yet) against the subscriber's answers. An answer reaches the
+    subscriber only after its commit's flush was logged (the guest's flush returns once the log has it): those
+    it had before the log reached the cut's flush (``flush_offset``) are in the outbox's count. An answer leaves the
+    outbox only after the broker acknowledged it, and the removal the cut kept was logged before the next flush
+    (``next_offset``; the log's end after the last one): the subscriber had it by then, give or take the slack."""
+    before, _ = recording.times_around(flush_offset)
+    _, after = recording.times_around(next_offset)
     received_before = len({answer for stamp, answer in recording.answers if stamp < before})
     received_by = len({answer for stamp, answer in recording.answers if stamp <= after + SLACK_S})
     committed = outbox.last_seq if outbox else 0
@@ -344,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for result in run_cuts(log, image.disk, cuts, work / "cuts", state_dir=STATE_DIR, keep_images=True):
                 image_path = work / "cuts" / f"cut-{result.cut.number:03d}.img"
                 try:
-                    line = _judge(result, name, recording, log.entries[result.cut.durable].offset, totals)
+                    line = _judge(result, name, recording, _offsets(log, result.cut.flush), totals)
                     if result.cut.number < args.boot and not result.check.problems:
                         instance = next((i for i in result.check.instances if i.name == name), None)
                         outbox = instance.outbox if instance else None
@@ -372,12 +375,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if totals["lost"] or totals["integrity_failures"] or totals["unbootable"] else 0
 
 
+def _offsets(log: WriteLog, flush: int) -> tuple[int, int]:
+    """Where flush number ``flush`` and the next one are in the log (the log's end after the last one)."""
+    entries, flushes = log.entries, log.flushes
+    following = entries[flushes[flush + 1]].offset if flush + 1 < len(flushes) else log.size
+    return entries[flushes[flush]].offset, following
+
+
 def _judge(
-    result: CutResult, name: str, recording: Recording, flush_offset: int, totals: dict[str, int]
+    result: CutResult, name: str, recording: Recording, offsets: tuple[int, int], totals: dict[str, int]
 ) -> dict[str, Any]:
     line = result.as_dict()
     instance = next((i for i in result.check.instances if i.name == name), None)
-    tally = account(recording, instance.outbox if instance else None, flush_offset)
+    tally = account(recording, instance.outbox if instance else None, *offsets)
     totals["lost"] += tally.lost
     totals["integrity_failures"] += bool(result.check.problems or tally.strangers)
     line["account"] = tally.as_dict()

@@ -33,26 +33,26 @@ def outbox(last_seq: int, pending: list[str]) -> OutboxState:
 def test_a_cut_that_kept_what_it_must_loses_nothing() -> None:
     """Flush at offset 5000: logged between t=105.0 and t=105.1. Three answers came before: committed by then."""
     taken = recording([(101.0, "in-0"), (102.0, "in-1"), (104.9, "in-2"), (105.5, "in-3"), (109.0, "in-4")])
-    tally = account(taken, outbox(5, ["in-3", "in-4"]), 5000)
+    tally = account(taken, outbox(5, ["in-3", "in-4"]), 5000, 5000)
     assert (tally.committed, tally.pending, tally.received_before, tally.lost) == (5, 2, 3, 0)
-    assert account(taken, outbox(4, []), 5000).lost == 0, "in-3 came within the slack: its removal may be in"
+    assert account(taken, outbox(4, []), 5000, 5000).lost == 0, "in-3 came within the slack: its removal may be in"
 
 
 @pytest.mark.quick
 def test_an_answer_published_before_its_commit_was_durable_is_lost() -> None:
     """The subscriber had three answers before the flush was logged, the outbox accounts for two."""
     taken = recording([(101.0, "in-0"), (102.0, "in-1"), (104.9, "in-2")])
-    tally = account(taken, outbox(2, []), 5000)
+    tally = account(taken, outbox(2, []), 5000, 5000)
     assert (tally.unaccounted, tally.lost) == (1, 1)
-    assert account(taken, None, 5000).lost == 3, "no outbox at all: all three unaccounted"
+    assert account(taken, None, 5000, 5000).lost == 3, "no outbox at all: all three unaccounted"
 
 
 @pytest.mark.quick
 def test_an_answer_removed_without_the_broker_having_it_is_lost() -> None:
     taken = recording([(101.0, "in-0")])
-    tally = account(taken, outbox(4, ["in-3"]), 5000)
+    tally = account(taken, outbox(4, ["in-3"]), 5000, 5000)
     assert (tally.unacknowledged, tally.lost) == (2, 2)
-    assert account(taken, outbox(2, ["in-1", "in-99"]), 5000).strangers == 1
+    assert account(taken, outbox(2, ["in-1", "in-99"]), 5000, 5000).strangers == 1
 
 
 @pytest.mark.vm
