@@ -39,7 +39,7 @@ from edgeline.bundle import read_bundle
 from edgeline.errors import EdgelineError
 from edgeline.sim.imagecheck import OutboxState
 from edgeline.sim.powercut import CutResult, plan_cuts, run_cuts
-from edgeline.sim.vm import BootOptions, Forward, Image, Machine, build_image, write_command
+from edgeline.sim.vm import Accel, BootOptions, Forward, Image, Machine, build_image, write_command
 from edgeline.sim.vm_image import source_tree
 from edgeline.sim.writelog import Tail, WriteLog, read_log
 
@@ -184,7 +184,9 @@ class Recording:
         return before, after
 
 
-def record(image: Image, work: Path, port: int, bundle: Path, *, seconds: float, rate_hz: float) -> Recording:
+def record(
+    image: Image, work: Path, port: int, bundle: Path, *, seconds: float, rate_hz: float, accel: Accel = Accel.AUTO
+) -> Recording:
     share = work / "share"
     shutil.rmtree(share, ignore_errors=True)
     share.mkdir(parents=True)
@@ -193,7 +195,7 @@ def record(image: Image, work: Path, port: int, bundle: Path, *, seconds: float,
     write_command(share, RECORD)
     log = work / "log.bin"
     subscriber = Subscriber(port, work / "answers.txt", "powercut-answers")
-    options = BootOptions(share.resolve(), (Forward(port),), write_log=log.resolve())
+    options = BootOptions(share.resolve(), (Forward(port),), write_log=log.resolve(), accel=accel)
     recording = Recording(log, image.disk, 0)
     stop = threading.Event()
 
@@ -291,7 +293,9 @@ def _answer_id(payload: bytes) -> str:
         return ""
 
 
-def boot_cut(image: Image, disk: Path, work: Path, port: int, outbox: OutboxState | None, timeout_s: float) -> int:
+def boot_cut(
+    image: Image, disk: Path, work: Path, port: int, outbox: OutboxState | None, timeout_s: float, accel: Accel
+) -> int:
     """Boot the cut's image, start the unit on it, and count the outbox's answers that do not come again."""
     share = work / "boot-share"
     shutil.rmtree(share, ignore_errors=True)
@@ -300,14 +304,17 @@ def boot_cut(image: Image, disk: Path, work: Path, port: int, outbox: OutboxStat
     expected = {_answer_id(payload) for _, _, payload in (outbox.answers if outbox else ())}
     subscriber = Subscriber(port, work / f"{disk.stem}-answers.txt", f"powercut-{disk.stem}")
     try:
-        with Machine(image, BootOptions(share.resolve(), (Forward(port),), disk=disk.resolve())) as machine:
+        options = BootOptions(share.resolve(), (Forward(port),), disk=disk.resolve(), accel=accel)
+        with Machine(image, options) as machine:
             _wait_for(lambda: (share / "started").exists() or _ended(machine), 180, "the boot")
             if not (share / "started").exists():
                 machine.wait(1)
             with contextlib.suppress(EdgelineError):
                 _wait_for(lambda: expected <= {a for _, a in subscriber.answers()}, timeout_s, "the re-sent answers")
             (share / "stop").touch()
-            machine.wait(120)
+            status = machine.wait(120)
+            if status != 0:
+                raise EdgelineError(f"the unit did not run on the cut's image:\n{machine.output()[-2000:]}")
     finally:
         got = {a for _, a in subscriber.answers()}
         subscriber.close()
@@ -321,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the stream runs (default 20)")
     parser.add_argument("--rate", type=float, default=20.0, help="inputs per second (default 20)")
     parser.add_argument("--boot", type=int, default=2, help="cuts also booted (default 2)")
+    parser.add_argument("--accel", choices=[a.value for a in Accel], default="auto", help="default: kvm if usable")
     tree = source_tree()
     parser.add_argument("--bundle", type=Path, default=tree / "tests/data/sqrt-fp32",
                         help="the bundle the unit runs (default: the repository's tests/data/sqrt-fp32)")  # fmt: skip
@@ -334,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = f"{STATE_DIR.name}/{INSTANCE}/{read_bundle(args.bundle).manifest.name}"
         image = build_image()
         with _broker(work) as port:
-            recording = record(image, work, port, args.bundle, seconds=args.seconds, rate_hz=args.rate)
+            accel = Accel(args.accel)
+            recording = record(image, work, port, args.bundle, seconds=args.seconds, rate_hz=args.rate, accel=accel)
             log = read_log(recording.log, tail=Tail.READ, device_bytes=image.disk.stat().st_size)
             among = [
                 k for k, index in enumerate(log.flushes) if log.entries[index].offset >= recording.started_log_bytes
@@ -352,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         instance = next((i for i in result.check.instances if i.name == name), None)
                         outbox = instance.outbox if instance else None
                         try:
-                            missing = boot_cut(image, image_path, work, port, outbox, 60)
+                            missing = boot_cut(image, image_path, work, port, outbox, 60, accel)
                         except EdgelineError as exc:
                             totals["unbootable"] += 1
                             line["boot"] = str(exc)[:500]
