@@ -52,6 +52,10 @@ the daemon keeps its state in ``%i/BUNDLE_NAME`` below it."""
 TOPIC = "sensors/vm/x"
 ANSWERS = "edgeline/#"
 SLACK_S = 1.0
+START_S = 600.0
+"""From QEMU's start to the unit running (a minute or two under TCG)."""
+STOP_S = 180.0
+"""From the host's stop to the guest's power-off (the daemon drains, systemd stops; minutes under TCG)."""
 CONFIG = """\
 [broker]
 host = "{broker}"
@@ -155,6 +159,11 @@ class Subscriber:
         self._out.close()
 
 
+def _from_now(machine: Machine, seconds: float) -> float:
+    """``Machine.wait`` counts from QEMU's start: ``seconds`` from now."""
+    return time.monotonic() - machine.started + seconds
+
+
 def _ended(machine: Machine) -> bool:
     return machine.process is None or machine.process.poll() is not None
 
@@ -206,7 +215,7 @@ def record(
 
     try:
         with Machine(image, options) as machine:
-            _wait_for(lambda: (share / "started").exists() or _ended(machine), 180, "the unit")
+            _wait_for(lambda: (share / "started").exists() or _ended(machine), START_S, "the unit")
             if not (share / "started").exists():
                 machine.wait(1)
             recording.started_log_bytes = log.stat().st_size
@@ -227,7 +236,7 @@ def record(
             with contextlib.suppress(EdgelineError):
                 _wait_for(lambda: len({a for _, a in subscriber.answers()}) >= recording.sent, 30, "the answers")
             (share / "stop").touch()
-            status = machine.wait(120)
+            status = machine.wait(_from_now(machine, STOP_S))
             stop.set()
             sampler.join()
             if status != 0:
@@ -306,13 +315,13 @@ def boot_cut(
     try:
         options = BootOptions(share.resolve(), (Forward(port),), disk=disk.resolve(), accel=accel)
         with Machine(image, options) as machine:
-            _wait_for(lambda: (share / "started").exists() or _ended(machine), 180, "the boot")
+            _wait_for(lambda: (share / "started").exists() or _ended(machine), START_S, "the boot")
             if not (share / "started").exists():
                 machine.wait(1)
             with contextlib.suppress(EdgelineError):
                 _wait_for(lambda: expected <= {a for _, a in subscriber.answers()}, timeout_s, "the re-sent answers")
             (share / "stop").touch()
-            status = machine.wait(120)
+            status = machine.wait(_from_now(machine, STOP_S))
             if status != 0:
                 raise EdgelineError(f"the unit did not run on the cut's image:\n{machine.output()[-2000:]}")
     finally:
