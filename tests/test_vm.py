@@ -361,7 +361,8 @@ def test_the_watchdog_restarts_a_daemon_frozen_with_sigstop(vm_run: dict[str, An
     journal = "\n".join(watchdog["Journal"])
     assert "Watchdog timeout" in journal and "Failed with result 'watchdog'" in journal, journal
     waited = float(watchdog["RestartedAt"]) - float(watchdog["FrozenAt"])
-    assert 30 <= waited < 90, f"{waited:.0f} s from SIGSTOP to a running daemon (WatchdogSec=30, RestartSec=5)"
+    # the last ping came 0-15 s before the SIGSTOP (the daemon pings at half of WatchdogSec=30), then RestartSec=5
+    assert 15 <= waited < 90, f"{waited:.0f} s from SIGSTOP to a running daemon again"
     after = vm_run["answers"]["after-watchdog"]
     assert not not_only(2, after), f"the restarted daemon answers, on the committed v2: {after}"
 

@@ -58,7 +58,7 @@ def test_kvm_when_usable_else_said(tmp_path: Path) -> None:
     problem = kvm_problem()
     if problem is None:
         assert machine.accel is Accel.KVM and not said
-        assert option(machine.command_line(tmp_path), "-cpu") == ["host"]
+        assert option(machine.command_line(tmp_path), "-cpu") == ["host,-arch-capabilities"]
     else:
         assert machine.accel is Accel.TCG and said and "plain emulation" in said[0]
         with pytest.raises(EdgelineError, match="KVM asked for"):
