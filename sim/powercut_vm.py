@@ -66,6 +66,14 @@ qos = 1
 [output]
 qos = 1
 """
+UPDATES = f"""\
+[updates]
+repository = "/srv/edgeline-repo"
+trusted_root = "/etc/edgeline/{INSTANCE}-root.json"
+check_interval_s = 1.0
+"""
+UPDATE_GATES = {"inputs": 20, "min_inputs": 10, "seconds": 300.0}
+"""The trial of the update: 20 inputs (a second of the stream), so that it commits while the stream runs."""
 RECORD = f"""set -eu
 # No lazy zeroing of inode tables while the log records: QEMU 7.2's blklogwrites can interleave a write of zeroes
 # with another request's entry (fixed in later QEMUs), and the log would not parse. The journal in memory only: the
@@ -77,10 +85,18 @@ systemctl restart systemd-journald
 mkdir -p /var/lib/edgeline/bundles /etc/edgeline
 cp -r /host/bundle /var/lib/edgeline/bundles/{INSTANCE}
 cp /host/config.toml /etc/edgeline/{INSTANCE}.toml
+if [ -d /host/repo ]; then
+    mkdir -p /srv
+    cp -r /host/repo /srv/edgeline-repo
+    cp /host/root.json /etc/edgeline/{INSTANCE}-root.json
+fi
+chmod -R a+rX /var/lib/edgeline/bundles /etc/edgeline
+[ ! -d /srv/edgeline-repo ] || chmod -R a+rX /srv/edgeline-repo
 sync
 systemctl start edgeline@{INSTANCE}
 touch /host/started
 while [ ! -e /host/stop ]; do sleep 0.1; done
+cat /var/lib/edgeline/{INSTANCE}/*/updates/state.json > /host/state.json 2>/dev/null || true
 systemctl is-active edgeline@{INSTANCE}
 """
 RESTART = f"""set -eu
@@ -182,6 +198,8 @@ class Recording:
     """(wall time, log bytes), sampled while the stream ran."""
     sent: int = 0
     answers: list[tuple[float, str]] = field(default_factory=list)
+    committed: int | None = None
+    """The version ``state.json`` named committed when the stream ended (None: none, no update)."""
 
     def times_around(self, offset: int) -> tuple[float, float]:
         """The last sample before the log reached past ``offset`` and the first after (the flush there was done
@@ -193,14 +211,44 @@ class Recording:
         return before, after
 
 
+def _publish_update(bundle: Path, work: Path, share: Path) -> None:
+    """Keys, and a signed repository holding the next version of ``bundle`` (the same model), into the share."""
+    from edgeline.updates.keys import generate
+    from edgeline.updates.policy import Gates
+    from edgeline.updates.repository import Repository
+
+    next_version = work / "next"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(bundle, next_version)
+    manifest = json.loads((next_version / "manifest.json").read_text())
+    manifest["version"] = int(manifest["version"]) + 1
+    (next_version / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    root = generate(work / "keys")
+    Repository(work / "repo", work / "keys").publish(next_version, gates=Gates(**UPDATE_GATES))
+    shutil.copytree(work / "repo", share / "repo")
+    shutil.copy2(root, share / "root.json")
+
+
 def record(
-    image: Image, work: Path, port: int, bundle: Path, *, seconds: float, rate_hz: float, accel: Accel = Accel.AUTO
+    image: Image,
+    work: Path,
+    port: int,
+    bundle: Path,
+    *,
+    seconds: float,
+    rate_hz: float,
+    accel: Accel = Accel.AUTO,
+    update: bool = True,
 ) -> Recording:
     share = work / "share"
     shutil.rmtree(share, ignore_errors=True)
     share.mkdir(parents=True)
     shutil.copytree(bundle, share / "bundle")
-    (share / "config.toml").write_text(CONFIG.format(broker="10.0.2.100"))
+    config = CONFIG.format(broker="10.0.2.100")
+    if update:
+        config += UPDATES
+        _publish_update(bundle, work / "updates", share)
+    (share / "config.toml").write_text(config)
     write_command(share, RECORD)
     log = work / "log.bin"
     subscriber = Subscriber(port, work / "answers.txt", "powercut-answers")
@@ -241,6 +289,8 @@ def record(
             sampler.join()
             if status != 0:
                 raise EdgelineError(f"the recording's guest command exited {status}:\n{machine.output()[-2000:]}")
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                recording.committed = int(json.loads((share / "state.json").read_text())["committed"]["version"])
     finally:
         stop.set()
         recording.answers = subscriber.answers()
@@ -337,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the stream runs (default 20)")
     parser.add_argument("--rate", type=float, default=20.0, help="inputs per second (default 20)")
     parser.add_argument("--boot", type=int, default=2, help="cuts also booted (default 2)")
+    parser.add_argument("--update", action=argparse.BooleanOptionalAction, default=True,
+                        help="publish the bundle's next version for the unit to fetch, trial and commit during the "
+                        "stream (default: yes)")  # fmt: skip
     parser.add_argument("--accel", choices=[a.value for a in Accel], default="auto", help="default: kvm if usable")
     tree = source_tree()
     parser.add_argument("--bundle", type=Path, default=tree / "tests/data/sqrt-fp32",
@@ -352,7 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         image = build_image()
         with _broker(work) as port:
             accel = Accel(args.accel)
-            recording = record(image, work, port, args.bundle, seconds=args.seconds, rate_hz=args.rate, accel=accel)
+            recording = record(image, work, port, args.bundle, seconds=args.seconds, rate_hz=args.rate, accel=accel,
+                               update=args.update)  # fmt: skip
             log = read_log(recording.log, tail=Tail.READ, device_bytes=image.disk.stat().st_size)
             among = [
                 k for k, index in enumerate(log.flushes) if log.entries[index].offset >= recording.started_log_bytes
@@ -360,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not among:
                 raise EdgelineError("no flush was logged while the stream ran")
             cuts = plan_cuts(log, args.cuts, args.seed, among=range(among[0], among[-1] + 1))
-            totals = {"lost": 0, "integrity_failures": 0, "unbootable": 0, "booted": 0}
+            totals = {"lost": 0, "integrity_failures": 0, "unbootable": 0, "booted": 0, "with_update": 0}
             seconds: list[float] = []
             for result in run_cuts(log, image.disk, cuts, work / "cuts", state_dir=STATE_DIR, keep_images=True):
                 image_path = work / "cuts" / f"cut-{result.cut.number:03d}.img"
@@ -387,7 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     acknowledged = len({answer for _, answer in recording.answers})
     summary = {"cuts": len(cuts), "acknowledged": acknowledged, **totals, "inputs": recording.sent,
-               "log_bytes": log.size, "flushes": len(log.flushes),
+               "log_bytes": log.size, "flushes": len(log.flushes), "update_committed": recording.committed,
+               "cuts_with_update_committed": totals.pop("with_update"),
                "replay_check_s_per_cut": round(sum(seconds) / len(seconds), 2)}  # fmt: skip
     print(json.dumps(summary))
     return 1 if totals["lost"] or totals["integrity_failures"] or totals["unbootable"] else 0
@@ -406,6 +461,7 @@ def _judge(
     line = result.as_dict()
     instance = next((i for i in result.check.instances if i.name == name), None)
     tally = account(recording, instance.outbox if instance else None, *offsets)
+    totals["with_update"] += bool(instance and recording.committed and instance.committed == recording.committed)
     totals["lost"] += tally.lost
     totals["integrity_failures"] += bool(result.check.problems or tally.strangers)
     line["account"] = tally.as_dict()
