@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 image_path = work / "cuts" / f"cut-{result.cut.number:03d}.img"
                 try:
                     line = _judge(result, name, recording, _offsets(log, result.cut.flush), totals)
-                    if result.cut.number < args.boot and not result.check.problems:
+                    if result.cut.number < args.boot and result.check.fsck_clean:
                         instance = next((i for i in result.check.instances if i.name == name), None)
                         outbox = instance.outbox if instance else None
                         try:
@@ -440,9 +440,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"power-cut: error: {exc}", file=sys.stderr)
         return 1
     acknowledged = len({answer for _, answer in recording.answers})
+    with_update = totals.pop("with_update")
     summary = {"cuts": len(cuts), "acknowledged": acknowledged, **totals, "inputs": recording.sent,
                "log_bytes": log.size, "flushes": len(log.flushes), "update_committed": recording.committed,
-               "cuts_with_update_committed": totals.pop("with_update"),
+               "cuts_with_update_committed": with_update,
                "replay_check_s_per_cut": round(sum(seconds) / len(seconds), 2)}  # fmt: skip
     print(json.dumps(summary))
     return 1 if totals["lost"] or totals["integrity_failures"] or totals["unbootable"] else 0
