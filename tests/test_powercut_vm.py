@@ -59,7 +59,7 @@ KNOWN_FINDING = "does not open"
 """Found by this test (issue 35): ``edgeline.updates.archive.unpack`` writes the new version's files and renames
 ``vN.partial`` to ``vN`` without an fsync of the files or the directories, then ``state.json`` (fsynced) commits
 it; for about half a minute after (ext4's delayed allocation, the dirty-page expiry) a cut leaves the committed
-bundle with empty files (``manifest.json: not valid JSON``)."""
+bundle with empty or zeroed files (``manifest.json: not valid JSON``)."""
 
 
 @pytest.mark.vm
