@@ -15,6 +15,7 @@ subclass that only one module raises lives beside it, named in brackets.
     ├── OutboxClosed           [edgeline.daemon.outbox] a call after ``close``
     ├── FrameError             [edgeline.firmware_bridge.protocol] a frame refused
     ├── FleetError             [edgeline.sim.fleet_status] a simulated fleet that cannot be made or observed
+    ├── WriteLogError          [edgeline.sim.writelog] a block write log cut short or not one
     └── ExportError            [edgeline.export.errors] export failed for a reason the user can act on
         ├── ModelLoadError
         ├── CalibrationError

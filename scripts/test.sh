@@ -22,6 +22,7 @@ bash scripts/setup.sh
 echo "== ruff" && ruff check . && ruff format --check .
 echo "== mypy" && python -m tests.package_tree >/dev/null && mypy
 prebuild=""
+vm_prebuild=""
 if [ ${#tier[@]} -eq 0 ]; then
     # The emulated tier's installs (build/arm64: minutes under emulation the first time, seconds when up to date)
     # are built beside the other tiers rather than in front of the emulated tests, which tests/tiers.py runs last
@@ -29,11 +30,20 @@ if [ ${#tier[@]} -eq 0 ]; then
     mkdir -p build
     { bash scripts/arm64.sh --info && bash scripts/arm64.sh --tflite-runtime --info; } >build/arm64-prebuild.log 2>&1 &
     prebuild=$!
+    # The VM tier's image likewise (build/vm: minutes the first time, seconds when up to date); it needs root, as
+    # its tests do (they are skipped otherwise).
+    if [ "$(id -u)" -eq 0 ]; then
+        bash scripts/vm.sh build >build/vm-prebuild.log 2>&1 &
+        vm_prebuild=$!
+    fi
 fi
 status=0
 echo "== pytest"
 pytest -n "${EDGELINE_TEST_WORKERS:-auto}" --dist worksteal "${tier[@]}" "${args[@]}" || status=$?
 if [ -n "$prebuild" ] && ! wait "$prebuild"; then
     echo "test: building the emulated installs failed; see build/arm64-prebuild.log" >&2
+fi
+if [ -n "$vm_prebuild" ] && ! wait "$vm_prebuild"; then
+    echo "test: building the VM image failed; see build/vm-prebuild.log" >&2
 fi
 exit "$status"

@@ -11,4 +11,10 @@ Nothing is imported here; the modules:
     source     the daemon's ``sim`` source (``edgeline run --sim``)
     fleet      N ``edgeline run`` daemons with their own state directories, fed and observed (``SimFleet``)
     cli        ``edgeline sim``, ``edgeline sim mcu``, ``edgeline sim fleet``
+    vm         a whole machine: Debian 12 booted with QEMU, the daemon under its systemd unit (``scripts/vm.sh``)
+    vm_image   the disk image it boots, built from Debian's packages and cached (``scripts/vm.sh build``)
+    writelog   a block write log (dm-log-writes format, QEMU's ``blklogwrites``): read, and replayed onto an image
+    powercut   power cuts planned from a seed (a flush, a cache that kept some writes, some torn) and replayed
+    imagecheck an ext4 image after a cut, checked offline: journal, e2fsck, the outbox, ``state.json``, the bundle
+    powercut_vm ``scripts/vm.sh power-cut``: a recording in the VM, its cuts checked and some booted
 """

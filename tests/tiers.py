@@ -8,6 +8,8 @@
                  than it computes
     export       a real conversion (torch export, a quantizer, a compiler) or a reference model trained
     emulated     the device side on an emulated arm64 CPU (qemu-user, ``scripts/arm64.sh``)
+    vm           a whole Debian machine booted with QEMU (KVM when usable), the project's systemd unit inside
+                 (``scripts/vm.sh``); its image is built once and cached (build/vm)
 
 A module whose tests all cost the same says so once (``pytestmark``); otherwise each test or class says its own.
 Markers never override each other: ``-m quick`` selects exactly the tests marked quick. The tiers are orthogonal
@@ -24,8 +26,8 @@ import pytest
 
 __all__ = ["COSTLY_FIXTURES", "TIERS", "TIMEOUT_S", "tier_problems"]
 
-TIERS = ("quick", "integration", "export", "emulated")
-TIMEOUT_S = {"quick": 120, "integration": 300, "export": 1200, "emulated": 1800}
+TIERS = ("quick", "integration", "export", "emulated", "vm")
+TIMEOUT_S = {"quick": 120, "integration": 300, "export": 1200, "emulated": 1800, "vm": 1800}
 """Per test, fixtures included: a hang fails its own test rather than the whole run. The quick tier's bound leaves
 room for the session's tiny bundles being converted once on a cold cache."""
 
@@ -39,6 +41,8 @@ COSTLY_FIXTURES = {
     "publisher": "integration",
     "batchable_bundle": "export",
     "lookup_bundle": "export",
+    "vm_image": "vm",
+    "vm_run": "vm",
 }
 """Fixtures a quick test must not use, and the tier their cost puts a test in."""
 
@@ -82,9 +86,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: START_ORDER.index(COST_ORDER[module_rank[item.nodeid.split("::", 1)[0]]]))
 
 
-COST_ORDER = ("quick", "integration", "export", "emulated")
+COST_ORDER = ("quick", "integration", "export", "emulated", "vm")
 """A module costs what its dearest test costs."""
-START_ORDER = ("export", "integration", "quick", "emulated")
+START_ORDER = ("export", "integration", "quick", "emulated", "vm")
 """Whole modules, in this order (a stable sort: modules stay whole, so their fixtures are made once per process):
-conversions first, while every core is free for them; the emulated tier last, so the emulated installs that
-scripts/test.sh starts building at once are ready when it comes (its tests wait for the build's lock otherwise)."""
+conversions first, while every core is free for them; the emulated and VM tiers last, so the emulated installs and
+the VM image that scripts/test.sh starts building at once are ready when they come (their tests wait for the
+builds' locks otherwise)."""
