@@ -253,8 +253,9 @@ def _describe(check: dict[str, Any]) -> str:
     if kind == "memory":
         if check.get("firmware_arena_bytes") is not None:
             needed = check["arena_bytes"]
-            here = f"the model needs {needed:,} B here (TFLite Micro on {check['host']}), "
-            measured = "" if needed is None else here
+            measured = (
+                "" if needed is None else f"the model needs {needed:,} B here (TFLite Micro on {check['host']}), "
+            )
             budget = check["budget_arena_bytes"]
             judged = "no arena budget" if budget is None else f"budget {budget:,} B"
             verdict = "ok" if check["ok"] else ("not checked" if check["ok"] is None else f"FAILED: {check['reason']}")

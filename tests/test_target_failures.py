@@ -1,7 +1,8 @@
 """Every failure inside one target is that target's failure; a failure of the model itself is said once.
 
-A small transformer with a GELU feed-forward, trained on scikit-learn's real digits: LiteRT converts and runs it,
-TFLite Micro has no GELU kernel, so the Ethos-U and TFLite Micro targets fail when their model is loaded back (the
+A small transformer with a GELU feed-forward and a SIGN before its head, trained on scikit-learn's real digits: LiteRT
+converts and runs it, TFLite Micro has no SIGN kernel (GELU it gets as its tanh approximation: see
+``edgeline.export.full_integer``), so the Ethos-U and TFLite Micro targets fail when their model is loaded back (the
 staging folder holding it is gone by the time the user reads the message: the message names the bundle's file). A
 model whose forward loops or branches on a tensor's value cannot be captured by torch.export, which every exporter
 starts from: one error naming the model's line, no target tried. Real converters and runtimes, nothing mocked.
@@ -49,7 +50,8 @@ class TinyTransformer(nn.Module):
 
     def forward(self, image):
         tokens = self.encoder(self.embed(image.reshape(image.shape[0], 8, 8)))
-        return self.head(tokens.mean(dim=1))
+        pooled = tokens.mean(dim=1)
+        return self.head(torch.sign(pooled) * pooled)  # |x| as SIGN and MUL: TFLite Micro has no SIGN kernel
 
 
 def model():
@@ -147,7 +149,7 @@ def _edgeline(args: list[str], out: Path) -> subprocess.CompletedProcess[str]:
 def test_a_target_its_runtime_cannot_load_fails_alone_and_the_next_is_picked(
     tmp_path: Path, transformer: Path, digits: dict[str, Path]
 ) -> None:
-    # a Linux board whose first target is TFLite Micro (no GELU kernel), then LiteRT
+    # a Linux board whose first target is TFLite Micro (no SIGN kernel), then LiteRT
     text = (REPO / "device_profiles" / "profiles" / "imx93.toml").read_text()
     start = text.index("[[targets]]")
     targets = "".join(
@@ -162,7 +164,7 @@ def test_a_target_its_runtime_cannot_load_fails_alone_and_the_next_is_picked(
     report = json.loads(done.stdout)
     first, second = report["targets"]
     assert first["backend"] == "tflite-micro"
-    assert first["status"] == "failed" and "GELU" in first["reason"]
+    assert first["status"] == "failed" and "SIGN" in first["reason"]
     named = first["reason"].split(":")[0]  # the file inside the bundle, not the deleted staging folder's path
     assert "/" not in named and named.endswith(".tflite"), first["reason"]
     assert second["status"] == "selected" and second["backend"] == "litert"
@@ -173,7 +175,7 @@ def test_a_target_its_runtime_cannot_load_fails_alone_and_the_next_is_picked(
 def test_the_imx93_npu_target_checks_the_cpu_s_operators_with_litert_as_the_device_runs_them(
     tmp_path: Path, transformer: Path, digits: dict[str, Path]
 ) -> None:
-    """On the i.MX 93 (Linux), LiteRT runs what vela leaves to the Cortex-A55: GELU included, which TFLite Micro
+    """On the i.MX 93 (Linux), LiteRT runs what vela leaves to the Cortex-A55: SIGN included, which TFLite Micro
     lacks. The Ethos-U target is measured, not failed on a kernel the device does not use."""
     out = tmp_path / "tiny"
     done = _edgeline(_export(f"{transformer}:model", "imx93", digits, out, "--json", "--all"), out)
@@ -193,7 +195,7 @@ def test_when_every_target_fails_the_table_gives_each_reason(
     targets = load_profile("ethos-u55-128").targets
     assert len(rows) == len(targets) == 2
     for row, target in zip(rows, targets, strict=True):
-        assert row.startswith(target.backend) and "GELU" in row, row
+        assert row.startswith(target.backend) and "SIGN" in row, row
     assert "could be exported" in done.stdout and "nothing was written" in done.stdout  # no budget was judged
     assert not out.exists()
 
@@ -208,7 +210,7 @@ def test_an_explicit_target_that_fails_to_load_is_one_error_line(
     errors = [line for line in done.stderr.splitlines() if line.startswith("edgeline export: error: ")]
     assert len(errors) == 1 and done.stderr.rstrip("\n").endswith(errors[0]), done.stderr
     message = errors[0].removeprefix("edgeline export: error: ")
-    assert message.startswith("tflite-micro int8-static: ") and "GELU" in message, message
+    assert message.startswith("tflite-micro int8-static: ") and "SIGN" in message, message
     assert not out.exists()
 
 
