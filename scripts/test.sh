@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The test suite: lint (ruff), types (mypy), then the tests (pytest, on every core). Idempotent.
 #
-#   bash scripts/test.sh            the whole suite: every tier (README's test command, and CI's)
+#   bash scripts/test.sh            the whole suite but the vm tier (README's test command, and CI's)
 #   bash scripts/test.sh --quick    the quick tier only: what a developer runs between two edits (tests/tiers.py)
+#   bash scripts/test.sh --vm       every tier, the vm tier's whole machines too (docs/vm.md): out of CI while its
+#                                   scenario fails one run in three under plain emulation (issue 35's note)
 #
 # Other arguments go to pytest after ours (`-n 0` runs in one process; `-k NAME`, `-x`, ...).
 # EDGELINE_TEST_WORKERS sets how many test processes run (default: one per core).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-tier=()
+tier=(-m "not vm")
+vm=0
 args=()
 for arg in "$@"; do
     case "$arg" in
         --quick) tier=(-m quick) ;;
+        --vm) tier=() vm=1 ;;
         *) args+=("$arg") ;;
     esac
 done
@@ -23,7 +27,7 @@ echo "== ruff" && ruff check . && ruff format --check .
 echo "== mypy" && python -m tests.package_tree >/dev/null && mypy
 prebuild=""
 vm_prebuild=""
-if [ ${#tier[@]} -eq 0 ]; then
+if [ "${tier[*]}" != "-m quick" ]; then
     # The emulated tier's installs (build/arm64: minutes under emulation the first time, seconds when up to date)
     # are built beside the other tiers rather than in front of the emulated tests, which tests/tiers.py runs last
     # and which wait for the build's lock. A failed build fails those tests, naming it.
@@ -32,7 +36,7 @@ if [ ${#tier[@]} -eq 0 ]; then
     prebuild=$!
     # The VM tier's image likewise (build/vm: minutes the first time, seconds when up to date); it needs root, as
     # its tests do (they are skipped otherwise).
-    if [ "$(id -u)" -eq 0 ]; then
+    if [ "$vm" -eq 1 ] && [ "$(id -u)" -eq 0 ]; then
         bash scripts/vm.sh build >build/vm-prebuild.log 2>&1 &
         vm_prebuild=$!
     fi

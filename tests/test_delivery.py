@@ -113,3 +113,27 @@ def test_a_read_back_that_runs_before_the_count_of_a_drop_does_not_hide_the_drop
     overflowed = delivery.outbox.stats().overflowed
     assert overflowed == 40 - len(network.published), (overflowed, network.published)
     assert network.published == [f"a{i}" for i in [0, 1, 2, 3, *range(20, 40)]]
+
+
+def test_a_count_of_drops_that_fails_does_not_stop_the_read_back_for_ever(delivery: Any) -> None:
+    """The tick waits for the posted counts of drops; one that raises (the network thread logs it and goes on) must
+    still let it read back what waits in the outbox."""
+    delivery, network = delivery
+    committed(delivery, network, 0, 10)
+    network.run_posted()
+    network.room = 4
+    delivery.tick()
+    committed(delivery, network, 10, 30)  # drops a4..a19
+    failing = delivery.outbox.count_overflow
+    delivery.outbox.count_overflow = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("counting failed"))
+    with pytest.raises(RuntimeError):
+        network.run_posted()  # MqttConnection logs a task's exception and runs the next
+    delivery.outbox.count_overflow = failing
+    network.run_posted()
+    for _ in range(100):
+        network.room = 4
+        delivery.tick()
+        network.run_posted()
+        if len(network.published) >= 24:
+            break
+    assert network.published[4:] == [f"a{i}" for i in range(20, 40)], network.published

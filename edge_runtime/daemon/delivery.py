@@ -288,8 +288,10 @@ class Delivery:
         """Network thread: of the dropped answers, those never handed to the client are lost (the others are in
         ``_ready`` or in flight, from memory, and are delivered all the same)."""
         handed = self._handed
-        self.outbox.count_overflow(sum(1 for seq in seqs if seq > handed))
-        self._drops_counted += 1
+        try:
+            self.outbox.count_overflow(sum(1 for seq in seqs if seq > handed))
+        finally:  # counted or not, the read-back must not wait for it for ever
+            self._drops_counted += 1
 
     def _hand_over(self, pending: list[Pending], acks: Acks) -> None:
         """Stored answers and their inputs' acknowledgements to the network thread: one task, one wake-up."""
