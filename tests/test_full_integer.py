@@ -246,18 +246,42 @@ def _float_predictions(module: Any, images: np.ndarray) -> np.ndarray:
         return module(torch.from_numpy(images)).numpy()
 
 
-def _micro_predictions(path: Path, images: np.ndarray) -> np.ndarray:
+def _predictions(backend: str, path: Path, images: np.ndarray) -> np.ndarray:
+    """A full-integer model's dequantized outputs, one image at a time, run by ``backend``'s own kernels."""
     from edgeline.backends import open_session
     from edgeline.quantization import dequantize, quantize
 
-    session = open_session("tflite-micro", path)
+    session = open_session(backend, path)
     (spec,), (out,) = session.input_specs(), session.output_specs()
-    assert spec.quantization is not None and out.quantization is not None
+    assert spec.quantization is not None and out.quantization is not None  # full-integer: int8 in and out
     rows = []
     for image in images:
         (raw,) = session.run([quantize(image[None], spec.quantization, np.dtype(np.int8))])
         rows.append(dequantize(raw, out.quantization)[0])
     return np.stack(rows)
+
+
+def _micro_predictions(path: Path, images: np.ndarray) -> np.ndarray:
+    return _predictions("tflite-micro", path, images)
+
+
+def _run_export(model: str, profile: str, digits: tuple[np.ndarray, np.ndarray], tmp_path: Path) -> Any:
+    """``edgeline export`` of ``model`` for ``profile``, calibrated and validated on the digits, into
+    ``tmp_path / "bundle"``: its report."""
+    from edgeline.export.pipeline import ExportOptions, run_export
+
+    images, labels = digits
+    np.savez(tmp_path / "cal.npz", x=images[:CALIBRATION])
+    np.savez(tmp_path / "val.npz", x=images[TRAIN : TRAIN + 64], labels=labels[TRAIN : TRAIN + 64])
+    return run_export(
+        ExportOptions(
+            model=model,
+            profile=profile,
+            calibration=tmp_path / "cal.npz",
+            validation=tmp_path / "val.npz",
+            out=tmp_path / "bundle",
+        )
+    )
 
 
 @pytest.mark.parametrize("factory", FACTORIES)
@@ -304,20 +328,7 @@ def test_a_division_by_a_computed_value_is_named_with_the_model_s_line(
 def test_run_export_for_ethos_u55_picks_the_npu_for_the_normalising_model(
     models: Path, digits: tuple[np.ndarray, np.ndarray], tmp_path: Path
 ) -> None:
-    from edgeline.export.pipeline import ExportOptions, run_export
-
-    images, labels = digits
-    np.savez(tmp_path / "cal.npz", x=images[:CALIBRATION])
-    np.savez(tmp_path / "val.npz", x=images[TRAIN : TRAIN + 64], labels=labels[TRAIN : TRAIN + 64])
-    report = run_export(
-        ExportOptions(
-            model=f"{models}:normalising_cnn",
-            profile="ethos-u55-128",
-            calibration=tmp_path / "cal.npz",
-            validation=tmp_path / "val.npz",
-            out=tmp_path / "bundle",
-        )
-    )
+    report = _run_export(f"{models}:normalising_cnn", "ethos-u55-128", digits, tmp_path)
     outcomes = [(o.backend, o.status, o.reason) for o in report.outcomes]
     assert report.selected is not None and report.selected.backend == "ethos-u", outcomes
     manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())

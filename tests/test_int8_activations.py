@@ -20,7 +20,7 @@ import pytest
 
 from edgeline.device_profiles import Precision
 from tests.cache import cached
-from tests.test_full_integer import CALIBRATION, TRAIN, _float_predictions, _request, _train, digits
+from tests.test_full_integer import TRAIN, _float_predictions, _predictions, _request, _run_export, _train, digits
 
 __all__ = ["digits"]  # the fixture, shared with test_full_integer
 
@@ -100,21 +100,6 @@ def _module(source: Path, activation: str) -> Any:
     return load_model(f"{source}:{activation}").module
 
 
-def _predictions(backend: str, path: Path, images: np.ndarray) -> np.ndarray:
-    """The int8 model's dequantized outputs, one image at a time, run by ``backend``'s own kernels."""
-    from edgeline.backends import open_session
-    from edgeline.quantization import dequantize, quantize
-
-    session = open_session(backend, path)
-    (spec,), (out,) = session.input_specs(), session.output_specs()
-    assert spec.quantization is not None and out.quantization is not None  # full-integer: int8 in and out
-    rows = []
-    for image in images:
-        (raw,) = session.run([quantize(image[None], spec.quantization, np.dtype(np.int8))])
-        rows.append(dequantize(raw, out.quantization)[0])
-    return np.stack(rows)
-
-
 def _operators(path: Path) -> list[tuple[str, bool]]:
     """(TFLite operator, computes in int8) for every operator of the model but the (de)quantizations."""
     from ai_edge_litert.interpreter import Interpreter
@@ -182,21 +167,9 @@ def test_gelu_goes_to_tflite_micro_as_its_tanh_approximation(
 def test_a_gelu_model_exports_for_cortex_m4_and_the_bundle_says_gelu_was_approximated(
     models: Path, digits: tuple[np.ndarray, np.ndarray], tmp_path: Path
 ) -> None:
-    from edgeline.export.pipeline import ExportOptions, run_export
     from edgeline.export.report import format_report
 
-    images, labels = digits
-    np.savez(tmp_path / "cal.npz", x=images[:CALIBRATION])
-    np.savez(tmp_path / "val.npz", x=images[TRAIN : TRAIN + 64], labels=labels[TRAIN : TRAIN + 64])
-    report = run_export(
-        ExportOptions(
-            model=f"{models}:gelu",
-            profile="cortex-m4",
-            calibration=tmp_path / "cal.npz",
-            validation=tmp_path / "val.npz",
-            out=tmp_path / "bundle",
-        )
-    )
+    report = _run_export(f"{models}:gelu", "cortex-m4", digits, tmp_path)
     outcomes = [(o.backend, o.status, o.reason) for o in report.outcomes]
     assert report.selected is not None and report.selected.backend == "tflite-micro", outcomes
     manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
