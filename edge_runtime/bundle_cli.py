@@ -34,6 +34,11 @@ def register(subparsers: Any) -> None:
     )
     show.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory")
     show.add_argument("--json", action="store_true", help="print one JSON document")
+    show.add_argument(
+        "--layers",
+        action="store_true",
+        help="also every layer's SQNR and cosine against the float model (a quantized bundle's), worst marked",
+    )
     show.set_defaults(func=run_show)
 
 
@@ -111,6 +116,7 @@ def describe_bundle(bundle: Bundle) -> dict[str, Any]:
             "threshold": post.threshold,
         },
         "fidelity": manifest.fidelity.model_dump(),
+        "quantization": None if manifest.quantization is None else manifest.quantization.model_dump(),
         "placement": _placement(manifest.placement),
         "estimates": None if manifest.estimates is None else manifest.estimates.model_dump(),
         "memory": _memory(manifest),
@@ -166,7 +172,8 @@ def _estimates_line(estimates: dict[str, Any]) -> str:
         f"DRAM {estimates['dram_bytes']:,} B" if estimates["dram_bytes"] is not None else None,
     ]
     shown = ", ".join(f for f in figures if f)
-    return f"{shown} (estimated by {estimates['tool']} for {estimates['target']}; not measured)"
+    covers = f"; {estimates['covers']}" if estimates.get("covers") else ""
+    return f"{shown} (estimated by {estimates['tool']} for {estimates['target']}; not measured{covers})"
 
 
 _MEMORY_FIGURES = {"resident_mb": "resident", "arena_bytes": "TFLite Micro arena"}
@@ -232,6 +239,9 @@ def format_description(info: dict[str, Any]) -> str:
         + ("manifest.sig present, not verified (bundles are verified by an update repository's signed metadata)"
            if signature["present"] else "none in the bundle (`edgeline publish` signs it in an update repository)"),
     ]  # fmt: skip
+    if info["quantization"] is not None:
+        lines.insert(lines.index(f"fidelity:     {_fidelity_line(info['fidelity'])}") + 1,
+                     f"quantization: {_quantization_line(info['quantization'])}")  # fmt: skip
     if info["estimates"] is not None:
         lines.insert(lines.index(f"placement:    {_placement_line(info['placement'])}") + 1,
                      f"estimates:    {_estimates_line(info['estimates'])}")  # fmt: skip
@@ -241,9 +251,85 @@ def format_description(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _quantization_line(quantization: dict[str, Any]) -> str:
+    from edgeline.manifest import LayerFidelity, worst_layers
+
+    parts = []
+    if quantization["kept_float"]:
+        kept = ", ".join(entry["module"] for entry in quantization["kept_float"])
+        parts.append(f"mixed precision: {kept} kept float32 ({quantization['int8_missed']} with every layer int8)")
+    layers = tuple(LayerFidelity.model_validate(layer) for layer in quantization["layers"])
+    worst = worst_layers(layers, 1)
+    if worst:
+        parts.append(
+            f"{len(layers)} layers measured, the most noise added at {worst[0].module} ({worst[0].operator}, "
+            f"{worst[0].added_sqnr_db:.1f} dB): --layers for each"
+        )
+    elif not layers:
+        parts.append(f"layers not measured: {quantization['layers_unknown'] or 'none recorded'}")
+    for rewrite in quantization["rewrites"]:
+        parts.append(f"{rewrite['operator']} ({rewrite['count']}) computes {rewrite['replacement']}")
+    return "; ".join(parts) or "nothing beyond the precision"
+
+
+def format_layers(info: dict[str, Any]) -> str:
+    """``--layers``: one row per torch layer in execution order, the five that lost the most marked."""
+    from edgeline.manifest import LayerFidelity, worst_layers
+
+    quantization = info["quantization"]
+    if quantization is None:
+        return f"layers:       none recorded ({info['precision']}: nothing was quantized)"
+    layers = tuple(LayerFidelity.model_validate(layer) for layer in quantization["layers"])
+    if not layers:
+        return f"layers:       not measured: {quantization['layers_unknown'] or 'this bundle records none'}"
+    worst = {layer.module: rank for rank, layer in enumerate(worst_layers(layers), 1)}
+    kept = {entry["module"] for entry in quantization["kept_float"]}
+
+    def note(module: str) -> str:
+        marks = ["kept float32 (mixed precision)"] if module in kept else []
+        marks += [f"worst {worst[module]}"] if module in worst else []
+        return f"<- {', '.join(marks)}" if marks else ""
+
+    header = ("layer", "operator", "shape", "added SQNR", "worst channel", "SQNR", "cosine", "")
+    rows = [header] + [
+        (
+            layer.module,
+            layer.operator,
+            "x".join(map(str, layer.shape)),
+            _db(layer.added_sqnr_db, "adds none"),
+            _db(layer.channel_sqnr_db, "exact"),
+            _db(layer.sqnr_db, "exact"),
+            f"{layer.cosine:.6f}",
+            note(layer.module),
+        )
+        for layer in layers
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        f"layers:       {len(layers)} layers against the float model on {quantization['layers_samples']} validation "
+        f"samples ({quantization['layers_measured_with']})",
+        "              added SQNR: of the noise the layer adds itself (the lowest lost the most); worst channel: "
+        "the SQNR of its worst channel; SQNR and cosine: of its whole output, accumulated",
+        *(
+            "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            for row in rows
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _db(value: float | None, none: str) -> str:
+    return none if value is None else f"{value:.1f} dB"
+
+
 def run_show(args: argparse.Namespace) -> int:
     from edgeline.bundle import read_bundle
 
     info = describe_bundle(read_bundle(args.bundle))
-    print(json.dumps(info, indent=2) if args.json else format_description(info))
+    if args.json:
+        print(json.dumps(info, indent=2))
+    elif args.layers:
+        print(format_description(info) + "\n" + format_layers(info))
+    else:
+        print(format_description(info))
     return 0

@@ -22,6 +22,8 @@ __all__ = [
     "FileEntry",
     "Firmware",
     "Golden",
+    "KeptFloat",
+    "LayerFidelity",
     "Manifest",
     "Memory",
     "Placement",
@@ -34,6 +36,7 @@ __all__ = [
     "TensorSpec",
     "Window",
     "percent",
+    "worst_layers",
 ]
 
 SCHEMA_VERSION = 1
@@ -334,6 +337,8 @@ class Estimates(_Frozen):
     flash_bytes: int | None = Field(default=None, ge=0)
     dram_bytes: int | None = Field(default=None, ge=0)
     macs: int | None = Field(default=None, ge=0)
+    covers: str | None = None
+    """What the figures cover, and what they leave out (vela's: the NPU's part, not the operators left to the CPU)."""
 
 
 class Firmware(_Frozen):
@@ -365,10 +370,58 @@ class Rewrite(_Frozen):
     count: int = Field(default=1, ge=1)  # how many of them
 
 
+class LayerFidelity(_Frozen):
+    """How far one torch layer's output in the deployed model is from the float model's (``quantization.layers``).
+
+    Accumulated: the layer computes from the deployed model's own inputs, so its figures include what every layer
+    before it lost. ``sqnr_db`` is the whole tensor's, ``channel_sqnr_db`` its worst channel's (axis 1): an outlier
+    channel that takes the quantization range crushes the others, which the whole tensor's SQNR hides.
+    ``added_sqnr_db`` is the SQNR of the noise the layer adds itself: its worst channel's relative noise less that of
+    the layer before it in execution order (None: it adds none, or the signal was already lost before it: worst-channel
+    SQNR under 3 dB). The lowest names the layer that lost accuracy.
+    ``None`` SQNRs: no difference at all; -999: the float values are all zero and the deployed ones not."""
+
+    module: str  # the torch module's path in the model, e.g. "features.2"
+    operator: str  # its class, e.g. "Conv2d"
+    shape: tuple[int, ...]  # the float model's output shape
+    sqnr_db: float | None
+    channel_sqnr_db: float | None = None
+    cosine: float = Field(ge=-1.0, le=1.0)
+    added_sqnr_db: float | None = None
+
+
+class KeptFloat(_Frozen):
+    """A layer left in float in an int8 model, because int8 missed the accuracy budget (``quantization.kept_float``)."""
+
+    module: str  # e.g. "features.2"
+    operator: str  # e.g. "Conv2d"
+    added_bytes: int = Field(ge=0)  # its weights in float32 rather than int8: 3 bytes more per parameter
+    accelerator_macs_share: float | None = Field(default=None, ge=0.0, le=1.0)
+    """The share of the model's multiply-accumulates it takes off the accelerator; None: the target has none."""
+    reason: str  # why this layer: its output's rank by the noise int8 adds, or that it reads such an output
+
+
+def worst_layers(layers: tuple[LayerFidelity, ...], count: int = 5) -> list[LayerFidelity]:
+    """The layers that added the most noise (the lowest ``added_sqnr_db``), worst first."""
+    adding = [layer for layer in layers if layer.added_sqnr_db is not None]
+    return sorted(adding, key=lambda layer: (layer.added_sqnr_db, layer.module))[:count]
+
+
 class QuantizationSummary(_Frozen):
-    """What quantizing the model changed beyond the numbers' precision."""
+    """What quantizing the model changed beyond the numbers' precision, and where it lost accuracy."""
 
     rewrites: tuple[Rewrite, ...] = ()
+    layers: tuple[LayerFidelity, ...] = ()
+    """Per torch layer, in execution order: the deployed model against the float model on ``layers_samples``
+    validation samples, read with ``layers_measured_with``; none, and why in ``layers_unknown``, where they were
+    not measured."""
+    kept_float: tuple[KeptFloat, ...] = ()
+    """Mixed precision: the layers left in float, in the order they were chosen."""
+    int8_missed: str | None = None
+    """With ``kept_float``: the budget the model missed with every layer int8."""
+    layers_samples: int = Field(default=0, ge=0)
+    layers_measured_with: str | None = None
+    layers_unknown: str | None = None
 
 
 class Manifest(_Frozen):

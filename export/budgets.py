@@ -8,7 +8,7 @@ from __future__ import annotations
 from edgeline.device_profiles import Budgets, Precision
 from edgeline.manifest import Fidelity, Firmware, Memory, Placement, percent
 
-__all__ = ["budget_violations", "judged_share"]
+__all__ = ["budget_violations", "fidelity_shortfall", "fidelity_violations", "judged_share"]
 
 
 def budget_violations(
@@ -42,6 +42,27 @@ def budget_violations(
         if memory.arena_bytes is not None and memory.arena_bytes > budgets.max_memory_mb * 2**20:
             found.append(f"TFLite Micro arena {memory.arena_bytes} B > budget {budgets.max_memory_mb} MB")
     found.extend(_placement_violations(budgets, placement, precision))
+    found.extend(fidelity_violations(budgets, fidelity))
+    return found
+
+
+def fidelity_shortfall(fidelity: Fidelity) -> float:
+    """How far the measure that decides the fidelity budget is from perfect, lower better: accuracy points lost,
+    else disagreement in percent, else one minus the minimum cosine (see ``fidelity_violations``)."""
+    if fidelity.status != "measured":
+        return float("inf")
+    if fidelity.accuracy is not None and fidelity.accuracy_float is not None:
+        return (fidelity.accuracy_float - fidelity.accuracy) * 100.0
+    if fidelity.top1_agreement is not None:
+        return (1.0 - fidelity.top1_agreement) * 100.0
+    if fidelity.anomaly_agreement is not None:
+        return (1.0 - fidelity.anomaly_agreement) * 100.0
+    return 1.0 - fidelity.cosine_min if fidelity.cosine_min is not None else float("inf")
+
+
+def fidelity_violations(budgets: Budgets, fidelity: Fidelity) -> list[str]:
+    """The fidelity budget's share of ``budget_violations``: nothing for a fidelity not measured."""
+    found: list[str] = []
     if fidelity.status != "measured":
         return found
     # The most meaningful measure available decides: accuracy against labels, else agreement with the float

@@ -85,6 +85,13 @@ def register(subparsers: Any) -> None:
         type=float,
         help="anomaly threshold (default: 99th percentile of the float model's calibration scores)",
     )
+    parser.add_argument(
+        "--no-mixed-precision",
+        dest="mixed_precision",
+        action="store_false",
+        help="when int8-static misses the accuracy budget, reject it rather than keep its most sensitive layers in "
+        "float (LiteRT and ONNX Runtime keep them by default; the manifest's quantization.kept_float lists them)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
     parser.set_defaults(func=run)
 
@@ -142,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         threshold=args.threshold,
         all_targets=args.all,
         version=args.version,
+        mixed_precision=args.mixed_precision,
     )
     with Progress() as progress:
         report = run_export(options, progress)

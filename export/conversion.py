@@ -23,11 +23,15 @@ from edgeline.samples import SampleSet
 
 __all__ = [
     "Culprit",
+    "MissingKernel",
     "check_traceable",
     "convert",
     "failure_reason",
     "find_culprit",
+    "missing_kernel",
+    "module_path",
     "node_culprit",
+    "on_micro_kernels",
     "target_error",
     "with_alternatives",
 ]
@@ -55,13 +59,20 @@ def _source_line(stack_trace: str | None) -> str | None:
     return None
 
 
+def module_path(node: Any) -> str | None:
+    """The path of the innermost module whose code made the torch.fx ``node`` (``features.2``), from torch.export's
+    ``nn_module_stack``; older torch wrote it ``L['self'].features[2]``."""
+    stack = (getattr(node, "meta", {}) or {}).get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, _ = list(stack.values())[-1]
+    path = re.sub(r"^L\['self'\]\.?", "", str(path))
+    return re.sub(r"\[(\d+)\]", r".\1", re.sub(r"\['([^']+)'\]", r".\1", path)).lstrip(".") or None
+
+
 def node_culprit(node: Any, operator: str | None = None) -> Culprit:
     meta = getattr(node, "meta", {}) or {}
-    modules = meta.get("nn_module_stack") or {}
-    module = None
-    if modules:
-        path, _ = list(modules.values())[-1]
-        module = re.sub(r"^L\['self'\]\.|^L__self___?", "", str(path)).replace("_", ".") if path else None
+    module = module_path(node)
     target = getattr(node, "target", None)
     name = operator or str(getattr(target, "__name__", target))
     return Culprit(operator=name.replace("::", "."), module=module, source=_source_line(meta.get("stack_trace")))
@@ -256,6 +267,72 @@ def failure_reason(exc: Exception, staging: Path) -> str:
     for folder in sorted({str(staging), str(staging.absolute()), str(staging.resolve())}, key=len, reverse=True):
         text = text.replace(folder + os.sep, "").replace(folder, "the bundle")
     return text or type(exc).__name__
+
+
+_MISSING_KERNEL = re.compile(r"TFLite Micro could not load the model: Didn't find op for builtin opcode '([A-Z0-9_]+)'")
+
+
+@dataclass(frozen=True)
+class MissingKernel:
+    """A TFLite builtin operator the model needs and TFLite Micro has no kernel for, found by ``found_by``."""
+
+    operator: str  # the TFLite builtin, e.g. "SIGN"
+    where: str  # the torch code that made it: "aten.sign in head (model.py:12: return torch.sign(x))", or ""
+    found_by: str  # the target that failed on it, e.g. "ethos-u int8-static"
+
+
+def on_micro_kernels(target: Target, profile: Any) -> bool:
+    """Whether TFLite Micro's kernels run this target's model here and on the device: ``tflite-micro``, and
+    ``ethos-u`` for a microcontroller (whose CPU part and int8 copy are TFLite Micro's; on Linux, LiteRT's)."""
+    return target.backend == "tflite-micro" or (target.backend == "ethos-u" and not getattr(profile, "daemon", None))
+
+
+def missing_kernel(
+    reason: str, target: Target, staging: Path, module: Any, example: tuple[Any, ...]
+) -> MissingKernel | None:
+    """The TFLite Micro kernel ``reason`` (a target's failure) says is missing, and where the model made it: the
+    operator's output tensor in the staged LiteRT model names the torch module (litert-torch writes its location),
+    and torch.export's record of that module's nodes gives the line."""
+    found = _MISSING_KERNEL.search(reason)
+    if found is None:
+        return None
+    operator = found.group(1)
+    where = ""
+    try:
+        where = _where_in_model(operator, staging, module, example)
+    except Exception:  # naming the place is a courtesy; the operator itself is certain
+        logger.debug("could not find where the model makes %s", operator, exc_info=True)
+    return MissingKernel(operator, where, f"{target.backend} {target.precision.value}")
+
+
+def _where_in_model(operator: str, staging: Path, module: Any, example: tuple[Any, ...]) -> str:
+    import torch
+    from ai_edge_litert.interpreter import Interpreter
+
+    from edgeline.export.layers import module_of_location
+
+    for path in sorted(staging.glob("*.tflite")):
+        interpreter = Interpreter(model_path=str(path))
+        ops = getattr(interpreter, "_get_ops_details", None)  # the only listing of operators in its Python API
+        if ops is None:
+            return ""
+        names = {detail["index"]: str(detail["name"]) for detail in interpreter.get_tensor_details()}
+        places = [
+            place
+            for op in ops()
+            if op["op_name"] == operator
+            for index in op["outputs"]
+            for location in names.get(index, "").split(";")
+            if (place := module_of_location(location, module)) is not None
+        ]
+        if not places:
+            continue
+        for node in torch.export.export(module, example).graph.nodes:
+            aten = str(getattr(node.target, "__name__", node.target)).split(".")[0]
+            if node.op == "call_function" and (module_path(node) or "") == places[0] and aten == operator.lower():
+                return describe_culprit(node_culprit(node, operator=f"aten.{aten}"))
+        return f"in {places[0]}" if places[0] else "in the model's own forward"
+    return ""
 
 
 def target_error(

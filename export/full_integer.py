@@ -48,7 +48,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
-from edgeline.export.conversion import Culprit, describe_culprit, node_culprit
+from edgeline.export.conversion import Culprit, describe_culprit, module_path, node_culprit
 from edgeline.export.errors import LoweringError
 from edgeline.manifest import Rewrite
 
@@ -259,6 +259,29 @@ def _share_fixed_outputs(model: GraphModule) -> None:
                 annotation.input_qspec_map[source] = SharedQuantizationSpec(source)
 
 
+def _keep_float(model: GraphModule, modules: tuple[str, ...], activation: Any) -> None:
+    """Takes back the annotations of the operators inside ``modules`` (and their submodules), and every input edge
+    of another operator that shares a quantization with one of them."""
+    if not modules:
+        return
+    kept = set()
+    for node in model.graph.nodes:
+        path = module_path(node)
+        inside = path is not None and any(path == m or path.startswith(m + ".") for m in modules)
+        if inside and node.meta.pop("quantization_annotation", None) is not None:
+            kept.add(node)
+    for node in model.graph.nodes:
+        annotation = node.meta.get("quantization_annotation")
+        if annotation is None:
+            continue
+        for source, spec in list(annotation.input_qspec_map.items()):
+            if not isinstance(spec, SharedQuantizationSpec):
+                continue
+            shared = spec.edge_or_node[0] if isinstance(spec.edge_or_node, tuple) else spec.edge_or_node
+            if shared in kept:
+                annotation.input_qspec_map[source] = activation
+
+
 def _annotated(node: Node) -> bool:
     annotation = node.meta.get("quantization_annotation")
     return annotation is not None and bool(annotation._annotated)
@@ -268,11 +291,14 @@ class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch
     """litert-torch's PT2E quantizer (symmetric per-channel weights, int8 activations) that also quantizes the
     element-wise arithmetic, SOFTMAX and LOG_SOFTMAX: see the module's docstring."""
 
-    def __init__(self, *, gelu_kernel: bool = True) -> None:
+    def __init__(self, *, gelu_kernel: bool = True, keep_float: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=False))
         self.gelu_kernel = gelu_kernel
         """False: the target has no GELU kernel (TFLite Micro): GELU becomes its tanh approximation."""
+        self.keep_float = keep_float
+        """Module paths whose operators stay float (mixed precision): their annotations are taken back, so a
+        dequantize comes before them and a quantize after."""
         self.rewrites: list[Rewrite] = []
         """What the rewrites changed of the function the model computes (the manifest's ``quantization.rewrites``)."""
 
@@ -299,6 +325,7 @@ class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch
             node.meta["quantization_annotation"] = QuantizationAnnotation(
                 input_qspec_map=inputs, output_qspec=output, _annotated=True
             )
+        _keep_float(model, self.keep_float, activation)
         propagate_annotation(model)  # reshapes after the operators annotated here share their quantization
         _share_fixed_outputs(model)
         return model

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import math
 import os
 import platform
 import re
@@ -27,19 +28,38 @@ from edgeline import bundle as bundle_io
 from edgeline.backends import open_session
 from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
-from edgeline.export.backends import EXPORT_BACKENDS, ExportedModel, ExportRequest, Verification
-from edgeline.export.budgets import budget_violations
+from edgeline.export.backends import EXPORT_BACKENDS, KEEPS_FLOAT, ExportedModel, ExportRequest, Verification
+from edgeline.export.budgets import budget_violations, fidelity_shortfall, fidelity_violations
 from edgeline.export.c_sources import write_c_sources
 from edgeline.export.calibration import check_model_runs, load_model_samples
-from edgeline.export.conversion import check_traceable, convert, failure_reason, target_error
+from edgeline.export.conversion import (
+    MissingKernel,
+    check_traceable,
+    convert,
+    failure_reason,
+    missing_kernel,
+    on_micro_kernels,
+    target_error,
+)
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError
 from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
+from edgeline.export.layers import fused_into, measure_layers, not_measured_layers, output_readers
 from edgeline.export.loading import LoadedModel, load_model
 from edgeline.export.memory import measure_memory, not_measured
 from edgeline.export.progress import Progress, Silent
 from edgeline.export.report import ExportReport, TargetOutcome
 from edgeline.export.staging import write_bundle, write_float_golden, write_golden
-from edgeline.manifest import NAME_PATTERN, Device, Fidelity, Firmware, Memory, Postprocess, QuantizationSummary
+from edgeline.manifest import (
+    NAME_PATTERN,
+    Device,
+    Fidelity,
+    Firmware,
+    KeptFloat,
+    Memory,
+    Postprocess,
+    QuantizationSummary,
+    worst_layers,
+)
 from edgeline.model import load
 from edgeline.native_output import capture_native_output
 from edgeline.postprocess import interpret
@@ -71,6 +91,9 @@ class ExportOptions:
     """``--all``: try every target and write each that passes to OUT/BACKEND-PRECISION; the order still picks."""
     version: int | None = None
     """``--version``: the bundle's version; None: 1, or one more than the bundle it replaces."""
+    mixed_precision: bool = True
+    """An int8-static target that misses only the accuracy budget keeps its most sensitive layers in float
+    (``--no-mixed-precision``: it is rejected)."""
 
 
 def _targets(profile: Profile, backend: str | None, precision: Precision | None) -> list[Target]:
@@ -174,6 +197,13 @@ def _destination(options: ExportOptions, out: Path, target: Target) -> Path:
     return out / f"{target.backend}-{target.precision.value}" if options.all_targets else out
 
 
+MIXED_STEPS = 4
+"""At most this many layers tried in float, one at a time, when int8 misses the accuracy budget."""
+MIXED_MAX_WEIGHTS = 0.5
+"""Mixed precision stops before the layers kept in float hold more than this share of the weights: the profile's
+float target is the cheaper choice then."""
+
+
 def _try_target(
     target: Target,
     outcome: TargetOutcome,
@@ -185,7 +215,94 @@ def _try_target(
     common: dict[str, Any],
     staging: Path,
     progress: Progress,
+    mixed_precision: bool = True,
 ) -> None:
+    """Export, measure and judge one target; an int8-static target that misses only the accuracy budget tries
+    mixed precision (see ``_keep_float``)."""
+    arguments = (loaded, calibration, validation, reference, profile, common, staging, progress)
+    violations = _build(target, outcome, *arguments)
+    if (
+        mixed_precision
+        and outcome.status == "rejected"
+        and target.precision is Precision.INT8_STATIC
+        and target.backend in KEEPS_FLOAT
+        and outcome.layers
+        and outcome.fidelity is not None
+        and violations == fidelity_violations(profile.budgets, outcome.fidelity)
+    ):
+        _keep_float(target, outcome, arguments)
+
+
+def _keep_float(target: Target, outcome: TargetOutcome, arguments: tuple[Any, ...]) -> None:
+    """Mixed precision by the accuracy budget, as NNCF's accuracy control does it: the layers ranked by the noise
+    they add (``quantization.layers``); the top one's output tensor kept in float, which takes the layer and every
+    layer that reads that tensor (they share its quantization); the fidelity measured again, and a group that did
+    not help put back in int8; until the budget holds, ``MIXED_STEPS`` groups were tried, or the float layers would
+    hold more than ``MIXED_MAX_WEIGHTS`` of the weights (a float target is cheaper then). The outcome is the last
+    build's; one that never met the budget says what was tried."""
+    loaded, calibration, progress = arguments[0], arguments[1], arguments[7]
+    first_reason = outcome.reason
+    best = fidelity_shortfall(outcome.fidelity) if outcome.fidelity is not None else math.inf
+    modules = dict(loaded.module.named_modules())
+    operators = {layer.module: layer.operator for layer in outcome.layers}
+    total = sum(p.numel() for p in loaded.module.parameters()) or 1
+    readers = output_readers(loaded.module, calibration.sample(0))
+    kept: list[KeptFloat] = []
+    tried: list[str] = []
+    for rank, layer in enumerate(worst_layers(outcome.layers, count=len(outcome.layers))[:MIXED_STEPS], 1):
+        fused = fused_into(layer.module, readers, set(operators))
+        members = (*fused, layer.module, *readers.get(layer.module, ()))
+        group = [name for name in dict.fromkeys(members) if name not in {k.module for k in kept}]
+        weights = {name: sum(p.numel() for p in modules[name].parameters()) for name in group}
+        if sum(k.added_bytes for k in kept) // 3 + sum(weights.values()) > MIXED_MAX_WEIGHTS * total:
+            break
+        why = f"its output ranked {rank} by the noise int8 adds to it ({layer.added_sqnr_db:.1f} dB SQNR)"
+        candidates = [
+            KeptFloat(
+                module=name,
+                operator=operators.get(name) or type(modules[name]).__name__,
+                added_bytes=3 * weights[name],
+                reason=why
+                if name == layer.module
+                else f"computes in one kernel with {layer.module} (no tensor of its own)"
+                if name in fused
+                else f"reads the output of {layer.module}, kept float with it",
+            )
+            for name in group
+        ]
+        tried.append(layer.module)
+        progress(f"{target.backend} {target.precision.value}: {first_reason}; keeping {', '.join(group)} in float")
+        _build(target, outcome, *arguments, kept=(*kept, *candidates), int8_missed=first_reason)
+        if outcome.status == "selected":
+            return
+        shortfall = fidelity_shortfall(outcome.fidelity) if outcome.fidelity is not None else math.inf
+        if shortfall < best:  # it helped: kept, and the next group goes on from here
+            kept.extend(candidates)
+            best = shortfall
+    outcome.reason = (
+        f"{first_reason}; keeping the outputs of {', '.join(tried)} in float one at a time (mixed precision) did "
+        "not meet it"
+        if tried
+        else f"{first_reason}; no layer could be kept in float within {MIXED_MAX_WEIGHTS:.0%} of the weights"
+    )
+
+
+def _build(
+    target: Target,
+    outcome: TargetOutcome,
+    loaded: LoadedModel,
+    calibration: SampleSet,
+    validation: SampleSet,
+    reference: FloatReference,
+    profile: Profile,
+    common: dict[str, Any],
+    staging: Path,
+    progress: Progress,
+    *,
+    kept: tuple[KeptFloat, ...] = (),
+    int8_missed: str | None = None,
+) -> list[str]:
+    """One export of ``target`` into ``staging``, measured and judged into ``outcome``; its budget violations."""
     import torch
 
     start = time.perf_counter()
@@ -199,6 +316,7 @@ def _try_target(
         out_dir=staging,
         input_names=loaded.forward_parameters or tuple(f"input_{i}" for i in range(len(calibration.inputs))),
         profile=profile,
+        keep_float=tuple(k.module for k in kept),
     )
     progress(f"{target.backend} {target.precision.value}: converting")
     exported = convert(request, target)
@@ -243,6 +361,10 @@ def _try_target(
     write_bundle(staging, exported, fields)
     if check.backend is None:  # nothing here runs it: say so, never a number; the device measures it (verify)
         fidelity = Fidelity(status="not-measured", reason=check.reason or "no runtime here", reference=REFERENCE)
+        if target.precision.integer:
+            fields["quantization"] = QuantizationSummary(
+                rewrites=exported.rewrites, **not_measured_layers(check.reason or "no runtime here").fields()
+            )
         golden = write_float_golden(staging, validation, reference.outputs)
         manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
         bundle_io.read_bundle(staging)  # sizes and hashes, as a device checks them
@@ -256,6 +378,24 @@ def _try_target(
             fidelity = fidelity.model_copy(update={"measured_with": check.measured_with})
         latency = median_latency_ms(model, validation.sample(0)) if exported.verification is None else None
         golden = write_golden(staging, model, validation, exported.output_steps)
+        if target.precision.integer:
+            progress(f"{target.backend} {target.precision.value}: comparing each layer with the float model's")
+            layers = measure_layers(
+                loaded.module,
+                validation,
+                target.backend,
+                check.backend,
+                staging / measured_file,
+                exported.input_names,
+                calibration,
+                dynamic=target.precision is Precision.INT8_DYNAMIC,
+            )
+            fields["quantization"] = QuantizationSummary(
+                rewrites=exported.rewrites, kept_float=kept, int8_missed=int8_missed, **layers.fields()
+            )
+            if not kept:  # the ranking mixed precision goes by is plain int8's
+                outcome.layers = layers.layers
+            outcome.kept_float, outcome.int8_missed = kept, int8_missed
         manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
         with _runtime_quiet():  # the final bundle must verify exactly as a device will read it
             load(staging, backend=check.backend, model_file=check.model_file, threads=1)
@@ -286,6 +426,34 @@ def _try_target(
         outcome.reason = "; ".join(violations)
     else:
         outcome.status = "selected"
+    return violations
+
+
+def _supported_by(profile: Profile) -> str:
+    """The profile's targets whose runtime has every TFLite builtin kernel (LiteRT: ``litert``, and ``ethos-u`` on
+    Linux, whose CPU part LiteRT runs); the others' formats have their own operators, known only once tried."""
+    full = [
+        f"{t.backend} {t.precision.value}"
+        for t in profile.targets
+        if t.backend == "litert" or (t.backend == "ethos-u" and not on_micro_kernels(t, profile))
+    ]
+    return f"targets of {profile.id} whose runtime has it (LiteRT): {', '.join(full)}" if full else (
+        f"no target of {profile.id} runs LiteRT, which has every TFLite kernel"
+    )  # fmt: skip
+
+
+def _missing_reason(reason: str, missing: MissingKernel, profile: Profile) -> str:
+    where = f"; the model makes {missing.operator} at {missing.where}" if missing.where else ""
+    return f"{reason}{where}; {_supported_by(profile)}"
+
+
+def _not_again(missing: MissingKernel, profile: Profile) -> str:
+    """Why a later TFLite Micro target is not converted: the same int8 model would fail on the same kernel."""
+    where = f" (made by {missing.where})" if missing.where else ""
+    return (
+        f"not converted again: its model runs on TFLite Micro's kernels, which lack {missing.operator}{where}, as "
+        f"{missing.found_by} found; {_supported_by(profile)}"
+    )
 
 
 def firmware_memory(firmware: Firmware) -> Memory:
@@ -370,8 +538,13 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
         [_next_version(d, options.version) for d in destinations] if options.all_targets else [version] * len(targets)
     )
     cleared = not options.all_targets
+    missing: MissingKernel | None = None  # a TFLite Micro kernel the model needs and that runtime lacks
     try:
         for target, outcome, destination, version in zip(targets, report.outcomes, destinations, versions, strict=True):
+            if missing is not None and on_micro_kernels(target, profile):
+                outcome.status, outcome.reason = "failed", _not_again(missing, profile)
+                progress(f"{target.backend} {target.precision.value}: not converted: {outcome.reason}")
+                continue
             try:
                 _try_target(
                     target,
@@ -384,6 +557,7 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
                     dict(common, version=version),
                     staging,
                     progress,
+                    options.mixed_precision,
                 )
             except MemoryError:
                 raise
@@ -395,6 +569,11 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
                     if error is exc:
                         raise
                     raise error from exc
+                if on_micro_kernels(target, profile):
+                    example = tuple(torch.from_numpy(a) for a in calibration.sample(0))
+                    missing = missing_kernel(reason, target, staging, loaded.module, example) or missing
+                    if missing is not None and missing.found_by == f"{target.backend} {target.precision.value}":
+                        reason = _missing_reason(reason, missing, profile)
                 outcome.status, outcome.reason = "failed", reason
             if outcome.status == "selected":
                 if report.selected is not outcome:  # an earlier target was picked: this one only passed (--all)
@@ -419,9 +598,16 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if report.selected is None and explicit and report.outcomes[0].status == "rejected":
+        worst = worst_layers(report.outcomes[0].layers, 1)
+        where = (
+            f"; the layer that lost the most in int8: {worst[0].module} ({worst[0].operator}, the noise it adds at "
+            f"{worst[0].added_sqnr_db:.1f} dB SQNR; edgeline export --json lists every layer)"
+            if worst
+            else ""
+        )
         raise BudgetError(
             f"{targets[0].backend} {targets[0].precision.value} misses the {profile.id} budgets: "
-            f"{report.outcomes[0].reason}"
+            f"{report.outcomes[0].reason}{where}"
         )
     return report
 

@@ -6,9 +6,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from edgeline.manifest import Budgets, Estimates, Fidelity, Memory, Placement, Rewrite, percent
+from edgeline.manifest import (
+    Budgets,
+    Estimates,
+    Fidelity,
+    KeptFloat,
+    LayerFidelity,
+    Memory,
+    Placement,
+    Rewrite,
+    percent,
+    worst_layers,
+)
 
-__all__ = ["ExportReport", "TargetOutcome", "fidelity_summary", "format_report", "memory_summary", "shares"]
+__all__ = [
+    "ExportReport",
+    "TargetOutcome",
+    "fidelity_summary",
+    "format_report",
+    "memory_summary",
+    "shares",
+]
 
 
 @dataclass
@@ -27,6 +45,11 @@ class TargetOutcome:
     memory: Memory | None = None
     rewrites: tuple[Rewrite, ...] = ()
     """What the export changed of the function the model computes (the manifest's ``quantization.rewrites``)."""
+    layers: tuple[LayerFidelity, ...] = ()
+    """Per torch layer, plain int8 against the float model (the manifest's ``quantization.layers``)."""
+    kept_float: tuple[KeptFloat, ...] = ()
+    """Mixed precision: the layers left in float (the manifest's ``quantization.kept_float``)."""
+    int8_missed: str | None = None
     seconds: float | None = None
     bundle: Path | None = None
 
@@ -48,6 +71,8 @@ class TargetOutcome:
             "estimates": self.estimates.model_dump(mode="json") if self.estimates else None,
             "memory": self.memory.model_dump(mode="json") if self.memory else None,
             "rewrites": [rewrite.model_dump(mode="json") for rewrite in self.rewrites],
+            "layers": [layer.model_dump(mode="json") for layer in self.layers],
+            "kept_float": [kept.model_dump(mode="json") for kept in self.kept_float],
             "export_seconds": self.seconds,
             "bundle": str(self.bundle) if self.bundle is not None else None,
         }
@@ -173,6 +198,15 @@ def _latency(outcome: TargetOutcome) -> str:
     return "-"
 
 
+def _db(value: float | None) -> str:
+    return "exact" if value is None else f"{value:.1f} dB"
+
+
+def _layer_cells(layer: LayerFidelity) -> str:
+    added, channel = _db(layer.added_sqnr_db), _db(layer.channel_sqnr_db)
+    return f"{layer.module} ({layer.operator}) {added}, {channel}, {layer.cosine:.4f}"
+
+
 def format_report(report: ExportReport) -> str:
     header = ("backend", "precision", "status", "size", "fidelity", "accel.", "quant.", "latency", "bundle / reason")
     rows = [header]
@@ -220,6 +254,7 @@ def format_report(report: ExportReport) -> str:
                     )
                     if f
                 )
+                + (f" ({e.covers})" if e.covers else "")
             )
     for o in report.outcomes:
         for rewrite in o.rewrites if o.status in ("selected", "passed", "rejected") else ():
@@ -227,6 +262,24 @@ def format_report(report: ExportReport) -> str:
                 f"{o.backend} {o.precision}: {rewrite.operator} ({rewrite.count}) computes {rewrite.replacement}: "
                 f"{rewrite.reason}; the fidelity figures include it"
             )
+    for o in report.outcomes:
+        worst = worst_layers(o.layers) if o.status in ("selected", "passed", "rejected") else []
+        if worst:
+            lines.append(
+                f"{o.backend} {o.precision}: the layers that lost the most with every layer int8 (SQNR of the noise "
+                "each adds; the worst "
+                "channel's SQNR; cosine): "
+                + "; ".join(_layer_cells(layer) for layer in worst)
+                + (f"; every layer: edgeline bundle show {o.bundle} --layers" if o.bundle is not None else "")
+            )  # fmt: skip
+    for o in report.outcomes:
+        if o.kept_float and o.status in ("selected", "passed", "rejected"):
+            lines.append(
+                f"{o.backend} {o.precision}: mixed precision: with every layer int8, {o.int8_missed}; so "
+                + "; ".join(f"{k.module} ({k.operator}, +{k.added_bytes:,} B) stays float32: {k.reason}"
+                            for k in o.kept_float)
+                + "; every other layer int8"
+            )  # fmt: skip
     for o in report.outcomes:
         if o.memory is not None and o.status in ("selected", "passed"):
             lines.append(f"{o.backend} {o.precision}: memory: {memory_summary(o.memory, report.budgets)}")

@@ -132,6 +132,13 @@ def test_vela_estimates_are_vela_s_figures_at_the_profile_s_clock(
     assert estimates["flash_bytes"] == round(float(csv_row["off_chip_flash_memory_used"]) * 1024)
     assert estimates["macs"] == int(float(csv_row["nn_macs"]))
     assert 0 < estimates["sram_bytes"] <= profile.memory_mb * 2**20
+    # vela estimates the NPU's part: what it leaves to the CPU is named as left out (or none is left)
+    fallback = data["placement"]["fallback"]
+    if fallback:
+        assert estimates["covers"].startswith("the NPU's part only"), estimates["covers"]
+        assert all(name in estimates["covers"] for name in fallback), (fallback, estimates["covers"])
+    else:
+        assert estimates["covers"] == "the whole model: vela placed every operator on the NPU"
 
 
 def test_the_vela_ini_clock_is_each_profile_s_clock() -> None:

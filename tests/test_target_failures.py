@@ -165,6 +165,7 @@ def test_a_target_its_runtime_cannot_load_fails_alone_and_the_next_is_picked(
     first, second = report["targets"]
     assert first["backend"] == "tflite-micro"
     assert first["status"] == "failed" and "SIGN" in first["reason"]
+    assert "whose runtime has it (LiteRT): litert fp32" in first["reason"], first["reason"]
     named = first["reason"].split(":")[0]  # the file inside the bundle, not the deleted staging folder's path
     assert "/" not in named and named.endswith(".tflite"), first["reason"]
     assert second["status"] == "selected" and second["backend"] == "litert"
@@ -196,6 +197,12 @@ def test_when_every_target_fails_the_table_gives_each_reason(
     assert len(rows) == len(targets) == 2
     for row, target in zip(rows, targets, strict=True):
         assert row.startswith(target.backend) and "SIGN" in row, row
+    # The first names the model's line; the second, whose int8 model runs on the same kernels, is not converted
+    # again (it took 38 s to fail the same way), and both say which targets have the kernel (none here: no LiteRT)
+    assert "the model makes SIGN at aten.sign" in rows[0] and "tiny_transformer.py:" in rows[0], rows[0]
+    assert "torch.sign(pooled)" in rows[0], rows[0]
+    assert "not converted again" in rows[1] and f"as {targets[0].backend} int8-static found" in rows[1], rows[1]
+    assert all("no target of ethos-u55-128 runs LiteRT" in row for row in rows), rows
     assert "could be exported" in done.stdout and "nothing was written" in done.stdout  # no budget was judged
     assert not out.exists()
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the registry is read by `edgeline export --help` (choices o
 
 __all__ = [
     "EXPORT_BACKENDS",
+    "KEEPS_FLOAT",
     "ExportRequest",
     "ExportedModel",
     "Exporter",
@@ -41,6 +42,11 @@ EXPORT_BACKENDS: dict[str, str] = {
 }
 
 
+KEEPS_FLOAT = frozenset({"litert", "onnxruntime"})
+"""The exporters that honour ``ExportRequest.keep_float`` in int8-static, through their quantizer's public means:
+the LiteRT quantizer's per-operator annotation, ONNX Runtime's ``nodes_to_exclude``."""
+
+
 @dataclass(frozen=True)
 class ExportRequest:
     module: Any  # torch.nn.Module in eval mode
@@ -50,6 +56,9 @@ class ExportRequest:
     out_dir: Path
     input_names: tuple[str, ...]
     profile: Profile | None = None  # the device's profile: its accelerator section (coreml, qnn, ethos_u, ...)
+    keep_float: tuple[str, ...] = ()
+    """Module paths (``features.2``) to leave in float in an int8-static model: mixed precision, for the exporters
+    in ``KEEPS_FLOAT``."""
 
     def profile_section(self, name: str, backend: str, needs: str) -> Any:
         """The profile's ``[name]`` section, which ``backend`` cannot export without (``needs`` says what it takes

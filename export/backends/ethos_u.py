@@ -98,6 +98,19 @@ def _run_vela(model: Path, settings: EthosU, config: Path, out_dir: Path) -> Non
         )
 
 
+def _covers(placement: Placement) -> str:
+    """What vela's cycles and time leave out: the operators it leaves to the CPU, which it does not estimate."""
+    left = sorted(placement.fallback.items())
+    if not left:
+        return "the whole model: vela placed every operator on the NPU"
+    named = ", ".join(f"{name} x{count}" if count > 1 else name for name, count in left)
+    return (
+        f"the NPU's part only: the {sum(count for _, count in left)} operators vela leaves to the CPU ({named}) are "
+        "not in cycles or inference_ms, which vela does not estimate; `edgeline verify` on the device measures the "
+        "whole"
+    )
+
+
 def read_summary(path: Path) -> dict[str, str]:
     """vela's network summary CSV (one row: the network)."""
     with path.open(newline="", encoding="utf-8") as file:
@@ -207,6 +220,7 @@ class EthosUExporter:
             layers = read_per_layer(Path(scratch) / f"{stem}_per-layer.csv")
             shutil.move(Path(scratch) / f"{stem}_vela.tflite", request.out_dir / MODEL_FILE)
         tflm = version("tflite-micro")
+        placement = _placement(int8_model, request.out_dir / MODEL_FILE, layers)
         # What runs the operators vela leaves to the CPU on the device runs the int8 model here: LiteRT on a Linux
         # device (the delegate hands the rest to LiteRT's kernels), TFLite Micro on a microcontroller.
         verification = (
@@ -233,9 +247,9 @@ class EthosUExporter:
             input_names=written.input_names,
             rewrites=written.rewrites,
             extra_files=(CPU_MODEL,),
-            placement=_placement(int8_model, request.out_dir / MODEL_FILE, layers),
+            placement=placement,
             tool_versions={**tool_versions(), "ethos-u-vela": version("ethos-u-vela"), "tflite-micro": tflm},
             verification=verification,
             flash_files=(MODEL_FILE,),
-            estimates=_estimates(summary, settings, clock),
+            estimates=_estimates(summary, settings, clock).model_copy(update={"covers": _covers(placement)}),
         )

@@ -11,12 +11,18 @@ from edgeline.export.errors import ExportError
 from edgeline.export.placement import executorch_placement
 from edgeline.manifest import RuntimeRequirement
 
-__all__ = ["XnnpackExporter"]
+__all__ = ["XnnpackExporter", "quantized_module"]
 
 MODEL_FILE = "model.pte"
 
 
 def _quantized(request: ExportRequest, *, dynamic: bool) -> Any:
+    return quantized_module(request.module, request.example_inputs, request.calibration, dynamic=dynamic)
+
+
+def quantized_module(module: Any, example_inputs: tuple[Any, ...], calibration: Any, *, dynamic: bool) -> Any:
+    """The PT2E-quantized graph (XNNPACK's quantizer, per-channel symmetric weights) this exporter lowers: also what
+    ``edgeline.export.layers`` compares layer by layer."""
     import torch
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
@@ -27,10 +33,10 @@ def _quantized(request: ExportRequest, *, dynamic: bool) -> Any:
     quantizer = XNNPACKQuantizer().set_global(
         get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic)
     )
-    graph = torch.export.export(request.module, request.example_inputs).module()
+    graph = torch.export.export(module, example_inputs).module()
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
-        for sample in request.calibration if not dynamic else request.calibration[:1]:
+        for sample in calibration if not dynamic else calibration[:1]:
             prepared(*sample)
     return convert_pt2e(prepared)
 

@@ -33,7 +33,7 @@ def _pt2e(request: ExportRequest, *, dynamic: bool, gelu_kernel: bool = True) ->
             pt2e_quantizer.get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
         )
     else:
-        quantizer = FullIntegerQuantizer(gelu_kernel=gelu_kernel)
+        quantizer = FullIntegerQuantizer(gelu_kernel=gelu_kernel, keep_float=request.keep_float)
     graph = torch.export.export(request.module, request.example_inputs).module()
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():

@@ -100,7 +100,27 @@ def _quantize_for_cpu(request: ExportRequest, float_path: Path, out_path: Path) 
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QUInt8,
         calibrate_method=CalibrationMethod.MinMax,
+        nodes_to_exclude=_nodes_of(float_path, request.keep_float),
     )
+
+
+def _nodes_of(path: Path, modules: tuple[str, ...]) -> list[str]:
+    """The ONNX nodes the dynamo exporter made from the code of ``modules`` (its ``name_scopes`` metadata)."""
+    if not modules:
+        return []
+    import ast
+
+    import onnx
+
+    found = []
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+        names = ast.literal_eval(scopes) if scopes else []
+        if any(name == m or str(name).startswith(m + ".") for name in names for m in modules):
+            found.append(node.name)
+    if not found:
+        raise ExportError(f"onnxruntime: no node of the ONNX graph comes from {', '.join(modules)} (name_scopes)")
+    return found
 
 
 def quantized_nodes(graph: Any) -> tuple[list[Any], list[Any]]:

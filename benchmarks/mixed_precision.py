@@ -1,0 +1,116 @@
+"""Plain int8, mixed precision and float side by side, on the digits CNN with one outlier channel.
+
+The model is ``tests/outlier_model.py``'s (trained once, cached by content): plain int8 gives its outlier tensor one
+scale and loses about 15 points; mixed precision keeps that tensor float (``conv1``, ``act1``, ``mix``: what
+``edgeline export`` chooses for it, checked by tests/test_mixed_precision.py); float32 is the reference. Each variant
+is exported by the same exporter (LiteRT, then ONNX Runtime), and measured in one run: accuracy on the 397 held-out
+digits, the model file's size, the share of operators computing in int8, and the median latency of one inference on
+this machine, one thread (interleaved rounds; a host figure, not a device's).
+
+    python benchmarks/mixed_precision.py --write benchmarks/results/mixed_precision.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from report import markdown_table, publish
+
+from edgeline.backends import open_session
+from edgeline.device_profiles import Precision
+from edgeline.export.backends import ExportRequest, get_exporter
+from edgeline.export.loading import load_model
+from edgeline.quantization import dequantize, quantize
+from tests.outlier_model import CALIBRATION, KEPT, TRAIN, digits, trained_outlier_model
+
+VARIANTS = (("int8, every layer", Precision.INT8_STATIC, ()), ("int8, mixed", Precision.INT8_STATIC, KEPT),
+            ("float32", Precision.FP32, ()))  # fmt: skip
+
+
+def _export(module: Any, backend: str, precision: Precision, kept: tuple[str, ...], out: Path) -> tuple[Path, Any]:
+    import torch
+
+    images, _ = digits()
+    calibration = [(torch.from_numpy(images[i : i + 1]),) for i in range(CALIBRATION)]
+    request = ExportRequest(module, calibration[0], calibration, precision, out, ("x",), keep_float=kept)
+    exported = get_exporter(backend).export(request)
+    return out / exported.model_file, exported
+
+
+class _Runner:
+    def __init__(self, backend: str, path: Path):
+        self.session = open_session(backend, path, threads=1)
+        (self.spec,), (self.output,) = self.session.input_specs(), self.session.output_specs()
+
+    def __call__(self, image: np.ndarray) -> np.ndarray:
+        x = image[None] if self.spec.quantization is None else quantize(image[None], self.spec.quantization, np.int8)
+        (y,) = self.session.run([x])
+        return y if self.output.quantization is None else dequantize(y, self.output.quantization)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved latency rounds")
+    parser.add_argument("--write", type=Path)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    images, labels = digits()
+    held_out, truth = images[TRAIN:], labels[TRAIN:]
+    module = load_model(f"{trained_outlier_model()}:outlier").module
+    rows = [("backend", "variant", "kept float", "held-out accuracy", "model bytes", "int8 operators", "median ms")]
+    with tempfile.TemporaryDirectory() as scratch:
+        for backend in ("litert", "onnxruntime"):
+            runners, results = {}, {}
+            for name, precision, kept in VARIANTS:
+                out = Path(scratch) / f"{backend}-{len(runners)}"
+                out.mkdir()
+                path, exported = _export(module, backend, precision, kept, out)
+                runner = _Runner(exported.runtime_backend, path)
+                accuracy = float(np.mean([int(np.argmax(runner(image))) == label for image, label in
+                                          zip(held_out, truth, strict=True)]))  # fmt: skip
+                placement = exported.placement
+                share = (
+                    f"{placement.quantized_ops}/{placement.ops}"
+                    if placement is not None and placement.quantized_ops is not None
+                    else "-"
+                )
+                runners[name] = runner
+                results[name] = (", ".join(kept) or "-", f"{accuracy:.1%}", f"{path.stat().st_size:,}", share)
+            times: dict[str, list[float]] = {name: [] for name in runners}
+            for _ in range(args.rounds):
+                for name, runner in runners.items():
+                    for _ in range(20):
+                        runner(held_out[0])
+                    start = time.perf_counter()
+                    for image in held_out[:200]:
+                        runner(image)
+                    times[name].append((time.perf_counter() - start) / 200 * 1000)
+            for name, _, _ in VARIANTS:
+                rows.append((backend, name, *results[name], f"{statistics.median(times[name]):.4f}"))
+    publish(
+        markdown_table(rows),
+        script=__file__,
+        title="Mixed precision: plain int8, mixed and float on a model with an outlier channel",
+        intro="tests/outlier_model.py's digits CNN (one channel of `act1` 300 times the others; the float function "
+        "unchanged). Accuracy on the 397 held-out digits (float: the reference); size of the model file; operators "
+        "computing in int8 (the exporter's placement); median latency of one inference through edgeline's session, "
+        f"1 thread, mean of 200 digits per round, median of {args.rounds} interleaved rounds, on this 2-core x86-64 "
+        "host (not a device figure).",
+        write=args.write,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

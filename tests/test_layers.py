@@ -1,0 +1,148 @@
+"""The arithmetic and the bookkeeping behind ``quantization.layers``, without a conversion: SQNR, cosine and the
+worst channel against numpy's own computation, the layout search, litert-torch's tensor names read back as module
+paths, the ranking, and the layer groups mixed precision keeps float together. The figures measured on real
+bundles are checked in tests/test_mixed_precision.py."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edgeline.export.layers import _layout, _ranked, _Sums, fused_into, measure_layers, module_of_location
+from edgeline.manifest import LayerFidelity, worst_layers
+from edgeline.samples import SampleSet
+
+pytestmark = pytest.mark.quick
+
+
+def _network() -> Any:
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.my_conv = nn.Conv2d(4, 4, 3, padding=1)
+            self.act = nn.ReLU()
+
+        def forward(self, x: Any) -> Any:
+            return self.act(self.my_conv(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(1, 4, 3, padding=1)
+            self.blocks = nn.Sequential(Block(), Block())
+            self.drop = nn.Dropout()
+            self.head = nn.Linear(4 * 6 * 6, 3)
+
+        def forward(self, x: Any) -> Any:
+            return self.head(self.drop(torch.flatten(self.blocks(self.stem(x)), 1)))
+
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def test_sqnr_cosine_and_the_worst_channel_agree_with_numpy_over_several_samples() -> None:
+    rng = np.random.default_rng(0)
+    references = [rng.standard_normal((1, 3, 4, 4)) * np.array([1.0, 10.0, 0.1])[None, :, None, None] for _ in range(5)]
+    noisy = [r + rng.standard_normal(r.shape) * 0.05 for r in references]
+    sums = _Sums()
+    for reference, got in zip(references, noisy, strict=True):
+        sums.add(reference, got)
+    ref, out = np.concatenate([r.ravel() for r in references]), np.concatenate([g.ravel() for g in noisy])
+    assert sums.sqnr_db() == pytest.approx(10 * np.log10(np.sum(ref**2) / np.sum((ref - out) ** 2)), rel=1e-9)
+    assert sums.cosine() == pytest.approx(ref @ out / np.linalg.norm(ref) / np.linalg.norm(out), rel=1e-9)
+    channel = [
+        10
+        * np.log10(
+            sum(np.sum(r[:, c] ** 2) for r in references)
+            / sum(np.sum((r[:, c] - g[:, c]) ** 2) for r, g in zip(references, noisy, strict=True))
+        )
+        for c in range(3)
+    ]
+    assert sums.channel_sqnr_db() == pytest.approx(min(channel), rel=1e-9)
+    assert min(channel) == pytest.approx(channel[2])  # the 0.1-scaled channel: the same noise hurts it most
+
+
+def test_an_exact_layer_has_no_sqnr_and_a_dead_channel_is_not_the_worst() -> None:
+    exact = _Sums()
+    exact.add(np.ones((1, 2, 3)), np.ones((1, 2, 3)))
+    assert exact.sqnr_db() is None and exact.channel_sqnr_db() is None and exact.cosine() == 1.0
+    dead = _Sums()
+    reference = np.stack([np.linspace(1, 2, 6), np.zeros(6)])[None]  # channel 1 is all zeros (a dead ReLU)
+    got = reference + np.array([0.01, 0.001])[None, :, None]
+    dead.add(reference, got)
+    assert dead.channel_sqnr_db() == pytest.approx(10 * np.log10(np.sum(reference[0, 0] ** 2) / (6 * 0.01**2)))
+
+
+def test_the_layout_search_finds_channels_last_and_settles_square_shapes_by_agreement() -> None:
+    rng = np.random.default_rng(1)
+    nchw = rng.standard_normal((1, 8, 4, 4)).astype(np.float32)
+    assert _layout(nchw, (1, 4, 4, 8), np.transpose(nchw, (0, 2, 3, 1))) == (0, 2, 3, 1)
+    assert _layout(nchw, (1, 8, 4, 4), nchw) == (0, 1, 2, 3)
+    square = rng.standard_normal((1, 4, 4, 4)).astype(np.float32)
+    assert _layout(square, (1, 4, 4, 4), np.transpose(square, (0, 2, 3, 1))) == (0, 2, 3, 1)
+    assert _layout(square, (1, 4, 4, 4), square) == (0, 1, 2, 3)
+    assert _layout(nchw, (1, 128), nchw.reshape(1, -1)) == (0, 1, 2, 3)  # the same values, flattened
+    assert _layout(nchw, (1, 7), nchw.reshape(1, -1)[:, :7]) is None
+
+
+def test_litert_torch_locations_read_back_as_module_paths() -> None:
+    net = _network()
+    root = f"{type(net).__module__}.{type(net).__qualname__}"
+    block = type(net.blocks[0])
+    block_class = f"{block.__module__}.{block.__qualname__}"
+    location = (
+        f"{root}/torch.nn.modules.container.Sequential_blocks/{block_class}_1/torch.nn.modules.conv.Conv2d_my_conv"
+    )
+    assert module_of_location(location, net) == "blocks.1.my_conv"
+    assert module_of_location(f"{root}/torch.nn.modules.linear.Linear_head", net) == "head"
+    assert module_of_location(f"{root}/torch.nn.modules.linear.Linear_tail", net) is None
+    assert module_of_location("arith.constant", net) is None
+    assert module_of_location(root, net) == ""  # the model's own forward
+
+
+def test_the_noise_a_layer_adds_ranks_the_layer_that_lost_accuracy_first() -> None:
+    def layer(name: str, relative_noise: float) -> Any:
+        from edgeline.export.layers import _Layer
+
+        made = _Layer(name, "Conv2d", (1, 1), (1, 1), (0, 1))
+        made.sums.add(np.array([[1.0]]), np.array([[1.0 + math.sqrt(relative_noise)]]))
+        return made
+
+    # accumulated relative noise 1e-4, then 1e-4 + 0.01 (b adds 0.01), then a bit more (c adds 1e-3)
+    layers = {"a": layer("a", 1e-4), "b": layer("b", 1e-4 + 1e-2), "c": layer("c", 1e-4 + 1e-2 + 1e-3)}
+    ranked = _ranked(layers, ["a", "b", "c"])
+    assert [entry.added_sqnr_db for entry in ranked] == pytest.approx([40.0, 20.0, 30.0], abs=0.01)
+    assert [entry.module for entry in worst_layers(ranked)] == ["b", "c", "a"]
+    quieter = LayerFidelity(module="d", operator="ReLU", shape=(1,), sqnr_db=10.0, cosine=0.9, added_sqnr_db=None)
+    assert worst_layers((*ranked, quieter), 2) == [ranked[1], ranked[2]]  # a layer that adds no noise is never worst
+    # once the signal is lost (noise over half of it), no later layer is blamed: the one that lost it is first
+    lost = {"a": layer("a", 1e-4), "b": layer("b", 0.6), "c": layer("c", 0.3), "d": layer("d", 1.9)}
+    ranked = _ranked(lost, ["a", "b", "c", "d"])  # c's noise falls again, d's grows: neither is blamed
+    assert ranked[2].added_sqnr_db is None and ranked[3].added_sqnr_db is None
+    assert [entry.module for entry in worst_layers(ranked)] == ["b", "a"]
+
+
+def test_a_layer_fused_into_another_is_kept_with_it() -> None:
+    readers = {"conv1": ("act1",), "act1": ("mix",), "mix": ("act2",), "shared": ("act1", "other")}
+    assert fused_into("act1", readers, measured={"act1", "act2"}) == ("conv1",)
+    assert fused_into("act2", readers, measured={"act1", "act2"}) == ("mix",)
+    assert fused_into("act1", readers, measured={"act1", "conv1"}) == ()  # conv1 has a tensor of its own
+
+
+def test_a_runtime_without_intermediate_tensors_and_a_model_without_layers_say_why() -> None:
+    samples = SampleSet([np.zeros((2, 1, 6, 6), np.float32)], None, "zeros")
+    report = measure_layers(_network(), samples, "qnn-htp", "onnxruntime", None, ("x",))  # type: ignore[arg-type]
+    assert report.layers == () and report.unknown is not None and "qnn-htp" in report.unknown
+    import torch
+
+    flat = torch.nn.Sequential()
+    report = measure_layers(flat, samples, "litert", "litert", None, ("x",))  # type: ignore[arg-type]
+    assert report.layers == () and report.unknown is not None and "submodules" in report.unknown
+    fields = report.fields()
+    assert fields["layers"] == () and fields["layers_unknown"] == report.unknown
