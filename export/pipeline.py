@@ -204,43 +204,46 @@ MIXED_MAX_WEIGHTS = 0.5
 float target is the cheaper choice then."""
 
 
-def _try_target(
-    target: Target,
-    outcome: TargetOutcome,
-    loaded: LoadedModel,
-    calibration: SampleSet,
-    validation: SampleSet,
-    reference: FloatReference,
-    profile: Profile,
-    common: dict[str, Any],
-    staging: Path,
-    progress: Progress,
-    mixed_precision: bool = True,
-) -> None:
+@dataclass(frozen=True)
+class _Shared:
+    """What every target of one export shares: the model, its samples and float outputs, the profile, the
+    manifest's common fields, the staging folder, the progress line, and whether mixed precision may be tried."""
+
+    loaded: LoadedModel
+    calibration: SampleSet
+    validation: SampleSet
+    reference: FloatReference
+    profile: Profile
+    common: dict[str, Any]
+    staging: Path
+    progress: Progress
+    mixed_precision: bool = True
+
+
+def _try_target(target: Target, outcome: TargetOutcome, shared: _Shared) -> None:
     """Export, measure and judge one target; an int8-static target that misses only the accuracy budget tries
     mixed precision (see ``_keep_float``)."""
-    arguments = (loaded, calibration, validation, reference, profile, common, staging, progress)
-    violations = _build(target, outcome, *arguments)
+    violations = _build(target, outcome, shared)
     if (
-        mixed_precision
+        shared.mixed_precision
         and outcome.status == "rejected"
         and target.precision is Precision.INT8_STATIC
         and target.backend in KEEPS_FLOAT
         and outcome.layers
         and outcome.fidelity is not None
-        and violations == fidelity_violations(profile.budgets, outcome.fidelity)
+        and violations == fidelity_violations(shared.profile.budgets, outcome.fidelity)
     ):
-        _keep_float(target, outcome, arguments)
+        _keep_float(target, outcome, shared)
 
 
-def _keep_float(target: Target, outcome: TargetOutcome, arguments: tuple[Any, ...]) -> None:
+def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None:
     """Mixed precision by the accuracy budget, as NNCF's accuracy control does it: the layers ranked by the noise
     they add (``quantization.layers``); the top one's output tensor kept in float, which takes the layer and every
     layer that reads that tensor (they share its quantization); the fidelity measured again, and a group that did
     not help put back in int8; until the budget holds, ``MIXED_STEPS`` groups were tried, or the float layers would
     hold more than ``MIXED_MAX_WEIGHTS`` of the weights (a float target is cheaper then). The outcome is the last
     build's; one that never met the budget says what was tried."""
-    loaded, calibration, progress = arguments[0], arguments[1], arguments[7]
+    loaded, calibration, progress = shared.loaded, shared.calibration, shared.progress
     first_reason = outcome.reason
     best = fidelity_shortfall(outcome.fidelity) if outcome.fidelity is not None else math.inf
     modules = dict(loaded.module.named_modules())
@@ -272,7 +275,7 @@ def _keep_float(target: Target, outcome: TargetOutcome, arguments: tuple[Any, ..
         ]
         tried.append(layer.module)
         progress(f"{target.backend} {target.precision.value}: {first_reason}; keeping {', '.join(group)} in float")
-        _build(target, outcome, *arguments, kept=(*kept, *candidates), int8_missed=first_reason)
+        _build(target, outcome, shared, kept=(*kept, *candidates), int8_missed=first_reason)
         if outcome.status == "selected":
             return
         shortfall = fidelity_shortfall(outcome.fidelity) if outcome.fidelity is not None else math.inf
@@ -290,14 +293,7 @@ def _keep_float(target: Target, outcome: TargetOutcome, arguments: tuple[Any, ..
 def _build(
     target: Target,
     outcome: TargetOutcome,
-    loaded: LoadedModel,
-    calibration: SampleSet,
-    validation: SampleSet,
-    reference: FloatReference,
-    profile: Profile,
-    common: dict[str, Any],
-    staging: Path,
-    progress: Progress,
+    shared: _Shared,
     *,
     kept: tuple[KeptFloat, ...] = (),
     int8_missed: str | None = None,
@@ -305,6 +301,8 @@ def _build(
     """One export of ``target`` into ``staging``, measured and judged into ``outcome``; its budget violations."""
     import torch
 
+    loaded, calibration, validation, reference = shared.loaded, shared.calibration, shared.validation, shared.reference
+    profile, common, staging, progress = shared.profile, shared.common, shared.staging, shared.progress
     start = time.perf_counter()
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -538,6 +536,9 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
         [_next_version(d, options.version) for d in destinations] if options.all_targets else [version] * len(targets)
     )
     cleared = not options.all_targets
+    shared = _Shared(
+        loaded, calibration, validation, reference, profile, common, staging, progress, options.mixed_precision
+    )
     missing: MissingKernel | None = None  # a TFLite Micro kernel the model needs and that runtime lacks
     try:
         for target, outcome, destination, version in zip(targets, report.outcomes, destinations, versions, strict=True):
@@ -546,19 +547,7 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
                 progress(f"{target.backend} {target.precision.value}: not converted: {outcome.reason}")
                 continue
             try:
-                _try_target(
-                    target,
-                    outcome,
-                    loaded,
-                    calibration,
-                    validation,
-                    reference,
-                    profile,
-                    dict(common, version=version),
-                    staging,
-                    progress,
-                    options.mixed_precision,
-                )
+                _try_target(target, outcome, replace(shared, common=dict(common, version=version)))
             except MemoryError:
                 raise
             except Exception as exc:  # whatever fails inside one target (a runtime refusing its model, ...) is its own
