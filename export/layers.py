@@ -429,14 +429,22 @@ class _PT2EProbe:
     """ExecuTorch: the PT2E-quantized graph the ``.pte`` was lowered from, read with torchao's numeric debugger
     (``prepare_for_propagation_comparison``: a logger after every node, keyed by the float graph's node name)."""
 
-    def __init__(self, module: Any, calibration: SampleSet, names: dict[str, str], run: _FloatRun, dynamic: bool):
+    def __init__(
+        self,
+        module: Any,
+        calibration: SampleSet,
+        names: dict[str, str],
+        run: _FloatRun,
+        dynamic: bool,
+        keep_float: tuple[str, ...],
+    ):
         import torch
         from torchao.quantization.pt2e import prepare_for_propagation_comparison
 
         from edgeline.export.backends.executorch_xnnpack import quantized_module
 
         tensors = [tuple(torch.from_numpy(a) for a in calibration.sample(i)) for i in range(len(calibration))]
-        converted = quantized_module(module, tensors[0], tensors, dynamic=dynamic)
+        converted = quantized_module(module, tensors[0], tensors, dynamic=dynamic, keep_float=keep_float)
         self.model = prepare_for_propagation_comparison(converted)
         self.names = {value: path for value, path in names.items() if path in set(run.order)}
         self.measured_with = (
@@ -516,13 +524,14 @@ def measure_layers(
     input_names: Sequence[str],
     calibration: SampleSet | None = None,
     dynamic: bool = False,
+    keep_float: tuple[str, ...] = (),
 ) -> LayerReport:
     """Per layer, SQNR and cosine of the deployed model's intermediate outputs against the float model's, on at
     most ``LAYER_SAMPLES`` samples. ``exporter`` made the bundle and ``backend`` runs its ``model_path``: LiteRT's
     interpreter reads a LiteRT model (litert, and the int8 model of tflite-micro and ethos-u), onnxruntime an
     ``onnxruntime`` one; executorch-xnnpack's is the PT2E graph quantized again on ``calibration`` (``dynamic``:
-    int8-dynamic). Others (qnn-htp's emulator, Core ML) say they were not measured, as does a model that gives no
-    layers: why, never a figure."""
+    int8-dynamic; ``keep_float``: the modules mixed precision kept float). Others (qnn-htp's emulator, Core ML)
+    say they were not measured, as does a model that gives no layers: why, never a figure."""
     count = min(len(samples), LAYER_SAMPLES)
     if count == 0:
         return not_measured_layers("no validation samples")
@@ -538,7 +547,7 @@ def measure_layers(
             probe = _OnnxProbe(model_path, _export_node_modules(module, samples.sample(0)), first, input_names)
         elif exporter == "executorch-xnnpack" and calibration is not None:
             names = _export_node_modules(module, samples.sample(0))
-            probe = _PT2EProbe(module, calibration, names, first, dynamic)
+            probe = _PT2EProbe(module, calibration, names, first, dynamic, keep_float)
         else:
             return not_measured_layers(f"{exporter}: edgeline reads no intermediate tensors of its model here")
         layers: dict[str, _Layer] = {}

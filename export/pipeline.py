@@ -387,6 +387,7 @@ def _build(
                 exported.input_names,
                 calibration,
                 dynamic=target.precision is Precision.INT8_DYNAMIC,
+                keep_float=tuple(k.module for k in kept),
             )
             fields["quantization"] = QuantizationSummary(
                 rewrites=exported.rewrites, kept_float=kept, int8_missed=int8_missed, **layers.fields()

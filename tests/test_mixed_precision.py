@@ -253,16 +253,32 @@ def test_the_last_layers_figures_are_the_bundles_own_outputs_against_the_float_m
     assert fc.shape == (1, 10)
 
 
-def test_executorch_names_the_layer_that_lost_through_the_pt2e_numeric_debugger(
+def test_executorch_keeps_the_outlier_tensor_float_by_the_pt2e_numeric_debugger_s_ranking(
     model: Path, samples: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """ExecuTorch keeps no mixed precision here; its int8 misses the budget, and the error names the outlier
-    tensor's layer, read from the PT2E graph the .pte was lowered from."""
+    """ExecuTorch's layers come from the PT2E graph the .pte was lowered from (torchao's numeric debugger); its
+    mixed precision goes through the XNNPACK quantizer's filter. Plain int8 names act1; mixed keeps the outlier
+    tensor float and meets the budget on the held-out digits; without mixed precision the error names act1."""
     from edgeline.export.errors import BudgetError
 
+    explicit = {"backend": "executorch-xnnpack", "precision": Precision.INT8_STATIC}
+    report = _export(model, samples, tmp_path / "bundle", "rpi4", **explicit)
+    outcome = report.outcomes[0]
+    assert outcome.status == "selected", outcome.reason
+    # In the PT2E graph conv1 has a tensor of its own (XNNPACK fuses it with its ReLU later, when it lowers): the
+    # group is the outlier tensor's maker act1 and its reader mix, and conv1 stays int8
+    assert [kept.module for kept in outcome.kept_float] == ["act1", "mix"]
+    assert outcome.layers[0].module == "conv1" and "numeric debugger" in _measured(outcome)
+    assert _held_out_accuracy(outcome.bundle) >= _float_accuracy(model) - 0.01
     with pytest.raises(BudgetError) as caught:
-        _export(
-            model, samples, tmp_path / "bundle", "rpi4", backend="executorch-xnnpack", precision=Precision.INT8_STATIC
-        )
+        _export(model, samples, tmp_path / "plain", "rpi4", mixed_precision=False, **explicit)
     message = str(caught.value)
     assert "accuracy drop" in message and "the layer that lost the most in int8: act1 (ReLU" in message, message
+
+
+def _measured(outcome: Any) -> str:
+    from edgeline.bundle import read_bundle
+
+    quantization = read_bundle(outcome.bundle).manifest.quantization
+    assert quantization is not None
+    return quantization.layers_measured_with or ""

@@ -42,9 +42,10 @@ EXPORT_BACKENDS: dict[str, str] = {
 }
 
 
-KEEPS_FLOAT = frozenset({"litert", "onnxruntime"})
+KEEPS_FLOAT = frozenset({"litert", "onnxruntime", "executorch-xnnpack"})
 """The exporters that honour ``ExportRequest.keep_float`` in int8-static, through their quantizer's public means:
-the LiteRT quantizer's per-operator annotation, ONNX Runtime's ``nodes_to_exclude``."""
+the LiteRT quantizer's per-operator annotation, ONNX Runtime's ``nodes_to_exclude``, the XNNPACK quantizer's
+filter function."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import Any
 
 from edgeline.device_profiles import Precision
 from edgeline.export.backends import ExportedModel, ExportRequest
+from edgeline.export.conversion import module_path
 from edgeline.export.errors import ExportError
 from edgeline.export.placement import executorch_placement
 from edgeline.manifest import RuntimeRequirement
@@ -17,12 +18,17 @@ MODEL_FILE = "model.pte"
 
 
 def _quantized(request: ExportRequest, *, dynamic: bool) -> Any:
-    return quantized_module(request.module, request.example_inputs, request.calibration, dynamic=dynamic)
+    return quantized_module(
+        request.module, request.example_inputs, request.calibration, dynamic=dynamic, keep_float=request.keep_float
+    )
 
 
-def quantized_module(module: Any, example_inputs: tuple[Any, ...], calibration: Any, *, dynamic: bool) -> Any:
+def quantized_module(
+    module: Any, example_inputs: tuple[Any, ...], calibration: Any, *, dynamic: bool, keep_float: tuple[str, ...] = ()
+) -> Any:
     """The PT2E-quantized graph (XNNPACK's quantizer, per-channel symmetric weights) this exporter lowers: also what
-    ``edgeline.export.layers`` compares layer by layer."""
+    ``edgeline.export.layers`` compares layer by layer. ``keep_float``: module paths left in float, through the
+    quantizer's public filter (its ``set_module_name`` refuses a None config)."""
     import torch
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer,
@@ -33,6 +39,13 @@ def quantized_module(module: Any, example_inputs: tuple[Any, ...], calibration: 
     quantizer = XNNPACKQuantizer().set_global(
         get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic)
     )
+    if keep_float:
+
+        def quantized(node: Any) -> bool:
+            path = module_path(node)
+            return path is None or not any(path == kept or path.startswith(kept + ".") for kept in keep_float)
+
+        quantizer.set_filter_function(quantized)
     graph = torch.export.export(module, example_inputs).module()
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
