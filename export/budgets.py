@@ -46,47 +46,45 @@ def budget_violations(
     return found
 
 
-def fidelity_shortfall(fidelity: Fidelity) -> float:
-    """How far the measure that decides the fidelity budget is from perfect, lower better: accuracy points lost,
-    else disagreement in percent, else one minus the minimum cosine (see ``fidelity_violations``)."""
-    if fidelity.status != "measured":
-        return float("inf")
+def _decisive(fidelity: Fidelity) -> tuple[str, float] | None:
+    """The most meaningful measure available, as how far it is from perfect: accuracy points lost against labels,
+    else disagreement with the float model's decisions in percent (top-1, anomaly flags), else (raw and regression
+    outputs) one minus the minimum cosine. Cosine is not used for classifiers: on a few near-zero logits one
+    quantization step can flip it without changing a single decision."""
     if fidelity.accuracy is not None and fidelity.accuracy_float is not None:
-        return (fidelity.accuracy_float - fidelity.accuracy) * 100.0
+        return "accuracy", (fidelity.accuracy_float - fidelity.accuracy) * 100.0
     if fidelity.top1_agreement is not None:
-        return (1.0 - fidelity.top1_agreement) * 100.0
+        return "top1", (1.0 - fidelity.top1_agreement) * 100.0
     if fidelity.anomaly_agreement is not None:
-        return (1.0 - fidelity.anomaly_agreement) * 100.0
-    return 1.0 - fidelity.cosine_min if fidelity.cosine_min is not None else float("inf")
+        return "anomaly", (1.0 - fidelity.anomaly_agreement) * 100.0
+    if fidelity.cosine_min is not None:
+        return "cosine", 1.0 - fidelity.cosine_min
+    return None
+
+
+def fidelity_shortfall(fidelity: Fidelity) -> float:
+    """How far the measure that decides the fidelity budget is from perfect, lower better (``_decisive``)."""
+    decisive = _decisive(fidelity) if fidelity.status == "measured" else None
+    return float("inf") if decisive is None else decisive[1]
 
 
 def fidelity_violations(budgets: Budgets, fidelity: Fidelity) -> list[str]:
     """The fidelity budget's share of ``budget_violations``: nothing for a fidelity not measured."""
-    found: list[str] = []
-    if fidelity.status != "measured":
-        return found
-    # The most meaningful measure available decides: accuracy against labels, else agreement with the float
-    # model's decisions, else (raw and regression outputs) cosine similarity of the outputs. Cosine is not
-    # used for classifiers: on a few near-zero logits one quantization step can flip it without changing
-    # a single decision.
-    drop_budget = budgets.max_accuracy_drop
-    if fidelity.accuracy is not None and fidelity.accuracy_float is not None:
-        drop = (fidelity.accuracy_float - fidelity.accuracy) * 100.0
-        if drop > drop_budget:
-            found.append(f"accuracy drop {drop:.2f} points > budget {drop_budget:g}")
-    elif fidelity.top1_agreement is not None:
-        disagreement = (1.0 - fidelity.top1_agreement) * 100.0
-        if disagreement > drop_budget:
-            found.append(f"top-1 disagreement with the float model {disagreement:.2f}% > budget {drop_budget:g}")
-    elif fidelity.anomaly_agreement is not None:
-        disagreement = (1.0 - fidelity.anomaly_agreement) * 100.0
-        if disagreement > drop_budget:
-            found.append(f"anomaly flags disagree on {disagreement:.2f}% of samples > budget {drop_budget:g}")
-    elif (
-        budgets.min_cosine is not None and fidelity.cosine_min is not None and fidelity.cosine_min < budgets.min_cosine
-    ):
-        found.append(f"minimum cosine similarity {fidelity.cosine_min:.4f} < budget {budgets.min_cosine:g}")
-    return found
+    decisive = _decisive(fidelity) if fidelity.status == "measured" else None
+    if decisive is None:
+        return []
+    kind, value = decisive
+    budget = budgets.max_accuracy_drop
+    if kind == "accuracy" and value > budget:
+        return [f"accuracy drop {value:.2f} points > budget {budget:g}"]
+    if kind == "top1" and value > budget:
+        return [f"top-1 disagreement with the float model {value:.2f}% > budget {budget:g}"]
+    if kind == "anomaly" and value > budget:
+        return [f"anomaly flags disagree on {value:.2f}% of samples > budget {budget:g}"]
+    cosine = fidelity.cosine_min
+    if kind == "cosine" and budgets.min_cosine is not None and cosine is not None and cosine < budgets.min_cosine:
+        return [f"minimum cosine similarity {cosine:.4f} < budget {budgets.min_cosine:g}"]
+    return []
 
 
 def _fallback(placement: Placement) -> str:

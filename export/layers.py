@@ -36,7 +36,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from edgeline.export.conversion import module_path
-from edgeline.manifest import LayerFidelity
+from edgeline.manifest import LayerFidelity, Quantization
+from edgeline.quantization import dequantize, quantize
 from edgeline.samples import SampleSet
 
 __all__ = [
@@ -304,20 +305,20 @@ class _LiteRTProbe:
         }
 
 
-def _quantize(array: np.ndarray, detail: dict[str, Any]) -> np.ndarray:
-    dtype = np.dtype(detail["dtype"])
+def _params(detail: dict[str, Any]) -> Quantization | None:
+    """A tensor's per-tensor quantization as the runtime's (de)quantizers take it; None: a float tensor."""
     scale, zero_point = detail["quantization"]
-    if not np.issubdtype(dtype, np.integer) or not scale:
-        return array.astype(dtype)
-    limits = np.iinfo(dtype)
-    return np.clip(np.round(array / scale) + zero_point, limits.min, limits.max).astype(dtype)
+    return Quantization(scale=float(scale), zero_point=int(zero_point)) if scale else None
+
+
+def _quantize(array: np.ndarray, detail: dict[str, Any]) -> np.ndarray:
+    params, dtype = _params(detail), np.dtype(detail["dtype"])
+    return quantize(array, params, dtype) if params is not None and dtype.kind in "iu" else array.astype(dtype)
 
 
 def _dequantize(array: np.ndarray, detail: dict[str, Any]) -> np.ndarray:
-    scale, zero_point = detail["quantization"]
-    if np.issubdtype(array.dtype, np.integer) and scale:
-        return (array.astype(np.float32) - zero_point) * np.float32(scale)
-    return array.astype(np.float32)
+    params = _params(detail)
+    return dequantize(array, params) if params is not None and array.dtype.kind in "iu" else array.astype(np.float32)
 
 
 def _export_node_modules(module: Any, arrays: Sequence[np.ndarray]) -> dict[str, str]:
@@ -478,12 +479,12 @@ class _PT2EProbe:
 def _dequantized(value: str, consumers: dict[str, list[Any]]) -> str:
     """The QDQ pair after ``value`` (QuantizeLinear, then DequantizeLinear), if any: its output is what the next
     operator reads, the integer the runtime computes."""
-    for quantize in consumers.get(value, []):
-        if quantize.op_type != "QuantizeLinear":
+    for q in consumers.get(value, []):
+        if q.op_type != "QuantizeLinear":
             continue
-        for dequantize in consumers.get(quantize.output[0], []):
-            if dequantize.op_type == "DequantizeLinear":
-                return str(dequantize.output[0])
+        for dq in consumers.get(q.output[0], []):
+            if dq.op_type == "DequantizeLinear":
+                return str(dq.output[0])
     return value
 
 
