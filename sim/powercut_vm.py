@@ -72,8 +72,11 @@ repository = "/srv/edgeline-repo"
 trusted_root = "/etc/edgeline/{INSTANCE}-root.json"
 check_interval_s = 1.0
 """
-UPDATE_GATES = {"inputs": 20, "min_inputs": 10, "seconds": 300.0}
-"""The trial of the update: 20 inputs (a second of the stream), so that it commits while the stream runs."""
+UPDATE_GATES = {"inputs": 20, "min_inputs": 10, "seconds": 300.0, "max_latency_ms": 1000.0}
+"""The trial of the update: 20 inputs (a second of the stream), so that it commits while the stream runs. Its
+latency is held to an absolute budget far over any emulated call: the default (at most twice the previous version's
+median) compares two timings that plain emulation on a busy host sets apart by chance (the same model timed 3.6
+times apart, tests/test_vm.py), and what a cut tests is the storage, not the trial's judgement of speed."""
 RECORD = f"""set -eu
 # No lazy zeroing of inode tables while the log records: the log holds what edgeline writes (the logged disk offers
 # no write zeroes, edgeline.sim.vm: QEMU 7.2's blklogwrites can interleave one with another request's entry, and

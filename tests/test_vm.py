@@ -51,6 +51,11 @@ STEP_TIMEOUT_S = 240.0
 """Each step the host waits for (the first boot, the trial, the watchdog's 30 s and a restart, a reboot)."""
 RUN_TIMEOUT_S = 900.0
 ANSWER_TIMEOUT_S = 60.0
+TRIAL_LATENCY_MS = 1000.0
+"""v2's p95 model latency budget in its trial: far over any emulated call, so speed never decides it here."""
+ABORT_TIMEOUT_S = 90.0
+"""How long a late guest has to write its journal and stop, once told to give up."""
+JOURNAL_CHARS = 12_000
 
 CONFIG = f"""\
 [daemon]
@@ -81,16 +86,18 @@ show() {
     systemctl show "$UNIT" -p ActiveState -p SubState -p Result -p MainPID -p NRestarts -p ExecMainCode \
         -p ExecMainStatus -p WatchdogUSec -p StateDirectory -p DynamicUser -p Type -p FragmentPath
 }
-fail() {
-    echo "FAILED: $*"
+fail() {  # the unit's journal in the output, the whole boot's in journal-N.log for the host to attach
+    echo "FAILED at $(uptime_s) s: $*"
     journalctl -u "$UNIT" -o short-monotonic --no-pager | tail -n 60
+    journalctl -b -o short-monotonic --no-pager > "/host/journal-$EDGELINE_VM_BOOT.log" 2>&1
+    [ -e "$STATE" ] && cat "$STATE"
     exit 1
 }
-within() {  # SECONDS COMMAND...: true once COMMAND is, polled every 0.2 s
-    tries=$(( $1 * 5 )); shift
+within() {  # SECONDS COMMAND...: true once COMMAND is, false after SECONDS of the clock (or when the host gave up)
+    end=$(( $(date +%s) + $1 )); shift
     until "$@"; do
-        tries=$((tries - 1)); [ "$tries" -gt 0 ] || return 1
-        sleep 0.2
+        [ "$(date +%s)" -lt "$end" ] && [ ! -e /host/go/abort ] || return 1
+        sleep 0.5
     done
 }
 host_said() { [ -e "/host/go/$1" ]; }
@@ -187,12 +194,23 @@ class Run:
         status = self.share / ".vm" / "status"
         process = self.machine.process
         assert process is not None
-        if not wait_until(lambda: mark.exists() or status.exists() or process.poll() is not None, STEP_TIMEOUT_S, 0.1):
-            pytest.fail(f"no mark {name!r} from the guest within {STEP_TIMEOUT_S:g} s\n{self.machine.output()[-4000:]}")
+        ended = lambda: mark.exists() or status.exists() or process.poll() is not None  # noqa: E731
+        if not wait_until(ended, STEP_TIMEOUT_S, 0.1):
+            # the guest's own waits are shorter: it is late (a slow emulated guest), so tell it to give up and say why
+            self.go("abort")
+            wait_until(lambda: status.exists() or process.poll() is not None, ABORT_TIMEOUT_S, 0.2)
+            pytest.fail(f"no mark {name!r} from the guest within {STEP_TIMEOUT_S:g} s\n{self.guest_said()}")
         if not mark.exists():
-            console = f"{self.machine.scratch}/console.log:\n{self.machine.console()[-3000:]}"
-            pytest.fail(f"the guest stopped before {name!r}:\n{self.machine.output()[-4000:]}\n{console}")
+            pytest.fail(f"the guest stopped before {name!r}:\n{self.guest_said()}")
         self.seconds[name] = round(time.monotonic() - self.began, 1)
+
+    def guest_said(self) -> str:
+        """The command's output, the journal of the boot it failed in (``fail`` writes it) and the console's tail."""
+        said = [f"the guest's output:\n{self.machine.output()[-4000:]}"]
+        for journal in sorted(self.share.glob("journal-*.log")):
+            said.append(f"{journal.name}:\n{journal.read_text(errors='replace')[-JOURNAL_CHARS:]}")
+        said.append(f"{self.machine.scratch}/console.log:\n{self.machine.console()[-2000:]}")
+        return "\n".join(said)
 
     def until_marked(self, name: str, prefix: str) -> dict[str, list[int]]:
         """Inputs a few at a time, each batch answered before the next, until the guest writes ``marks/NAME`` (the
@@ -257,7 +275,11 @@ def run_scenario(image: Image, work: Path) -> dict[str, Any]:
     share.mkdir(parents=True)
     repo = UpdateRepo(work / "updates")
     shutil.copytree(repo.bundle(1), share / "v1")
-    repo.publish(2, gates=Gates(inputs=10, seconds=300))
+    # An absolute latency budget, not the default comparison with v1: v2 is v1's model, yet under plain emulation
+    # on a loaded host their calls, side by side, were timed two to four times apart ("v2 rolled back to v1: median
+    # model latency 2.24 ms > twice v1's 0.615 ms (lower quartile 1.25 ms > twice 0.571 ms)", one run in three);
+    # this scenario checks the unit, not the trial's judgement of speed (tests/test_updates_trial.py has that)
+    repo.publish(2, gates=Gates(inputs=10, seconds=300, max_latency_ms=TRIAL_LATENCY_MS))
     shutil.copytree(repo.directory, share / "repo")
     shutil.copy2(repo.trusted_root, share / "root.json")
     (share / "tiny.toml").write_text(CONFIG, encoding="utf-8")

@@ -91,5 +91,5 @@ COST_ORDER = ("quick", "integration", "export", "emulated", "vm")
 START_ORDER = ("export", "integration", "quick", "emulated", "vm")
 """Whole modules, in this order (a stable sort: modules stay whole, so their fixtures are made once per process):
 conversions first, while every core is free for them; the emulated and VM tiers last, so the emulated installs and
-the VM image that scripts/test.sh starts building at once (``--vm``) are ready when they come (their tests wait for
+the VM image that scripts/test.sh starts building at once are ready when they come (their tests wait for
 the builds' locks otherwise)."""
