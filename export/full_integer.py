@@ -259,17 +259,40 @@ def _share_fixed_outputs(model: GraphModule) -> None:
                 annotation.input_qspec_map[source] = SharedQuantizationSpec(source)
 
 
+def _reaches_output(node: Node) -> bool:
+    """Whether ``node``'s value is one of the model's outputs, as it is or through reshapes."""
+    pending, seen = list(node.users), set()
+    while pending:
+        user = pending.pop()
+        if user.op == "output":
+            return True
+        if user not in seen and user.op == "call_function" and _op_name(user) in _SHAPE_ONLY:
+            seen.add(user)
+            pending.extend(user.users)
+    return False
+
+
 def _keep_float(model: GraphModule, modules: tuple[str, ...], activation: Any) -> None:
     """Takes back the annotations of the operators inside ``modules`` (and their submodules), and every input edge
-    of another operator that shares a quantization with one of them."""
+    of another operator that shares a quantization with one of them. The model's edges stay int8 (full-integer, as
+    TFLite Micro and vela take it): a kept operator that reads a model input still has it quantized (the model takes
+    int8 and dequantizes it), and one whose value is a model output quantizes it."""
     if not modules:
         return
     kept = set()
     for node in model.graph.nodes:
         path = module_path(node)
         inside = path is not None and any(path == m or path.startswith(m + ".") for m in modules)
-        if inside and node.meta.pop("quantization_annotation", None) is not None:
-            kept.add(node)
+        annotation = node.meta.pop("quantization_annotation", None) if inside else None
+        if annotation is None:
+            continue
+        kept.add(node)
+        edges = {arg: spec for arg, spec in annotation.input_qspec_map.items() if arg.op == "placeholder"}
+        output = annotation.output_qspec if _reaches_output(node) else None
+        if edges or output is not None:
+            node.meta["quantization_annotation"] = QuantizationAnnotation(
+                input_qspec_map=edges, output_qspec=output, _annotated=True
+            )
     for node in model.graph.nodes:
         annotation = node.meta.get("quantization_annotation")
         if annotation is None:

@@ -11,7 +11,9 @@ the module that made it from what the converter wrote into the model:
   and a fused operator's output after every location it fused.
 - ONNX Runtime: the values added as graph outputs; the dynamo exporter names each value after the torch.export node
   that made it (``conv2d_1``), the quantizer keeps those names, and torch.export's own graph says which module made
-  which node.
+  which node. A QNN HTP bundle's context binary runs as one node, so its QDQ model (the graph the binary was
+  compiled from, in the bundle beside it) is read this way instead, on the CPU provider: said in the manifest.
+- ExecuTorch: the PT2E graph the ``.pte`` was lowered from, with torchao's numeric debugger.
 
 A layer whose output no tensor of the deployed model holds (a convolution fused with its ReLU holds only the
 ReLU's) is not listed. The figures are accumulated: each layer computes from the deployed model's own inputs, so a
@@ -45,6 +47,7 @@ __all__ = [
     "LayerReport",
     "fused_into",
     "measure_layers",
+    "module_macs",
     "module_of_location",
     "not_measured_layers",
     "output_readers",
@@ -375,6 +378,28 @@ def output_readers(module: Any, arrays: Sequence[np.ndarray]) -> dict[str, tuple
     return readers
 
 
+def module_macs(module: Any, arrays: Sequence[np.ndarray]) -> tuple[dict[str, int], int]:
+    """The multiply-accumulates of each module path's operators (``fx_macs``, as the placements count them), and of
+    the whole model: what keeping a module in float moves to whatever computes float."""
+    import torch
+
+    from edgeline.export.placement import fx_macs
+
+    program = torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
+    per_module: dict[str, int] = {}
+    total = 0
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        macs = fx_macs(node, str(node.target)) or 0
+        total += macs
+        path = module_path(node)
+        while path:  # the module and each module holding it
+            per_module[path] = per_module.get(path, 0) + macs
+            path = path.rpartition(".")[0]
+    return per_module, total
+
+
 def fused_into(layer: str, readers: dict[str, tuple[str, ...]], measured: set[str]) -> tuple[str, ...]:
     """The layers whose output only ``layer`` reads and that have no tensor of their own in the deployed model (a
     convolution fused with the ReLU after it): they compute in the same kernel as ``layer``."""
@@ -382,7 +407,9 @@ def fused_into(layer: str, readers: dict[str, tuple[str, ...]], measured: set[st
 
 
 class _OnnxProbe:
-    def __init__(self, path: Path, names: dict[str, str], run: _FloatRun, input_names: Sequence[str]):
+    def __init__(
+        self, path: Path, names: dict[str, str], run: _FloatRun, input_names: Sequence[str], qnn: bool = False
+    ):
         import onnx
         import onnxruntime
 
@@ -410,6 +437,11 @@ class _OnnxProbe:
             f"onnxruntime {version('onnxruntime')} CPU provider on this {platform.machine()} machine, the layers' "
             "values added to the graph's outputs"
         )
+        if qnn:  # the context binary runs as one node: its insides are not readable, here or on a device
+            self.measured_with += (
+                f", on the QDQ model ({path.name}) the QNN context binary was compiled from: the HTP computes the "
+                "same quantized graph in its own kernels, whose intermediate tensors are not read"
+            )
         self._shapes: dict[str, tuple[int, ...]] | None = None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -531,7 +563,8 @@ def measure_layers(
     most ``LAYER_SAMPLES`` samples. ``exporter`` made the bundle and ``backend`` runs its ``model_path``: LiteRT's
     interpreter reads a LiteRT model (litert, and the int8 model of tflite-micro and ethos-u), onnxruntime an
     ``onnxruntime`` one; executorch-xnnpack's is the PT2E graph quantized again on ``calibration`` (``dynamic``:
-    int8-dynamic; ``keep_float``: the modules mixed precision kept float). Others (qnn-htp's emulator, Core ML)
+    int8-dynamic; ``keep_float``: the modules mixed precision kept float); qnn-htp's the QDQ model beside its
+    context binary, on onnxruntime's CPU provider (the HTP emulator runs the binary as one node). Others (Core ML)
     say they were not measured, as does a model that gives no layers: why, never a figure."""
     count = min(len(samples), LAYER_SAMPLES)
     if count == 0:
@@ -546,6 +579,11 @@ def measure_layers(
             probe = _LiteRTProbe(model_path, module, first, input_names, microcontroller=micro)
         elif exporter == "onnxruntime":
             probe = _OnnxProbe(model_path, _export_node_modules(module, samples.sample(0)), first, input_names)
+        elif exporter == "qnn-htp":
+            from edgeline.export.backends.qnn import QDQ_FILE
+
+            names = _export_node_modules(module, samples.sample(0))
+            probe = _OnnxProbe(model_path.with_name(QDQ_FILE), names, first, input_names, qnn=True)
         elif exporter == "executorch-xnnpack" and calibration is not None:
             names = _export_node_modules(module, samples.sample(0))
             probe = _PT2EProbe(module, calibration, names, first, dynamic, keep_float)
@@ -607,11 +645,11 @@ def _ranked(layers: dict[str, _Layer], order: list[str]) -> tuple[LayerFidelity,
                 module=name,
                 operator=layer.operator,
                 shape=layer.shape,
-                sqnr_db=None if sqnr is None else round(sqnr, 2),
-                channel_sqnr_db=None if channel is None else round(channel, 2),
+                sqnr_db=None if sqnr is None else round(sqnr, 2) + 0.0,  # + 0.0: never "-0.0 dB"
+                channel_sqnr_db=None if channel is None else round(channel, 2) + 0.0,
                 cosine=round(layer.sums.cosine(), 6),
                 added_sqnr_db=(
-                    None if added <= 0.0 else -999.0 if math.isinf(added) else round(-10.0 * math.log10(added), 2)
+                    None if added <= 0.0 else -999.0 if math.isinf(added) else round(-10.0 * math.log10(added), 2) + 0.0
                 ),
             )
         )

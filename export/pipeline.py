@@ -43,7 +43,7 @@ from edgeline.export.conversion import (
 )
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError
 from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
-from edgeline.export.layers import fused_into, measure_layers, not_measured_layers, output_readers
+from edgeline.export.layers import fused_into, measure_layers, module_macs, not_measured_layers, output_readers
 from edgeline.export.loading import LoadedModel, load_model
 from edgeline.export.memory import measure_memory, not_measured
 from edgeline.export.progress import Progress, Silent
@@ -56,6 +56,7 @@ from edgeline.manifest import (
     Firmware,
     KeptFloat,
     Memory,
+    Placement,
     Postprocess,
     QuantizationSummary,
     worst_layers,
@@ -250,6 +251,8 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
     operators = {layer.module: layer.operator for layer in outcome.layers}
     total = sum(p.numel() for p in loaded.module.parameters()) or 1
     readers = output_readers(loaded.module, calibration.sample(0))
+    plain = outcome.placement
+    macs = module_macs(loaded.module, calibration.sample(0)) if plain and plain.accelerator else None
     kept: list[KeptFloat] = []
     tried: list[str] = []
     for rank, layer in enumerate(worst_layers(outcome.layers, count=len(outcome.layers))[:MIXED_STEPS], 1):
@@ -275,8 +278,21 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
         ]
         tried.append(layer.module)
         progress(f"{target.backend} {target.precision.value}: {first_reason}; keeping {', '.join(group)} in float")
-        _build(target, outcome, shared, kept=(*kept, *candidates), int8_missed=first_reason)
+        try:
+            _build(target, outcome, shared, kept=(*kept, *candidates), int8_missed=first_reason, plain=plain, macs=macs)
+        except ExportError as exc:  # the plain int8 outcome stands, rejected for its accuracy; this says why no more
+            outcome.status = "rejected"
+            outcome.reason = f"{first_reason}; keeping {', '.join(group)} in float (mixed precision) failed: {exc}"
+            return
         if outcome.status == "selected":
+            return
+        if outcome.fidelity is not None and not fidelity_violations(shared.profile.budgets, outcome.fidelity):
+            # the accuracy budget holds, another does not (the float layers took too much off the accelerator, or
+            # out of int8): keeping more in float cannot help that
+            outcome.reason = (
+                f"{first_reason}; with {', '.join(k.module for k in (*kept, *candidates))} kept float (mixed "
+                f"precision) the accuracy budget holds, but {outcome.reason}"
+            )
             return
         shortfall = fidelity_shortfall(outcome.fidelity) if outcome.fidelity is not None else math.inf
         if shortfall < best:  # it helped: kept, and the next group goes on from here
@@ -290,6 +306,29 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
     )
 
 
+def _off_accelerator(
+    kept: tuple[KeptFloat, ...],
+    plain: Placement | None,
+    mixed: Placement | None,
+    macs: tuple[dict[str, int], int] | None,
+) -> tuple[KeptFloat, ...]:
+    """``kept`` with each layer's share of the model's multiply-accumulates that it takes off the accelerator: its
+    own share where the mixed model's placement has fewer on the accelerator than plain int8's had (the Ethos-U runs
+    no float operator: the CPU does), none where they stayed (a GPU computes float as well). Unset without an
+    accelerator."""
+    if not kept or macs is None or plain is None or mixed is None or plain.accelerator is None:
+        return kept
+    per_module, total = macs
+    before, after = plain.accelerator_macs, mixed.accelerator_macs
+    if not total or before is None or after is None:
+        return kept
+    left = after < before
+    return tuple(
+        k.model_copy(update={"accelerator_macs_share": min(1.0, per_module.get(k.module, 0) / total) if left else 0.0})
+        for k in kept
+    )
+
+
 def _build(
     target: Target,
     outcome: TargetOutcome,
@@ -297,8 +336,12 @@ def _build(
     *,
     kept: tuple[KeptFloat, ...] = (),
     int8_missed: str | None = None,
+    plain: Placement | None = None,
+    macs: tuple[dict[str, int], int] | None = None,
 ) -> list[str]:
-    """One export of ``target`` into ``staging``, measured and judged into ``outcome``; its budget violations."""
+    """One export of ``target`` into ``staging``, measured and judged into ``outcome``; its budget violations.
+    ``kept``: mixed precision's float layers (``int8_missed``: why, ``plain``: plain int8's placement, ``macs``: each
+    module's multiply-accumulates and the model's, which say the share each kept layer takes off an accelerator)."""
     import torch
 
     loaded, calibration, validation, reference = shared.loaded, shared.calibration, shared.validation, shared.reference
@@ -318,6 +361,7 @@ def _build(
     )
     progress(f"{target.backend} {target.precision.value}: converting")
     exported = convert(request, target)
+    kept = _off_accelerator(kept, plain, exported.placement, macs)
     check = exported.verification or Verification(backend=exported.runtime_backend)
     measured_file = check.model_file or exported.model_file
     inputs, outputs = exported.inputs, exported.outputs

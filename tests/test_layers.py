@@ -11,7 +11,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edgeline.export.layers import _layout, _ranked, _Sums, fused_into, measure_layers, module_of_location
+from edgeline.export.layers import (
+    _layout,
+    _ranked,
+    _Sums,
+    fused_into,
+    measure_layers,
+    module_macs,
+    module_of_location,
+)
 from edgeline.manifest import LayerFidelity, worst_layers
 from edgeline.samples import SampleSet
 
@@ -137,8 +145,8 @@ def test_a_layer_fused_into_another_is_kept_with_it() -> None:
 
 def test_a_runtime_without_intermediate_tensors_and_a_model_without_layers_say_why() -> None:
     samples = SampleSet([np.zeros((2, 1, 6, 6), np.float32)], None, "zeros")
-    report = measure_layers(_network(), samples, "qnn-htp", "onnxruntime", None, ("x",))  # type: ignore[arg-type]
-    assert report.layers == () and report.unknown is not None and "qnn-htp" in report.unknown
+    report = measure_layers(_network(), samples, "coreml", "coreml", None, ("x",))  # type: ignore[arg-type]
+    assert report.layers == () and report.unknown is not None and "coreml" in report.unknown
     import torch
 
     flat = torch.nn.Sequential()
@@ -146,3 +154,31 @@ def test_a_runtime_without_intermediate_tensors_and_a_model_without_layers_say_w
     assert report.layers == () and report.unknown is not None and "submodules" in report.unknown
     fields = report.fields()
     assert fields["layers"] == () and fields["layers_unknown"] == report.unknown
+
+
+def test_each_module_s_multiply_accumulates_are_counted_as_by_hand() -> None:
+    """A 3x3 convolution of 4 channels into 4 on 6x6 (padding 1): 4*6*6 outputs of 4*3*3 each; the linear head 3
+    outputs of 144 each; a block holds its convolution's and its ReLU's (one per element)."""
+    per_module, total = module_macs(_network(), [np.zeros((1, 1, 6, 6), np.float32)])
+    assert per_module["blocks.0.my_conv"] == 4 * 6 * 6 * 4 * 3 * 3
+    assert per_module["stem"] == 4 * 6 * 6 * 1 * 3 * 3
+    assert per_module["head"] == 3 * 144
+    assert per_module["blocks.0"] == per_module["blocks.0.my_conv"] + 4 * 6 * 6
+    assert per_module["blocks"] == 2 * per_module["blocks.0"]
+    assert total >= per_module["stem"] + per_module["blocks"] + per_module["head"]
+
+
+def test_a_kept_layer_s_share_off_the_accelerator_is_said_only_when_it_left() -> None:
+    from edgeline.export.pipeline import _off_accelerator
+    from edgeline.manifest import KeptFloat, Placement
+
+    kept = (KeptFloat(module="stem", operator="Conv2d", added_bytes=120, reason="ranked 1"),)
+    macs = ({"stem": 25}, 1000)
+    npu = Placement(accelerator="ethos-u", ops=4, accelerator_ops=4, macs=1000, accelerator_macs=1000)
+    left = npu.model_copy(update={"accelerator_ops": 3, "accelerator_macs": 975})
+    (moved,) = _off_accelerator(kept, npu, left, macs)
+    assert moved.accelerator_macs_share == pytest.approx(0.025)
+    (stayed,) = _off_accelerator(kept, npu, npu, macs)  # a GPU computes float as well: nothing left it
+    assert stayed.accelerator_macs_share == 0.0
+    cpu = Placement(accelerator=None, ops=4, macs=1000)
+    assert _off_accelerator(kept, cpu, cpu, macs)[0].accelerator_macs_share is None

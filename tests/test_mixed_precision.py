@@ -282,3 +282,90 @@ def _measured(outcome: Any) -> str:
     quantization = read_bundle(outcome.bundle).manifest.quantization
     assert quantization is not None
     return quantization.layers_measured_with or ""
+
+
+# -- microcontrollers: TFLite Micro's float kernels, and the Ethos-U's CPU, run the kept layers ---------------------
+
+
+@pytest.fixture(scope="module")
+def m4_export(model: Path, samples: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _export(model, samples, tmp_path_factory.mktemp("m4") / "bundle", "cortex-m4")
+
+
+@pytest.fixture(scope="module")
+def u55_export(model: Path, samples: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _export(model, samples, tmp_path_factory.mktemp("u55") / "bundle", "ethos-u55-128")
+
+
+def _float_operators(path: Path) -> list[Any]:
+    from ai_edge_litert.interpreter import Interpreter
+
+    from edgeline.export.placement import tflite_records
+
+    records = tflite_records(Interpreter(model_path=str(path)), Precision.INT8_STATIC)
+    return [record for record in records if not record.quantized]
+
+
+def test_a_microcontroller_keeps_the_outlier_tensor_float_full_integer_at_its_edges(
+    m4_export: Any, model: Path
+) -> None:
+    """TFLite Micro runs the two kept convolutions with its float kernels; the model still takes and gives int8 (the
+    firmware's contract); on the 397 held-out digits, run by TFLite Micro, it is within the 2-point budget."""
+    from edgeline.bundle import read_bundle
+    from edgeline.manifest import TensorSpec
+
+    (outcome,) = m4_export.outcomes
+    assert outcome.backend == "tflite-micro" and outcome.status == "selected", outcome.reason
+    assert [kept.module for kept in outcome.kept_float] == list(KEPT)
+    assert all(kept.accelerator_macs_share is None for kept in outcome.kept_float), "no accelerator to leave"
+    manifest = read_bundle(outcome.bundle).manifest
+    assert manifest.backend == "tflite-micro"
+    specs: list[TensorSpec] = [*manifest.inputs, *manifest.outputs]
+    assert all(spec.dtype == "int8" and spec.quantization is not None for spec in specs), specs
+    floating = _float_operators(outcome.bundle / "model.tflite")
+    # conv1 (one input channel: the converter writes a depthwise convolution) and mix, nothing else
+    assert sorted(r.name for r in floating) == ["CONV_2D", "DEPTHWISE_CONV_2D"], floating
+    assert all(("_conv1" in r.output or "_act1" in r.output or "_mix" in r.output) for r in floating), floating
+    assert manifest.memory is not None and manifest.memory.arena_bytes is not None
+    assert manifest.memory.arena_bytes <= 98_304, "within cortex-m4's arena budget"
+    assert _held_out_accuracy(outcome.bundle) >= _float_accuracy(model) - 0.02
+
+
+def test_the_ethos_u_says_what_share_of_the_work_the_kept_layers_take_off_the_npu(u55_export: Any) -> None:
+    """vela leaves the float convolutions to the Cortex-M55; each kept layer's share of the work, from the torch
+    graph, adds up to what vela's own per-layer placement moved off the NPU."""
+    from edgeline.export.report import format_report
+
+    outcome = u55_export.outcomes[0]
+    assert outcome.backend == "ethos-u" and outcome.status == "selected", outcome.reason
+    assert [kept.module for kept in outcome.kept_float] == list(KEPT)
+    placement = outcome.placement
+    assert placement.fallback == {"CONV_2D": 1, "DEPTHWISE_CONV_2D": 1}, placement  # vela's names for them
+    assert placement.macs and placement.accelerator_macs is not None
+    off = 1 - placement.accelerator_macs / placement.macs
+    shares = [kept.accelerator_macs_share for kept in outcome.kept_float]
+    assert all(share is not None and share > 0 for share in shares), shares
+    assert sum(shares) == pytest.approx(off, abs=0.005), (shares, off)
+    floating = _float_operators(outcome.bundle / "model_int8.tflite")
+    assert sorted(r.name for r in floating) == ["CONV_2D", "DEPTHWISE_CONV_2D"], floating
+    text = format_report(u55_export)
+    assert "conv1 (Conv2d, +270 B, 1.7% of the work off ethos-u) stays float32" in text, text
+
+
+def test_qnn_names_the_layer_that_lost_from_the_qdq_model_its_context_binary_was_compiled_from(
+    model: Path, samples: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The HTP emulator runs the context binary as one node: the layers are read from the QDQ model beside it, on
+    the CPU provider. QNN keeps no layer float (its CPU fallback is off), so the Snapdragon's QNN target is rejected
+    naming act1, and its next target (LiteRT int8 on the CPU) keeps the outlier tensor float and meets the budget."""
+    from edgeline.manifest import worst_layers
+
+    report = _export(model, samples, tmp_path / "bundle", "snapdragon-8-gen-3")
+    qnn, litert = report.outcomes[:2]
+    assert qnn.backend == "qnn-htp" and qnn.status == "rejected" and "accuracy drop" in (qnn.reason or ""), qnn.reason
+    assert not qnn.kept_float
+    worst = worst_layers(qnn.layers)
+    assert worst[0].module == "act1", worst
+    assert worst[0].channel_sqnr_db is not None and worst[0].channel_sqnr_db < 3.0
+    assert litert.backend == "litert" and litert.status == "selected", litert.reason
+    assert [kept.module for kept in litert.kept_float] == list(KEPT)
