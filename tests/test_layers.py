@@ -182,3 +182,55 @@ def test_a_kept_layer_s_share_off_the_accelerator_is_said_only_when_it_left() ->
     assert stayed.accelerator_macs_share == 0.0
     cpu = Placement(accelerator=None, ops=4, macs=1000)
     assert _off_accelerator(kept, cpu, cpu, macs)[0].accelerator_macs_share is None
+
+
+def test_a_batch_norm_folded_into_the_layer_before_it_owns_that_layer_s_tensor() -> None:
+    """A converter folds a BatchNorm into the convolution before it: the tensor named after the convolution holds
+    the normalisation's output, so it is compared with that (unless the normalisation has a tensor of its own)."""
+    import torch
+    from torch import nn
+
+    from edgeline.export.layers import _folded_norms, _leaves
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 4, 3, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+            self.act = nn.ReLU()
+            self.shared = nn.Conv2d(4, 4, 1)
+            self.bn2 = nn.BatchNorm2d(4)
+
+        def forward(self, x: Any) -> Any:
+            y = self.shared(self.act(self.bn(self.conv(x))))
+            return self.bn2(y) + y  # shared's output is read twice: nothing folds it away
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    arrays = [np.zeros((1, 1, 6, 6), np.float32)]
+    leaves = _leaves(net)
+    assert _folded_norms(net, arrays, leaves, {"conv", "act", "shared"}) == {"conv": "bn"}
+    assert _folded_norms(net, arrays, leaves, {"conv", "bn", "act"}) == {}  # bn has a tensor of its own
+
+
+def test_an_input_is_kept_float_through_the_layers_that_read_it_directly() -> None:
+    """Keeping a model input float means keeping its readers float; an operator outside every module that reads it
+    first (a division in forward) would quantize it anyway, so then there are none."""
+    import torch
+    from torch import nn
+
+    from edgeline.export.layers import input_readers
+
+    arrays = [np.zeros((1, 1, 6, 6), np.float32)]
+    assert input_readers(_network(), arrays, ("x",)) == {"input x": ("stem",)}
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 2, 3)
+
+        def forward(self, x: Any) -> Any:
+            return self.conv(x / 16.0)
+
+    torch.manual_seed(0)
+    assert input_readers(Scaled().eval(), arrays, ("image",)) == {"input image": ()}

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the registry is read by `edgeline export --help` (choices o
 
 __all__ = [
     "EXPORT_BACKENDS",
+    "INT8_EDGES",
     "KEEPS_FLOAT",
     "ExportRequest",
     "ExportedModel",
@@ -41,6 +42,10 @@ EXPORT_BACKENDS: dict[str, str] = {
     "executorch-coreml": "edgeline.export.backends.executorch_coreml:ExecuTorchCoreMLExporter",
 }
 
+
+INT8_EDGES = frozenset({"tflite-micro", "ethos-u"})
+"""The exporters whose int8-static model takes and gives int8 whatever is kept float (full-integer: what TFLite
+Micro's firmware and vela take)."""
 
 KEEPS_FLOAT = frozenset({"litert", "onnxruntime", "executorch-xnnpack", "tflite-micro", "ethos-u"})
 """The exporters that honour ``ExportRequest.keep_float`` in int8-static, through their quantizer's public means:
