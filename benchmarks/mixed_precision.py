@@ -125,10 +125,13 @@ def main() -> int:
         script=__file__,
         title="Mixed precision: plain int8, mixed and float on a model with an outlier channel",
         intro="tests/outlier_model.py's digits CNN (one channel of `act1` 300 times the others; the float function "
-        "unchanged). Accuracy on the 397 held-out digits (float: the reference); size of the model file; operators "
-        "computing in int8 (the exporter's placement); median latency of one inference through edgeline's session, "
-        f"1 thread, mean of 200 digits per round, median of {args.rounds} interleaved rounds, on this 2-core x86-64 "
-        "host (not a device figure).",
+        "unchanged). Accuracy on the 397 held-out digits (float: the reference; tflite-micro and ethos-u: their int8 "
+        "model run by TFLite Micro's reference kernels); size of the model file (the firmware's model array; vela's "
+        "for the Ethos-U); operators computing in int8 (the exporter's placement); the share of the work vela placed "
+        "on the Ethos-U55-128's NPU; median latency of one inference through edgeline's session, 1 thread, mean of "
+        f"200 digits per round, median of {args.rounds} interleaved rounds, on this 2-core x86-64 host (not a device "
+        "figure; TFLite Micro's reference kernels are not a Cortex-M's CMSIS-NN), or for the Ethos-U vela's estimate "
+        "of the NPU's part, which leaves out the operators the Cortex-M55 runs.",
         write=args.write,
     )
     return 0
