@@ -272,10 +272,10 @@ class Placement(_Frozen):
         def share(count: int | None, key: str, what: str) -> str:
             if count is None:
                 return f"{what} unknown ({self.unknown.get(key, 'not recorded')})"
-            text = f"{what} {count}/{self.ops} ops" + (f" ({count / self.ops:.0%})" if self.ops else "")
+            text = f"{what} {count}/{self.ops} ops" + (f" ({percent(count / self.ops, 0)})" if self.ops else "")
             work = getattr(self, key.replace("_ops", "_macs"))
             if work is not None and self.macs:
-                text += f", {work / self.macs:.1%} of the work"
+                text += f", {percent(work / self.macs)} of the work"
             return text
 
         if self.ops is None:

@@ -259,17 +259,44 @@ def _share_fixed_outputs(model: GraphModule) -> None:
                 annotation.input_qspec_map[source] = SharedQuantizationSpec(source)
 
 
-def _keep_float(model: GraphModule, modules: tuple[str, ...], activation: Any) -> None:
+def _reaches_output(node: Node) -> bool:
+    """Whether ``node``'s value is one of the model's outputs, as it is or through reshapes."""
+    pending, seen = list(node.users), set()
+    while pending:
+        user = pending.pop()
+        if user.op == "output":
+            return True
+        if user not in seen and user.op == "call_function" and _op_name(user) in _SHAPE_ONLY:
+            seen.add(user)
+            pending.extend(user.users)
+    return False
+
+
+def _keep_float(model: GraphModule, modules: tuple[str, ...], activation: Any, int8_edges: bool) -> None:
     """Takes back the annotations of the operators inside ``modules`` (and their submodules), and every input edge
-    of another operator that shares a quantization with one of them."""
+    of another operator that shares a quantization with one of them. ``int8_edges``: the model's edges stay int8
+    (full-integer, as TFLite Micro and vela take it): a kept operator that reads a model input still has it
+    quantized (the model takes int8 and dequantizes it), and one whose value is a model output quantizes it.
+    Otherwise (LiteRT on a CPU) a kept first layer takes the input in float: an input whose features span very
+    different ranges is what int8 loses there."""
     if not modules:
         return
     kept = set()
     for node in model.graph.nodes:
         path = module_path(node)
         inside = path is not None and any(path == m or path.startswith(m + ".") for m in modules)
-        if inside and node.meta.pop("quantization_annotation", None) is not None:
-            kept.add(node)
+        annotation = node.meta.pop("quantization_annotation", None) if inside else None
+        if annotation is None:
+            continue
+        kept.add(node)
+        if not int8_edges:
+            continue
+        edges = {arg: spec for arg, spec in annotation.input_qspec_map.items() if arg.op == "placeholder"}
+        output = annotation.output_qspec if _reaches_output(node) else None
+        if edges or output is not None:
+            node.meta["quantization_annotation"] = QuantizationAnnotation(
+                input_qspec_map=edges, output_qspec=output, _annotated=True
+            )
     for node in model.graph.nodes:
         annotation = node.meta.get("quantization_annotation")
         if annotation is None:
@@ -291,12 +318,15 @@ class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch
     """litert-torch's PT2E quantizer (symmetric per-channel weights, int8 activations) that also quantizes the
     element-wise arithmetic, SOFTMAX and LOG_SOFTMAX: see the module's docstring."""
 
-    def __init__(self, *, gelu_kernel: bool = True, keep_float: tuple[str, ...] = ()) -> None:
+    def __init__(self, *, gelu_kernel: bool = True, keep_float: tuple[str, ...] = (), int8_edges: bool = True) -> None:
         super().__init__()
         self.set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=False))
         self.gelu_kernel = gelu_kernel
         """False: the target has no GELU kernel (TFLite Micro): GELU becomes its tanh approximation."""
         self.keep_float = keep_float
+        self.int8_edges = int8_edges
+        """Whether the model's inputs and outputs stay int8 when a layer at an edge is kept float (see
+        ``_keep_float``)."""
         """Module paths whose operators stay float (mixed precision): their annotations are taken back, so a
         dequantize comes before them and a quantize after."""
         self.rewrites: list[Rewrite] = []
@@ -325,7 +355,7 @@ class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch
             node.meta["quantization_annotation"] = QuantizationAnnotation(
                 input_qspec_map=inputs, output_qspec=output, _annotated=True
             )
-        _keep_float(model, self.keep_float, activation)
+        _keep_float(model, self.keep_float, activation, self.int8_edges)
         propagate_annotation(model)  # reshapes after the operators annotated here share their quantization
         _share_fixed_outputs(model)
         return model

@@ -11,7 +11,9 @@ the module that made it from what the converter wrote into the model:
   and a fused operator's output after every location it fused.
 - ONNX Runtime: the values added as graph outputs; the dynamo exporter names each value after the torch.export node
   that made it (``conv2d_1``), the quantizer keeps those names, and torch.export's own graph says which module made
-  which node.
+  which node. A QNN HTP bundle's context binary runs as one node, so its QDQ model (the graph the binary was
+  compiled from, in the bundle beside it) is read this way instead, on the CPU provider: said in the manifest.
+- ExecuTorch: the PT2E graph the ``.pte`` was lowered from, with torchao's numeric debugger.
 
 A layer whose output no tensor of the deployed model holds (a convolution fused with its ReLU holds only the
 ReLU's) is not listed. The figures are accumulated: each layer computes from the deployed model's own inputs, so a
@@ -41,10 +43,14 @@ from edgeline.quantization import dequantize, quantize
 from edgeline.samples import SampleSet
 
 __all__ = [
+    "INPUT",
     "LAYER_SAMPLES",
     "LayerReport",
     "fused_into",
+    "input_layer",
+    "input_readers",
     "measure_layers",
+    "module_macs",
     "module_of_location",
     "not_measured_layers",
     "output_readers",
@@ -215,6 +221,8 @@ def float_layers(module: Any, arrays: Sequence[np.ndarray]) -> _FloatRun:
 
 class _Probe(Protocol):
     measured_with: str
+    inputs_quantized: list[tuple[Quantization, np.dtype] | None]
+    """Per model input, in forward()'s order, how the deployed model quantizes it (None: it takes it float)."""
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Per module path, the shape of the deployed tensor that holds its output."""
@@ -268,6 +276,10 @@ class _LiteRTProbe:
         by_name = {detail["name"]: detail for detail in listed}
         named = all(name in by_name for name in input_names) and len(input_names) == len(listed)
         self.inputs = [by_name[name] for name in input_names] if named else listed
+        self.inputs_quantized = [
+            (params, np.dtype(detail["dtype"])) if (params := _params(detail)) is not None else None
+            for detail in self.inputs
+        ]
         ops = getattr(self.interpreter, "_get_ops_details", None)  # the only listing of operators in its Python API
         if ops is None:
             raise _NotMeasured("ai-edge-litert no longer lists a model's operators (_get_ops_details)")
@@ -375,14 +387,135 @@ def output_readers(module: Any, arrays: Sequence[np.ndarray]) -> dict[str, tuple
     return readers
 
 
+def module_macs(module: Any, arrays: Sequence[np.ndarray]) -> tuple[dict[str, int], int]:
+    """The multiply-accumulates of each module path's operators (``fx_macs``, as the placements count them), and of
+    the whole model: what keeping a module in float moves to whatever computes float."""
+    import torch
+
+    from edgeline.export.placement import fx_macs
+
+    program = torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
+    per_module: dict[str, int] = {}
+    total = 0
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        macs = fx_macs(node, str(node.target)) or 0
+        total += macs
+        path = module_path(node)
+        while path:  # the module and each module holding it
+            per_module[path] = per_module.get(path, 0) + macs
+            path = path.rpartition(".")[0]
+    return per_module, total
+
+
+def _folded_norms(module: Any, arrays: Sequence[np.ndarray], leaves: dict[str, Any], read: set[str]) -> dict[str, str]:
+    """Layer -> the batch normalisation its tensor holds the output of: a converter folds a BatchNorm into the
+    convolution or linear layer before it (its scale and shift into their weights), so the one tensor left, named
+    after the convolution, is the normalisation's output; compared with the convolution's own float output, every
+    such layer looked 20 dB lost (an EfficientNet-like stack, seen). Only where the normalisation is the only
+    reader of the layer's output and has no tensor of its own."""
+    import torch
+
+    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+    program = torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
+    last: dict[str, Any] = {}
+    for node in program.graph.nodes:
+        path = module_path(node) if node.op == "call_function" else None
+        if path is not None:
+            last[path] = node
+    folded = {}
+    for name, node in last.items():
+        users = list(node.users)
+        reader = module_path(users[0]) if len(users) == 1 and users[0].op == "call_function" else None
+        if name in read and reader is not None and isinstance(leaves.get(reader), norms) and reader not in read:
+            folded[name] = reader
+    return folded
+
+
+INPUT = "input "
+"""How ``quantization.layers`` names a model input: ``input x``, before every layer (no module path has a space)."""
+
+
+def input_layer(name: str) -> str:
+    return f"{INPUT}{name}"
+
+
+def input_readers(module: Any, arrays: Sequence[np.ndarray], input_names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Per model input (``input x``, named by ``input_names`` in forward()'s order), the leaf modules that read it
+    (through reshapes): keeping them float keeps the input float. None listed where an operator outside every
+    module reads it first (``x / 16`` in forward): that operator would quantize it anyway."""
+    import torch
+
+    program = torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
+    leaves = set(_leaves(module))
+    user_inputs = program.graph_signature.user_inputs
+    found: dict[str, tuple[str, ...]] = {}
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+    for name_of_input, node in zip(input_names, placeholders, strict=False):
+        readers: list[str] = []
+        pending, seen, outside = list(node.users), set(), False
+        while pending:
+            user = pending.pop()
+            if user in seen:
+                continue
+            seen.add(user)
+            path = module_path(user) if user.op == "call_function" else None
+            name = str(getattr(user.target, "__name__", user.target)).split(".")[0]
+            if path in leaves:
+                readers.append(path)
+            elif name in _PASSING:
+                pending.extend(user.users)
+            else:
+                outside = True
+        found[input_layer(name_of_input)] = () if outside else tuple(sorted(set(readers)))
+    return found
+
+
 def fused_into(layer: str, readers: dict[str, tuple[str, ...]], measured: set[str]) -> tuple[str, ...]:
     """The layers whose output only ``layer`` reads and that have no tensor of their own in the deployed model (a
     convolution fused with the ReLU after it): they compute in the same kernel as ``layer``."""
     return tuple(sorted(source for source, read in readers.items() if read == (layer,) and source not in measured))
 
 
+def _pt2e_input_quantization(converted: Any) -> list[tuple[Quantization, np.dtype] | None]:
+    """Per input of a converted PT2E graph, the per-tensor quantize its value goes through first, if any."""
+    import torch
+
+    found: list[tuple[Quantization, np.dtype] | None] = []
+    for node in converted.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        quantized = None
+        for user in node.users:
+            if "quantize_per_tensor" in str(user.target) and "dequantize" not in str(user.target):
+                scale, zero, dtype = user.args[1], user.args[2], user.args[-1]
+                if isinstance(scale, float | int) and isinstance(zero, int) and dtype in (torch.int8, torch.uint8):
+                    quantized = Quantization(scale=float(scale), zero_point=zero), np.dtype(str(dtype).split(".")[-1])
+        found.append(quantized)
+    return found
+
+
+def _onnx_input_quantization(
+    graph: Any, consumers: dict[str, list[Any]], name: str
+) -> tuple[Quantization, np.dtype] | None:
+    """The QuantizeLinear the QDQ model applies to input ``name`` (per tensor): its scale, zero point and type."""
+    from onnx import numpy_helper
+
+    constants = {tensor.name: tensor for tensor in graph.initializer}
+    for node in consumers.get(name, ()):
+        if node.op_type == "QuantizeLinear" and len(node.input) == 3 and node.input[1] in constants:
+            scale = numpy_helper.to_array(constants[node.input[1]])
+            zero = numpy_helper.to_array(constants[node.input[2]]) if node.input[2] in constants else None
+            if scale.size == 1 and zero is not None and zero.size == 1:
+                return Quantization(scale=float(scale.reshape(())), zero_point=int(zero.reshape(()))), zero.dtype
+    return None
+
+
 class _OnnxProbe:
-    def __init__(self, path: Path, names: dict[str, str], run: _FloatRun, input_names: Sequence[str]):
+    def __init__(
+        self, path: Path, names: dict[str, str], run: _FloatRun, input_names: Sequence[str], qnn: bool = False
+    ):
         import onnx
         import onnxruntime
 
@@ -403,6 +536,7 @@ class _OnnxProbe:
         for value in self.values.values():
             if value not in existing:
                 graph.output.append(onnx.helper.make_empty_tensor_value_info(value))
+        self.inputs_quantized = [_onnx_input_quantization(graph, consumers, name) for name in input_names]
         self.session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         self.input_names = list(input_names)
         self.output_names = [output.name for output in self.session.get_outputs()]
@@ -410,6 +544,11 @@ class _OnnxProbe:
             f"onnxruntime {version('onnxruntime')} CPU provider on this {platform.machine()} machine, the layers' "
             "values added to the graph's outputs"
         )
+        if qnn:  # the context binary runs as one node: its insides are not readable, here or on a device
+            self.measured_with += (
+                f", on the QDQ model ({path.name}) the QNN context binary was compiled from: the HTP computes the "
+                "same quantized graph in its own kernels, whose intermediate tensors are not read"
+            )
         self._shapes: dict[str, tuple[int, ...]] | None = None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -446,6 +585,7 @@ class _PT2EProbe:
 
         tensors = [tuple(torch.from_numpy(a) for a in calibration.sample(i)) for i in range(len(calibration))]
         converted = quantized_module(module, tensors[0], tensors, dynamic=dynamic, keep_float=keep_float)
+        self.inputs_quantized = _pt2e_input_quantization(converted)
         self.model = prepare_for_propagation_comparison(converted)
         self.names = {value: path for value, path in names.items() if path in set(run.order)}
         self.measured_with = (
@@ -526,13 +666,17 @@ def measure_layers(
     calibration: SampleSet | None = None,
     dynamic: bool = False,
     keep_float: tuple[str, ...] = (),
+    labels: Sequence[str] = (),
 ) -> LayerReport:
     """Per layer, SQNR and cosine of the deployed model's intermediate outputs against the float model's, on at
     most ``LAYER_SAMPLES`` samples. ``exporter`` made the bundle and ``backend`` runs its ``model_path``: LiteRT's
     interpreter reads a LiteRT model (litert, and the int8 model of tflite-micro and ethos-u), onnxruntime an
     ``onnxruntime`` one; executorch-xnnpack's is the PT2E graph quantized again on ``calibration`` (``dynamic``:
-    int8-dynamic; ``keep_float``: the modules mixed precision kept float). Others (qnn-htp's emulator, Core ML)
-    say they were not measured, as does a model that gives no layers: why, never a figure."""
+    int8-dynamic; ``keep_float``: the modules mixed precision kept float); qnn-htp's the QDQ model beside its
+    context binary, on onnxruntime's CPU provider (the HTP emulator runs the binary as one node). Others (Core ML)
+    say they were not measured, as does a model that gives no layers: why, never a figure. Each input the model
+    quantizes comes first (``input x``, named by ``labels``, forward()'s names, else ``input_names``): the data
+    as the model reads it."""
     count = min(len(samples), LAYER_SAMPLES)
     if count == 0:
         return not_measured_layers("no validation samples")
@@ -546,6 +690,11 @@ def measure_layers(
             probe = _LiteRTProbe(model_path, module, first, input_names, microcontroller=micro)
         elif exporter == "onnxruntime":
             probe = _OnnxProbe(model_path, _export_node_modules(module, samples.sample(0)), first, input_names)
+        elif exporter == "qnn-htp":
+            from edgeline.export.backends.qnn import QDQ_FILE
+
+            names = _export_node_modules(module, samples.sample(0))
+            probe = _OnnxProbe(model_path.with_name(QDQ_FILE), names, first, input_names, qnn=True)
         elif exporter == "executorch-xnnpack" and calibration is not None:
             names = _export_node_modules(module, samples.sample(0))
             probe = _PT2EProbe(module, calibration, names, first, dynamic, keep_float)
@@ -553,12 +702,27 @@ def measure_layers(
             return not_measured_layers(f"{exporter}: edgeline reads no intermediate tensors of its model here")
         layers: dict[str, _Layer] = {}
         leaves = _leaves(module)
+        entries = {  # each quantized input, as the model reads it: what int8 keeps of the data itself
+            input_layer(name): (position, quantized)
+            for position, (name, quantized) in enumerate(
+                zip(labels or input_names, probe.inputs_quantized, strict=False)
+            )
+            if quantized is not None
+        }
+        for name, (position, _) in entries.items():
+            shape = tuple(samples.sample(0)[position].shape)
+            layers[name] = _Layer(name, "input", shape, shape, tuple(range(len(shape))))
         for index in range(count):
             arrays = samples.sample(index)
+            for name, (position, (params, dtype)) in entries.items():
+                layers[name].add(arrays[position], dequantize(quantize(arrays[position], params, dtype), params))
             reference = (first if index == 0 else float_layers(module, arrays)).outputs
             got = probe.run(arrays)
             if index == 0:
-                shapes = probe.shapes()
+                folded = _folded_norms(module, arrays, leaves, set(got))
+            got = {folded.get(name, name): value for name, value in got.items()}
+            if index == 0:
+                shapes = {folded.get(name, name): shape for name, shape in probe.shapes().items()}
                 for name in first.order:
                     if name in reference and name in got:
                         layout = _layout(reference[name], shapes[name], got[name])
@@ -574,10 +738,10 @@ def measure_layers(
         logger.debug("reading %s's layers failed", exporter, exc_info=exc)
         first_line = (str(exc).strip().splitlines() or [""])[0][:200]
         return not_measured_layers(f"reading the layers failed: {type(exc).__name__}: {first_line}")
-    if not layers:
+    if len(layers) == len(entries):
         return not_measured_layers(f"no tensor of the {exporter} model could be tied to a layer of the torch model")
     return LayerReport(
-        layers=_ranked(layers, first.order),
+        layers=_ranked(layers, [*entries, *first.order]),
         samples=count,
         measured_with=f"{probe.measured_with}; accumulated: each layer computes from the deployed model's own inputs",
     )
@@ -607,11 +771,11 @@ def _ranked(layers: dict[str, _Layer], order: list[str]) -> tuple[LayerFidelity,
                 module=name,
                 operator=layer.operator,
                 shape=layer.shape,
-                sqnr_db=None if sqnr is None else round(sqnr, 2),
-                channel_sqnr_db=None if channel is None else round(channel, 2),
+                sqnr_db=None if sqnr is None else round(sqnr, 2) + 0.0,  # + 0.0: never "-0.0 dB"
+                channel_sqnr_db=None if channel is None else round(channel, 2) + 0.0,
                 cosine=round(layer.sums.cosine(), 6),
                 added_sqnr_db=(
-                    None if added <= 0.0 else -999.0 if math.isinf(added) else round(-10.0 * math.log10(added), 2)
+                    None if added <= 0.0 else -999.0 if math.isinf(added) else round(-10.0 * math.log10(added), 2) + 0.0
                 ),
             )
         )

@@ -28,7 +28,14 @@ from edgeline import bundle as bundle_io
 from edgeline.backends import open_session
 from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
-from edgeline.export.backends import EXPORT_BACKENDS, KEEPS_FLOAT, ExportedModel, ExportRequest, Verification
+from edgeline.export.backends import (
+    EXPORT_BACKENDS,
+    INT8_EDGES,
+    KEEPS_FLOAT,
+    ExportedModel,
+    ExportRequest,
+    Verification,
+)
 from edgeline.export.budgets import budget_violations, fidelity_shortfall, fidelity_violations
 from edgeline.export.c_sources import write_c_sources
 from edgeline.export.calibration import check_model_runs, load_model_samples
@@ -43,7 +50,15 @@ from edgeline.export.conversion import (
 )
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError
 from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
-from edgeline.export.layers import fused_into, measure_layers, not_measured_layers, output_readers
+from edgeline.export.layers import (
+    INPUT,
+    fused_into,
+    input_readers,
+    measure_layers,
+    module_macs,
+    not_measured_layers,
+    output_readers,
+)
 from edgeline.export.loading import LoadedModel, load_model
 from edgeline.export.memory import measure_memory, not_measured
 from edgeline.export.progress import Progress, Silent
@@ -56,6 +71,7 @@ from edgeline.manifest import (
     Firmware,
     KeptFloat,
     Memory,
+    Placement,
     Postprocess,
     QuantizationSummary,
     worst_layers,
@@ -250,12 +266,33 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
     operators = {layer.module: layer.operator for layer in outcome.layers}
     total = sum(p.numel() for p in loaded.module.parameters()) or 1
     readers = output_readers(loaded.module, calibration.sample(0))
+    readers.update(input_readers(loaded.module, calibration.sample(0), _input_names(loaded, calibration)))
+    plain = outcome.placement
+    macs = module_macs(loaded.module, calibration.sample(0)) if plain and plain.accelerator else None
     kept: list[KeptFloat] = []
     tried: list[str] = []
+    advice = ""
     for rank, layer in enumerate(worst_layers(outcome.layers, count=len(outcome.layers))[:MIXED_STEPS], 1):
+        if layer.module.startswith(INPUT):  # the data itself: keeping it float means keeping its readers float
+            lost = f"int8 keeps least of {layer.module} ({layer.channel_sqnr_db} dB SQNR in its worst channel)"
+            if target.backend in INT8_EDGES or not readers.get(layer.module):
+                advice = advice or (
+                    f"; {lost}: its features span very different ranges; scale them alike before the model (a "
+                    "microcontroller's model takes int8 input)"
+                    if target.backend in INT8_EDGES
+                    else f"; {lost}, and an operator outside every module reads it first: scale its features alike "
+                    "before the model, or in a module"
+                )
+                continue
         fused = fused_into(layer.module, readers, set(operators))
         members = (*fused, layer.module, *readers.get(layer.module, ()))
-        group = [name for name in dict.fromkeys(members) if name not in {k.module for k in kept}]
+        group = [
+            name
+            for name in dict.fromkeys(members)
+            if name not in {k.module for k in kept} and not name.startswith(INPUT)
+        ]
+        if not group:
+            continue
         weights = {name: sum(p.numel() for p in modules[name].parameters()) for name in group}
         if sum(k.added_bytes for k in kept) // 3 + sum(weights.values()) > MIXED_MAX_WEIGHTS * total:
             break
@@ -269,24 +306,69 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
                 if name == layer.module
                 else f"computes in one kernel with {layer.module} (no tensor of its own)"
                 if name in fused
+                else f"reads {layer.module}, which int8 lost the most of ({layer.added_sqnr_db:.1f} dB SQNR): "
+                "kept float with it"
+                if layer.module.startswith(INPUT)
                 else f"reads the output of {layer.module}, kept float with it",
             )
             for name in group
         ]
         tried.append(layer.module)
         progress(f"{target.backend} {target.precision.value}: {first_reason}; keeping {', '.join(group)} in float")
-        _build(target, outcome, shared, kept=(*kept, *candidates), int8_missed=first_reason)
+        try:
+            _build(target, outcome, shared, kept=(*kept, *candidates), int8_missed=first_reason, plain=plain, macs=macs)
+        except ExportError as exc:  # the plain int8 outcome stands, rejected for its accuracy; this says why no more
+            outcome.status = "rejected"
+            outcome.reason = f"{first_reason}; keeping {', '.join(group)} in float (mixed precision) failed: {exc}"
+            return
         if outcome.status == "selected":
+            return
+        if outcome.fidelity is not None and not fidelity_violations(shared.profile.budgets, outcome.fidelity):
+            # the accuracy budget holds, another does not (the float layers took too much off the accelerator, or
+            # out of int8): keeping more in float cannot help that
+            outcome.reason = (
+                f"{first_reason}; with {', '.join(k.module for k in (*kept, *candidates))} kept float (mixed "
+                f"precision) the accuracy budget holds, but {outcome.reason}"
+            )
             return
         shortfall = fidelity_shortfall(outcome.fidelity) if outcome.fidelity is not None else math.inf
         if shortfall < best:  # it helped: kept, and the next group goes on from here
             kept.extend(candidates)
             best = shortfall
+    none = f"; no layer could be kept in float within {MIXED_MAX_WEIGHTS:.0%} of the weights"
     outcome.reason = (
         f"{first_reason}; keeping the outputs of {', '.join(tried)} in float one at a time (mixed precision) did "
-        "not meet it"
+        f"not meet it{advice}"
         if tried
-        else f"{first_reason}; no layer could be kept in float within {MIXED_MAX_WEIGHTS:.0%} of the weights"
+        else f"{first_reason}{advice or none}"
+    )
+
+
+def _input_names(loaded: LoadedModel, calibration: SampleSet) -> tuple[str, ...]:
+    """The model's inputs by forward()'s parameter names, else ``input_0``, ...: the names the bundle gives them."""
+    return loaded.forward_parameters or tuple(f"input_{i}" for i in range(len(calibration.inputs)))
+
+
+def _off_accelerator(
+    kept: tuple[KeptFloat, ...],
+    plain: Placement | None,
+    mixed: Placement | None,
+    macs: tuple[dict[str, int], int] | None,
+) -> tuple[KeptFloat, ...]:
+    """``kept`` with each layer's share of the model's multiply-accumulates that it takes off the accelerator: its
+    own share where the mixed model's placement has fewer on the accelerator than plain int8's had (the Ethos-U runs
+    no float operator: the CPU does), none where they stayed (a GPU computes float as well). Unset without an
+    accelerator."""
+    if not kept or macs is None or plain is None or mixed is None or plain.accelerator is None:
+        return kept
+    per_module, total = macs
+    before, after = plain.accelerator_macs, mixed.accelerator_macs
+    if not total or before is None or after is None:
+        return kept
+    left = after < before
+    return tuple(
+        k.model_copy(update={"accelerator_macs_share": min(1.0, per_module.get(k.module, 0) / total) if left else 0.0})
+        for k in kept
     )
 
 
@@ -297,8 +379,12 @@ def _build(
     *,
     kept: tuple[KeptFloat, ...] = (),
     int8_missed: str | None = None,
+    plain: Placement | None = None,
+    macs: tuple[dict[str, int], int] | None = None,
 ) -> list[str]:
-    """One export of ``target`` into ``staging``, measured and judged into ``outcome``; its budget violations."""
+    """One export of ``target`` into ``staging``, measured and judged into ``outcome``; its budget violations.
+    ``kept``: mixed precision's float layers (``int8_missed``: why, ``plain``: plain int8's placement, ``macs``: each
+    module's multiply-accumulates and the model's, which say the share each kept layer takes off an accelerator)."""
     import torch
 
     loaded, calibration, validation, reference = shared.loaded, shared.calibration, shared.validation, shared.reference
@@ -312,12 +398,13 @@ def _build(
         calibration=[tuple(torch.from_numpy(a) for a in calibration.sample(i)) for i in range(len(calibration))],
         precision=target.precision,
         out_dir=staging,
-        input_names=loaded.forward_parameters or tuple(f"input_{i}" for i in range(len(calibration.inputs))),
+        input_names=_input_names(loaded, calibration),
         profile=profile,
         keep_float=tuple(k.module for k in kept),
     )
     progress(f"{target.backend} {target.precision.value}: converting")
     exported = convert(request, target)
+    kept = _off_accelerator(kept, plain, exported.placement, macs)
     check = exported.verification or Verification(backend=exported.runtime_backend)
     measured_file = check.model_file or exported.model_file
     inputs, outputs = exported.inputs, exported.outputs
@@ -388,6 +475,7 @@ def _build(
                 calibration,
                 dynamic=target.precision is Precision.INT8_DYNAMIC,
                 keep_float=tuple(k.module for k in kept),
+                labels=request.input_names,
             )
             fields["quantization"] = QuantizationSummary(
                 rewrites=exported.rewrites, kept_float=kept, int8_missed=int8_missed, **layers.fields()
@@ -589,8 +677,9 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
         shutil.rmtree(staging, ignore_errors=True)
     if report.selected is None and explicit and report.outcomes[0].status == "rejected":
         worst = worst_layers(report.outcomes[0].layers, 1)
+        what = "what" if worst and worst[0].module.startswith(INPUT) else "the layer that"
         where = (
-            f"; the layer that lost the most in int8: {worst[0].module} ({worst[0].operator}, the noise it adds at "
+            f"; {what} lost the most in int8: {worst[0].module} ({worst[0].operator}, the noise it adds at "
             f"{worst[0].added_sqnr_db:.1f} dB SQNR; edgeline export --json lists every layer)"
             if worst
             else ""

@@ -338,3 +338,35 @@ def test_run_export_for_ethos_u55_picks_the_npu_for_the_normalising_model(
     fidelity = manifest["fidelity"]
     assert fidelity["top1_agreement"] >= 0.97
     assert fidelity["accuracy"] >= fidelity["accuracy_float"] - 0.02
+
+
+def test_layers_kept_float_at_the_model_s_edges_leave_it_full_integer(
+    digits: tuple[np.ndarray, np.ndarray], tmp_path: Path
+) -> None:
+    """Mixed precision on a microcontroller, the first layers kept float as it keeps them (the first convolution's
+    output tensor: the convolution, its ReLU and the convolution reading it). The model still takes and gives int8,
+    the firmware's contract: the input is dequantized before the float convolution; TFLite Micro's float kernels
+    run the two, and every other operator stays int8."""
+    import torch
+    from ai_edge_litert.interpreter import Interpreter
+    from torch import nn
+
+    from edgeline.export.backends.tflite_micro import TFLiteMicroExporter
+    from edgeline.export.placement import tflite_records
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+                           nn.Flatten(), nn.Linear(4 * 8 * 8, 10)).eval()  # fmt: skip
+    images = digits[0]
+    request = _request(module, images, tmp_path)
+    request = type(request)(**{**request.__dict__, "keep_float": ("0", "1", "2")})
+    exported = TFLiteMicroExporter().export(request)  # check_full_integer: int8 in and out, or a LoweringError
+    path = tmp_path / exported.model_file
+    records = tflite_records(Interpreter(model_path=str(path)), Precision.INT8_STATIC)
+    floating = sorted(record.name for record in records if not record.quantized)
+    assert floating == ["CONV_2D", "DEPTHWISE_CONV_2D"], [(r.name, r.quantized) for r in records]
+    assert sum(record.quantized for record in records) == len(records) - 2
+    held = images[1400:1464]
+    got, expected = _micro_predictions(path, held), _float_predictions(module, held)
+    cosine = np.sum(got * expected, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosine.min() > 0.98, cosine.min()

@@ -11,7 +11,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edgeline.export.layers import _layout, _ranked, _Sums, fused_into, measure_layers, module_of_location
+from edgeline.export.layers import (
+    _layout,
+    _ranked,
+    _Sums,
+    fused_into,
+    measure_layers,
+    module_macs,
+    module_of_location,
+)
 from edgeline.manifest import LayerFidelity, worst_layers
 from edgeline.samples import SampleSet
 
@@ -137,8 +145,8 @@ def test_a_layer_fused_into_another_is_kept_with_it() -> None:
 
 def test_a_runtime_without_intermediate_tensors_and_a_model_without_layers_say_why() -> None:
     samples = SampleSet([np.zeros((2, 1, 6, 6), np.float32)], None, "zeros")
-    report = measure_layers(_network(), samples, "qnn-htp", "onnxruntime", None, ("x",))  # type: ignore[arg-type]
-    assert report.layers == () and report.unknown is not None and "qnn-htp" in report.unknown
+    report = measure_layers(_network(), samples, "coreml", "coreml", None, ("x",))  # type: ignore[arg-type]
+    assert report.layers == () and report.unknown is not None and "coreml" in report.unknown
     import torch
 
     flat = torch.nn.Sequential()
@@ -146,3 +154,83 @@ def test_a_runtime_without_intermediate_tensors_and_a_model_without_layers_say_w
     assert report.layers == () and report.unknown is not None and "submodules" in report.unknown
     fields = report.fields()
     assert fields["layers"] == () and fields["layers_unknown"] == report.unknown
+
+
+def test_each_module_s_multiply_accumulates_are_counted_as_by_hand() -> None:
+    """A 3x3 convolution of 4 channels into 4 on 6x6 (padding 1): 4*6*6 outputs of 4*3*3 each; the linear head 3
+    outputs of 144 each; a block holds its convolution's and its ReLU's (one per element)."""
+    per_module, total = module_macs(_network(), [np.zeros((1, 1, 6, 6), np.float32)])
+    assert per_module["blocks.0.my_conv"] == 4 * 6 * 6 * 4 * 3 * 3
+    assert per_module["stem"] == 4 * 6 * 6 * 1 * 3 * 3
+    assert per_module["head"] == 3 * 144
+    assert per_module["blocks.0"] == per_module["blocks.0.my_conv"] + 4 * 6 * 6
+    assert per_module["blocks"] == 2 * per_module["blocks.0"]
+    assert total >= per_module["stem"] + per_module["blocks"] + per_module["head"]
+
+
+def test_a_kept_layer_s_share_off_the_accelerator_is_said_only_when_it_left() -> None:
+    from edgeline.export.pipeline import _off_accelerator
+    from edgeline.manifest import KeptFloat, Placement
+
+    kept = (KeptFloat(module="stem", operator="Conv2d", added_bytes=120, reason="ranked 1"),)
+    macs = ({"stem": 25}, 1000)
+    npu = Placement(accelerator="ethos-u", ops=4, accelerator_ops=4, macs=1000, accelerator_macs=1000)
+    left = npu.model_copy(update={"accelerator_ops": 3, "accelerator_macs": 975})
+    (moved,) = _off_accelerator(kept, npu, left, macs)
+    assert moved.accelerator_macs_share == pytest.approx(0.025)
+    (stayed,) = _off_accelerator(kept, npu, npu, macs)  # a GPU computes float as well: nothing left it
+    assert stayed.accelerator_macs_share == 0.0
+    cpu = Placement(accelerator=None, ops=4, macs=1000)
+    assert _off_accelerator(kept, cpu, cpu, macs)[0].accelerator_macs_share is None
+
+
+def test_a_batch_norm_folded_into_the_layer_before_it_owns_that_layer_s_tensor() -> None:
+    """A converter folds a BatchNorm into the convolution before it: the tensor named after the convolution holds
+    the normalisation's output, so it is compared with that (unless the normalisation has a tensor of its own)."""
+    import torch
+    from torch import nn
+
+    from edgeline.export.layers import _folded_norms, _leaves
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 4, 3, padding=1)
+            self.bn = nn.BatchNorm2d(4)
+            self.act = nn.ReLU()
+            self.shared = nn.Conv2d(4, 4, 1)
+            self.bn2 = nn.BatchNorm2d(4)
+
+        def forward(self, x: Any) -> Any:
+            y = self.shared(self.act(self.bn(self.conv(x))))
+            return self.bn2(y) + y  # shared's output is read twice: nothing folds it away
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    arrays = [np.zeros((1, 1, 6, 6), np.float32)]
+    leaves = _leaves(net)
+    assert _folded_norms(net, arrays, leaves, {"conv", "act", "shared"}) == {"conv": "bn"}
+    assert _folded_norms(net, arrays, leaves, {"conv", "bn", "act"}) == {}  # bn has a tensor of its own
+
+
+def test_an_input_is_kept_float_through_the_layers_that_read_it_directly() -> None:
+    """Keeping a model input float means keeping its readers float; an operator outside every module that reads it
+    first (a division in forward) would quantize it anyway, so then there are none."""
+    import torch
+    from torch import nn
+
+    from edgeline.export.layers import input_readers
+
+    arrays = [np.zeros((1, 1, 6, 6), np.float32)]
+    assert input_readers(_network(), arrays, ("x",)) == {"input x": ("stem",)}
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 2, 3)
+
+        def forward(self, x: Any) -> Any:
+            return self.conv(x / 16.0)
+
+    torch.manual_seed(0)
+    assert input_readers(Scaled().eval(), arrays, ("image",)) == {"input image": ()}

@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 
 from edgeline.device_profiles import Precision
+from edgeline.quantization import dequantize, quantize
 from tests.outlier_model import CALIBRATION, KEPT, TRAIN, digits, trained_outlier_model
+from tests.raw_wine_model import TRAIN as WINE_TRAIN
+from tests.raw_wine_model import trained_wine_model, wine_data
 
 pytestmark = pytest.mark.export
 
@@ -91,7 +94,6 @@ def _plain_int8_accuracy(model: Path, backend: str, out: Path) -> float:
     from edgeline.backends import open_session
     from edgeline.export.backends import ExportRequest, get_exporter
     from edgeline.export.loading import load_model
-    from edgeline.quantization import dequantize, quantize
 
     images, labels = digits()
     calibration = [(torch.from_numpy(images[i : i + 1]),) for i in range(CALIBRATION)]
@@ -200,7 +202,8 @@ def test_the_report_and_bundle_show_say_what_was_kept_and_where_int8_lost(
     assert "kept float32" not in rows["act3"]
     assert main(["bundle", "show", str(bundle), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert [layer["module"] for layer in info["quantization"]["layers"]][:2] == ["act1", "act2"]
+    # the input first (x / 16 is quantized in the model, so is x), then the layers in execution order
+    assert [layer["module"] for layer in info["quantization"]["layers"]][:3] == ["input x", "act1", "act2"]
     assert info["quantization"]["layers_samples"] == 64
 
 
@@ -268,6 +271,7 @@ def test_executorch_keeps_the_outlier_tensor_float_by_the_pt2e_numeric_debugger_
     # In the PT2E graph conv1 has a tensor of its own (XNNPACK fuses it with its ReLU later, when it lowers): the
     # group is the outlier tensor's maker act1 and its reader mix, and conv1 stays int8
     assert [kept.module for kept in outcome.kept_float] == ["act1", "mix"]
+    # no "input x": XNNPACK's quantizer leaves forward()'s division float, so the model takes its input float
     assert outcome.layers[0].module == "conv1" and "numeric debugger" in _measured(outcome)
     assert _held_out_accuracy(outcome.bundle) >= _float_accuracy(model) - 0.01
     with pytest.raises(BudgetError) as caught:
@@ -282,3 +286,211 @@ def _measured(outcome: Any) -> str:
     quantization = read_bundle(outcome.bundle).manifest.quantization
     assert quantization is not None
     return quantization.layers_measured_with or ""
+
+
+# -- microcontrollers: TFLite Micro's float kernels, and the Ethos-U's CPU, run the kept layers ---------------------
+
+
+@pytest.fixture(scope="module")
+def m4_export(model: Path, samples: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _export(model, samples, tmp_path_factory.mktemp("m4") / "bundle", "cortex-m4")
+
+
+@pytest.fixture(scope="module")
+def u55_export(model: Path, samples: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _export(model, samples, tmp_path_factory.mktemp("u55") / "bundle", "ethos-u55-128")
+
+
+def _float_operators(path: Path) -> list[Any]:
+    from ai_edge_litert.interpreter import Interpreter
+
+    from edgeline.export.placement import tflite_records
+
+    records = tflite_records(Interpreter(model_path=str(path)), Precision.INT8_STATIC)
+    return [record for record in records if not record.quantized]
+
+
+def test_a_microcontroller_keeps_the_outlier_tensor_float_full_integer_at_its_edges(
+    m4_export: Any, model: Path
+) -> None:
+    """TFLite Micro runs the two kept convolutions with its float kernels; the model still takes and gives int8 (the
+    firmware's contract); on the 397 held-out digits, run by TFLite Micro, it is within the 2-point budget."""
+    from edgeline.bundle import read_bundle
+    from edgeline.manifest import TensorSpec
+
+    (outcome,) = m4_export.outcomes
+    assert outcome.backend == "tflite-micro" and outcome.status == "selected", outcome.reason
+    assert [kept.module for kept in outcome.kept_float] == list(KEPT)
+    assert all(kept.accelerator_macs_share is None for kept in outcome.kept_float), "no accelerator to leave"
+    manifest = read_bundle(outcome.bundle).manifest
+    assert manifest.backend == "tflite-micro"
+    specs: list[TensorSpec] = [*manifest.inputs, *manifest.outputs]
+    assert all(spec.dtype == "int8" and spec.quantization is not None for spec in specs), specs
+    floating = _float_operators(outcome.bundle / "model.tflite")
+    # conv1 (one input channel: the converter writes a depthwise convolution) and mix, nothing else
+    assert sorted(r.name for r in floating) == ["CONV_2D", "DEPTHWISE_CONV_2D"], floating
+    assert all(("_conv1" in r.output or "_act1" in r.output or "_mix" in r.output) for r in floating), floating
+    assert manifest.memory is not None and manifest.memory.arena_bytes is not None
+    assert manifest.memory.arena_bytes <= 98_304, "within cortex-m4's arena budget"
+    assert _held_out_accuracy(outcome.bundle) >= _float_accuracy(model) - 0.02
+
+
+def test_the_ethos_u_says_what_share_of_the_work_the_kept_layers_take_off_the_npu(u55_export: Any) -> None:
+    """vela leaves the float convolutions to the Cortex-M55; each kept layer's share of the work, from the torch
+    graph, adds up to what vela's own per-layer placement moved off the NPU."""
+    from edgeline.export.report import format_report
+
+    outcome = u55_export.outcomes[0]
+    assert outcome.backend == "ethos-u" and outcome.status == "selected", outcome.reason
+    assert [kept.module for kept in outcome.kept_float] == list(KEPT)
+    placement = outcome.placement
+    assert placement.fallback == {"CONV_2D": 1, "DEPTHWISE_CONV_2D": 1}, placement  # vela's names for them
+    assert placement.macs and placement.accelerator_macs is not None
+    off = 1 - placement.accelerator_macs / placement.macs
+    shares = [kept.accelerator_macs_share for kept in outcome.kept_float]
+    assert all(share is not None and share > 0 for share in shares), shares
+    assert sum(shares) == pytest.approx(off, abs=0.005), (shares, off)
+    floating = _float_operators(outcome.bundle / "model_int8.tflite")
+    assert sorted(r.name for r in floating) == ["CONV_2D", "DEPTHWISE_CONV_2D"], floating
+    text = format_report(u55_export)
+    assert "conv1 (Conv2d, +270 B, 1.7% of the work off ethos-u) stays float32" in text, text
+
+
+def test_qnn_names_the_layer_that_lost_from_the_qdq_model_its_context_binary_was_compiled_from(
+    model: Path, samples: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The HTP emulator runs the context binary as one node: the layers are read from the QDQ model beside it, on
+    the CPU provider. QNN keeps no layer float (its CPU fallback is off), so the Snapdragon's QNN target is rejected
+    naming act1, and its next target (LiteRT int8 on the CPU) keeps the outlier tensor float and meets the budget."""
+    from edgeline.manifest import worst_layers
+
+    report = _export(model, samples, tmp_path / "bundle", "snapdragon-8-gen-3")
+    qnn, litert = report.outcomes[:2]
+    assert qnn.backend == "qnn-htp" and qnn.status == "rejected" and "accuracy drop" in (qnn.reason or ""), qnn.reason
+    assert not qnn.kept_float
+    worst = worst_layers(qnn.layers)
+    assert worst[0].module == "act1", worst
+    assert worst[0].channel_sqnr_db is not None and worst[0].channel_sqnr_db < 3.0
+    assert litert.backend == "litert" and litert.status == "selected", litert.reason
+    assert [kept.module for kept in litert.kept_float] == list(KEPT)
+
+
+def test_a_convolution_s_figures_are_taken_after_the_batch_norm_folded_into_it(tmp_path: Path) -> None:
+    """LiteRT's converter folds each BatchNorm into the convolution before it, and the tensor it leaves is named
+    after the convolution: compared with the convolution's own float output, every such layer looked 20 dB lost
+    (an EfficientNet-like stack, seen). Here the normalisations' statistics are far from identity, so a comparison
+    with the wrong tensor could not pass: each is listed under the BatchNorm, with the figures of a sound int8
+    layer."""
+    import torch
+    from torch import nn
+
+    from edgeline.export.backends import ExportRequest
+    from edgeline.export.backends.litert import LiteRTExporter
+    from edgeline.export.layers import measure_layers
+    from edgeline.samples import SampleSet
+
+    torch.manual_seed(0)
+    # SiLU, as an EfficientNet has it: a ReLU would be fused too, and its tensor named after it
+    module = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(),
+                           nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(),
+                           nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).eval()  # fmt: skip
+    for norm in (module[1], module[4]):
+        norm.running_mean.uniform_(-2.0, 2.0)
+        norm.running_var.uniform_(0.05, 4.0)
+        norm.weight.data.uniform_(0.5, 2.0)
+        norm.bias.data.uniform_(-1.0, 1.0)
+    images, _ = digits()
+    calibration = [(torch.from_numpy(images[i : i + 1]),) for i in range(CALIBRATION)]
+    request = ExportRequest(module, calibration[0], calibration, Precision.INT8_STATIC, tmp_path, ("x",))
+    exported = LiteRTExporter().export(request)
+    held = SampleSet([images[TRAIN : TRAIN + 32]], None, "held-out digits")
+    report = measure_layers(module, held, "litert", "litert", tmp_path / exported.model_file, exported.input_names)
+    found = {layer.module: layer for layer in report.layers}
+    assert {"1", "4"} <= set(found) and not {"0", "3"} & set(found), sorted(found)  # 0 and 3 are the convolutions
+    assert found["1"].operator == "BatchNorm2d"
+    for layer in report.layers:
+        assert layer.sqnr_db is not None and layer.sqnr_db > 20.0 and layer.cosine > 0.99, layer
+
+
+# -- when int8 loses the data itself: a model fed raw features (tests/raw_wine_model.py) -----------------------------
+
+
+@pytest.fixture(scope="module")
+def wine_model() -> Path:
+    return trained_wine_model()
+
+
+@pytest.fixture(scope="module")
+def wine_samples(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    features, labels = wine_data()
+    folder = tmp_path_factory.mktemp("wine")
+    np.savez(folder / "cal.npz", x=features[:WINE_TRAIN][:60])
+    np.savez(folder / "val.npz", x=features[WINE_TRAIN:], labels=labels[WINE_TRAIN:])
+    return folder / "cal.npz", folder / "val.npz"
+
+
+def _wine_export(model: Path, samples: tuple[Path, Path], out: Path, profile: str, backend: str) -> str:
+    """The ``BudgetError`` of ``edgeline export`` for ``backend`` int8-static: what it says."""
+    from edgeline.export.errors import BudgetError
+    from edgeline.export.pipeline import ExportOptions, run_export
+
+    calibration, validation = samples
+    options = ExportOptions(model=f"{model}:wine", profile=profile, calibration=calibration, validation=validation,
+                            out=out, backend=backend, precision=Precision.INT8_STATIC)  # fmt: skip
+    with pytest.raises(BudgetError) as caught:
+        run_export(options)
+    return str(caught.value)
+
+
+def test_raw_features_int8_loses_at_the_input_and_a_cpu_keeps_the_layer_reading_it_float(
+    wine_model: Path, wine_samples: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """On the CPU (LiteRT), the ranking names the input, and keeping fc1 (the one layer reading it) float takes the
+    input float and meets the accuracy budget; the target is then rejected for the work that left int8 (rpi4's
+    80%), and says both. Independently: the same exporter with fc1 kept float takes float input, and on the held-out
+    wines it is within a point of the float model, where plain int8 is more than 15 points off."""
+    import torch
+
+    from edgeline.backends import open_session
+    from edgeline.export.backends import ExportRequest
+    from edgeline.export.backends.litert import LiteRTExporter
+    from edgeline.export.loading import load_model
+
+    message = _wine_export(wine_model, wine_samples, tmp_path / "bundle", "rpi4", "litert")
+    assert "with fc1 kept float (mixed precision) the accuracy budget holds, but" in message, message
+    assert "in int8-static < budget 80%" in message and "input x" in message, message
+    features, labels = wine_data()
+    module = load_model(f"{wine_model}:wine").module
+    with torch.no_grad():
+        float_accuracy = float(np.mean(module(torch.from_numpy(features[WINE_TRAIN:])).argmax(1).numpy()
+                                       == labels[WINE_TRAIN:]))  # fmt: skip
+    calibration = [(torch.from_numpy(features[i : i + 1]),) for i in range(60)]
+    accuracies = {}
+    for kept in ((), ("fc1",)):
+        out = tmp_path / f"kept-{len(kept)}"
+        out.mkdir()
+        request = ExportRequest(
+            module, calibration[0], calibration, Precision.INT8_STATIC, out, ("x",), keep_float=kept
+        )
+        exported = LiteRTExporter().export(request)
+        session = open_session("litert", out / exported.model_file)
+        (spec,), (output,) = session.input_specs(), session.output_specs()
+        assert (spec.dtype == "float32") == bool(kept), spec
+        found = []
+        for row in features[WINE_TRAIN:]:
+            x = row[None] if spec.quantization is None else quantize(row[None], spec.quantization, np.dtype(np.int8))
+            (y,) = session.run([x])
+            found.append(int(np.argmax(y if output.quantization is None else dequantize(y, output.quantization))))
+        accuracies[kept] = float(np.mean(np.array(found) == labels[WINE_TRAIN:]))
+    assert accuracies[("fc1",)] >= float_accuracy - 0.01, accuracies
+    assert accuracies[()] < float_accuracy - 0.15, accuracies
+
+
+def test_a_microcontroller_fed_raw_features_is_told_to_scale_them_before_the_model(
+    wine_model: Path, wine_samples: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """TFLite Micro's model takes int8 input whatever is kept float: no layer can help, and nothing is converted
+    again for it; the error names the input, its worst feature's SQNR, and what to do."""
+    message = _wine_export(wine_model, wine_samples, tmp_path / "bundle", "cortex-m4", "tflite-micro")
+    assert "int8 keeps least of input x" in message and "scale them alike before the model" in message, message
+    assert "kept float" not in message, message

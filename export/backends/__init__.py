@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the registry is read by `edgeline export --help` (choices o
 
 __all__ = [
     "EXPORT_BACKENDS",
+    "INT8_EDGES",
     "KEEPS_FLOAT",
     "ExportRequest",
     "ExportedModel",
@@ -42,10 +43,17 @@ EXPORT_BACKENDS: dict[str, str] = {
 }
 
 
-KEEPS_FLOAT = frozenset({"litert", "onnxruntime", "executorch-xnnpack"})
+INT8_EDGES = frozenset({"tflite-micro", "ethos-u"})
+"""The exporters whose int8-static model takes and gives int8 whatever is kept float (full-integer: what TFLite
+Micro's firmware and vela take)."""
+
+KEEPS_FLOAT = frozenset({"litert", "onnxruntime", "executorch-xnnpack", "tflite-micro", "ethos-u"})
 """The exporters that honour ``ExportRequest.keep_float`` in int8-static, through their quantizer's public means:
-the LiteRT quantizer's per-operator annotation, ONNX Runtime's ``nodes_to_exclude``, the XNNPACK quantizer's
-filter function."""
+the LiteRT quantizer's per-operator annotation (also for the int8 models of TFLite Micro, whose float kernels run
+the kept layers, and of the Ethos-U, whose CPU runs them), ONNX Runtime's ``nodes_to_exclude``, the XNNPACK
+quantizer's filter function. Not qnn-htp (its CPU fallback is off, and the HTP's float path is fp16: a float
+layer there is another precision, not the float model's), nor Core ML (not measured off macOS, so no fidelity to
+hold to a budget)."""
 
 
 @dataclass(frozen=True)

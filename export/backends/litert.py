@@ -19,7 +19,9 @@ __all__ = ["MODEL_FILE", "LiteRTExporter", "Written", "tool_versions", "write_tf
 MODEL_FILE = "model.tflite"
 
 
-def _pt2e(request: ExportRequest, *, dynamic: bool, gelu_kernel: bool = True) -> tuple[Any, Any, list[Rewrite]]:
+def _pt2e(
+    request: ExportRequest, *, dynamic: bool, gelu_kernel: bool = True, int8_edges: bool = True
+) -> tuple[Any, Any, list[Rewrite]]:
     """The PT2E-quantized graph, litert-torch's config for it, and what the quantizer changed of the function the
     model computes. Static quantization is full-integer: see ``edgeline.export.full_integer``."""
     import torch
@@ -33,7 +35,7 @@ def _pt2e(request: ExportRequest, *, dynamic: bool, gelu_kernel: bool = True) ->
             pt2e_quantizer.get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
         )
     else:
-        quantizer = FullIntegerQuantizer(gelu_kernel=gelu_kernel, keep_float=request.keep_float)
+        quantizer = FullIntegerQuantizer(gelu_kernel=gelu_kernel, keep_float=request.keep_float, int8_edges=int8_edges)
     graph = torch.export.export(request.module, request.example_inputs).module()
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
@@ -109,9 +111,10 @@ def write_tflite(
 ) -> Written:
     """Convert ``request.module`` at ``request.precision`` into the LiteRT model ``path``. int8-static is
     full-integer: int8 inputs and outputs (what TFLite Micro and vela take), unless an operator at an edge has no
-    int8 form; ``full_integer_for`` (the backend that needs it) makes that a ``LoweringError`` naming the operators
-    and the model's lines. ``gelu_kernel`` False: the runtime has no GELU kernel (TFLite Micro), int8-static writes
-    its tanh approximation. Shared by the exporters that start from a LiteRT model (ethos-u, tflite-micro)."""
+    int8 form, or is kept float (``request.keep_float``); ``full_integer_for`` (the backend that needs it) makes the
+    first a ``LoweringError`` naming the operators and the model's lines, and keeps the edges of the second int8.
+    ``gelu_kernel`` False: the runtime has no GELU kernel (TFLite Micro), int8-static writes its tanh approximation.
+    Shared by the exporters that start from a LiteRT model (ethos-u, tflite-micro)."""
     import litert_torch
 
     module = request.module
@@ -119,7 +122,10 @@ def write_tflite(
     rewrites: list[Rewrite] = []
     if request.precision in (Precision.INT8_STATIC, Precision.INT8_DYNAMIC):
         module, config, rewrites = _pt2e(
-            request, dynamic=request.precision is Precision.INT8_DYNAMIC, gelu_kernel=gelu_kernel
+            request,
+            dynamic=request.precision is Precision.INT8_DYNAMIC,
+            gelu_kernel=gelu_kernel,
+            int8_edges=full_integer_for is not None,
         )
     litert_torch.convert(module, request.example_inputs, quant_config=config).export(str(path))
     if request.precision is Precision.INT8_STATIC and full_integer_for is not None:
