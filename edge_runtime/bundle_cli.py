@@ -290,13 +290,16 @@ def format_layers(info: dict[str, Any]) -> str:
         marks += [f"worst {worst[module]}"] if module in worst else []
         return f"<- {', '.join(marks)}" if marks else ""
 
-    header = ("layer", "operator", "shape", "added SQNR", "worst channel", "SQNR", "cosine", "")
+    isolated = any(layer.isolated_sqnr_db is not None for layer in layers)
+    header = ("layer", "operator", "shape", "added SQNR", *(("isolated",) if isolated else ()), "worst channel",
+              "SQNR", "cosine", "")  # fmt: skip
     rows = [header] + [
         (
             layer.module,
             layer.operator,
             "x".join(map(str, layer.shape)),
             _db(layer.added_sqnr_db, "adds none"),
+            *((_db(layer.isolated_sqnr_db, "-"),) if isolated else ()),
             _db(layer.channel_sqnr_db, "exact"),
             _db(layer.sqnr_db, "exact"),
             f"{layer.cosine:.6f}",
@@ -308,8 +311,9 @@ def format_layers(info: dict[str, Any]) -> str:
     lines = [
         f"layers:       {len(layers)} layers against the float model on {quantization['layers_samples']} validation "
         f"samples ({quantization['layers_measured_with']})",
-        "              added SQNR: of the noise the layer adds itself (the lowest lost the most); worst channel: "
-        "the SQNR of its worst channel; SQNR and cosine: of its whole output, accumulated",
+        "              added SQNR: of the noise the layer adds itself (the lowest lost the most); "
+        + ("isolated: its worst channel's, computed from the float model's values at its inputs; " if isolated else "")
+        + "worst channel: the SQNR of its worst channel; SQNR and cosine: of its whole output, accumulated",
         *(
             "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
             for row in rows

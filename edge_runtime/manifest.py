@@ -388,6 +388,9 @@ class LayerFidelity(_Frozen):
     channel_sqnr_db: float | None = None
     cosine: float = Field(ge=-1.0, le=1.0)
     added_sqnr_db: float | None = None
+    isolated_sqnr_db: float | None = None
+    """The SQNR of its worst channel computed from the float model's values at its inputs: its own quantization
+    alone, where the runtime lets edgeline cut the model there (ONNX Runtime's QDQ models); None elsewhere."""
 
 
 class KeptFloat(_Frozen):
