@@ -257,7 +257,8 @@ def _quantization_line(quantization: dict[str, Any]) -> str:
     parts = []
     if quantization["kept_float"]:
         kept = ", ".join(entry["module"] for entry in quantization["kept_float"])
-        parts.append(f"mixed precision: {kept} kept float32 ({quantization['int8_missed']} with every layer int8)")
+        precisions = "/".join(sorted({entry.get("precision", "float32") for entry in quantization["kept_float"]}))
+        parts.append(f"mixed precision: {kept} kept {precisions} ({quantization['int8_missed']} with every layer int8)")
     layers = tuple(LayerFidelity.model_validate(layer) for layer in quantization["layers"])
     worst = worst_layers(layers, 1)
     if worst:
@@ -283,10 +284,10 @@ def format_layers(info: dict[str, Any]) -> str:
     if not layers:
         return f"layers:       not measured: {quantization['layers_unknown'] or 'this bundle records none'}"
     worst = {layer.module: rank for rank, layer in enumerate(worst_layers(layers), 1)}
-    kept = {entry["module"] for entry in quantization["kept_float"]}
+    kept = {entry["module"]: entry.get("precision", "float32") for entry in quantization["kept_float"]}
 
     def note(module: str) -> str:
-        marks = ["kept float32 (mixed precision)"] if module in kept else []
+        marks = [f"kept {kept[module]} (mixed precision)"] if module in kept else []
         marks += [f"worst {worst[module]}"] if module in worst else []
         return f"<- {', '.join(marks)}" if marks else ""
 
