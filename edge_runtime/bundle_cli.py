@@ -257,7 +257,8 @@ def _quantization_line(quantization: dict[str, Any]) -> str:
     parts = []
     if quantization["kept_float"]:
         kept = ", ".join(entry["module"] for entry in quantization["kept_float"])
-        parts.append(f"mixed precision: {kept} kept float32 ({quantization['int8_missed']} with every layer int8)")
+        precisions = "/".join(sorted({entry.get("precision", "float32") for entry in quantization["kept_float"]}))
+        parts.append(f"mixed precision: {kept} kept {precisions} ({quantization['int8_missed']} with every layer int8)")
     layers = tuple(LayerFidelity.model_validate(layer) for layer in quantization["layers"])
     worst = worst_layers(layers, 1)
     if worst:
@@ -283,20 +284,23 @@ def format_layers(info: dict[str, Any]) -> str:
     if not layers:
         return f"layers:       not measured: {quantization['layers_unknown'] or 'this bundle records none'}"
     worst = {layer.module: rank for rank, layer in enumerate(worst_layers(layers), 1)}
-    kept = {entry["module"] for entry in quantization["kept_float"]}
+    kept = {entry["module"]: entry.get("precision", "float32") for entry in quantization["kept_float"]}
 
     def note(module: str) -> str:
-        marks = ["kept float32 (mixed precision)"] if module in kept else []
+        marks = [f"kept {kept[module]} (mixed precision)"] if module in kept else []
         marks += [f"worst {worst[module]}"] if module in worst else []
         return f"<- {', '.join(marks)}" if marks else ""
 
-    header = ("layer", "operator", "shape", "added SQNR", "worst channel", "SQNR", "cosine", "")
+    isolated = any(layer.isolated_sqnr_db is not None for layer in layers)
+    header = ("layer", "operator", "shape", "added SQNR", *(("isolated",) if isolated else ()), "worst channel",
+              "SQNR", "cosine", "")  # fmt: skip
     rows = [header] + [
         (
             layer.module,
             layer.operator,
             "x".join(map(str, layer.shape)),
             _db(layer.added_sqnr_db, "adds none"),
+            *((_db(layer.isolated_sqnr_db, "-"),) if isolated else ()),
             _db(layer.channel_sqnr_db, "exact"),
             _db(layer.sqnr_db, "exact"),
             f"{layer.cosine:.6f}",
@@ -308,8 +312,9 @@ def format_layers(info: dict[str, Any]) -> str:
     lines = [
         f"layers:       {len(layers)} layers against the float model on {quantization['layers_samples']} validation "
         f"samples ({quantization['layers_measured_with']})",
-        "              added SQNR: of the noise the layer adds itself (the lowest lost the most); worst channel: "
-        "the SQNR of its worst channel; SQNR and cosine: of its whole output, accumulated",
+        "              added SQNR: of the noise the layer adds itself (the lowest lost the most); "
+        + ("isolated: its worst channel's, computed from the float model's values at its inputs; " if isolated else "")
+        + "worst channel: the SQNR of its worst channel; SQNR and cosine: of its whole output, accumulated",
         *(
             "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
             for row in rows

@@ -388,6 +388,9 @@ class LayerFidelity(_Frozen):
     channel_sqnr_db: float | None = None
     cosine: float = Field(ge=-1.0, le=1.0)
     added_sqnr_db: float | None = None
+    isolated_sqnr_db: float | None = None
+    """The SQNR of its worst channel computed from the float model's values at its inputs: its own quantization
+    alone, where the runtime lets edgeline cut the model there (ONNX Runtime's QDQ models); None elsewhere."""
 
 
 class KeptFloat(_Frozen):
@@ -395,7 +398,10 @@ class KeptFloat(_Frozen):
 
     module: str  # e.g. "features.2"
     operator: str  # e.g. "Conv2d"
-    added_bytes: int = Field(ge=0)  # its weights in float32 rather than int8: 3 bytes more per parameter
+    added_bytes: int = Field(ge=0)  # its weights in float rather than int8: 3 bytes more per parameter (float32)
+    precision: Literal["float32", "float16"] = "float32"
+    """What it computes in: float16 on Qualcomm's HTP, which computes float operators in fp16 (onnxruntime's QNN
+    provider, ``enable_htp_fp16_precision``)."""
     accelerator_macs_share: float | None = Field(default=None, ge=0.0, le=1.0)
     """The share of the model's multiply-accumulates it takes off the accelerator; None: the target has none."""
     reason: str  # why this layer: its output's rank by the noise int8 adds, or that it reads such an output

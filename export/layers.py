@@ -153,12 +153,14 @@ class _Layer:
     deployed_shape: tuple[int, ...]
     layout: tuple[int, ...]  # the permutation of the float output's axes that gives the deployed tensor
     sums: _Sums = field(default_factory=_Sums)
+    isolated: _Sums = field(default_factory=_Sums)  # from the float model's inputs to the layer
 
-    def add(self, reference: np.ndarray, got: np.ndarray) -> None:
+    def add(self, reference: np.ndarray, got: np.ndarray, *, isolated: bool = False) -> None:
+        sums = self.isolated if isolated else self.sums
         if len(self.deployed_shape) != reference.ndim:  # the same values, reshaped
-            self.sums.add(reference, got.reshape(reference.shape))
+            sums.add(reference, got.reshape(reference.shape))
         else:
-            self.sums.add(reference, np.transpose(got.reshape(self.deployed_shape), np.argsort(self.layout)))
+            sums.add(reference, np.transpose(got.reshape(self.deployed_shape), np.argsort(self.layout)))
 
 
 # --- the float side -----------------------------------------------------------------------------------------------
@@ -496,6 +498,66 @@ def _pt2e_input_quantization(converted: Any) -> list[tuple[Quantization, np.dtyp
     return found
 
 
+@dataclass(frozen=True)
+class _Region:
+    """The part of a QDQ model that computes one layer's output from the values before it: a session of its own."""
+
+    inputs: tuple[tuple[str, str], ...]  # (the value fed, the model input or module whose float value it takes)
+    session: Any
+
+
+def _regions(model: Any, names: dict[str, str], outputs: dict[str, str], model_inputs: set[str]) -> dict[str, _Region]:
+    """Per layer (``outputs``: module -> the value the next operator reads), its region: every node from the values
+    the float model also has (the model's inputs, other layers' outputs before their quantization) to its output,
+    cut out with ``onnx.utils.Extractor``. A layer whose region reaches a value the float model has no counterpart
+    for is not isolated; nor are the layers of a model that cannot be cut (said by their missing figure)."""
+    import onnx
+    import onnxruntime
+    from onnx.utils import Extractor
+
+    graph = model.graph
+    producer = {output: node for node in graph.node for output in node.output}
+    constants = {tensor.name for tensor in graph.initializer}
+    module_of = {value: module for value, module in names.items() if value in producer}
+    try:
+        extractor = Extractor(onnx.shape_inference.infer_shapes(model))
+    except Exception as exc:  # shape inference or the extractor refusing this model: accumulated figures only
+        logger.debug("no regions: %s", exc)
+        return {}
+    regions = {}
+    for module, output in outputs.items():
+        boundary: dict[str, str] = {}
+        pending, seen, whole = [output], set(), True
+        while pending and whole:
+            node = producer.get(pending.pop())
+            if node is None:
+                whole = False
+                break
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            for value in node.input:
+                if not value or value in constants:
+                    continue
+                if value in model_inputs or module_of.get(value, module) != module:
+                    boundary[value] = value if value in model_inputs else module_of[value]
+                elif value in producer:
+                    pending.append(value)
+                else:
+                    whole = False
+        if not whole or not boundary:
+            continue
+        try:
+            part = extractor.extract_model(sorted(boundary), [output])
+            session = onnxruntime.InferenceSession(part.SerializeToString(), providers=["CPUExecutionProvider"])
+        except Exception as exc:  # this layer is not isolated; the others may be
+            logger.debug("no region for %s: %s", module, exc)
+            continue
+        fed = tuple((i.name, boundary[i.name]) for i in session.get_inputs())
+        regions[module] = _Region(fed, session)
+    return regions
+
+
 def _onnx_input_quantization(
     graph: Any, consumers: dict[str, list[Any]], name: str
 ) -> tuple[Quantization, np.dtype] | None:
@@ -532,6 +594,7 @@ class _OnnxProbe:
             if module not in wanted or value not in produced:
                 continue
             self.values[module] = _dequantized(value, consumers)
+        self._regions = _regions(model, names, self.values, set(input_names))
         existing = {output.name for output in graph.output}
         for value in self.values.values():
             if value not in existing:
@@ -555,6 +618,21 @@ class _OnnxProbe:
         if self._shapes is None:
             raise _NotMeasured("onnxruntime gives a value's shape only once it ran")
         return self._shapes
+
+    def isolated(self, arrays: Sequence[np.ndarray], reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Per layer, its deployed output computed from the float model's values at its inputs: the layer's own
+        quantization alone (the model's inputs as they are, quantized as the model quantizes them)."""
+        feeds = dict(zip(self.input_names, arrays, strict=True))
+        found = {}
+        for module, region in self._regions.items():
+            given = {
+                value: feeds[source] if source in feeds else reference.get(source) for value, source in region.inputs
+            }
+            if any(array is None for array in given.values()):
+                continue
+            (output,) = region.session.run(None, given)
+            found[module] = np.asarray(output, dtype=np.float32)
+        return found
 
     def run(self, arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
         results = dict(zip(self.output_names, self.session.run(None, dict(zip(self.input_names, arrays, strict=True))),
@@ -732,6 +810,10 @@ def measure_layers(
             for name, layer in layers.items():
                 if name in reference and name in got:
                     layer.add(reference[name], got[name])
+            isolated = probe.isolated(arrays, reference) if isinstance(probe, _OnnxProbe) else {}
+            for name, values in isolated.items():
+                if name in layers and name in reference:
+                    layers[name].add(reference[name], values, isolated=True)
     except _NotMeasured as exc:
         return not_measured_layers(str(exc))
     except Exception as exc:  # a diagnosis never fails the export: it says why it is missing, in the manifest
@@ -777,10 +859,15 @@ def _ranked(layers: dict[str, _Layer], order: list[str]) -> tuple[LayerFidelity,
                 added_sqnr_db=(
                     None if added <= 0.0 else -999.0 if math.isinf(added) else round(-10.0 * math.log10(added), 2) + 0.0
                 ),
+                isolated_sqnr_db=_rounded(layer.isolated.channel_sqnr_db()) if layer.isolated.signal else None,
             )
         )
         before = relative
     return tuple(result)
+
+
+def _rounded(db: float | None) -> float | None:
+    return None if db is None else round(db, 2) + 0.0  # + 0.0: never "-0.0 dB"
 
 
 def not_measured_layers(reason: str) -> LayerReport:

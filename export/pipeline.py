@@ -302,6 +302,7 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
                 module=name,
                 operator=operators.get(name) or type(modules[name]).__name__,
                 added_bytes=3 * weights[name],
+                precision="float16" if target.backend == "qnn-htp" else "float32",
                 reason=why
                 if name == layer.module
                 else f"computes in one kernel with {layer.module} (no tensor of its own)"

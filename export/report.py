@@ -284,7 +284,7 @@ def format_report(report: ExportReport) -> str:
         if o.kept_float and o.status in ("selected", "passed", "rejected"):
             lines.append(
                 f"{o.backend} {o.precision}: mixed precision: with every layer int8, {o.int8_missed}; so "
-                + "; ".join(f"{k.module} ({_kept_cost(k, o.placement)}) stays float32: {k.reason}"
+                + "; ".join(f"{k.module} ({_kept_cost(k, o.placement)}) stays {k.precision}: {k.reason}"
                             for k in o.kept_float)
                 + "; every other layer int8"
             )  # fmt: skip

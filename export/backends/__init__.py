@@ -47,13 +47,13 @@ INT8_EDGES = frozenset({"tflite-micro", "ethos-u"})
 """The exporters whose int8-static model takes and gives int8 whatever is kept float (full-integer: what TFLite
 Micro's firmware and vela take)."""
 
-KEEPS_FLOAT = frozenset({"litert", "onnxruntime", "executorch-xnnpack", "tflite-micro", "ethos-u"})
+KEEPS_FLOAT = frozenset({"litert", "onnxruntime", "executorch-xnnpack", "tflite-micro", "ethos-u", "qnn-htp"})
 """The exporters that honour ``ExportRequest.keep_float`` in int8-static, through their quantizer's public means:
 the LiteRT quantizer's per-operator annotation (also for the int8 models of TFLite Micro, whose float kernels run
-the kept layers, and of the Ethos-U, whose CPU runs them), ONNX Runtime's ``nodes_to_exclude``, the XNNPACK
-quantizer's filter function. Not qnn-htp (its CPU fallback is off, and the HTP's float path is fp16: a float
-layer there is another precision, not the float model's), nor Core ML (not measured off macOS, so no fidelity to
-hold to a budget)."""
+the kept layers, and of the Ethos-U, whose CPU runs them), ONNX Runtime's ``nodes_to_exclude`` (also QNN's QDQ
+configuration: the HTP computes float operators in fp16, so its kept layers are float16, not float32; its CPU
+fallback stays off), the XNNPACK quantizer's filter function. Not Core ML (not measured off macOS, so no fidelity
+to hold to a budget)."""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ __all__ = [
     "OnnxRuntimeExporter",
     "calibration_reader",
     "check_export_tools",
+    "module_nodes",
     "onnx_placement",
     "profile_accelerator",
     "quantized_nodes",
@@ -100,11 +101,11 @@ def _quantize_for_cpu(request: ExportRequest, float_path: Path, out_path: Path) 
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QUInt8,
         calibrate_method=CalibrationMethod.MinMax,
-        nodes_to_exclude=_nodes_of(float_path, request.keep_float),
+        nodes_to_exclude=module_nodes(float_path, request.keep_float),
     )
 
 
-def _nodes_of(path: Path, modules: tuple[str, ...]) -> list[str]:
+def module_nodes(path: Path, modules: tuple[str, ...]) -> list[str]:
     """The ONNX nodes the dynamo exporter made from the code of ``modules`` (its ``name_scopes`` metadata)."""
     if not modules:
         return []

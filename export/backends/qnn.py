@@ -34,6 +34,7 @@ from edgeline.export.backends.onnxruntime import (
     CONVERSIONS,
     calibration_reader,
     check_export_tools,
+    module_nodes,
     onnx_placement,
     qdq_output_steps,
     torch_to_onnx,
@@ -57,6 +58,7 @@ def _quantize_for_qnn(request: ExportRequest, float_path: Path, out_path: Path) 
         calibration_reader(request, request.input_names),
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QUInt8,
+        nodes_to_exclude=module_nodes(float_path, request.keep_float),  # mixed precision: the HTP computes them in fp16
     )
     quantize(str(float_path), str(out_path), config)
 
