@@ -52,6 +52,7 @@ from edgeline.export.errors import BudgetError, CalibrationError, ExportError
 from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
 from edgeline.export.layers import (
     INPUT,
+    LAYER_SAMPLES,
     fused_into,
     input_readers,
     measure_layers,
@@ -345,6 +346,23 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
     )
 
 
+def ranking_subset(errors: list[float]) -> tuple[int, ...]:
+    """The indices of the (at most ``LAYER_SAMPLES``) samples with the largest errors, in their order: the ranking
+    subset NNCF's accuracy control ranks layers on. Every sample when there are no more than that."""
+    if len(errors) <= LAYER_SAMPLES:
+        return tuple(range(len(errors)))
+    worst = np.argsort(-np.asarray(errors), kind="stable")[:LAYER_SAMPLES]
+    return tuple(sorted(int(i) for i in worst))
+
+
+def subset(samples: SampleSet, indices: tuple[int, ...]) -> SampleSet:
+    chosen = np.asarray(indices, dtype=np.int64)
+    labels = None if samples.labels is None else samples.labels[chosen]
+    if len(indices) == len(samples):
+        return samples
+    return SampleSet([array[chosen] for array in samples.inputs], labels, samples.source)
+
+
 def _input_names(loaded: LoadedModel, calibration: SampleSet) -> tuple[str, ...]:
     """The model's inputs by forward()'s parameter names, else ``input_0``, ...: the names the bundle gives them."""
     return loaded.forward_parameters or tuple(f"input_{i}" for i in range(len(calibration.inputs)))
@@ -459,16 +477,19 @@ def _build(
         progress(f"{target.backend} {target.precision.value}: checking fidelity on {len(validation)} samples")
         with _runtime_quiet():
             model = load(staging, backend=check.backend, model_file=check.model_file, threads=1)
-        fidelity = measure_fidelity(model, reference, validation, fields["postprocess"], progress)
+        errors: list[float] = []
+        fidelity = measure_fidelity(model, reference, validation, fields["postprocess"], progress, errors)
         if check.measured_with:
             fidelity = fidelity.model_copy(update={"measured_with": check.measured_with})
         latency = median_latency_ms(model, validation.sample(0)) if exported.verification is None else None
         golden = write_golden(staging, model, validation, exported.output_steps)
         if target.precision.integer:
             progress(f"{target.backend} {target.precision.value}: comparing each layer with the float model's")
+            if not kept:  # the ranking subset (NNCF's): the samples plain int8 does worst on; mixed builds reuse it
+                outcome.ranking = ranking_subset(errors)
             layers = measure_layers(
                 loaded.module,
-                validation,
+                subset(validation, outcome.ranking) if outcome.ranking else validation,
                 target.backend,
                 check.backend,
                 staging / measured_file,
@@ -478,6 +499,12 @@ def _build(
                 keep_float=tuple(k.module for k in kept),
                 labels=request.input_names,
             )
+            if layers.measured_with is not None and 0 < len(outcome.ranking) < len(validation):
+                layers = replace(
+                    layers,
+                    measured_with=f"{layers.measured_with}; on the {len(outcome.ranking)} of {len(validation)} "
+                    "validation samples plain int8 did worst on (the ranking subset, as NNCF's accuracy control)",
+                )
             fields["quantization"] = QuantizationSummary(
                 rewrites=exported.rewrites, kept_float=kept, int8_missed=int8_missed, **layers.fields()
             )

@@ -50,6 +50,8 @@ class TargetOutcome:
     kept_float: tuple[KeptFloat, ...] = ()
     """Mixed precision: the layers left in float (the manifest's ``quantization.kept_float``)."""
     int8_missed: str | None = None
+    ranking: tuple[int, ...] = ()
+    """The validation samples ``layers`` were measured on: those plain int8 did worst on (NNCF's ranking subset)."""
     seconds: float | None = None
     bundle: Path | None = None
 

@@ -561,3 +561,52 @@ def test_onnx_runtime_s_isolated_figure_is_the_layer_s_own_quantization_computed
     assert found["act4"].isolated_sqnr_db == pytest.approx(float(per_channel.min()), abs=0.2)
     assert found["act4"].channel_sqnr_db is not None
     assert abs(found["act4"].isolated_sqnr_db - found["act4"].channel_sqnr_db) > 0.5  # not the accumulated one
+
+
+def test_the_layers_are_ranked_on_the_samples_plain_int8_does_worst_on(model: Path, tmp_path: Path) -> None:
+    """NNCF's ranking subset: of 128 validation digits, the layers are measured on the 64 whose outputs plain int8
+    moved furthest from the float model's (relative error), found here independently from the same exporter's
+    plain int8 model; and the last layer's figures are the bundle's own outputs on exactly those."""
+    import torch
+
+    from edgeline.backends import open_session
+    from edgeline.bundle import read_bundle
+    from edgeline.export.backends import ExportRequest, get_exporter
+    from edgeline.export.loading import load_model
+    from edgeline.model import load
+
+    images, labels = digits()
+    held = images[TRAIN : TRAIN + 128]
+    np.savez(tmp_path / "cal.npz", x=images[:CALIBRATION])
+    np.savez(tmp_path / "val.npz", x=held, labels=labels[TRAIN : TRAIN + 128])
+    explicit = {"backend": "litert", "precision": Precision.INT8_STATIC}
+    report = _export(model, (tmp_path / "cal.npz", tmp_path / "val.npz"), tmp_path / "bundle", "rpi4", **explicit)
+    outcome = report.outcomes[0]
+    assert outcome.status == "selected", outcome.reason
+    quantization = read_bundle(outcome.bundle).manifest.quantization
+    assert quantization is not None and quantization.layers_samples == 64
+    assert "on the 64 of 128 validation samples plain int8 did worst on" in (quantization.layers_measured_with or "")
+    module = load_model(f"{model}:outlier").module
+    with torch.no_grad():
+        reference = module(torch.from_numpy(held)).numpy().astype(np.float64)
+    calibration = [(torch.from_numpy(images[i : i + 1]),) for i in range(CALIBRATION)]
+    (tmp_path / "plain").mkdir()
+    request = ExportRequest(module, calibration[0], calibration, Precision.INT8_STATIC, tmp_path / "plain", ("x",))
+    exported = get_exporter("litert").export(request)
+    session = open_session("litert", tmp_path / "plain" / exported.model_file)
+    (spec,), (output,) = session.input_specs(), session.output_specs()
+    assert spec.quantization is not None and output.quantization is not None
+    plain = np.concatenate(
+        [
+            dequantize(session.run([quantize(x[None], spec.quantization, np.dtype(np.int8))])[0], output.quantization)
+            for x in held
+        ]
+    ).astype(np.float64)
+    errors = np.linalg.norm(reference - plain, axis=1) / np.linalg.norm(reference, axis=1)
+    worst = sorted(int(i) for i in np.argsort(-errors, kind="stable")[:64])
+    assert outcome.ranking == tuple(worst)
+    deployed = load(outcome.bundle)
+    got = np.concatenate([deployed.predict(held[i][None])[0] for i in worst]).astype(np.float64)
+    chosen = reference[worst]
+    (fc,) = [layer for layer in quantization.layers if layer.module == "fc"]
+    assert fc.sqnr_db == pytest.approx(10 * np.log10(np.sum(chosen**2) / np.sum((chosen - got) ** 2)), abs=0.3)
