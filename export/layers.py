@@ -46,6 +46,7 @@ __all__ = [
     "INPUT",
     "LAYER_SAMPLES",
     "LayerReport",
+    "export_program",
     "fused_into",
     "input_layer",
     "input_readers",
@@ -335,17 +336,27 @@ def _dequantize(array: np.ndarray, detail: dict[str, Any]) -> np.ndarray:
     return dequantize(array, params) if params is not None and array.dtype.kind in "iu" else array.astype(np.float32)
 
 
-def _export_node_modules(module: Any, arrays: Sequence[np.ndarray]) -> dict[str, str]:
-    """torch.export node name -> the leaf module path whose output it is (the module's last node)."""
+def export_program(module: Any, arrays: Sequence[np.ndarray]) -> Any:
+    """torch.export's program of ``module`` on one sample: the graph the layer report reads its modules from (export
+    once, pass it to each reader)."""
     import torch
 
-    program = torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
-    last: dict[str, str] = {}
+    return torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
+
+
+def _last_nodes(program: Any) -> dict[str, Any]:
+    """Module path -> its last operator in the graph: the node whose value is the module's output."""
+    last: dict[str, Any] = {}
     for node in program.graph.nodes:
         path = module_path(node) if node.op == "call_function" else None
         if path is not None:
-            last[path] = node.name
-    return {name: path for path, name in last.items()}
+            last[path] = node
+    return last
+
+
+def _export_node_modules(program: Any) -> dict[str, str]:
+    """torch.export node name -> the module path whose output it is (the module's last node)."""
+    return {node.name: path for path, node in _last_nodes(program).items()}
 
 
 _PASSING = frozenset(
@@ -355,48 +366,39 @@ _PASSING = frozenset(
 """Operators that pass values on unchanged: a quantized tensor crosses them with its quantization."""
 
 
-def output_readers(module: Any, arrays: Sequence[np.ndarray]) -> dict[str, tuple[str, ...]]:
+def _readers(node: Any, leaves: set[str], skip: str | None = None) -> tuple[tuple[str, ...], bool]:
+    """The leaf modules that read ``node``'s value, through operators that pass it on unchanged (``skip``: the
+    module it belongs to), and whether an operator outside every leaf module reads it too."""
+    found: set[str] = set()
+    pending, seen, outside = list(node.users), set(), False
+    while pending:
+        user = pending.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        path = module_path(user) if user.op == "call_function" else None
+        if path in leaves and path != skip:
+            found.add(path)
+        elif str(getattr(user.target, "__name__", user.target)).split(".")[0] in _PASSING:
+            pending.extend(user.users)
+        elif path != skip:
+            outside = True
+    return tuple(sorted(found)), outside
+
+
+def output_readers(module: Any, program: Any) -> dict[str, tuple[str, ...]]:
     """Per leaf module, the other leaf modules that read its output (through reshapes): the layers that share the
     quantization of that tensor. Keeping the tensor float takes the module and all its readers in float, the group
     NNCF's accuracy control reverts together."""
-    import torch
-
-    program = torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
-    paths = {node: module_path(node) for node in program.graph.nodes if node.op == "call_function"}
-    last: dict[str, Any] = {}
-    for node, path in paths.items():
-        if path is not None:
-            last[path] = node
     leaves = set(_leaves(module))
-    readers: dict[str, tuple[str, ...]] = {}
-    for path, output in last.items():
-        if path not in leaves:
-            continue
-        found: list[str] = []
-        pending, seen = list(output.users), set()
-        while pending:
-            user = pending.pop()
-            if user in seen:
-                continue
-            seen.add(user)
-            name = str(getattr(user.target, "__name__", user.target)).split(".")[0]
-            reader = paths.get(user)
-            if reader in leaves and reader != path:
-                found.append(reader)
-            elif name in _PASSING:
-                pending.extend(user.users)
-        readers[path] = tuple(sorted(set(found)))
-    return readers
+    return {path: _readers(node, leaves, skip=path)[0] for path, node in _last_nodes(program).items() if path in leaves}
 
 
-def module_macs(module: Any, arrays: Sequence[np.ndarray]) -> tuple[dict[str, int], int]:
+def module_macs(program: Any) -> tuple[dict[str, int], int]:
     """The multiply-accumulates of each module path's operators (``fx_macs``, as the placements count them), and of
     the whole model: what keeping a module in float moves to whatever computes float."""
-    import torch
-
     from edgeline.export.placement import fx_macs
 
-    program = torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
     per_module: dict[str, int] = {}
     total = 0
     for node in program.graph.nodes:
@@ -411,7 +413,7 @@ def module_macs(module: Any, arrays: Sequence[np.ndarray]) -> tuple[dict[str, in
     return per_module, total
 
 
-def _folded_norms(module: Any, arrays: Sequence[np.ndarray], leaves: dict[str, Any], read: set[str]) -> dict[str, str]:
+def _folded_norms(program: Any, leaves: dict[str, Any], read: set[str]) -> dict[str, str]:
     """Layer -> the batch normalisation its tensor holds the output of: a converter folds a BatchNorm into the
     convolution or linear layer before it (its scale and shift into their weights), so the one tensor left, named
     after the convolution, is the normalisation's output; compared with the convolution's own float output, every
@@ -420,14 +422,8 @@ def _folded_norms(module: Any, arrays: Sequence[np.ndarray], leaves: dict[str, A
     import torch
 
     norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
-    program = torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
-    last: dict[str, Any] = {}
-    for node in program.graph.nodes:
-        path = module_path(node) if node.op == "call_function" else None
-        if path is not None:
-            last[path] = node
     folded = {}
-    for name, node in last.items():
+    for name, node in _last_nodes(program).items():
         users = list(node.users)
         reader = module_path(users[0]) if len(users) == 1 and users[0].op == "call_function" else None
         if name in read and reader is not None and isinstance(leaves.get(reader), norms) and reader not in read:
@@ -443,34 +439,17 @@ def input_layer(name: str) -> str:
     return f"{INPUT}{name}"
 
 
-def input_readers(module: Any, arrays: Sequence[np.ndarray], input_names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+def input_readers(module: Any, program: Any, input_names: Sequence[str]) -> dict[str, tuple[str, ...]]:
     """Per model input (``input x``, named by ``input_names`` in forward()'s order), the leaf modules that read it
     (through reshapes): keeping them float keeps the input float. None listed where an operator outside every
     module reads it first (``x / 16`` in forward): that operator would quantize it anyway."""
-    import torch
-
-    program = torch.export.export(module, tuple(torch.from_numpy(a) for a in arrays))
     leaves = set(_leaves(module))
     user_inputs = program.graph_signature.user_inputs
-    found: dict[str, tuple[str, ...]] = {}
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
-    for name_of_input, node in zip(input_names, placeholders, strict=False):
-        readers: list[str] = []
-        pending, seen, outside = list(node.users), set(), False
-        while pending:
-            user = pending.pop()
-            if user in seen:
-                continue
-            seen.add(user)
-            path = module_path(user) if user.op == "call_function" else None
-            name = str(getattr(user.target, "__name__", user.target)).split(".")[0]
-            if path in leaves:
-                readers.append(path)
-            elif name in _PASSING:
-                pending.extend(user.users)
-            else:
-                outside = True
-        found[input_layer(name_of_input)] = () if outside else tuple(sorted(set(readers)))
+    found: dict[str, tuple[str, ...]] = {}
+    for name, node in zip(input_names, placeholders, strict=False):
+        readers, outside = _readers(node, leaves)
+        found[input_layer(name)] = () if outside else readers
     return found
 
 
@@ -762,20 +741,20 @@ def measure_layers(
         return not_measured_layers("the model has no submodules to name its layers by (an exported program)")
     try:
         first = float_layers(module, samples.sample(0))
+        program = export_program(module, samples.sample(0))
         probe: _Probe
         if exporter in ("litert", "tflite-micro", "ethos-u"):
             micro = backend == "tflite-micro"
             probe = _LiteRTProbe(model_path, module, first, input_names, microcontroller=micro)
         elif exporter == "onnxruntime":
-            probe = _OnnxProbe(model_path, _export_node_modules(module, samples.sample(0)), first, input_names)
+            probe = _OnnxProbe(model_path, _export_node_modules(program), first, input_names)
         elif exporter == "qnn-htp":
             from edgeline.export.backends.qnn import QDQ_FILE
 
-            names = _export_node_modules(module, samples.sample(0))
+            names = _export_node_modules(program)
             probe = _OnnxProbe(model_path.with_name(QDQ_FILE), names, first, input_names, qnn=True)
         elif exporter == "executorch-xnnpack" and calibration is not None:
-            names = _export_node_modules(module, samples.sample(0))
-            probe = _PT2EProbe(module, calibration, names, first, dynamic, keep_float)
+            probe = _PT2EProbe(module, calibration, _export_node_modules(program), first, dynamic, keep_float)
         else:
             return not_measured_layers(f"{exporter}: edgeline reads no intermediate tensors of its model here")
         layers: dict[str, _Layer] = {}
@@ -797,7 +776,7 @@ def measure_layers(
             reference = (first if index == 0 else float_layers(module, arrays)).outputs
             got = probe.run(arrays)
             if index == 0:
-                folded = _folded_norms(module, arrays, leaves, set(got))
+                folded = _folded_norms(program, leaves, set(got))
             got = {folded.get(name, name): value for name, value in got.items()}
             if index == 0:
                 shapes = {folded.get(name, name): shape for name, shape in probe.shapes().items()}

@@ -53,6 +53,7 @@ from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity
 from edgeline.export.layers import (
     INPUT,
     LAYER_SAMPLES,
+    export_program,
     fused_into,
     input_readers,
     measure_layers,
@@ -266,16 +267,17 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
     modules = dict(loaded.module.named_modules())
     operators = {layer.module: layer.operator for layer in outcome.layers}
     total = sum(p.numel() for p in loaded.module.parameters()) or 1
-    readers = output_readers(loaded.module, calibration.sample(0))
-    readers.update(input_readers(loaded.module, calibration.sample(0), _input_names(loaded, calibration)))
+    program = export_program(loaded.module, calibration.sample(0))
+    readers = output_readers(loaded.module, program)
+    readers.update(input_readers(loaded.module, program, _input_names(loaded, calibration)))
     plain = outcome.placement
-    macs = module_macs(loaded.module, calibration.sample(0)) if plain and plain.accelerator else None
+    macs = module_macs(program) if plain and plain.accelerator else None
     kept: list[KeptFloat] = []
     tried: list[str] = []
     advice = ""
     for rank, layer in enumerate(worst_layers(outcome.layers, count=len(outcome.layers))[:MIXED_STEPS], 1):
         if layer.module.startswith(INPUT):  # the data itself: keeping it float means keeping its readers float
-            lost = f"int8 keeps least of {layer.module} ({layer.channel_sqnr_db} dB SQNR in its worst channel)"
+            lost = f"int8 keeps least of {layer.module} ({layer.channel_sqnr_db:.1f} dB SQNR in its worst channel)"
             if target.backend in INT8_EDGES or not readers.get(layer.module):
                 advice = advice or (
                     f"; {lost}: its features span very different ranges; scale them alike before the model (a "
@@ -346,7 +348,7 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
     )
 
 
-def ranking_subset(errors: list[float]) -> tuple[int, ...]:
+def _ranking_subset(errors: list[float]) -> tuple[int, ...]:
     """The indices of the (at most ``LAYER_SAMPLES``) samples with the largest errors, in their order: the ranking
     subset NNCF's accuracy control ranks layers on. Every sample when there are no more than that."""
     if len(errors) <= LAYER_SAMPLES:
@@ -355,11 +357,11 @@ def ranking_subset(errors: list[float]) -> tuple[int, ...]:
     return tuple(sorted(int(i) for i in worst))
 
 
-def subset(samples: SampleSet, indices: tuple[int, ...]) -> SampleSet:
-    chosen = np.asarray(indices, dtype=np.int64)
-    labels = None if samples.labels is None else samples.labels[chosen]
+def _subset(samples: SampleSet, indices: tuple[int, ...]) -> SampleSet:
     if len(indices) == len(samples):
         return samples
+    chosen = np.asarray(indices, dtype=np.int64)
+    labels = None if samples.labels is None else samples.labels[chosen]
     return SampleSet([array[chosen] for array in samples.inputs], labels, samples.source)
 
 
@@ -486,10 +488,10 @@ def _build(
         if target.precision.integer:
             progress(f"{target.backend} {target.precision.value}: comparing each layer with the float model's")
             if not kept:  # the ranking subset (NNCF's): the samples plain int8 does worst on; mixed builds reuse it
-                outcome.ranking = ranking_subset(errors)
+                outcome.ranking = _ranking_subset(errors)
             layers = measure_layers(
                 loaded.module,
-                subset(validation, outcome.ranking) if outcome.ranking else validation,
+                _subset(validation, outcome.ranking) if outcome.ranking else validation,
                 target.backend,
                 check.backend,
                 staging / measured_file,

@@ -15,6 +15,7 @@ from edgeline.export.layers import (
     _layout,
     _ranked,
     _Sums,
+    export_program,
     fused_into,
     measure_layers,
     module_macs,
@@ -159,7 +160,7 @@ def test_a_runtime_without_intermediate_tensors_and_a_model_without_layers_say_w
 def test_each_module_s_multiply_accumulates_are_counted_as_by_hand() -> None:
     """A 3x3 convolution of 4 channels into 4 on 6x6 (padding 1): 4*6*6 outputs of 4*3*3 each; the linear head 3
     outputs of 144 each; a block holds its convolution's and its ReLU's (one per element)."""
-    per_module, total = module_macs(_network(), [np.zeros((1, 1, 6, 6), np.float32)])
+    per_module, total = module_macs(export_program(_network(), [np.zeros((1, 1, 6, 6), np.float32)]))
     assert per_module["blocks.0.my_conv"] == 4 * 6 * 6 * 4 * 3 * 3
     assert per_module["stem"] == 4 * 6 * 6 * 1 * 3 * 3
     assert per_module["head"] == 3 * 144
@@ -209,8 +210,9 @@ def test_a_batch_norm_folded_into_the_layer_before_it_owns_that_layer_s_tensor()
     net = Net().eval()
     arrays = [np.zeros((1, 1, 6, 6), np.float32)]
     leaves = _leaves(net)
-    assert _folded_norms(net, arrays, leaves, {"conv", "act", "shared"}) == {"conv": "bn"}
-    assert _folded_norms(net, arrays, leaves, {"conv", "bn", "act"}) == {}  # bn has a tensor of its own
+    program = export_program(net, arrays)
+    assert _folded_norms(program, leaves, {"conv", "act", "shared"}) == {"conv": "bn"}
+    assert _folded_norms(program, leaves, {"conv", "bn", "act"}) == {}  # bn has a tensor of its own
 
 
 def test_an_input_is_kept_float_through_the_layers_that_read_it_directly() -> None:
@@ -222,7 +224,8 @@ def test_an_input_is_kept_float_through_the_layers_that_read_it_directly() -> No
     from edgeline.export.layers import input_readers
 
     arrays = [np.zeros((1, 1, 6, 6), np.float32)]
-    assert input_readers(_network(), arrays, ("x",)) == {"input x": ("stem",)}
+    network = _network()
+    assert input_readers(network, export_program(network, arrays), ("x",)) == {"input x": ("stem",)}
 
     class Scaled(nn.Module):
         def __init__(self) -> None:
@@ -233,4 +236,5 @@ def test_an_input_is_kept_float_through_the_layers_that_read_it_directly() -> No
             return self.conv(x / 16.0)
 
     torch.manual_seed(0)
-    assert input_readers(Scaled().eval(), arrays, ("image",)) == {"input image": ()}
+    scaled = Scaled().eval()
+    assert input_readers(scaled, export_program(scaled, arrays), ("image",)) == {"input image": ()}
