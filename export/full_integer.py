@@ -324,11 +324,11 @@ class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch
         self.gelu_kernel = gelu_kernel
         """False: the target has no GELU kernel (TFLite Micro): GELU becomes its tanh approximation."""
         self.keep_float = keep_float
+        """Module paths whose operators stay float (mixed precision): their annotations are taken back, so a
+        dequantize comes before them and a quantize after."""
         self.int8_edges = int8_edges
         """Whether the model's inputs and outputs stay int8 when a layer at an edge is kept float (see
         ``_keep_float``)."""
-        """Module paths whose operators stay float (mixed precision): their annotations are taken back, so a
-        dequantize comes before them and a quantize after."""
         self.rewrites: list[Rewrite] = []
         """What the rewrites changed of the function the model computes (the manifest's ``quantization.rewrites``)."""
 
