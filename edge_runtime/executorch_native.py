@@ -645,6 +645,12 @@ def install(
         missing = staged.missing()
         if missing is not None:
             raise BackendUnavailableError(f"the ExecuTorch runtime from {source or 'PyPI'} is incomplete: no {missing}")
+        theirs, ours = _elf_machine(staged.lib / "libexecutorch.so"), _elf_machine(Path(sys.executable).resolve())
+        if theirs != ours:
+            raise BackendUnavailableError(
+                f"the ExecuTorch runtime from {source or 'PyPI'} is built for {_ELF_MACHINES.get(theirs, theirs)}, "
+                f"this Python for {_ELF_MACHINES.get(ours, ours)}"
+            )
         old = prefix.with_name(prefix.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if prefix.exists():
@@ -659,6 +665,21 @@ def install(
     with NativeRuntime._lock:
         NativeRuntime._loaded = None  # found again on next use: the install may not be the preferred runtime
     return loaded
+
+
+_ELF_MACHINES = {3: "x86", 40: "arm", 62: "x86-64", 183: "aarch64", 243: "riscv"}
+
+
+def _elf_machine(path: Path) -> int | None:
+    """An ELF file's e_machine (the architecture it runs on), None when it is not one."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(20)
+    except OSError:
+        return None
+    if len(header) < 20 or header[:4] != b"\x7fELF":
+        return None
+    return int.from_bytes(header[18:20], "little" if header[5] == 1 else "big")
 
 
 def _copy_package(package: Path, into: Path) -> None:

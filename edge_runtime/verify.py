@@ -233,7 +233,8 @@ def _describe(check: dict[str, Any]) -> str:
             if check.get("accelerator_fallback")
             else ""
         )
-        return f"load: {check['backend']} opened {check['model']}{instead}{where}{fallback}"
+        backend = f"{check['backend']} ({check['runtime']} runtime)" if check.get("runtime") else check["backend"]
+        return f"load: {backend} opened {check['model']}{instead}{where}{fallback}"
     if kind == "fidelity":
         top1 = check["top1_agreement"]
         agreement = f", top-1 agreement {percent(top1)}" if top1 is not None else ""
@@ -333,6 +334,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 "bundle_model": manifest.model,
                 "accelerator": model.accelerator,
                 "accelerator_fallback": model.accelerator_fallback,
+                **({"runtime": model.runtime} if model.runtime else {}),
             },
             golden_check(model),
             _latency_check(model, refusal),

@@ -256,6 +256,27 @@ def test_a_bad_wheel_is_refused_and_the_runtime_installed_before_stays(
 
 
 @pytest.mark.quick
+def test_a_wheel_for_another_machine_is_refused_before_it_replaces_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Pi's wheel copied to an x86 box (or the other way): its libraries' ELF header says so."""
+    wheel = make_wheel(tmp_path / "other.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        members = {info.filename: archive.read(info) for info in archive.infolist()}
+    library = bytearray(members["executorch/lib/libexecutorch.so"])
+    ours = int.from_bytes(library[18:20], "little")
+    library[18:20] = (183 if ours == 62 else 62).to_bytes(2, "little")
+    members["executorch/lib/libexecutorch.so"] = bytes(library)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    monkeypatch.setenv("EDGELINE_EXECUTORCH_HOME", str(tmp_path / "executorch"))
+    with pytest.raises(BackendUnavailableError, match=r"is built for (aarch64|x86-64), this Python for"):
+        install(source=wheel, say=lambda line: None)
+    assert not (tmp_path / "executorch").exists()
+
+
+@pytest.mark.quick
 def test_no_compiler_and_no_shim_is_one_line_before_the_bundle_is_opened(tmp_path: Path) -> None:
     """A runtime directory whose shim was never built, on a machine without a C++ compiler: `infer` refuses with
     the reason and the remedy (exit code 2), before parsing the model."""
