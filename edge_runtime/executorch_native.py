@@ -48,6 +48,7 @@ __all__ = [
     "ABI",
     "DELEGATE_LIBRARIES",
     "EXECUTORCH_VERSION",
+    "SCALAR_TYPES",
     "NativeProgram",
     "NativeRuntime",
     "RuntimeDir",
@@ -100,7 +101,7 @@ _WHEEL_MEMBERS = re.compile(rf"executorch/(lib/({_LIBRARY_NAMES})\.so|include/.+
 _MAX_MEMBER_BYTES = 256 * 1024 * 1024
 _MAX_TOTAL_BYTES = 1024 * 1024 * 1024
 
-_SCALAR_TYPES: dict[int, np.dtype[Any]] = {
+SCALAR_TYPES: dict[int, np.dtype[Any]] = {
     0: np.dtype(np.uint8),
     1: np.dtype(np.int8),
     2: np.dtype(np.int16),
@@ -112,7 +113,7 @@ _SCALAR_TYPES: dict[int, np.dtype[Any]] = {
     11: np.dtype(np.bool_),
 }
 """ExecuTorch's ScalarType codes (c10's) -> numpy."""
-_TYPE_CODES = {dtype: code for code, dtype in _SCALAR_TYPES.items()}
+_TYPE_CODES = {dtype: code for code, dtype in SCALAR_TYPES.items()}
 ERRORS = {
     0x01: "Internal",
     0x02: "InvalidState",
@@ -483,10 +484,10 @@ class NativeProgram:
         )
         if code != 0:
             raise BundleError(f"{self.path}: {_error_text(code, self._err)}")
-        if dtype.value not in _SCALAR_TYPES:
+        if dtype.value not in SCALAR_TYPES:
             kind = "output" if outputs else "input"
             raise BundleError(f"{self.path}: {kind} {index} has ExecuTorch dtype code {dtype.value}, not supported")
-        return TensorMeta(_SCALAR_TYPES[dtype.value], tuple(int(size) for size in sizes[: rank.value]))
+        return TensorMeta(SCALAR_TYPES[dtype.value], tuple(int(size) for size in sizes[: rank.value]))
 
     def close(self) -> None:
         handle, self._handle = self._handle, ctypes.c_void_p()
@@ -538,7 +539,7 @@ class NativeProgram:
         )
         if code != 0:
             raise RuntimeError(f"ExecuTorch: {_error_text(code, self._err)}")
-        dtype = _SCALAR_TYPES.get(self._out_type.value)
+        dtype = SCALAR_TYPES.get(self._out_type.value)
         if dtype is None:
             raise RuntimeError(f"ExecuTorch: output {index} has dtype code {self._out_type.value}, not supported")
         shape = tuple(self._out_sizes[: self._out_rank.value])
@@ -648,8 +649,8 @@ def install(
         theirs, ours = _elf_machine(staged.lib / "libexecutorch.so"), _elf_machine(Path(sys.executable).resolve())
         if theirs != ours:
             raise BackendUnavailableError(
-                f"the ExecuTorch runtime from {source or 'PyPI'} is built for {_ELF_MACHINES.get(theirs, theirs)}, "
-                f"this Python for {_ELF_MACHINES.get(ours, ours)}"
+                f"the ExecuTorch runtime from {source or 'PyPI'} is built for {_machine_name(theirs)}, "
+                f"this Python for {_machine_name(ours)}"
             )
         old = prefix.with_name(prefix.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -680,6 +681,10 @@ def _elf_machine(path: Path) -> int | None:
     if len(header) < 20 or header[:4] != b"\x7fELF":
         return None
     return int.from_bytes(header[18:20], "little" if header[5] == 1 else "big")
+
+
+def _machine_name(machine: int | None) -> str:
+    return "no ELF machine" if machine is None else _ELF_MACHINES.get(machine, f"ELF machine {machine}")
 
 
 def _copy_package(package: Path, into: Path) -> None:

@@ -324,18 +324,20 @@ def run_verify(args: argparse.Namespace) -> int:
     with runtime_output() as outcome:
         model, resident = _load_measured(args.bundle, bundle, args.backend)
         refusal = device_budget_refusal(model, args.backend)
+        loaded: dict[str, Any] = {
+            "check": "load",
+            "ok": True,
+            "backend": model.backend,
+            "model": model.model_file,
+            "bundle_model": manifest.model,
+            "accelerator": model.accelerator,
+            "accelerator_fallback": model.accelerator_fallback,
+        }
+        if model.runtime:
+            loaded["runtime"] = model.runtime
         checks = [
             integrity,
-            {
-                "check": "load",
-                "ok": True,
-                "backend": model.backend,
-                "model": model.model_file,
-                "bundle_model": manifest.model,
-                "accelerator": model.accelerator,
-                "accelerator_fallback": model.accelerator_fallback,
-                **({"runtime": model.runtime} if model.runtime else {}),
-            },
+            loaded,
             golden_check(model),
             _latency_check(model, refusal),
             _arena_check(model)

@@ -11,12 +11,15 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from edgeline.errors import BackendUnavailableError, BundleError
 from edgeline.manifest import TensorSpec
+
+if TYPE_CHECKING:
+    from edgeline.executorch_native import NativeProgram
 
 __all__ = [
     "DELEGATE_BACKENDS",
@@ -31,18 +34,6 @@ log = logging.getLogger(__name__)
 
 RUNTIME_CHOICE = "EDGELINE_EXECUTORCH_RUNTIME"
 """Environment variable: ``native`` or ``python`` takes that runtime or fails; unset, the torch-free one first."""
-
-# c10::ScalarType codes as reported by TensorInfo.dtype().
-_SCALAR_TYPES = {
-    0: "uint8",
-    1: "int8",
-    2: "int16",
-    3: "int32",
-    4: "int64",
-    5: "float16",
-    6: "float32",
-    11: "bool",
-}
 
 DELEGATE_BACKENDS = {"xnnpack": "XnnpackBackend", "coreml": "CoreMLBackend"}
 """A bundle's placement.accelerator -> the ExecuTorch backend its delegated parts need at run time."""
@@ -96,24 +87,13 @@ class NativeSession:
         self._model_path, self._threads, self._input_names = model_path, threads, input_names
         program = native.open(model_path)
         self._program = program
-        count = len(program.inputs)
-        names = list(input_names) if input_names else [f"input_{i}" for i in range(count)]
-        if len(names) != count:
-            raise BundleError(f"{model_path}: program takes {count} inputs, manifest lists {len(names)}")
         shapes = [meta.shape for meta in program.inputs]
         self.max_batch = self._dynamic_batch(shapes)
         """The largest batch the program was exported for (a dynamic first dimension), or None: fixed shapes."""
         size = 1 if self.max_batch is not None and batch_size is None else batch_size
         if size is not None:
             shapes = [(size, *shape[1:]) for shape in shapes]
-        self._inputs = [
-            TensorSpec(name=name, dtype=meta.dtype.name, shape=shape)
-            for name, meta, shape in zip(names, program.inputs, shapes, strict=True)
-        ]
-        self._outputs = [
-            TensorSpec(name=f"output_{i}", dtype=meta.dtype.name, shape=meta.shape)
-            for i, meta in enumerate(program.outputs)
-        ]
+        self._inputs, self._outputs = _native_specs(program, model_path, input_names, shapes)
         self.run = program.run
 
     def _dynamic_batch(self, shapes: list[tuple[int, ...]]) -> int | None:
@@ -152,10 +132,31 @@ class NativeSession:
 
 
 def _spec(info: Any, name: str) -> TensorSpec:
-    dtype = _SCALAR_TYPES.get(info.dtype())
+    from edgeline.executorch_native import SCALAR_TYPES
+
+    dtype = SCALAR_TYPES.get(info.dtype())
     if dtype is None:
         raise BundleError(f"tensor {name}: unsupported ExecuTorch dtype code {info.dtype()}")
-    return TensorSpec(name=name, dtype=dtype, shape=tuple(info.sizes()))
+    return TensorSpec(name=name, dtype=dtype.name, shape=tuple(info.sizes()))
+
+
+def _native_specs(
+    program: NativeProgram, model_path: Path, input_names: Sequence[str] | None, shapes: Sequence[tuple[int, ...]]
+) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The specs of a program opened by the shim, its inputs at ``shapes``."""
+    count = len(program.inputs)
+    names = list(input_names) if input_names else [f"input_{i}" for i in range(count)]
+    if len(names) != count:
+        raise BundleError(f"{model_path}: program takes {count} inputs, manifest lists {len(names)}")
+    inputs = [
+        TensorSpec(name=name, dtype=meta.dtype.name, shape=shape)
+        for name, meta, shape in zip(names, program.inputs, shapes, strict=True)
+    ]
+    outputs = [
+        TensorSpec(name=f"output_{i}", dtype=meta.dtype.name, shape=meta.shape)
+        for i, meta in enumerate(program.outputs)
+    ]
+    return inputs, outputs
 
 
 def _specs(meta: Any, model_path: Path, input_names: Sequence[str] | None) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -174,19 +175,7 @@ def program_specs(model_path: Path, input_names: Sequence[str] | None) -> tuple[
             from edgeline.executorch_native import NativeRuntime
 
             program = NativeRuntime.get().open(model_path, load=False)
-            names = list(input_names) if input_names else [f"input_{i}" for i in range(len(program.inputs))]
-            if len(names) != len(program.inputs):
-                raise BundleError(
-                    f"{model_path}: program takes {len(program.inputs)} inputs, manifest lists {len(names)}"
-                )
-            inputs = [
-                TensorSpec(name=n, dtype=m.dtype.name, shape=m.shape)
-                for n, m in zip(names, program.inputs, strict=True)
-            ]
-            outputs = [
-                TensorSpec(name=f"output_{i}", dtype=m.dtype.name, shape=m.shape) for i, m in enumerate(program.outputs)
-            ]
-            return inputs, outputs
+            return _native_specs(program, model_path, input_names, [meta.shape for meta in program.inputs])
     except BackendUnavailableError:
         if _choice() == "native":
             raise
