@@ -194,8 +194,9 @@ def run_infer(args: argparse.Namespace) -> int:
 
     median = statistics.median(latencies) * 1000
     emulated = model.emulator or this_machine().emulated
+    backend = f"{model.backend} {model.runtime} runtime" if model.runtime else model.backend
     print(
-        f"{len(samples)} samples through {model.name} v{model.version} ({model.backend}, "
+        f"{len(samples)} samples through {model.name} v{model.version} ({backend}, "
         f"{model.manifest.precision}), median {median:.3f} ms per sample on this machine"
         + (f" (emulated: {emulated}: not the device's speed)" if emulated else "")
     )

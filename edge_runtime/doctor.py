@@ -27,11 +27,14 @@ import json
 import logging
 import os
 import platform
+import sys
 from collections.abc import Collection, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from edgeline.errors import BackendUnavailableError
 
 if TYPE_CHECKING:
     from edgeline.device_profiles import Profile
@@ -71,7 +74,11 @@ RUNTIMES: dict[str, RuntimeInfo] = {
         "tflite-runtime", "tflite_runtime.interpreter", "pip install tflite-runtime (2.14: Python <= 3.11, numpy < 2)"
     ),
     "onnxruntime": RuntimeInfo("onnxruntime", "onnxruntime", "pip install 'edgeline[onnx]'"),
-    "executorch": RuntimeInfo("executorch", "executorch.runtime", "pip install 'edgeline[executorch]' (brings torch)"),
+    "executorch": RuntimeInfo(
+        "executorch",
+        "executorch.runtime",
+        "edgeline doctor --install executorch (its C++ runtime, no torch)",
+    ),
     "tflite-micro": RuntimeInfo(
         "tflite-micro", "tflite_micro", "pip install 'edgeline[ethos-u]' (an x86-64 Linux wheel only)"
     ),
@@ -109,6 +116,16 @@ class RuntimeFacts:
     error: str | None = None
     providers: tuple[str, ...] = ()
     """onnxruntime's execution providers."""
+    kind: str | None = None
+    """ExecuTorch: which runtime runs its programs, ``torch-free`` (its C++ runtime through edgeline's shim) or
+    ``python`` (its Python runtime, which imports torch)."""
+    location: str | None = None
+    """Where that runtime is (the torch-free one's directory, and how it was found)."""
+    delegates: tuple[str, ...] | None = None
+    """ExecuTorch: the delegates that runtime carries (registered when it was loaded, else its libraries); None: not
+    known without importing it."""
+    fallback: str | None = None
+    """ExecuTorch: the other runtime, when both are here (the Python runtime behind the torch-free one)."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +193,45 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _runtime_facts(backend: str, *, try_import: bool) -> RuntimeFacts:
+def _executorch_facts(*, try_import: bool) -> RuntimeFacts:
+    """The torch-free runtime when there is one (loaded, with ``try_import``: its shim built if need be), the Python
+    runtime's facts otherwise; each names the other when both are here."""
+    from edgeline.executorch_native import NativeRuntime, built_shim, compiler, runtimes
+
+    python = _runtime_facts("executorch", try_import=False, native=False)
+    python_there = python.version is not None and importlib.util.find_spec("torch") is not None
+    also = f"ExecuTorch's Python runtime {python.version} (imports torch)" if python_there else None
+    found = runtimes()
+    if not found:
+        if python.version is None:
+            return python
+        python = _runtime_facts("executorch", try_import=try_import, native=False)
+        return replace(python, kind="python", fallback=None)
+    runtime = found[0]
+    where = f"{runtime.root} ({runtime.origin})"
+    missing = runtime.missing()
+    if missing is None and built_shim(runtime) is None and compiler() is None:
+        missing = "a C++ compiler to build edgeline's shim (apt install g++, or set CXX)"
+    if missing is not None:
+        error = f"the torch-free runtime at {where} lacks {missing}"
+        return RuntimeFacts(runtime.version, False, error, kind="torch-free", location=where, fallback=also)
+    if not try_import:
+        delegates = tuple(runtime.delegate_libraries())
+        return RuntimeFacts(
+            runtime.version, None, kind="torch-free", location=where, delegates=delegates, fallback=also
+        )
+    try:
+        loaded = NativeRuntime.get()
+    except Exception as exc:  # a library that does not load (another architecture, a missing libstdc++) is a fact
+        return RuntimeFacts(runtime.version, False, f"{exc}", kind="torch-free", location=where, fallback=also)
+    return RuntimeFacts(
+        loaded.version, True, kind="torch-free", location=where, delegates=loaded.backends(), fallback=also
+    )
+
+
+def _runtime_facts(backend: str, *, try_import: bool, native: bool = True) -> RuntimeFacts:
+    if backend == "executorch" and native:
+        return _executorch_facts(try_import=try_import)
     info = RUNTIMES[backend]
     version = _version(info.package)
     found = version is not None or importlib.util.find_spec(info.module.partition(".")[0]) is not None
@@ -197,6 +252,9 @@ def _runtime_facts(backend: str, *, try_import: bool) -> RuntimeFacts:
     if captured.text.strip():
         log.debug("importing %s printed:\n%s", info.module, captured.text.strip())
     providers: tuple[str, ...] = ()
+    if backend == "executorch":
+        registry = module.Runtime.get().backend_registry
+        return RuntimeFacts(version, True, kind="python", delegates=tuple(registry.registered_backend_names))
     if backend == "onnxruntime":
         try:
             providers = tuple(module.get_available_providers())
@@ -622,6 +680,8 @@ def verdict(
             return Verdict(True, name, model, accelerator, None, f"onnxruntime has {accelerator}", **common)
         why = f"{accelerator} is not in this onnxruntime (it has {', '.join(providers) or 'no providers listed'})"
         return Verdict(True, name, model, None, why, "the CPU provider runs any ONNX model", **common)
+    if name == "executorch":
+        return _executorch_verdict(model, accelerator, runtime, common)
     if accelerator is not None and accelerator not in COREML_ACCELERATORS:
         return Verdict(
             True, name, model, accelerator, None, f"{info.package} is installed; the accelerator {accelerator} is "
@@ -630,6 +690,23 @@ def verdict(
     on = "on macOS" if name == "coreml" else "on the CPU"
     installed = f"{info.package} {runtime.version}" if runtime.version else info.package
     return Verdict(True, name, model, accelerator, None, f"{installed} runs it {on}", **common)
+
+
+def _executorch_verdict(model: str, accelerator: str | None, runtime: RuntimeFacts, common: dict[str, Any]) -> Verdict:
+    """A .pte runs where the runtime that will open it carries the delegate it was lowered to."""
+    from edgeline.backends.executorch import DELEGATE_BACKENDS
+
+    needed = DELEGATE_BACKENDS.get(accelerator or "")
+    which = "the torch-free ExecuTorch runtime" if runtime.kind == "torch-free" else "ExecuTorch's Python runtime"
+    label = f"{which} {runtime.version or ''}".rstrip()
+    if needed is not None and runtime.delegates is not None and needed not in runtime.delegates:
+        has = ", ".join(runtime.delegates) or "none"
+        return _refused("executorch", model, f"the program is delegated to {needed}, which {label} lacks (it has: "
+                        f"{has})", **common)  # fmt: skip
+    why = label + (f" with its {needed} delegate" if needed else "") + " runs it"
+    if runtime.kind == "python":
+        why += " (it imports torch: `edgeline doctor --install executorch` gives the torch-free one)"
+    return Verdict(True, "executorch", model, accelerator, None, why, **common)
 
 
 def bundle_verdict(path: Path, *, backend: str | None = None, try_import: bool = True) -> Verdict:
@@ -680,6 +757,16 @@ def register(subparsers: Any) -> None:
                         help="ask about this runtime backend instead of the bundle's: %(choices)s")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
+        "--install", choices=["executorch"], metavar="RUNTIME",
+        help="install a runtime into this environment instead: executorch (its torch-free C++ runtime, from the "
+        "executorch wheel without its dependencies, and edgeline's shim built against it with the host's g++)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--from", dest="install_from", type=Path, metavar="PATH",
+        help="with --install: an executorch wheel file or package directory instead of downloading (pip download "
+        "--no-deps)",
+    )  # fmt: skip
+    parser.add_argument(
         "--state-dir", type=Path, metavar="DIR",
         help="the daemon's state directory to measure (default: as `edgeline run`: [daemon] state_dir, "
         "$STATE_DIRECTORY, else ~/.local/state/edgeline)",
@@ -691,6 +778,11 @@ def register(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from edgeline.device_profiles import list_profiles
+
+    if args.install is not None:
+        return _install(args)
+    if args.install_from is not None:
+        raise BackendUnavailableError("--from goes with --install executorch")
 
     if args.bundle is not None:
         found = bundle_verdict(args.bundle, backend=args.backend)
@@ -711,6 +803,28 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     for line in _describe_report(document):
         print(line)
+    return 0
+
+
+def _install(args: argparse.Namespace) -> int:
+    """``--install executorch``: the torch-free runtime into this environment, then what it is."""
+    from edgeline.executorch_native import install
+
+    if args.bundle is not None:
+        raise BackendUnavailableError("--install takes no BUNDLE")
+    source = args.install_from
+    if source is not None and not source.exists():
+        raise BackendUnavailableError(f"--from {source}: no such file or directory")
+    runtime = install(source=source, say=lambda line: print(f"doctor: {line}", file=sys.stderr))
+    delegates = runtime.backends()
+    found = {"installed": str(runtime.runtime.root), "version": runtime.version, "delegates": list(delegates),
+             "shim": str(runtime.shim)}  # fmt: skip
+    if args.json:
+        print(json.dumps(found, indent=2))
+    else:
+        print(f"executorch: torch-free C++ runtime {runtime.version} in {runtime.runtime.root}")
+        print(f"  delegates: {', '.join(delegates) or 'none'}")
+        print(f"  shim: {runtime.shim}")
     return 0
 
 
@@ -785,10 +899,19 @@ def _describe_report(document: dict[str, Any]) -> list[str]:
     lines.append("runtimes:")
     for name, runtime in document["runtimes"].items():
         package = RUNTIMES[name].package
-        if runtime["imports"]:
+        if runtime.get("kind") == "torch-free" and runtime["imports"] is not False:
+            state = f"torch-free C++ runtime {runtime['version'] or '(version unknown)'} at {runtime['location']}"
+            if runtime["delegates"] is not None:
+                state += f"; delegates: {', '.join(runtime['delegates']) or 'none'}"
+            if runtime["fallback"]:
+                state += f"; fallback: {runtime['fallback']}"
+        elif runtime["imports"]:
             state = f"{package} {runtime['version']}"
             if runtime["providers"]:
                 state += f" ({', '.join(runtime['providers'])})"
+            if runtime.get("kind") == "python":
+                state += f" (Python runtime, imports torch; delegates: {', '.join(runtime['delegates'] or ())}; the "
+                state += "torch-free one: edgeline doctor --install executorch)"
         elif runtime["version"] is None and runtime["imports"] is False:
             state = f"not installed: {RUNTIMES[name].install}"
         else:

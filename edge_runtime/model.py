@@ -155,6 +155,13 @@ class Model:
         return self._session.accelerator
 
     @property
+    def runtime(self) -> str | None:
+        """Which of its backend's runtimes runs the model, where a backend has more than one: ExecuTorch's
+        ``torch-free`` C++ runtime or its ``python`` runtime (which imports torch); None otherwise."""
+        kind = getattr(self._session, "runtime", None)
+        return kind if isinstance(kind, str) else None
+
+    @property
     def accelerator_fallback(self) -> str | None:
         """Why the model does not run on the accelerator its bundle was built for, or None when it does."""
         wanted = self.manifest.placement.accelerator if self.manifest.placement else None

@@ -233,7 +233,8 @@ def _describe(check: dict[str, Any]) -> str:
             if check.get("accelerator_fallback")
             else ""
         )
-        return f"load: {check['backend']} opened {check['model']}{instead}{where}{fallback}"
+        backend = f"{check['backend']} ({check['runtime']} runtime)" if check.get("runtime") else check["backend"]
+        return f"load: {backend} opened {check['model']}{instead}{where}{fallback}"
     if kind == "fidelity":
         top1 = check["top1_agreement"]
         agreement = f", top-1 agreement {percent(top1)}" if top1 is not None else ""
@@ -323,17 +324,20 @@ def run_verify(args: argparse.Namespace) -> int:
     with runtime_output() as outcome:
         model, resident = _load_measured(args.bundle, bundle, args.backend)
         refusal = device_budget_refusal(model, args.backend)
+        loaded: dict[str, Any] = {
+            "check": "load",
+            "ok": True,
+            "backend": model.backend,
+            "model": model.model_file,
+            "bundle_model": manifest.model,
+            "accelerator": model.accelerator,
+            "accelerator_fallback": model.accelerator_fallback,
+        }
+        if model.runtime:
+            loaded["runtime"] = model.runtime
         checks = [
             integrity,
-            {
-                "check": "load",
-                "ok": True,
-                "backend": model.backend,
-                "model": model.model_file,
-                "bundle_model": manifest.model,
-                "accelerator": model.accelerator,
-                "accelerator_fallback": model.accelerator_fallback,
-            },
+            loaded,
             golden_check(model),
             _latency_check(model, refusal),
             _arena_check(model)

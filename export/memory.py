@@ -39,7 +39,8 @@ def load_and_run():
 with capture_native_output():
     added = resident_mb_added(load_and_run)
 arena = held["model"].arena_bytes
-print(json.dumps({"resident_mb": added, "unmeasurable": UNMEASURABLE, "arena_bytes": arena}))
+print(json.dumps({"resident_mb": added, "unmeasurable": UNMEASURABLE, "arena_bytes": arena,
+                  "runtime": held["model"].runtime}))
 """
 
 
@@ -65,6 +66,11 @@ def measure_memory(bundle: Path, backend: str, model_file: str | None, measured_
         unknown["resident_mb"] = found["unmeasurable"]
     if backend == "tflite-micro" and found["arena_bytes"] is None:
         unknown["arena_bytes"] = "TFLite Micro's allocator did not report the arena it used"
+    runtime = found.get("runtime")
+    if runtime == "python":
+        measured_on += ", ExecuTorch's Python runtime (torch imported: no torch-free runtime here)"
+    elif runtime is not None:
+        measured_on += f", {runtime} runtime"
     return Memory(
         resident_mb=None if found["resident_mb"] is None else round(found["resident_mb"], 2),
         arena_bytes=found["arena_bytes"],

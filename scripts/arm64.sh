@@ -8,7 +8,9 @@
 # COMMAND is `edgeline`, `python`/`python3` or `pip` of the device install, or a program of the arm64 userland
 # (`uname -m`, `cat /proc/cpuinfo`). The device install is edgeline's base install (`pip install -e .`: no torch, no
 # extras) plus onnxruntime's CPU wheel, installed by the emulated Python's own pip, so pip picks the aarch64 wheels a
-# Pi would get. `--tflite-runtime` runs in a second install with tflite-runtime 2.14 (built against numpy 1.x).
+# Pi would get, and ExecuTorch's torch-free runtime (`edgeline doctor --install executorch`, its shim cross-compiled
+# by the host's g++-aarch64-linux-gnu). `--tflite-runtime` runs in a second install with tflite-runtime 2.14 (built
+# against numpy 1.x).
 #
 # - The emulator is qemu-user 10.0 from Debian's bookworm-backports (qemu-aarch64, a static binary taken out of the
 #   qemu-user package: nothing is installed on the host). Debian 12's own qemu-user 7.2 passes the host's x86
@@ -187,13 +189,30 @@ build_venv() {  # NAME REQUIREMENTS
     echo "$want" > "$venv/.stamp"
 }
 
+install_executorch() {  # VENV: ExecuTorch's torch-free runtime, installed as on a Pi (the emulated `edgeline doctor
+    # --install executorch`: pip downloads the aarch64 executorch wheel alone), its shim compiled by the host's
+    # aarch64 cross g++ (Debian's g++-aarch64-linux-gnu): a Pi compiles it with its own g++, which qemu-user cannot
+    # run here (g++'s own subprocesses would need binfmt_misc). A stamp of the shim's sources keeps it.
+    local venv="$1" want
+    want="$(cat "$root/edge_runtime/executorch_native.py" "$root/edge_runtime/executorch_shim.cpp" | sha256sum | cut -d' ' -f1)"
+    if stamp_ok "$venv/.executorch-stamp" "$want"; then
+        return
+    fi
+    command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 \
+        || die "aarch64-linux-gnu-g++ is missing: apt-get install g++-aarch64-linux-gnu (scripts/setup.sh installs it)"
+    say "installing ExecuTorch's torch-free runtime into the emulated install (edgeline doctor --install executorch)"
+    run_logged "edgeline doctor --install executorch (emulated)" env QEMU_CPU=cortex-a72 CXX=aarch64-linux-gnu-g++ \
+        "$venv/bin/python" -m edgeline.cli doctor --install executorch
+    echo "$want" > "$venv/.executorch-stamp"
+}
+
 mkdir -p "$base"
 exec 9>"$base/.lock"
 flock 9  # concurrent callers wait for one build
 build_qemu
 build_rootfs
 case "$flavour" in
-    device) build_venv venv "$DEVICE_REQUIREMENTS" ;;
+    device) build_venv venv "$DEVICE_REQUIREMENTS"; install_executorch "$base/venv" ;;
     tflite) build_venv venv-tflite "$TFLITE_REQUIREMENTS" ;;
 esac
 flock -u 9

@@ -14,10 +14,11 @@ fi
 # tests make their certificates with the openssl command; the completion tests run the zsh script in zsh; the
 # firmware bridge's C side is built with the host's gcc and with arm-none-eabi-gcc, and run on QEMU's emulated
 # Cortex-M boards; the VM tier (scripts/vm.sh) builds a Debian image with mmdebstrap and mke2fs and boots it with
-# qemu-system-x86_64 (overlays by qemu-img, port forwards by socat). (/usr/sbin, where the broker and mke2fs live,
-# is not on a normal user's PATH.)
+# qemu-system-x86_64 (overlays by qemu-img, port forwards by socat); ExecuTorch's torch-free runtime builds edgeline's
+# shim with g++ (and, for the emulated Pi of scripts/arm64.sh, with g++-aarch64-linux-gnu). (/usr/sbin, where the
+# broker and mke2fs live, is not on a normal user's PATH.)
 PACKAGES="mosquitto mosquitto-clients openssl zsh gcc gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm"
-PACKAGES+=" mmdebstrap e2fsprogs qemu-system-x86 qemu-utils socat"
+PACKAGES+=" mmdebstrap e2fsprogs qemu-system-x86 qemu-utils socat g++ g++-aarch64-linux-gnu"
 have_mosquitto() {
     { command -v mosquitto || [ -x /usr/sbin/mosquitto ]; } >/dev/null 2>&1 \
         && command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1 \
@@ -26,7 +27,8 @@ have_mosquitto() {
         && command -v qemu-system-arm >/dev/null 2>&1 && command -v mmdebstrap >/dev/null 2>&1 \
         && { command -v mke2fs || [ -x /usr/sbin/mke2fs ] || [ -x /sbin/mke2fs ]; } >/dev/null 2>&1 \
         && command -v qemu-system-x86_64 >/dev/null 2>&1 && command -v qemu-img >/dev/null 2>&1 \
-        && command -v socat >/dev/null 2>&1
+        && command -v socat >/dev/null 2>&1 \
+        && command -v g++ >/dev/null 2>&1 && command -v aarch64-linux-gnu-g++ >/dev/null 2>&1
 }
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi

@@ -38,6 +38,20 @@ PY
 then
     exit 1
 fi
+# ExecuTorch's torch-free runtime, as a device gets it: the command the README names (the executorch wheel's C++
+# libraries, fetched without dependencies, and edgeline's shim built against them). Idempotent: kept while its
+# libraries and the shim's source are unchanged.
+et_stamp="$venv/.edgeline-executorch-stamp"
+et_want="$(cat "$root/edge_runtime/executorch_native.py" "$root/edge_runtime/executorch_shim.cpp" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$et_stamp" ] || [ "$(cat "$et_stamp")" != "$et_want" ]; then
+    echo "test_device: installing ExecuTorch's torch-free runtime (edgeline doctor --install executorch)" >&2
+    if ! "$venv/bin/edgeline" doctor --install executorch >"$venv/executorch-install.log" 2>&1; then
+        cat "$venv/executorch-install.log" >&2
+        echo "test_device: edgeline doctor --install executorch failed (output above)" >&2
+        exit 1
+    fi
+    echo "$et_want" > "$et_stamp"
+fi
 echo "== pytest (device tier: no torch)"
 "$venv/bin/python" -m pytest -m "device and not workstation" -p no:cacheprovider \
     -n "${EDGELINE_TEST_WORKERS:-auto}" --dist worksteal "$@"

@@ -150,6 +150,21 @@ def sqrt_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cached("bundle", [TINY_BUNDLE_PY], make) / "sqrt"
 
 
+@pytest.fixture(scope="session")
+def fresh_pte_bundles() -> Callable[[str], Path]:
+    """``fresh_pte_bundles(name)``: the ExecuTorch bundle committed as ``tests/data/<name>``, exported today by the
+    same command (cached by content; never modify it)."""
+    needs_torch("the fresh_pte_bundles fixture")
+
+    def fresh(name: str) -> Path:
+        def make(directory: Path) -> None:
+            assert tests.tiny_bundle.export_pte(name, directory, directory / name) == 0, f"exporting {name} failed"
+
+        return cached("bundle", [TINY_BUNDLE_PY, name], make) / name
+
+    return fresh
+
+
 @pytest.fixture
 def litert_bundle(built_litert_bundle: Path, tmp_path: Path) -> Path:
     """A fresh copy of the exported bundle, for this test only."""

@@ -115,7 +115,9 @@ def test_doctor_under_emulation_says_so_and_names_the_core(info: dict[str, objec
     assert report["profiles"]["matches"] == []  # an emulator is never the device
     assert report["profiles"]["emulates"] == ["rpi4"]
     assert report["runtimes"]["litert"]["imports"] and report["runtimes"]["onnxruntime"]["imports"]
-    assert report["runtimes"]["executorch"]["version"] is None  # no torch on the device
+    executorch = report["runtimes"]["executorch"]  # the torch-free runtime: the device install has no torch
+    assert executorch["kind"] == "torch-free" and executorch["imports"], executorch
+    assert "XnnpackBackend" in executorch["delegates"] and executorch["fallback"] is None
     assert "litert int8-static" in report["profiles"]["runs"]["rpi4"]
 
 
@@ -129,10 +131,10 @@ def test_doctor_on_a_bundle_under_emulation_refuses_what_the_pi_lacks(
     assert verdict["emulated"].startswith("qemu-user 10.") and verdict["device"] is not None
     assert "-cpu cortex-a76" in verdict["device"]  # rpi5's core, emulated: still not the device
     # the same bundle asked of a runtime the emulated Pi lacks: refused by doctor (1) and by verify (2)
-    refused = arm64("edgeline", "doctor", str(built_litert_bundle), "--backend", "executorch")
-    assert refused.returncode == 1 and "its runtime executorch is not installed here" in refused.stdout
-    verify = arm64("edgeline", "verify", str(built_litert_bundle), "--backend", "executorch")
-    assert verify.returncode == 2 and "cannot run here: its runtime executorch is not installed" in verify.stderr
+    refused = arm64("edgeline", "doctor", str(built_litert_bundle), "--backend", "tflite-runtime")
+    assert refused.returncode == 1 and "its runtime tflite-runtime is not installed here" in refused.stdout
+    verify = arm64("edgeline", "verify", str(built_litert_bundle), "--backend", "tflite-runtime")
+    assert verify.returncode == 2 and "cannot run here: its runtime tflite-runtime is not installed" in verify.stderr
     assert "Traceback" not in verify.stderr
 
 
@@ -175,3 +177,45 @@ def test_the_emulated_pi_verifies_and_opens_a_signed_update(info: dict[str, obje
     runs = arm64("python", str(script), str(repo.directory), str(repo.trusted_root), str(tmp_path / "pi-2"))
     assert runs.returncode == 0, runs.stderr
     assert json.loads(runs.stdout.strip().splitlines()[-1]) == {"refused": "tampered"}
+
+
+RUN_PTE = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from edgeline.model import load
+answers = {}
+for bundle in map(Path, sys.argv[1:]):
+    model = load(bundle, threads=1)
+    golden = np.load(bundle / "golden.npz")
+    inputs = [golden[k] for k in sorted(k for k in golden.files if k.startswith("input_"))]
+    outputs = [model.predict(*(x[i] for x in inputs))[0] for i in range(len(inputs[0]))]
+    answers[bundle.name] = {"runtime": model.runtime, "outputs": np.concatenate(outputs).tolist()}
+print(json.dumps(answers))
+"""
+
+
+@pytest.mark.parametrize("cpu", ["cortex-a72", "cortex-a76"])
+def test_the_torch_free_executorch_runs_on_the_pis_cores_as_the_python_runtime_does(
+    info: dict[str, object], cpu: str, tmp_path: Path
+) -> None:
+    """The aarch64 libraries carry dot-product and matrix-multiply paths a Pi 4 lacks: they must pick what the core
+    has (no SIGILL) and answer as ExecuTorch's Python runtime did on x86-64: int8 bit for bit; fp32 within float
+    rounding (aarch64's kernels fuse multiply-adds the x86 ones do not)."""
+    import numpy as np
+
+    from tests.tiny_bundle import COMMITTED_PTE_BUNDLES, PYTHON_RUNTIME_OUTPUTS
+
+    script = tmp_path / "run_pte.py"
+    script.write_text(RUN_PTE)
+    done = arm64("--cpu", cpu, "python", str(script), *map(str, COMMITTED_PTE_BUNDLES.values()))
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    reference = np.load(PYTHON_RUNTIME_OUTPUTS)
+    for name, answer in answers.items():
+        assert answer["runtime"] == "torch-free"
+        found, expected = np.array(answer["outputs"], np.float32), reference[f"{name}/output_0"]
+        if "int8" in name:
+            assert np.array_equal(found, expected), f"{name} on {cpu}: max |diff| {np.abs(found - expected).max()}"
+        else:
+            np.testing.assert_allclose(found, expected, rtol=1e-5, atol=1e-6, err_msg=f"{name} on {cpu}")

@@ -30,7 +30,13 @@ from edgeline.manifest import TensorSpec, Window
 from edgeline.registry import resolve
 from tests.mqtt_broker import Broker, Collector
 from tests.test_daemon import mosquitto_pub, then_nothing_more
-from tests.tiny_bundle import COMMITTED_BUNDLE, COMMITTED_BUNDLES, COMMITTED_SQRT_BUNDLE, write_samples
+from tests.tiny_bundle import (
+    COMMITTED_BUNDLE,
+    COMMITTED_BUNDLES,
+    COMMITTED_PTE_BUNDLES,
+    COMMITTED_SQRT_BUNDLE,
+    write_samples,
+)
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
 
@@ -136,14 +142,19 @@ def test_the_committed_bundle_is_valid_and_small(committed: Path, capsys: pytest
 @pytest.mark.workstation  # compares with a fresh export
 @pytest.mark.parametrize(
     ("fixture", "committed"),
-    [("built_litert_bundle", COMMITTED_BUNDLE), ("sqrt_bundle", COMMITTED_SQRT_BUNDLE)],
+    [
+        ("built_litert_bundle", COMMITTED_BUNDLE),
+        ("sqrt_bundle", COMMITTED_SQRT_BUNDLE),
+        *(("fresh_pte_bundles", bundle) for bundle in COMMITTED_PTE_BUNDLES.values()),
+    ],
     ids=lambda value: value.name if isinstance(value, Path) else None,
 )
 def test_the_committed_bundle_describes_what_the_exporter_writes_today(
     fixture: str, committed: Path, request: pytest.FixtureRequest
 ) -> None:
     """Workstation tier: a fresh export of the same model; regenerate with `python -m tests.tiny_bundle NAME`."""
-    exported: Path = request.getfixturevalue(fixture)
+    found = request.getfixturevalue(fixture)
+    exported: Path = found(committed.name) if fixture == "fresh_pte_bundles" else found
     if exported == committed:
         pytest.fail("this test needs the workstation tier (a fresh export); it has no `device` marker")
 
@@ -179,13 +190,16 @@ def test_the_defaults_of_run_and_sim_agree() -> None:
 
 
 @pytest.mark.integration
-def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "bundle", [COMMITTED_BUNDLE, COMMITTED_PTE_BUNDLES["tiny-pte-int8"]], ids=["litert", "executorch"]
+)
+def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path, bundle: Path) -> None:
     """`edgeline run BUNDLE --broker H:P` and `edgeline sim digits --broker H:P`, no topic or QoS flags: every message
-    the simulator sends is answered."""
+    the simulator sends is answered (a LiteRT bundle, and an ExecuTorch one on the torch-free runtime)."""
     samples = write_samples(tmp_path)
     since = broker.log_size()
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "edgeline.cli", "run", str(COMMITTED_BUNDLE), "--broker", broker.address,
+        [sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--broker", broker.address,
          "--instance", "t"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -219,7 +233,7 @@ def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path) -> Non
         daemon.send_signal(signal.SIGTERM)
         _, stderr = daemon.communicate(timeout=TIMEOUT_S)
     assert daemon.returncode == 0, stderr
-    inputs = edgeline.read_bundle(COMMITTED_BUNDLE).manifest.inputs
+    inputs = edgeline.read_bundle(bundle).manifest.inputs
     expecting = f"expecting json messages on {SENSOR_SUBSCRIPTION} (the device is the first + level), e.g. "
     assert expecting + example_payload("json", inputs) in stderr
     assert f"[...{inputs[0].size} floats...]" in stderr

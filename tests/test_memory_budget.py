@@ -111,3 +111,24 @@ def test_where_nothing_here_runs_the_model_the_manifest_says_so(workspace: Path,
     memory = manifest["memory"]
     assert memory["resident_mb"] is None and memory["arena_bytes"] is None
     assert "does not run here" in memory["unknown"]["resident_mb"]
+
+
+def test_an_executorch_bundle_is_judged_by_the_torch_free_runtime_that_runs_it_on_the_device(
+    workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A .pte on the torch-free runtime takes a few MB, as a LiteRT model does: within a small board's budget. The
+    same bundle on ExecuTorch's Python runtime (torch loaded) would take hundreds: the budget refuses it."""
+    small = _profile(tmp_path, "rpi5", max_memory_mb=64)
+    target = ("--backend", "executorch-xnnpack", "--precision", "int8-static")
+    code, manifest = _export(workspace, small, tmp_path / "native", *target)
+    assert code == 0
+    memory = manifest["memory"]
+    assert 0.1 < memory["resident_mb"] < 64
+    assert memory["measured_with"].startswith("executorch on ") and ", torch-free runtime: " in memory["measured_with"]
+    capsys.readouterr()
+    monkeypatch.setenv("EDGELINE_EXECUTORCH_RUNTIME", "python")  # what a machine without the torch-free one measures
+    code, _ = _export(workspace, small, tmp_path / "python", *target)
+    assert code != 0
+    captured = capsys.readouterr()
+    assert re.search(r"resident memory \d+\.\d MB \(executorch on .*Python runtime \(torch imported.*> budget 64 MB",
+                     captured.out + captured.err), captured.out  # fmt: skip

@@ -1,5 +1,8 @@
-"""The tests' committed bundles: the tiny classifier (int8 LiteRT for rpi5) with its sample files, and the sqrt model
-(fp32 LiteRT, any batch size, NaN outputs for negative inputs).
+"""The tests' committed bundles: the tiny classifier (int8 LiteRT for rpi5) with its sample files, the sqrt model
+(fp32 LiteRT, any batch size, NaN outputs for negative inputs), and ExecuTorch programs for the torch-free runtime:
+the tiny classifier in fp32 and int8 (XNNPACK) and a model of two inputs in int8, with what ExecuTorch's Python
+runtime answered on their golden inputs (``executorch_python_outputs.npz``: the device tier, which has no torch,
+compares the torch-free runtime's answers with it).
 
 The workstation tier exports each bundle once per session (``built_litert_bundle`` and ``sqrt_bundle`` in
 conftest). The device tier (``scripts/test_device.sh``: the base install, no torch) cannot export: it uses the copies
@@ -24,8 +27,11 @@ __all__ = [
     "CLASSES",
     "COMMITTED_BUNDLE",
     "COMMITTED_BUNDLES",
+    "COMMITTED_PTE_BUNDLES",
     "COMMITTED_SQRT_BUNDLE",
     "IMAGE_SHAPE",
+    "PAIR_MODEL_SOURCE",
+    "PYTHON_RUNTIME_OUTPUTS",
     "SQRT_MODEL_SOURCE",
     "TINY_MODEL_SOURCE",
     "export_committed",
@@ -37,7 +43,20 @@ __all__ = [
 DATA = Path(__file__).parent / "data"
 COMMITTED_BUNDLE = DATA / "tiny-int8"
 COMMITTED_SQRT_BUNDLE = DATA / "sqrt-fp32"
-COMMITTED_BUNDLES = {path.name: path for path in (COMMITTED_BUNDLE, COMMITTED_SQRT_BUNDLE)}
+COMMITTED_PTE_BUNDLES = {name: DATA / name for name in ("tiny-pte-fp32", "tiny-pte-int8", "pair-pte-int8")}
+"""ExecuTorch bundles (XNNPACK): the tiny classifier in fp32 (x86-64's target) and int8-static (rpi5's), and the
+two-input model in int8-static (rpi5)."""
+PTE_TARGETS = {
+    "tiny-pte-fp32": ("x86-64", "fp32"),
+    "tiny-pte-int8": ("rpi5", "int8-static"),
+    "pair-pte-int8": ("rpi5", "int8-static"),
+}
+PYTHON_RUNTIME_OUTPUTS = DATA / "executorch_python_outputs.npz"
+"""``<bundle>/output_<j>``: ExecuTorch's Python runtime's outputs on each ExecuTorch bundle's golden inputs, one
+sample per call, as its model takes them (made by ``python -m tests.tiny_bundle``)."""
+COMMITTED_BUNDLES = {
+    path.name: path for path in (COMMITTED_BUNDLE, COMMITTED_SQRT_BUNDLE, *COMMITTED_PTE_BUNDLES.values())
+}
 
 TINY_MODEL_SOURCE = '''\
 import torch
@@ -79,6 +98,27 @@ class Sqrt(nn.Module):
 
 def model():
     return Sqrt()
+'''
+
+PAIR_MODEL_SOURCE = '''\
+import torch
+from torch import nn
+
+
+class Pair(nn.Module):
+    """An image of 4 values and a mask of 2, concatenated into a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, image, mask):
+        return self.fc(torch.cat([image, mask], dim=1))
+
+
+def model():
+    return Pair()
 '''
 
 IMAGE_SHAPE = (1, 8, 8)
@@ -127,10 +167,70 @@ def export_sqrt(root: Path, out: Path) -> int:
     )  # fmt: skip
 
 
+def write_pair_samples(root: Path) -> dict[str, Path]:
+    """The two-input model's samples: calibration (16) and validation (8, with labels), named by forward's
+    parameters."""
+    rng = np.random.default_rng(20261128)
+    calibration, validation = root / "pair_calibration.npz", root / "pair_validation.npz"
+    np.savez(calibration, image=rng.random((16, 4), dtype=np.float32), mask=rng.random((16, 2), dtype=np.float32))
+    np.savez(
+        validation,
+        image=rng.random((8, 4), dtype=np.float32),
+        mask=rng.random((8, 2), dtype=np.float32),
+        labels=rng.integers(0, 3, 8),
+    )
+    return {"calibration": calibration, "validation": validation}
+
+
+def export_pte(name: str, work: Path, out: Path) -> int:
+    """``edgeline export`` of an ExecuTorch bundle of ``COMMITTED_PTE_BUNDLES`` (needs the export extra)."""
+    from edgeline.cli import main
+
+    profile, precision = PTE_TARGETS[name]
+    if name.startswith("pair"):
+        model_file, samples = work / "pair.py", write_pair_samples(work)
+        model_file.write_text(PAIR_MODEL_SOURCE, encoding="utf-8")
+    else:
+        model_file, samples = work / "tiny.py", write_samples(work)
+        model_file.write_text(TINY_MODEL_SOURCE, encoding="utf-8")
+    return main(
+        ["export", f"{model_file}:model", "--profile", profile, "--calibration", str(samples["calibration"]),
+         "--validation", str(samples["validation"]), "--backend", "executorch-xnnpack", "--precision", precision,
+         "--out", str(out)]
+    )  # fmt: skip
+
+
+def python_runtime_outputs(bundle: Path) -> list[np.ndarray]:
+    """ExecuTorch's Python runtime (torch) on the bundle's golden inputs, one sample per call, outputs stacked."""
+    import torch
+    from executorch.runtime import Runtime
+
+    golden = np.load(bundle / "golden.npz")
+    inputs = [golden[name] for name in sorted(k for k in golden.files if k.startswith("input_"))]
+    method = Runtime.get().load_program(bundle / "model.pte").load_method("forward")
+    answers = [
+        [output.numpy().copy() for output in method.execute([torch.from_numpy(x[i : i + 1].copy()) for x in inputs])]
+        for i in range(len(inputs[0]))
+    ]
+    return [np.concatenate([answer[j] for answer in answers]) for j in range(len(answers[0]))]
+
+
+def write_python_runtime_outputs() -> Path:
+    arrays = {
+        f"{name}/output_{j}": output
+        for name, bundle in COMMITTED_PTE_BUNDLES.items()
+        for j, output in enumerate(python_runtime_outputs(bundle))
+    }
+    np.savez(PYTHON_RUNTIME_OUTPUTS, allow_pickle=False, **arrays)
+    return PYTHON_RUNTIME_OUTPUTS
+
+
 def export_committed(name: str, work: Path, out: Path) -> int:
     """Export the bundle committed as ``tests/data/<name>`` to ``out`` (``work``: a folder for its sources)."""
     if name == COMMITTED_SQRT_BUNDLE.name:
         return export_sqrt(work, out)
+    if name in COMMITTED_PTE_BUNDLES:
+        return export_pte(name, work, out)
     model_file = work / "tiny.py"
     model_file.write_text(TINY_MODEL_SOURCE, encoding="utf-8")
     return export_tiny(model_file, write_samples(work), out)
@@ -153,6 +253,8 @@ def regenerate(names: list[str]) -> int:
             shutil.copytree(out, committed)
         size = sum(path.stat().st_size for path in committed.iterdir())
         print(f"wrote {committed} ({size} bytes)")
+    if not names or set(names) & set(COMMITTED_PTE_BUNDLES):
+        print(f"wrote {write_python_runtime_outputs()}")
     return 0
 
 

@@ -31,9 +31,9 @@ RUNTIME_BACKENDS: dict[str, str] = {
 }
 BASE_INSTALL_BACKENDS: frozenset[str] = frozenset({"litert"})
 """The runtime backends that ``pip install edgeline`` (no extras, what a device runs) can run: their runtime is a
-dependency of the base install and needs no torch. ``executorch`` needs torch (the ``executorch`` extra),
-``tflite-runtime`` a package of its own and ``onnxruntime`` the ``onnx`` extra. A device profile's first target must
-export for one of these."""
+dependency of the base install and needs no torch. ``executorch`` needs its C++ runtime installed
+(``edgeline doctor --install executorch``, no torch) or the ``executorch`` extra (torch), ``tflite-runtime`` a package
+of its own and ``onnxruntime`` the ``onnx`` extra. A device profile's first target must export for one of these."""
 
 
 class Session(Protocol):

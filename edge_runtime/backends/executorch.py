@@ -1,40 +1,162 @@
-"""ExecuTorch's Python runtime. It needs torch: fine on a workstation, heavy on a device."""
+"""ExecuTorch programs (.pte): on the torch-free C++ runtime when this machine has one (``edgeline.executorch_native``:
+what a device runs), else on ExecuTorch's Python runtime, which imports torch (a workstation), said once, loudly.
+
+``EDGELINE_EXECUTORCH_RUNTIME=python`` (or ``native``) asks for one of the two and fails rather than take the other:
+for comparing them (``benchmarks/executorch_runtime.py``) and for tests.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from edgeline.errors import BackendUnavailableError, BundleError
 from edgeline.manifest import TensorSpec
 
-__all__ = ["DELEGATE_BACKENDS", "ExecuTorchSession", "program_specs"]
+if TYPE_CHECKING:
+    from edgeline.executorch_native import NativeProgram
 
-# c10::ScalarType codes as reported by TensorInfo.dtype().
-_SCALAR_TYPES = {
-    0: "uint8",
-    1: "int8",
-    2: "int16",
-    3: "int32",
-    4: "int64",
-    5: "float16",
-    6: "float32",
-    11: "bool",
-}
+__all__ = [
+    "DELEGATE_BACKENDS",
+    "RUNTIME_CHOICE",
+    "ExecuTorchSession",
+    "NativeSession",
+    "PythonSession",
+    "program_specs",
+]
+
+log = logging.getLogger(__name__)
+
+RUNTIME_CHOICE = "EDGELINE_EXECUTORCH_RUNTIME"
+"""Environment variable: ``native`` or ``python`` takes that runtime or fails; unset, the torch-free one first."""
 
 DELEGATE_BACKENDS = {"xnnpack": "XnnpackBackend", "coreml": "CoreMLBackend"}
 """A bundle's placement.accelerator -> the ExecuTorch backend its delegated parts need at run time."""
 _WHY_MISSING = {"coreml": "the Core ML delegate runs on Apple devices only (ExecuTorch built for iOS or macOS)"}
 
 
+def _lacks(model_path: Path, needed: str, registered: Sequence[str], accelerator: str | None, runtime: str) -> str:
+    why = _WHY_MISSING.get(accelerator or "", "install an ExecuTorch build that has it")
+    return (
+        f"{model_path}: the program is delegated to {needed}, which {runtime} lacks "
+        f"(it has: {', '.join(registered) or 'none'}); {why}"
+    )
+
+
+def _choice() -> str | None:
+    wanted = os.environ.get(RUNTIME_CHOICE, "").strip().lower() or None
+    if wanted not in (None, "native", "python"):
+        raise BackendUnavailableError(f"{RUNTIME_CHOICE}={wanted!r}: choose native (torch-free) or python")
+    return wanted
+
+
+# -- the torch-free runtime ---------------------------------------------------------------------------------------
+
+
+class NativeSession:
+    """A ``.pte`` on ExecuTorch's C++ runtime through edgeline's shim: no torch in the process."""
+
+    runtime = "torch-free"
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        threads: int = 1,
+        input_names: Sequence[str] | None = None,
+        accelerator: str | None = None,
+        batch_size: int | None = None,
+    ):
+        from edgeline.executorch_native import NativeRuntime
+
+        native = NativeRuntime.get()
+        self.accelerator = accelerator
+        self.version = native.version
+        needed = DELEGATE_BACKENDS.get(accelerator or "")
+        registered = native.backends()
+        if needed is not None and needed not in registered:
+            raise BackendUnavailableError(
+                _lacks(model_path, needed, registered, accelerator, "the torch-free ExecuTorch runtime")
+            )
+        native.set_threads(threads)
+        self._model_path, self._threads, self._input_names = model_path, threads, input_names
+        program = native.open(model_path)
+        self._program = program
+        shapes = [meta.shape for meta in program.inputs]
+        self.max_batch = self._dynamic_batch(shapes)
+        """The largest batch the program was exported for (a dynamic first dimension), or None: fixed shapes."""
+        size = 1 if self.max_batch is not None and batch_size is None else batch_size
+        if size is not None:
+            shapes = [(size, *shape[1:]) for shape in shapes]
+        self._inputs, self._outputs = _native_specs(program, model_path, input_names, shapes)
+        self.run = program.run
+
+    def _dynamic_batch(self, shapes: list[tuple[int, ...]]) -> int | None:
+        """A program exported with a dynamic batch dimension lists its inputs at the dimension's upper bound: if
+        every input's first dimension is above 1 and a batch of one runs, that bound is the largest batch."""
+        if not shapes or any(not shape or shape[0] <= 1 for shape in shapes):
+            return None
+        ones = [np.zeros((1, *meta.shape[1:]), meta.dtype) for meta in self._program.inputs]
+        try:
+            self._program.run(ones)
+        except RuntimeError:
+            return None  # a program whose inputs really are batches of that size
+        return min(shape[0] for shape in shapes)
+
+    def batched(self, size: int) -> NativeSession | None:
+        """The same program taking ``size`` samples per call, or None when it was exported for fixed shapes or a
+        smaller batch. A program of its own: the single-sample one keeps its planned memory."""
+        if self.max_batch is None or size > self.max_batch:
+            return None
+        return NativeSession(
+            self._model_path,
+            threads=self._threads,
+            input_names=self._input_names,
+            accelerator=self.accelerator,
+            batch_size=size,
+        )
+
+    def input_specs(self) -> list[TensorSpec]:
+        return list(self._inputs)
+
+    def output_specs(self) -> list[TensorSpec]:
+        return list(self._outputs)
+
+
+# -- ExecuTorch's Python runtime (imports torch) ------------------------------------------------------------------
+
+
 def _spec(info: Any, name: str) -> TensorSpec:
-    dtype = _SCALAR_TYPES.get(info.dtype())
+    from edgeline.executorch_native import SCALAR_TYPES
+
+    dtype = SCALAR_TYPES.get(info.dtype())
     if dtype is None:
         raise BundleError(f"tensor {name}: unsupported ExecuTorch dtype code {info.dtype()}")
-    return TensorSpec(name=name, dtype=dtype, shape=tuple(info.sizes()))
+    return TensorSpec(name=name, dtype=dtype.name, shape=tuple(info.sizes()))
+
+
+def _native_specs(
+    program: NativeProgram, model_path: Path, input_names: Sequence[str] | None, shapes: Sequence[tuple[int, ...]]
+) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The specs of a program opened by the shim, its inputs at ``shapes``."""
+    count = len(program.inputs)
+    names = list(input_names) if input_names else [f"input_{i}" for i in range(count)]
+    if len(names) != count:
+        raise BundleError(f"{model_path}: program takes {count} inputs, manifest lists {len(names)}")
+    inputs = [
+        TensorSpec(name=name, dtype=meta.dtype.name, shape=shape)
+        for name, meta, shape in zip(names, program.inputs, shapes, strict=True)
+    ]
+    outputs = [
+        TensorSpec(name=f"output_{i}", dtype=meta.dtype.name, shape=meta.shape)
+        for i, meta in enumerate(program.outputs)
+    ]
+    return inputs, outputs
 
 
 def _specs(meta: Any, model_path: Path, input_names: Sequence[str] | None) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -47,7 +169,16 @@ def _specs(meta: Any, model_path: Path, input_names: Sequence[str] | None) -> tu
 
 def program_specs(model_path: Path, input_names: Sequence[str] | None) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The forward method's inputs and outputs, read from the program without loading the method: this works for
-    a program delegated to a backend this runtime lacks."""
+    a program delegated to a backend this runtime lacks. On the torch-free runtime when there is one."""
+    try:
+        if _choice() != "python":
+            from edgeline.executorch_native import NativeRuntime
+
+            program = NativeRuntime.get().open(model_path, load=False)
+            return _native_specs(program, model_path, input_names, [meta.shape for meta in program.inputs])
+    except BackendUnavailableError:
+        if _choice() == "native":
+            raise
     from executorch.runtime import Runtime
 
     try:
@@ -57,8 +188,10 @@ def program_specs(model_path: Path, input_names: Sequence[str] | None) -> tuple[
     return _specs(meta, model_path, input_names)
 
 
-class ExecuTorchSession:
-    file_suffixes: ClassVar[tuple[str, ...]] = (".pte",)
+class PythonSession:
+    """A ``.pte`` on ExecuTorch's Python runtime (pybindings: links libtorch, imports torch)."""
+
+    runtime = "python"
 
     def __init__(
         self,
@@ -76,19 +209,20 @@ class ExecuTorchSession:
             from executorch.runtime import Runtime
         except ImportError as exc:
             raise BackendUnavailableError(
-                "this bundle needs the ExecuTorch Python runtime, which needs torch: pip install 'edgeline[executorch]'"
+                "ExecuTorch's Python runtime is not installed (pip install 'edgeline[executorch]', which brings torch)"
             ) from exc
+        from importlib.metadata import version
+
+        self.version = version("executorch")
         self._torch: Any = torch
         if portable_lib._threadpool_get_thread_count() != threads:
             portable_lib._unsafe_reset_threadpool(threads)
         runtime = Runtime.get()
         needed = DELEGATE_BACKENDS.get(accelerator or "")
         if needed is not None and not runtime.backend_registry.is_available(needed):
-            registered = ", ".join(runtime.backend_registry.registered_backend_names) or "none"
-            why = _WHY_MISSING.get(accelerator or "", "install an ExecuTorch build that has it")
+            registered = list(runtime.backend_registry.registered_backend_names)
             raise BackendUnavailableError(
-                f"{model_path}: the program is delegated to {needed}, which this ExecuTorch runtime lacks "
-                f"(it has: {registered}); {why}"
+                _lacks(model_path, needed, registered, accelerator, "this ExecuTorch runtime")
             )
         try:
             program = runtime.load_program(model_path)
@@ -110,3 +244,44 @@ class ExecuTorchSession:
     def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         outputs = self._execute([self._from_numpy(array) for array in inputs])
         return [output.numpy() for output in outputs]
+
+
+# -- the registry's entry ------------------------------------------------------------------------------------------
+
+
+class _Factory:
+    """``RUNTIME_BACKENDS["executorch"]``: the torch-free runtime when there is one, else the Python runtime."""
+
+    file_suffixes: ClassVar[tuple[str, ...]] = (".pte",)
+    _fallback_said = False
+
+    def __call__(
+        self,
+        model_path: Path,
+        *,
+        threads: int = 1,
+        input_names: Sequence[str] | None = None,
+        accelerator: str | None = None,
+    ) -> NativeSession | PythonSession:
+        wanted = _choice()
+        native_missing = f"{RUNTIME_CHOICE}=python"
+        if wanted != "python":
+            try:
+                return NativeSession(model_path, threads=threads, input_names=input_names, accelerator=accelerator)
+            except BackendUnavailableError as exc:
+                if wanted == "native":
+                    raise
+                native_missing = str(exc)
+        try:
+            session = PythonSession(model_path, threads=threads, input_names=input_names, accelerator=accelerator)
+        except BackendUnavailableError as exc:
+            if wanted == "python":
+                raise
+            raise BackendUnavailableError(f"{native_missing}; and {exc}") from exc
+        if wanted is None and not _Factory._fallback_said:
+            _Factory._fallback_said = True
+            log.warning("ExecuTorch: running on the Python runtime (torch, ~300 MB more memory): %s", native_missing)
+        return session
+
+
+ExecuTorchSession = _Factory()
