@@ -148,8 +148,15 @@ def install_dir() -> Path:
     return Path(home) if home else Path(sys.prefix) / "share" / "edgeline" / "executorch"
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+def _cache_dir() -> Path | None:
+    """The user's cache for shims built against a runtime this user cannot write to; None without a home (a
+    systemd service with ``DynamicUser=``)."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:
+            return None
     return Path(base) / "edgeline" / "executorch-shim"
 
 
@@ -236,6 +243,9 @@ def _link_arguments(runtime: RuntimeDir) -> list[str]:
     return ["-Wl,--no-as-needed", *map(str, libraries), "-Wl,--as-needed", f"-Wl,-rpath,{runtime.lib}", "-ldl"]
 
 
+_REBUILT = " (the shim is built again when edgeline or the runtime changes)"
+
+
 def _shim_key(runtime: RuntimeDir) -> str:
     """What the shim is built from (its source, the flags, the runtime's libraries and version), not by what: a shim
     cross-compiled for this machine is found here as one compiled here."""
@@ -253,7 +263,8 @@ def _shim_key(runtime: RuntimeDir) -> str:
 
 
 def _shim_dirs(runtime: RuntimeDir) -> list[Path]:
-    return [runtime.root / "edgeline-shim", _cache_dir()]
+    cache = _cache_dir()
+    return [runtime.root / "edgeline-shim", *([cache] if cache is not None else [])]
 
 
 def built_shim(runtime: RuntimeDir) -> Path | None:
@@ -279,6 +290,7 @@ def build_shim(runtime: RuntimeDir) -> Path:
     if cxx is None:
         raise BackendUnavailableError(
             "building edgeline's ExecuTorch shim needs a C++17 compiler: install g++ (apt install g++) or set CXX"
+            f"{_REBUILT}"
         )
     key = _shim_key(runtime)
     errors: list[str] = []
@@ -322,7 +334,10 @@ def build_shim(runtime: RuntimeDir) -> Path:
         final = target / SHIM_NAME
         os.replace(partial, final)  # atomic: a concurrent builder's result is the same file
         return final
-    raise BackendUnavailableError(f"nowhere to build edgeline's ExecuTorch shim: {'; '.join(errors)}")
+    raise BackendUnavailableError(
+        f"nowhere to build edgeline's ExecuTorch shim ({'; '.join(errors) or 'no writable directory'}){_REBUILT}: "
+        "run `edgeline doctor --install executorch` as the user who installed edgeline"
+    )
 
 
 def _error_text(code: int, buffer: ctypes.Array[ctypes.c_char]) -> str:

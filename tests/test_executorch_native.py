@@ -391,3 +391,20 @@ def test_the_runtime_can_be_chosen_and_the_python_one_imports_torch(monkeypatch:
     monkeypatch.setenv(RUNTIME_CHOICE, "fast")
     with pytest.raises(BackendUnavailableError, match="choose native"):
         ExecuTorchSession(path)
+
+
+@pytest.mark.quick
+def test_a_service_without_a_home_builds_nowhere_but_next_to_the_runtime(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """systemd's DynamicUser= with ProtectHome=: no home to cache a shim in. The shim built at install, next to the
+    libraries, is the one found; none is looked for or written elsewhere."""
+    from edgeline import executorch_native
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    runtime = executorch_native.RuntimeDir(tmp_path / "executorch", "installed")
+    assert executorch_native._shim_dirs(runtime) == [tmp_path / "executorch" / "edgeline-shim"]
