@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -661,8 +662,8 @@ def install(
         missing = staged.missing()
         if missing is not None:
             raise BackendUnavailableError(f"the ExecuTorch runtime from {source or 'PyPI'} is incomplete: no {missing}")
-        theirs, ours = _elf_machine(staged.lib / "libexecutorch.so"), _elf_machine(Path(sys.executable).resolve())
-        if theirs != ours:
+        theirs, ours = _elf_machine(staged.lib / "libexecutorch.so"), _MACHINES.get(platform.machine().lower())
+        if ours is not None and theirs != ours:
             raise BackendUnavailableError(
                 f"the ExecuTorch runtime from {source or 'PyPI'} is built for {_machine_name(theirs)}, "
                 f"this Python for {_machine_name(ours)}"
@@ -684,6 +685,10 @@ def install(
 
 
 _ELF_MACHINES = {3: "x86", 40: "arm", 62: "x86-64", 183: "aarch64", 243: "riscv"}
+_MACHINES = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183, "armv7l": 40, "armv6l": 40, "i686": 3,
+             "riscv64": 243}  # fmt: skip
+"""``platform.machine()`` -> the ELF machine its libraries are built for: what this Python runs as (under qemu-user
+the interpreter's own file may be a wrapper script, and the process's executable is qemu)."""
 
 
 def _elf_machine(path: Path) -> int | None:
