@@ -97,6 +97,23 @@ void init_once() {
   });
 }
 
+// `count` names, from `name(i)` (an ExecuTorch Result<const char*>), comma-separated into `out`.
+template <typename NameOf>
+void write_names(size_t count, NameOf name, char* out, size_t out_len) {
+  std::string names;
+  for (size_t i = 0; i < count; ++i) {
+    auto found = name(i);
+    if (!found.ok()) {
+      continue;
+    }
+    if (!names.empty()) {
+      names += ",";
+    }
+    names += found.get();
+  }
+  std::snprintf(out, out_len, "%s", names.c_str());
+}
+
 struct Session {
   std::unique_ptr<FileDataLoader> loader;
   std::unique_ptr<Program> program;
@@ -119,19 +136,8 @@ int edgeline_et_abi() { return kAbi; }
 // The delegates (backends) this runtime registered, comma-separated.
 int edgeline_et_registered_backends(char* out, size_t out_len) {
   init_once();
-  std::string names;
-  size_t count = executorch::runtime::get_num_registered_backends();
-  for (size_t i = 0; i < count; ++i) {
-    auto name = executorch::runtime::get_backend_name(i);
-    if (!name.ok()) {
-      continue;
-    }
-    if (!names.empty()) {
-      names += ",";
-    }
-    names += name.get();
-  }
-  std::snprintf(out, out_len, "%s", names.c_str());
+  write_names(executorch::runtime::get_num_registered_backends(),
+              [](size_t i) { return executorch::runtime::get_backend_name(i); }, out, out_len);
   return 0;
 }
 
@@ -253,19 +259,8 @@ int edgeline_et_tensor_meta(void* handle, int outputs, int index, int* dtype, in
 // The delegates the method was lowered to, comma-separated.
 int edgeline_et_method_backends(void* handle, char* out, size_t out_len) {
   auto* session = static_cast<Session*>(handle);
-  std::string names;
-  size_t count = session->meta->num_backends();
-  for (size_t i = 0; i < count; ++i) {
-    auto name = session->meta->get_backend_name(i);
-    if (!name.ok()) {
-      continue;
-    }
-    if (!names.empty()) {
-      names += ",";
-    }
-    names += name.get();
-  }
-  std::snprintf(out, out_len, "%s", names.c_str());
+  write_names(session->meta->num_backends(), [session](size_t i) { return session->meta->get_backend_name(i); }, out,
+              out_len);
   return 0;
 }
 

@@ -15,28 +15,7 @@ import pytest
 
 from edgeline.cli import main
 from tests.cache import cached_export
-from tests.tiny_bundle import COMMITTED_BUNDLE, IMAGE_SHAPE
-
-PAIR_MODEL_SOURCE = '''\
-import torch
-from torch import nn
-
-
-class Pair(nn.Module):
-    """An image of 4 values and a mask of 2, concatenated into a linear layer."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(6, 3)
-
-    def forward(self, image, mask):
-        return self.fc(torch.cat([image, mask], dim=1))
-
-
-def model():
-    return Pair()
-'''
+from tests.tiny_bundle import COMMITTED_BUNDLE, IMAGE_SHAPE, PAIR_MODEL_SOURCE
 
 IMAGE, MASK = (4,), (2,)  # one sample of each: (1, 4) and (1, 2)
 
