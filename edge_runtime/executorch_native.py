@@ -644,6 +644,9 @@ def install(
     instead of ``pip download executorch==VERSION --no-deps`` (pip's index and cache, nothing of torch). The new
     runtime replaces an old one only once it is complete. Returns the runtime, loaded.
     """
+    if source is not None and not (source.is_dir() or source.is_file()):
+        # a FIFO or a device would block the reader, or never end
+        raise BackendUnavailableError(f"{source}: not an executorch wheel file or package directory")
     prefix = prefix or install_dir()
     prefix.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".executorch-", dir=prefix.parent))

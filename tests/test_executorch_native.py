@@ -256,6 +256,19 @@ def test_a_bad_wheel_is_refused_and_the_runtime_installed_before_stays(
 
 
 @pytest.mark.quick
+def test_a_fifo_or_a_missing_file_given_as_the_wheel_is_one_line(tmp_path: Path) -> None:
+    fifo = tmp_path / "executorch.whl"
+    os.mkfifo(fifo)
+    env = {"EDGELINE_EXECUTORCH_HOME": str(tmp_path / "executorch")}
+    for source, said in ((fifo, "not an executorch wheel file or package directory"),
+                         (tmp_path / "none.whl", "no such file or directory")):  # fmt: skip
+        done = edgeline_cli("doctor", "--install", "executorch", "--from", str(source), env=env)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert said in done.stderr
+    assert not (tmp_path / "executorch").exists()
+
+
+@pytest.mark.quick
 def test_a_wheel_for_another_machine_is_refused_before_it_replaces_anything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
