@@ -941,6 +941,8 @@ def _describe_report(document: dict[str, Any]) -> list[str]:
             state = f"{package} {runtime['version']}"
             if runtime["providers"]:
                 state += f" ({', '.join(runtime['providers'])})"
+            if runtime.get("devices"):
+                state += f" (devices: {', '.join(runtime['devices'])})"
             if runtime.get("kind") == "python":
                 state += f" (Python runtime, imports torch; delegates: {', '.join(runtime['delegates'] or ())}; the "
                 state += "torch-free one: edgeline doctor --install executorch)"
