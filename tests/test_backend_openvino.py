@@ -77,7 +77,8 @@ def openvino_outputs(bundle: Path, images: np.ndarray) -> np.ndarray:
     import openvino as ov
 
     core = ov.Core()
-    compiled = core.compile_model(core.read_model(str(bundle / "model.xml")), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    model = core.read_model(str(bundle / "model.xml"))
+    compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     request = compiled.create_infer_request()
     return np.concatenate([np.array(request.infer([x[None]])[compiled.output(0)]) for x in images])
 
@@ -236,7 +237,8 @@ def test_an_unknown_device_profile_target_precision_is_refused_in_one_line(
     digits: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code = main(["export", str(digits["model"]), "--profile", "intel-core-ultra", "--backend", "openvino-npu",
-                 "--precision", "fp32", "--calibration", str(digits["calibration"]), "--out", str(tmp_path / "b")])  # fmt: skip
+                 "--precision", "fp32", "--calibration", str(digits["calibration"]),
+                 "--out", str(tmp_path / "b")])  # fmt: skip
     assert code != 0
     err = capsys.readouterr().err
     assert "openvino-npu does not export fp32; valid: fp16, int8-static" in err and "Traceback" not in err
