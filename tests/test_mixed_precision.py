@@ -290,7 +290,7 @@ def test_no_mixed_precision_rejects_plain_int8_naming_the_layer_that_lost(
     assert not (tmp_path / "bundle").exists()
 
 
-@pytest.mark.parametrize("exported", ["litert_export", "onnx_export"])
+@pytest.mark.parametrize("exported", ["litert_export", "onnx_export", "openvino_export"])
 def test_the_last_layers_figures_are_the_bundles_own_outputs_against_the_float_model(
     exported: str, model: Path, request: pytest.FixtureRequest
 ) -> None:

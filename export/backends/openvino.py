@@ -36,6 +36,7 @@ import numpy as np
 from edgeline.backends.openvino import CPU, PRECISION_KEY, import_openvino
 from edgeline.device_profiles import Precision
 from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.conversion import module_path
 from edgeline.export.errors import ExportError
 from edgeline.manifest import KeptFloat, Placement, RuntimeRequirement
 
@@ -121,9 +122,9 @@ def node_modules(program: Any) -> dict[str, str]:
     """torch.export node name -> the path of the innermost module whose code made it ("" for the root's)."""
     found = {}
     for node in program.graph.nodes:
-        stack = node.meta.get("nn_module_stack")
-        if node.op == "call_function" and stack:
-            found[node.name] = str(list(stack.values())[-1][0])
+        path = module_path(node) if node.op == "call_function" else None
+        if path is not None:
+            found[node.name] = path
     return found
 
 
