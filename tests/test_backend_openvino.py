@@ -242,3 +242,20 @@ def test_an_unknown_device_profile_target_precision_is_refused_in_one_line(
     assert code != 0
     err = capsys.readouterr().err
     assert "openvino-npu does not export fp32; valid: fp16, int8-static" in err and "Traceback" not in err
+
+
+def test_a_device_present_at_export_is_asked_which_operators_it_supports(bundles: dict[str, Path]) -> None:
+    """No GPU or NPU here: the CPU plugin stands in for a device the export machine has. query_model says it supports
+    every operator, so the whole model is on it; the counts are those of the CPU's own placement."""
+    import openvino as ov
+
+    from edgeline.device_profiles import Precision
+    from edgeline.export.backends.openvino import openvino_placement, unsupported_operators
+
+    core = ov.Core()
+    model = core.read_model(str(bundles["int8-static"] / "model.xml"))
+    assert unsupported_operators(core, model, "CPU") == {}
+    on_device = openvino_placement(core, model, Precision.INT8_STATIC, "CPU", True, "f32")
+    plain = manifest(bundles["int8-static"])["placement"]
+    assert on_device.accelerator_ops == on_device.ops == plain["ops"]
+    assert on_device.quantized_macs == plain["quantized_macs"] and on_device.unknown == {}

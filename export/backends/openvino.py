@@ -26,6 +26,7 @@ from __future__ import annotations
 import platform
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -48,6 +49,7 @@ __all__ = [
     "import_export_tools",
     "int8_operators",
     "openvino_placement",
+    "unsupported_operators",
 ]
 
 MODEL_FILE = "model.xml"
@@ -323,13 +325,28 @@ def _macs(op: Any) -> int | None:
     return out
 
 
+def unsupported_operators(core: Any, model: Any, device: str) -> Counter[str]:
+    """The IR's operators, by type, that ``device``'s plugin does not support (``query_model``), its parameters,
+    results and constants aside."""
+    supported = core.query_model(model, device)
+    return Counter(
+        op.get_type_name()
+        for op in model.get_ordered_ops()
+        if op.get_type_name() not in ("Parameter", "Result", "Constant") and op.get_friendly_name() not in supported
+    )
+
+
 def openvino_placement(
     core: Any, model: Any, precision: Precision, accelerator: str | None, here: bool, hint: str
 ) -> Placement:
     """Placement read from the runtime graph of the plugin that compiles the model here (its nodes are fused
     operators: a convolution with its bias, activation and requantization is one), each node's ``runtimePrecision``
-    saying whether it computes in int8. An accelerator's plugin absent here leaves its share unknown, said so."""
-    device = accelerator if accelerator is not None and here else CPU
+    saying whether it computes in int8. An accelerator's plugin present here is asked first which operators it
+    supports (``query_model``): it compiles the whole model or nothing (no fallback without HETERO), so one it lacks
+    puts the model on the CPU, the missing operators in ``fallback``. An accelerator absent here leaves its share
+    unknown, said so."""
+    missing = unsupported_operators(core, model, accelerator) if accelerator is not None and here else Counter()
+    device = accelerator if accelerator is not None and here and not missing else CPU
     graph = _runtime_graph(core, model, device, hint)
     constant = {id(op) for op in graph if _info(op, "layerType") == "Const"}
     for op in graph:  # nodes that compute on constants alone (weights' reshapes) are the weights' preparation
@@ -343,15 +360,15 @@ def openvino_placement(
     unknown: dict[str, str] = {}
     if not counted:
         unknown["macs"] = "the plugin's runtime graph has dynamic shapes"
-    fallback: dict[str, int] = {}
+    fallback: dict[str, int] = dict(missing)
     if precision.integer:
         for op in nodes:
             if op not in quantized:
                 fallback[_info(op, "layerType")] = fallback.get(_info(op, "layerType"), 0) + 1
     accelerator_ops = None
     if accelerator is not None:
-        if here:  # a plugin compiles the whole model on its device (no fallback without HETERO)
-            accelerator_ops = len(nodes)
+        if here:
+            accelerator_ops = 0 if missing else len(nodes)
         else:
             unknown["accelerator_ops"] = (
                 f"OpenVINO's {accelerator} plugin compiles the model on the device; there is no {accelerator} here, so "
