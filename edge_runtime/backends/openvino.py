@@ -122,6 +122,27 @@ def _spec(port: Any, model_path: Path) -> TensorSpec:
     return TensorSpec(name=name, dtype=dtype, shape=tuple(int(dim) for dim in shape.to_shape()))
 
 
+def _property(compiled: Any, name: str, default: Any) -> Any:
+    """A compiled model's property, or ``default`` where its plugin does not have it."""
+    try:
+        return compiled.get_property(name)
+    except Exception:  # openvino raises RuntimeError subclasses for an unsupported property
+        return default
+
+
+def _config(core: Any, device: str, precision: str, threads: int) -> dict[str, Any]:
+    """What a session asks of ``device``'s plugin: the bundle's precision, latency first, and on the CPU the thread
+    count; another plugin gets only what it supports (an NPU computes in its own precision and takes no hint)."""
+    config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
+    if device == CPU:
+        return {**config, "INFERENCE_NUM_THREADS": threads}
+    try:
+        supported = set(core.get_property(device, "SUPPORTED_PROPERTIES"))
+    except Exception:  # a plugin that cannot say: the hints are left to it
+        supported = set()
+    return {key: value for key, value in config.items() if key in supported}
+
+
 def _compile(core: Any, model: Any, device: str, config: dict[str, Any], cache: str | None) -> Any:
     """The model compiled for ``device``, loaded from (or stored in) the compiled-model cache when there is one. A
     cache that fails (its directory gone since it was set) costs a compilation, never the model."""
@@ -182,29 +203,25 @@ class OpenVINOSession:
                 device = wanted
             else:
                 self.fallback_reason = f"OpenVINO has no {wanted} plugin device here (it has {', '.join(available)})"
-        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": self.precision, "PERFORMANCE_HINT": "LATENCY"}
-        if device == CPU:
-            config["INFERENCE_NUM_THREADS"] = threads
         try:
-            compiled = _compile(core, model, device, config, cache)
+            compiled = _compile(core, model, device, _config(core, device, self.precision, threads), cache)
         except Exception as exc:
             if device == CPU:
                 raise BundleError(
                     f"{model_path}: OpenVINO could not compile the model for the CPU: {_one_line(exc)}"
                 ) from exc
             self.fallback_reason = f"the {device} plugin could not compile the model: {_one_line(exc)}"
-            config["INFERENCE_NUM_THREADS"] = threads
             try:
-                compiled = _compile(core, model, CPU, config, cache)
+                compiled = _compile(core, model, CPU, _config(core, CPU, self.precision, threads), cache)
             except Exception as again:
                 raise BundleError(
                     f"{model_path}: OpenVINO could not compile the model for {device} nor the CPU: {_one_line(again)}"
                 ) from again
             device = CPU
         self.accelerator = None if device == CPU else device
-        self.computes = _type_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
+        self.computes = _type_name(_property(compiled, "INFERENCE_PRECISION_HINT", "unknown"))
         """What the plugin computes the float parts in here (f32, f16, bf16): the hint where the device has it."""
-        self.from_cache = cache is not None and bool(compiled.get_property("LOADED_FROM_CACHE"))
+        self.from_cache = cache is not None and bool(_property(compiled, "LOADED_FROM_CACHE", False))
         """Whether the compiled model came from the compiled-model cache (``set_cache_dir``) rather than a compiler."""
         log.debug(
             "openvino: %s %s on %s", model_path.name, "loaded from the cache" if self.from_cache else "compiled", device
