@@ -257,6 +257,28 @@ def test_a_corrupted_cached_model_is_compiled_again(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+def test_a_full_disk_under_the_cache_costs_a_compilation_never_the_model(tmp_path: Path) -> None:
+    from tests.faults import can_mount, fill, tmpfs
+
+    if not can_mount("tmpfs"):
+        pytest.skip("mounting a tmpfs needs root and mount(8): CI has them")
+    bundle = COMMITTED_OV_BUNDLES["tiny-ov-int8"]
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        set_cache_dir(disk / "cache")
+        filler = disk / "filler"
+        filler.touch()
+        fill(filler)
+        session = OpenVINOSession(bundle / "model.xml")
+        inputs = golden_inputs(bundle)
+        assert np.array_equal(session.run([inputs[:1]])[0], openvino_answers(bundle / "model.xml", inputs[:1]))
+        assert session.from_cache is False
+        assert [path.stat().st_size for path in (disk / "cache").glob("*.blob")] in ([], [0])  # no complete blob
+        again = OpenVINOSession(bundle / "model.xml")
+        assert again.from_cache is False  # nothing half-written was loaded
+        set_cache_dir(None)
+
+
+@pytest.mark.integration
 def test_the_daemon_keeps_compiled_models_in_its_state_directory_across_restarts(tmp_path: Path) -> None:
     from edgeline.daemon.assembly import OPENVINO_CACHE
     from edgeline.daemon.config import DaemonConfig
