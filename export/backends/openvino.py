@@ -12,7 +12,12 @@ quantized by NNCF on our samples, with its accuracy control when plain int8 miss
 - **int8.** ``nncf.quantize`` on the calibration samples (8-bit weights per channel, symmetric: NNCF's performance
   preset for the target device), with ``overflow_fix`` on every layer: weights in 7 bits, so AVX2 CPUs without VNNI
   (whose VPMADDUBSW saturates int16 pair sums, as this machine's) compute the same integers as VNNI ones and the
-  fidelity measured here holds on the device. Modules kept float (``keep_float``) are NNCF's ignored scope.
+  fidelity measured here holds on the device. Activation ranges are NNCF's ``HISTOGRAM`` estimator's (the range
+  whose quantization error is least over the calibration samples' histogram): NNCF's default averages each
+  sample's range, which with one sample per batch clips what rarer samples reach. Points lost on the reference models'
+  held-out samples, default / histogram: autoencoder 9.0 / 0.0, ResNet-8 1.1 / 0.4, VWW 0.3 / 0.0, digits and
+  DS-CNN none either way (the plain min-max range: 0.0 on the autoencoder, 0.9 on ResNet-8). Modules kept float
+  (``keep_float``) are NNCF's ignored scope.
 - **Accuracy control.** ``nncf.quantize_with_accuracy_control`` against the profile's accuracy budget, measured the way
   edgeline judges it (accuracy against labels, else agreement with the float model's decisions, else cosine) on the
   validation samples; the layers it reverted to float are the manifest's ``kept_float``.
@@ -218,6 +223,7 @@ class OpenVINOExporter:
         self, ov: Any, nncf: Any, model: Any, request: ExportRequest, modules: dict[str, str]
     ) -> tuple[Any, tuple[KeptFloat, ...]]:
         from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
+        from nncf.quantization.range_estimator import RangeEstimatorParametersSet
 
         calibration = nncf.Dataset(_feeds(request, request.calibration))
         options: dict[str, Any] = dict(
@@ -226,7 +232,9 @@ class OpenVINOExporter:
             subset_size=len(request.calibration),
             ignored_scope=_ignored(nncf, model, modules, request.keep_float),
         )
-        advanced = AdvancedQuantizationParameters(overflow_fix=OverflowFix.ENABLE)
+        advanced = AdvancedQuantizationParameters(
+            overflow_fix=OverflowFix.ENABLE, activations_range_estimator_params=RangeEstimatorParametersSet.HISTOGRAM
+        )
         control = request.accuracy_control
         if control is None:
             try:
