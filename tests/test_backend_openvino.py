@@ -295,3 +295,31 @@ def test_int8_loses_at_most_half_a_point_on_each_reference_model(name: str) -> N
 
         lost = 100.0 * (np.mean(flags(reference) == truth.astype(bool)) - np.mean(flags(found) == truth.astype(bool)))
     assert lost <= 0.5, f"{name}: {lost:.2f} points lost by int8 on {len(x)} held-out samples"
+
+
+@pytest.mark.parametrize("name", ["digits", "resnet8", "ds_cnn", "vww", "autoencoder"])
+def test_every_weighted_ir_operator_is_named_by_its_own_module(name: str) -> None:
+    """What NNCF reverts is listed by module: each convolution and matrix product of the IR, a depthwise one or one
+    the frontend rebuilt before its batch norm (named ``Multiply_<n>``) included, is tied to a distinct torch module
+    whose weight holds as many values as the operator's weights."""
+    import openvino as ov
+    import torch
+
+    from edgeline.export.backends.openvino import WEIGHTED, operator_modules
+    from edgeline.export.loading import load_model
+
+    directory = cached_reference(name).directory
+    module = load_model(str(directory / "model.pt2")).module
+    x = np.load(directory / "calibration.npz")["x"][:1]
+    program = torch.export.export(module, (torch.from_numpy(x),)).run_decompositions()
+    model = ov.convert_model(program, input=[(list(x.shape), ov.Type.f32)])
+    owners = operator_modules(model, program, module)
+    weighted = [op for op in model.get_ordered_ops() if op.get_type_name() in WEIGHTED]
+    named = dict(module.named_modules())
+    found = [owners.get(op.get_friendly_name()) for op in weighted]
+    unknown = [op.get_friendly_name() for op, owner in zip(weighted, found, strict=True) if owner is None]
+    assert not unknown, unknown
+    assert len(set(found)) == len(found)
+    for op, owner in zip(weighted, found, strict=True):
+        size = int(np.prod([int(d) for d in op.input(1).get_partial_shape().to_shape()]))
+        assert named[owner].weight.numel() == size, (op.get_friendly_name(), owner)

@@ -125,20 +125,50 @@ def to_openvino(ov: Any, request: ExportRequest) -> tuple[Any, Any]:
     return model, program
 
 
-def node_modules(program: Any) -> dict[str, str]:
-    """torch.export node name -> the path of the innermost module whose code made it ("" for the root's)."""
-    found = {}
-    for node in program.graph.nodes:
-        path = module_path(node) if node.op == "call_function" else None
-        if path is not None:
-            found[node.name] = path
+def operator_modules(model: Any, program: Any, module: Any) -> dict[str, str]:
+    """IR operator name -> the path of the torch module it computes, where known. An operator keeps the name of the
+    torch.export node it came from (``convolution_1/aten.convolution.default/Convolution``), which ``nn_module_stack``
+    names the module of. A convolution the frontend rebuilt before a batch norm is named ``Multiply_<n>``: it is the
+    module, among those whose output the next named operator reads, whose weight has as many elements as its weights."""
+    nodes = {node.name: node for node in program.graph.nodes if node.op == "call_function"}
+    paths = {name: path for name, node in nodes.items() if (path := module_path(node)) is not None}
+    named = dict(module.named_modules())
+    found: dict[str, str] = {}
+    for op in model.get_ordered_ops():
+        name = op.get_friendly_name()
+        match = _FX_NAME.match(name)
+        if match is not None:
+            if match.group(1) in paths:
+                found[name] = paths[match.group(1)]
+        elif op.get_type_name() in WEIGHTED:
+            owner = _rebuilt_owner(op, nodes, paths, named)
+            if owner is not None:
+                found[name] = owner
     return found
 
 
-def module_of(op_name: str, modules: dict[str, str]) -> str | None:
-    """The torch module an IR operator was converted from, by the torch.export node its friendly name opens with."""
-    match = _FX_NAME.match(op_name)
-    return modules.get(match.group(1)) if match else None
+def _rebuilt_owner(op: Any, nodes: dict[str, Any], paths: dict[str, str], named: dict[str, Any]) -> str | None:
+    weights = op.input(1).get_partial_shape()
+    if weights.is_dynamic:
+        return None
+    size = int(np.prod([int(d) for d in weights.to_shape()], dtype=np.int64))  # grouped: [G, O/G, I/G, k...]
+    frontier: list[Any] = [op]
+    seen: set[int] = set()
+    for _ in range(8):  # bounded walk to the first operator named after a torch.export node
+        readers = [t.get_node() for node in frontier for t in node.output(0).get_target_inputs()] if frontier else []
+        named_reader = next((r for r in readers if _FX_NAME.match(r.get_friendly_name())), None)
+        if named_reader is not None:
+            fx = nodes.get(_FX_NAME.match(named_reader.get_friendly_name()).group(1))  # type: ignore[union-attr]
+            inputs = [arg for arg in (fx.all_input_nodes if fx is not None else ()) if arg.name in paths]
+            owners = {
+                paths[arg.name]
+                for arg in inputs
+                if getattr(getattr(named.get(paths[arg.name]), "weight", None), "numel", lambda: -1)() == size
+            }
+            return owners.pop() if len(owners) == 1 else None
+        frontier = [r for r in readers if id(r) not in seen and r.get_output_size() == 1]
+        seen.update(id(r) for r in frontier)
+    return None
 
 
 def _feeds(request: ExportRequest, samples: Sequence[tuple[Any, ...]]) -> list[dict[str, np.ndarray]]:
@@ -150,15 +180,14 @@ def _feeds(request: ExportRequest, samples: Sequence[tuple[Any, ...]]) -> list[d
     ]  # fmt: skip
 
 
-def _ignored(nncf: Any, model: Any, modules: dict[str, str], keep: tuple[str, ...]) -> Any:
+def _ignored(nncf: Any, modules: dict[str, str], keep: tuple[str, ...]) -> Any:
     """NNCF's ignored scope: the IR operators converted from the modules ``keep`` names (or their submodules)."""
     if not keep:
         return None
     names = [
-        op.get_friendly_name()
-        for op in model.get_ordered_ops()
-        if (module := module_of(op.get_friendly_name(), modules)) is not None
-        and any(module == kept or module.startswith(kept + ".") for kept in keep)
+        name
+        for name, module in modules.items()
+        if any(module == kept or module.startswith(kept + ".") for kept in keep)
     ]
     if not names:
         raise ExportError(f"openvino: no operator of the converted model comes from {', '.join(keep)}")
@@ -193,7 +222,7 @@ class OpenVINOExporter:
             raise ExportError(f"{self.name} cannot export {request.precision.value}")
         ov, nncf = import_export_tools()
         model, program = to_openvino(ov, request)
-        modules = node_modules(program)
+        modules = operator_modules(model, program, request.module)
         kept: tuple[KeptFloat, ...] = ()
         if request.precision is Precision.INT8_STATIC:
             model, kept = self._quantize(ov, nncf, model, request, modules)
@@ -230,7 +259,7 @@ class OpenVINOExporter:
             preset=nncf.QuantizationPreset.PERFORMANCE,
             target_device=getattr(nncf.TargetDevice, self.device),
             subset_size=len(request.calibration),
-            ignored_scope=_ignored(nncf, model, modules, request.keep_float),
+            ignored_scope=_ignored(nncf, modules, request.keep_float),
         )
         advanced = AdvancedQuantizationParameters(
             overflow_fix=OverflowFix.ENABLE, activations_range_estimator_params=RangeEstimatorParametersSet.HISTOGRAM
@@ -275,19 +304,21 @@ def _kept(reverted: list[str], modules: dict[str, str], module: Any, control: Ac
     """The modules whose weighted operators accuracy control reverted to float, in the manifest's terms."""
     named = dict(module.named_modules())
     found: dict[str, list[str]] = {}
-    for op in reverted:
-        path = module_of(op, modules)
-        found.setdefault(path if path else "<unnamed>", []).append(op.split("/")[-1])
+    for op in reverted:  # an operator no module is known for is listed by its own name
+        path = modules.get(op)
+        found.setdefault(path if path is not None else op, []).append(op.split("/")[-1] if path is not None else "")
     kept = []
     for path, ops in found.items():
         leaf = named.get(path)
         params = sum(p.numel() for p in leaf.parameters()) if leaf is not None else 0
+        ops = [op for op in ops if op]
         kept.append(
             KeptFloat(
                 module=path,
-                operator=type(leaf).__name__ if leaf is not None else ", ".join(ops),
+                operator=type(leaf).__name__ if leaf is not None else "IR operator",
                 added_bytes=3 * params,
-                reason=f"NNCF's accuracy control reverted its {', '.join(ops)} to float to hold the {control.measure} "
+                reason=f"NNCF's accuracy control reverted {'its ' + ', '.join(ops) if ops else 'it'} to float to hold "
+                f"the {control.measure} "
                 f"budget (a drop of at most {control.max_drop:g})",
             )
         )
