@@ -16,8 +16,7 @@ quantized by NNCF on our samples, with its accuracy control when plain int8 miss
   whose quantization error is least over the calibration samples' histogram): NNCF's default averages each
   sample's range, which with one sample per batch clips what rarer samples reach. Points lost on the reference models'
   held-out samples, default / histogram: autoencoder 9.0 / 0.0, ResNet-8 1.1 / 0.4, VWW 0.3 / 0.0, digits and
-  DS-CNN none either way (the plain min-max range: 0.0 on the autoencoder, 0.9 on ResNet-8). Modules kept float
-  (``keep_float``) are NNCF's ignored scope.
+  DS-CNN none either way (the plain min-max range: 0.0 on the autoencoder, 0.9 on ResNet-8).
 - **Accuracy control.** ``nncf.quantize_with_accuracy_control`` against the profile's accuracy budget, measured the way
   edgeline judges it (accuracy against labels, else agreement with the float model's decisions, else cosine) on the
   validation samples; the layers it reverted to float are the manifest's ``kept_float``.
@@ -180,20 +179,6 @@ def _feeds(request: ExportRequest, samples: Sequence[tuple[Any, ...]]) -> list[d
     ]  # fmt: skip
 
 
-def _ignored(nncf: Any, modules: dict[str, str], keep: tuple[str, ...]) -> Any:
-    """NNCF's ignored scope: the IR operators converted from the modules ``keep`` names (or their submodules)."""
-    if not keep:
-        return None
-    names = [
-        name
-        for name, module in modules.items()
-        if any(module == kept or module.startswith(kept + ".") for kept in keep)
-    ]
-    if not names:
-        raise ExportError(f"openvino: no operator of the converted model comes from {', '.join(keep)}")
-    return nncf.IgnoredScope(names=names, validate=False)
-
-
 def int8_operators(model: Any) -> set[str]:
     """The weighted IR operators of a quantized model that compute in int8: their activation input comes from a
     FakeQuantize (through operators that only move values)."""
@@ -259,7 +244,6 @@ class OpenVINOExporter:
             preset=nncf.QuantizationPreset.PERFORMANCE,
             target_device=getattr(nncf.TargetDevice, self.device),
             subset_size=len(request.calibration),
-            ignored_scope=_ignored(nncf, modules, request.keep_float),
         )
         advanced = AdvancedQuantizationParameters(
             overflow_fix=OverflowFix.ENABLE, activations_range_estimator_params=RangeEstimatorParametersSet.HISTOGRAM
