@@ -74,6 +74,7 @@ RUNTIMES: dict[str, RuntimeInfo] = {
         "tflite-runtime", "tflite_runtime.interpreter", "pip install tflite-runtime (2.14: Python <= 3.11, numpy < 2)"
     ),
     "onnxruntime": RuntimeInfo("onnxruntime", "onnxruntime", "pip install 'edgeline[onnx]'"),
+    "openvino": RuntimeInfo("openvino", "openvino", "pip install 'edgeline[openvino]'"),
     "executorch": RuntimeInfo(
         "executorch",
         "executorch.runtime",
@@ -95,6 +96,9 @@ TARGET_RUNTIMES: dict[str, tuple[str, str | None]] = {
     "ethos-u": ("litert", "ethos-u"),
     "tflite-micro": ("tflite-micro", None),
     "coreml": ("coreml", "coreml"),
+    "openvino": ("openvino", None),
+    "openvino-gpu": ("openvino", "GPU"),
+    "openvino-npu": ("openvino", "NPU"),
 }
 """A profile target's export backend -> the runtime backend its bundles name and the accelerator they ask for
 (None: the CPU; an onnxruntime target asks for the profile's first provider). The device side cannot import the
@@ -116,6 +120,8 @@ class RuntimeFacts:
     error: str | None = None
     providers: tuple[str, ...] = ()
     """onnxruntime's execution providers."""
+    devices: tuple[str, ...] = ()
+    """OpenVINO's devices (``Core().available_devices``: CPU, GPU, GPU.1, NPU): the plugins that found one."""
     kind: str | None = None
     """ExecuTorch: which runtime runs its programs, ``torch-free`` (its C++ runtime through edgeline's shim) or
     ``python`` (its Python runtime, which imports torch)."""
@@ -229,6 +235,14 @@ def _executorch_facts(*, try_import: bool) -> RuntimeFacts:
     )
 
 
+def _openvino_device(facts: Facts, device: str) -> dict[str, Any]:
+    runtime = facts.runtimes.get("openvino")
+    if runtime is None or not runtime.imports:
+        return {"present": False, "detail": "openvino is not installed (pip install 'edgeline[openvino]')"}
+    present = any(found.split(".")[0] == device for found in runtime.devices)
+    return {"present": present, "detail": "OpenVINO devices: " + (", ".join(runtime.devices) or "none")}
+
+
 def _runtime_facts(backend: str, *, try_import: bool, native: bool = True) -> RuntimeFacts:
     if backend == "executorch" and native:
         return _executorch_facts(try_import=try_import)
@@ -255,6 +269,12 @@ def _runtime_facts(backend: str, *, try_import: bool, native: bool = True) -> Ru
     if backend == "executorch":
         registry = module.Runtime.get().backend_registry
         return RuntimeFacts(version, True, kind="python", delegates=tuple(registry.registered_backend_names))
+    if backend == "openvino":
+        try:
+            devices = tuple(module.Core().available_devices)
+        except Exception as exc:  # a plugin that fails to load is reported, not raised
+            return RuntimeFacts(version=version, imports=False, error=f"Core().available_devices: {exc}")
+        return RuntimeFacts(version=version, imports=True, devices=devices)
     if backend == "onnxruntime":
         try:
             providers = tuple(module.get_available_providers())
@@ -400,6 +420,9 @@ def _profile_runs(profile: Profile, facts: Facts) -> list[str]:
         label = f"{target.backend} {target.precision.value}"
         if accelerator == "ethos-u" and facts.ethos_u_delegate is None:
             label += " (CPU fallback)"
+        elif backend == "openvino" and accelerator is not None:
+            if not any(device.split(".")[0] == accelerator for device in runtime.devices):
+                label += " (CPU fallback)"
         elif accelerator is not None and accelerator.endswith("ExecutionProvider"):
             ort = facts.runtimes["onnxruntime"]
             if accelerator not in ort.providers:
@@ -435,6 +458,8 @@ def report(facts: Facts, profiles: list[Profile], cpuinfo: str = "") -> dict[str
             "present": "TensorrtExecutionProvider" in providers,
             "detail": "onnxruntime providers: " + (", ".join(providers) or "onnxruntime not installed"),
         },
+        "intel-gpu": _openvino_device(facts, "GPU"),
+        "intel-npu": _openvino_device(facts, "NPU"),
         "coreml": {
             "present": facts.system == "Darwin",
             "detail": "macOS" if facts.system == "Darwin" else f"Core ML runs on macOS only (this is {facts.system})",
@@ -682,6 +707,13 @@ def verdict(
         return Verdict(True, name, model, None, why, "the CPU provider runs any ONNX model", **common)
     if name == "executorch":
         return _executorch_verdict(model, accelerator, runtime, common)
+    if name == "openvino" and accelerator is not None:
+        if any(device.split(".")[0] == accelerator for device in runtime.devices):
+            return Verdict(True, name, model, accelerator, None, f"OpenVINO has its {accelerator} device", **common)
+        if runtime.imports:  # devices known: the plugin found none
+            has = ", ".join(runtime.devices) or "no device"
+            why = f"OpenVINO has no {accelerator} device here (it has {has})"
+            return Verdict(True, name, model, None, why, "the CPU plugin runs any IR", **common)
     if accelerator is not None and accelerator not in COREML_ACCELERATORS:
         return Verdict(
             True, name, model, accelerator, None, f"{info.package} is installed; the accelerator {accelerator} is "
@@ -909,6 +941,8 @@ def _describe_report(document: dict[str, Any]) -> list[str]:
             state = f"{package} {runtime['version']}"
             if runtime["providers"]:
                 state += f" ({', '.join(runtime['providers'])})"
+            if runtime.get("devices"):
+                state += f" (devices: {', '.join(runtime['devices'])})"
             if runtime.get("kind") == "python":
                 state += f" (Python runtime, imports torch; delegates: {', '.join(runtime['delegates'] or ())}; the "
                 state += "torch-free one: edgeline doctor --install executorch)"

@@ -162,6 +162,13 @@ class Model:
         return kind if isinstance(kind, str) else None
 
     @property
+    def from_cache(self) -> bool | None:
+        """Whether the runtime loaded the model already compiled from its cache (OpenVINO's, in the daemon's state
+        directory) rather than compiling it; None for a runtime without one."""
+        found = getattr(self._session, "from_cache", None)
+        return found if isinstance(found, bool) else None
+
+    @property
     def accelerator_fallback(self) -> str | None:
         """Why the model does not run on the accelerator its bundle was built for, or None when it does."""
         wanted = self.manifest.placement.accelerator if self.manifest.placement else None

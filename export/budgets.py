@@ -8,7 +8,7 @@ from __future__ import annotations
 from edgeline.device_profiles import Budgets, Precision
 from edgeline.manifest import Fidelity, Firmware, Memory, Placement, percent
 
-__all__ = ["budget_violations", "fidelity_shortfall", "fidelity_violations", "judged_share"]
+__all__ = ["budget_violations", "decisive_measure", "fidelity_shortfall", "fidelity_violations", "judged_share"]
 
 
 def budget_violations(
@@ -60,6 +60,12 @@ def _decisive(fidelity: Fidelity) -> tuple[str, float] | None:
     if fidelity.cosine_min is not None:
         return "cosine", 1.0 - fidelity.cosine_min
     return None
+
+
+def decisive_measure(fidelity: Fidelity) -> str | None:
+    """What decides ``fidelity``'s budget: "accuracy", "top1", "anomaly" or "cosine" (``_decisive``); None: nothing."""
+    decisive = _decisive(fidelity) if fidelity.status == "measured" else None
+    return None if decisive is None else decisive[0]
 
 
 def fidelity_shortfall(fidelity: Fidelity) -> float:

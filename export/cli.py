@@ -90,8 +90,8 @@ def register(subparsers: Any) -> None:
         dest="mixed_precision",
         action="store_false",
         help="when int8-static misses the accuracy budget, reject it rather than keep its most sensitive layers in "
-        "float (LiteRT, ONNX Runtime and ExecuTorch keep them by default; the manifest's quantization.kept_float "
-        "lists them)",
+        "float (LiteRT, ONNX Runtime and ExecuTorch keep them by default, OpenVINO by NNCF's accuracy control; the "
+        "manifest's quantization.kept_float lists them)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
     parser.set_defaults(func=run)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -17,7 +17,7 @@ from edgeline.model import Model
 from edgeline.postprocess import interpret
 from edgeline.samples import SampleSet
 
-__all__ = ["FloatReference", "measure_fidelity", "run_float"]
+__all__ = ["FloatReference", "compare_outputs", "measure_fidelity", "run_float"]
 
 REFERENCE = "torch eager float32"
 
@@ -130,7 +130,19 @@ def measure_fidelity(
         converted.append(model.predict(*samples.sample(index)))
         if progress is not None and ((index + 1) % 50 == 0 or index + 1 == len(samples)):
             progress.count(index + 1, len(samples))
-    float_flat = np.stack([np.concatenate([o.reshape(-1) for o in outs]) for outs in reference.outputs])
+    return compare_outputs(reference.outputs, converted, samples, post, _runtime_description(model), per_sample)
+
+
+def compare_outputs(
+    reference: Sequence[Sequence[np.ndarray]],
+    converted: Sequence[Sequence[np.ndarray]],
+    samples: SampleSet,
+    post: Postprocess,
+    measured_with: str,
+    per_sample: list[float] | None = None,
+) -> Fidelity:
+    """``converted`` (per sample of ``samples``, per output) against the float model's ``reference`` outputs."""
+    float_flat = np.stack([np.concatenate([o.reshape(-1) for o in outs]) for outs in reference])
     conv_flat = np.stack([np.concatenate([o.reshape(-1) for o in outs]) for outs in converted])
     error = np.abs(float_flat - conv_flat)
     if per_sample is not None:
@@ -143,11 +155,11 @@ def measure_fidelity(
     }
     labels = samples.labels
     if post.kind == "classify":
-        float_pred = np.array([int(np.argmax(outs[0])) for outs in reference.outputs])
+        float_pred = np.array([int(np.argmax(outs[0])) for outs in reference])
         conv_pred = np.array([int(np.argmax(outs[0])) for outs in converted])
         fields["top1_agreement"] = float(np.mean(float_pred == conv_pred))
         if labels is not None:
-            classes = int(reference.outputs[0][0].size)
+            classes = int(reference[0][0].size)
             truth = labels.astype(np.int64)
             fields.update(
                 accuracy=accuracy(truth, conv_pred),
@@ -163,7 +175,7 @@ def measure_fidelity(
             inputs = samples.sample(index)
             flags.append(
                 (
-                    bool(interpret(post, inputs, reference.outputs[index]).anomaly),
+                    bool(interpret(post, inputs, reference[index]).anomaly),
                     bool(interpret(post, inputs, converted[index]).anomaly),
                 )
             )
@@ -177,6 +189,6 @@ def measure_fidelity(
         status="measured",
         reference=REFERENCE,
         samples=len(samples),
-        measured_with=_runtime_description(model),
+        measured_with=measured_with,
         **fields,
     )

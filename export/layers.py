@@ -622,6 +622,86 @@ class _OnnxProbe:
         return values
 
 
+class _OpenVINOProbe:
+    """OpenVINO: the bundle's IR with each layer's output added to the model's outputs, on the CPU plugin in f32.
+    An IR operator keeps the name of the torch.export node (of the decomposed program it was converted from) it came
+    from: a module's output is the last operator made from its last node, its FakeQuantize where int8 quantizes it
+    (the value as the next operator reads it)."""
+
+    def __init__(
+        self, path: Path, module: Any, arrays: Sequence[np.ndarray], run: _FloatRun, input_names: Sequence[str]
+    ):
+        import openvino as ov
+
+        program = export_program(module, arrays).run_decompositions()
+        wanted = set(run.order)
+        prefixes = {f"{node.name}/": name for name, node in _last_nodes(program).items() if name in wanted}
+        core = ov.Core()
+        model = core.read_model(str(path))
+        ops = model.get_ordered_ops()
+        last: dict[str, Any] = {}
+        for op in ops:
+            name = op.get_friendly_name()
+            module_name = next((m for prefix, m in prefixes.items() if name.startswith(prefix)), None)
+            if module_name is not None and op.get_output_size() == 1 and op.get_type_name() != "Constant":
+                last[module_name] = op
+        self.modules = list(last)
+        # the Result each value goes to (a value that already is a model output keeps its own)
+        results = [model.add_outputs([last[name].output(0)])[0].get_node().get_friendly_name() for name in self.modules]
+        compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        self._request = compiled.create_infer_request()
+        by_result = {port.get_node().get_friendly_name(): port for port in compiled.outputs}
+        self._ports = [by_result[result] for result in results]
+        self._inputs = list(compiled.inputs)
+        by_name = {port.get_any_name(): port for port in self._inputs}
+        self._inputs = [by_name.get(name, port) for name, port in zip(input_names, self._inputs, strict=False)]
+        parameters = {op.get_friendly_name(): op for op in model.get_parameters()}
+        self.inputs_quantized = [_openvino_input_quantization(parameters.get(name)) for name in input_names]
+        self.measured_with = (
+            f"openvino {version('openvino')} CPU plugin (f32) on this {platform.machine()} machine, the layers' "
+            "values added to the model's outputs"
+        )
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._shapes is None:
+            raise _NotMeasured("the shapes are read once the model ran")
+        return self._shapes
+
+    def run(self, arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        results = self._request.infer(dict(zip(self._inputs, arrays, strict=True)))
+        values = {
+            name: np.array(results[port], dtype=np.float32)
+            for name, port in zip(self.modules, self._ports, strict=True)
+        }
+        if self._shapes is None:
+            self._shapes = {name: tuple(array.shape) for name, array in values.items()}
+        return values
+
+
+def _openvino_input_quantization(parameter: Any) -> tuple[Quantization, np.dtype] | None:
+    """The FakeQuantize an OpenVINO model applies to its input ``parameter`` first (per tensor, 256 levels), as a
+    uint8 scale and zero point; None where it takes the input float."""
+    if parameter is None:
+        return None
+    for target in parameter.output(0).get_target_inputs():
+        node = target.get_node()
+        if node.get_type_name() != "FakeQuantize" or node.get_attributes().get("levels") != 256:
+            continue
+        low, high = (node.input(i).get_source_output().get_node() for i in (3, 4))
+        if low.get_type_name() != "Constant" or high.get_type_name() != "Constant":
+            return None
+        low_value, high_value = low.get_data(), high.get_data()
+        if low_value.size != 1 or high_value.size != 1 or float(high_value.reshape(())) <= float(low_value.reshape(())):
+            return None
+        scale = (float(high_value.reshape(())) - float(low_value.reshape(()))) / 255.0
+        zero = round(-float(low_value.reshape(())) / scale)
+        if not 0 <= zero <= 255:
+            return None
+        return Quantization(scale=scale, zero_point=zero), np.dtype(np.uint8)
+    return None
+
+
 class _PT2EProbe:
     """ExecuTorch: the PT2E-quantized graph the ``.pte`` was lowered from, read with torchao's numeric debugger
     (``prepare_for_propagation_comparison``: a logger after every node, keyed by the float graph's node name)."""
@@ -753,6 +833,8 @@ def measure_layers(
 
             names = _export_node_modules(program)
             probe = _OnnxProbe(model_path.with_name(QDQ_FILE), names, first, input_names, qnn=True)
+        elif exporter in ("openvino", "openvino-gpu", "openvino-npu"):
+            probe = _OpenVINOProbe(model_path, module, samples.sample(0), first, input_names)
         elif exporter == "executorch-xnnpack" and calibration is not None:
             probe = _PT2EProbe(module, calibration, _export_node_modules(program), first, dynamic, keep_float)
         else:

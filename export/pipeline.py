@@ -17,7 +17,7 @@ import platform
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +29,7 @@ from edgeline.backends import open_session
 from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
 from edgeline.export.backends import (
+    ACCURACY_CONTROL,
     EXPORT_BACKENDS,
     INT8_EDGES,
     KEEPS_FLOAT,
@@ -36,7 +37,7 @@ from edgeline.export.backends import (
     ExportRequest,
     Verification,
 )
-from edgeline.export.budgets import budget_violations, fidelity_shortfall, fidelity_violations
+from edgeline.export.budgets import budget_violations, decisive_measure, fidelity_shortfall, fidelity_violations
 from edgeline.export.c_sources import write_c_sources
 from edgeline.export.calibration import check_model_runs, load_model_samples
 from edgeline.export.conversion import (
@@ -49,7 +50,7 @@ from edgeline.export.conversion import (
     target_error,
 )
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError
-from edgeline.export.fidelity import REFERENCE, FloatReference, measure_fidelity, run_float
+from edgeline.export.fidelity import REFERENCE, FloatReference, compare_outputs, measure_fidelity, run_float
 from edgeline.export.layers import (
     INPUT,
     LAYER_SAMPLES,
@@ -242,16 +243,60 @@ def _try_target(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
     """Export, measure and judge one target; an int8-static target that misses only the accuracy budget tries
     mixed precision (see ``_keep_float``)."""
     violations = _build(target, outcome, shared)
-    if (
+    missed_accuracy_only = (
         shared.mixed_precision
         and outcome.status == "rejected"
         and target.precision is Precision.INT8_STATIC
-        and target.backend in KEEPS_FLOAT
-        and outcome.layers
         and outcome.fidelity is not None
         and violations == fidelity_violations(shared.profile.budgets, outcome.fidelity)
-    ):
+    )
+    if missed_accuracy_only and target.backend in ACCURACY_CONTROL:
+        _accuracy_control(target, outcome, shared)
+    elif missed_accuracy_only and target.backend in KEEPS_FLOAT and outcome.layers:
         _keep_float(target, outcome, shared)
+
+
+def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -> None:
+    """Mixed precision by the exporter's own quantizer (NNCF's accuracy control): the target built again with
+    what it needs, the budget measured as edgeline judges it; the layers it reverted come back as ``kept_float``."""
+    from edgeline.export.backends.openvino import AccuracyControl
+
+    assert outcome.fidelity is not None
+    budgets, reference, validation = shared.profile.budgets, shared.reference, shared.validation
+    measure = decisive_measure(outcome.fidelity)
+    if measure is None:
+        return
+    first_reason = outcome.reason
+    post = shared.common["postprocess"]
+
+    def score(indices: Sequence[int], outputs: Sequence[tuple[np.ndarray, ...]]) -> float:
+        chosen = tuple(indices)
+        fidelity = compare_outputs(
+            [reference.outputs[i] for i in chosen], outputs, _subset(validation, chosen), post, "accuracy control"
+        )
+        return perfect - fidelity_shortfall(fidelity)  # NNCF divides by the float model's score: never 0
+
+    # the score is the measure itself (points of accuracy or agreement, or the minimum cosine), its drop the budget's
+    perfect, max_drop = (
+        (100.0, budgets.max_accuracy_drop) if measure != "cosine" else (1.0, 1.0 - (budgets.min_cosine or 0.0))
+    )
+    names = {"accuracy": "accuracy", "top1": "top-1 agreement", "anomaly": "anomaly agreement", "cosine": "cosine"}
+    control = AccuracyControl(
+        samples=[tuple(validation.sample(i)) for i in range(len(validation))],
+        score=score,
+        max_drop=max_drop,
+        measure=names[measure],
+    )
+    shared.progress(f"{target.backend} {target.precision.value}: {first_reason}; NNCF's accuracy control")
+    try:
+        _build(target, outcome, shared, int8_missed=first_reason, accuracy_control=control)
+    except ExportError as exc:
+        outcome.status = "rejected"
+        outcome.reason = f"{first_reason}; NNCF's accuracy control failed: {exc}"
+        return
+    if outcome.status != "selected":
+        kept = ", ".join(k.module for k in outcome.kept_float) or "no layer"
+        outcome.reason = f"{first_reason}; NNCF's accuracy control kept {kept} in float: {outcome.reason}"
 
 
 def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None:
@@ -402,6 +447,7 @@ def _build(
     int8_missed: str | None = None,
     plain: Placement | None = None,
     macs: tuple[dict[str, int], int] | None = None,
+    accuracy_control: Any = None,
 ) -> list[str]:
     """One export of ``target`` into ``staging``, measured and judged into ``outcome``; its budget violations.
     ``kept``: mixed precision's float layers (``int8_missed``: why, ``plain``: plain int8's placement, ``macs``: each
@@ -422,9 +468,12 @@ def _build(
         input_names=_input_names(loaded, calibration),
         profile=profile,
         keep_float=tuple(k.module for k in kept),
+        accuracy_control=accuracy_control,
     )
     progress(f"{target.backend} {target.precision.value}: converting")
     exported = convert(request, target)
+    if accuracy_control is not None:  # what the exporter's own accuracy control left in float
+        kept = exported.kept_float
     kept = _off_accelerator(kept, plain, exported.placement, macs)
     check = exported.verification or Verification(backend=exported.runtime_backend)
     measured_file = check.model_file or exported.model_file

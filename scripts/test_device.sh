@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The device tier: edgeline's base install (`pip install edgeline`, no extras: what a device runs) in a venv of its
-# own, build/device-venv, without torch, and the tests marked `device` (but not `workstation`) run in it. A device dependency that only the
+# The device tier: edgeline's base install (`pip install edgeline`: what a device runs) with the torch-free runtimes a
+# device adds (the openvino extra, ExecuTorch's C++ runtime) in a venv of its own, build/device-venv, without torch, and the tests marked `device` (but not `workstation`) run in it. A device dependency that only the
 # workstation happens to have fails here. Idempotent: a stamp of pyproject.toml and this script skips pip when
 # nothing changed. Needs Debian's mosquitto and clients (scripts/setup.sh installs them).
 set -euo pipefail
@@ -17,10 +17,10 @@ fi
 stamp="$venv/.edgeline-install-stamp"
 want="$(cat "$root/pyproject.toml" "$root/scripts/test_device.sh" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "test_device: installing edgeline without extras, pytest (xdist, timeout) and hypothesis" >&2
+    echo "test_device: installing edgeline (its openvino extra), pytest (xdist, timeout) and hypothesis" >&2
     pip_log="$venv/pip.log"
     if ! { "$venv/bin/python" -m pip install --quiet --upgrade pip \
-        && "$venv/bin/python" -m pip install --quiet -e "$root" "pytest>=8" "pytest-xdist>=3.5" "pytest-timeout>=2.3" "hypothesis>=6"; } >"$pip_log" 2>&1; then
+        && "$venv/bin/python" -m pip install --quiet -e "$root[openvino]" "pytest>=8" "pytest-xdist>=3.5" "pytest-timeout>=2.3" "hypothesis>=6"; } >"$pip_log" 2>&1; then
         cat "$pip_log" >&2
         echo "test_device: pip could not install the base install (output above)" >&2
         exit 1

@@ -151,14 +151,14 @@ def sqrt_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def fresh_pte_bundles() -> Callable[[str], Path]:
-    """``fresh_pte_bundles(name)``: the ExecuTorch bundle committed as ``tests/data/<name>``, exported today by the
-    same command (cached by content; never modify it)."""
-    needs_torch("the fresh_pte_bundles fixture")
+def fresh_bundles() -> Callable[[str], Path]:
+    """``fresh_bundles(name)``: the ExecuTorch or OpenVINO bundle committed as ``tests/data/<name>``, exported today
+    by the same command (cached by content; never modify it)."""
+    needs_torch("the fresh_bundles fixture")
 
     def fresh(name: str) -> Path:
         def make(directory: Path) -> None:
-            assert tests.tiny_bundle.export_pte(name, directory, directory / name) == 0, f"exporting {name} failed"
+            assert tests.tiny_bundle.export_target(name, directory, directory / name) == 0, f"exporting {name} failed"
 
         return cached("bundle", [TINY_BUNDLE_PY, name], make) / name
 

@@ -179,6 +179,7 @@ def _torch_macs(module: nn.Module, example: torch.Tensor) -> int:
         ("litert", "int8-static", "rpi5"),
         ("executorch-xnnpack", "int8-static", "rpi5"),
         ("onnxruntime", "int8-static", "x86-64"),
+        ("openvino", "int8-static", "x86-64"),
         ("ethos-u", "int8-static", "ethos-u55-128"),
     ],
 )

@@ -33,6 +33,7 @@ from tests.test_daemon import mosquitto_pub, then_nothing_more
 from tests.tiny_bundle import (
     COMMITTED_BUNDLE,
     COMMITTED_BUNDLES,
+    COMMITTED_OV_BUNDLES,
     COMMITTED_PTE_BUNDLES,
     COMMITTED_SQRT_BUNDLE,
     write_samples,
@@ -79,7 +80,7 @@ def test_export_side_commands_refuse_in_one_line_naming_the_extra(command: list[
     assert not out.exists()
 
 
-ACCELERATOR_EXTRAS = {"qnn-htp": "qnn"}
+ACCELERATOR_EXTRAS = {"qnn-htp": "qnn", "openvino-npu": "openvino"}
 """First targets that need an extra on the device by design: the accelerator is what the profile is for."""
 
 
@@ -145,7 +146,7 @@ def test_the_committed_bundle_is_valid_and_small(committed: Path, capsys: pytest
     [
         ("built_litert_bundle", COMMITTED_BUNDLE),
         ("sqrt_bundle", COMMITTED_SQRT_BUNDLE),
-        *(("fresh_pte_bundles", bundle) for bundle in COMMITTED_PTE_BUNDLES.values()),
+        *(("fresh_bundles", bundle) for bundle in (*COMMITTED_PTE_BUNDLES.values(), *COMMITTED_OV_BUNDLES.values())),
     ],
     ids=lambda value: value.name if isinstance(value, Path) else None,
 )
@@ -154,7 +155,7 @@ def test_the_committed_bundle_describes_what_the_exporter_writes_today(
 ) -> None:
     """Workstation tier: a fresh export of the same model; regenerate with `python -m tests.tiny_bundle NAME`."""
     found = request.getfixturevalue(fixture)
-    exported: Path = found(committed.name) if fixture == "fresh_pte_bundles" else found
+    exported: Path = found(committed.name) if fixture == "fresh_bundles" else found
     if exported == committed:
         pytest.fail("this test needs the workstation tier (a fresh export); it has no `device` marker")
 
@@ -191,11 +192,13 @@ def test_the_defaults_of_run_and_sim_agree() -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    "bundle", [COMMITTED_BUNDLE, COMMITTED_PTE_BUNDLES["tiny-pte-int8"]], ids=["litert", "executorch"]
+    "bundle",
+    [COMMITTED_BUNDLE, COMMITTED_PTE_BUNDLES["tiny-pte-int8"], COMMITTED_OV_BUNDLES["tiny-ov-int8"]],
+    ids=["litert", "executorch", "openvino"],
 )
 def test_default_run_and_default_sim_talk(broker: Broker, tmp_path: Path, bundle: Path) -> None:
     """`edgeline run BUNDLE --broker H:P` and `edgeline sim digits --broker H:P`, no topic or QoS flags: every message
-    the simulator sends is answered (a LiteRT bundle, and an ExecuTorch one on the torch-free runtime)."""
+    the simulator sends is answered (a LiteRT bundle, an ExecuTorch one on the torch-free runtime, an OpenVINO one)."""
     samples = write_samples(tmp_path)
     since = broker.log_size()
     daemon = subprocess.Popen(

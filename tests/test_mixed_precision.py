@@ -67,6 +67,12 @@ def onnx_export(model: Path, samples: tuple[Path, Path], tmp_path_factory: pytes
     return _export(model, samples, out, "x86-64", backend="onnxruntime", precision=Precision.INT8_STATIC)
 
 
+@pytest.fixture(scope="module")
+def openvino_export(model: Path, samples: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    out = tmp_path_factory.mktemp("openvino") / "bundle"
+    return _export(model, samples, out, "x86-64", backend="openvino", precision=Precision.INT8_STATIC)
+
+
 def _held_out_accuracy(bundle: Path) -> float:
     from edgeline.model import load
 
@@ -154,6 +160,63 @@ def test_mixed_precision_keeps_the_outlier_tensor_float_and_meets_the_budget(
     assert _plain_int8_accuracy(model, backend, tmp_path / "plain") < float_accuracy - 0.05
 
 
+def test_nncf_accuracy_control_reverts_the_layer_reading_the_outlier_tensor_and_meets_the_budget(
+    openvino_export: Any, model: Path, tmp_path: Path
+) -> None:
+    """OpenVINO's int8 misses the budget as plain int8; NNCF's accuracy control (ranked on the validation samples,
+    judged by edgeline's accuracy budget) reverts the layer that reads the outlier tensor, which leaves that tensor
+    float: the bundle meets the budget on the held-out digits, and the manifest lists what was reverted."""
+    from edgeline.bundle import read_bundle
+
+    outcome = openvino_export.outcomes[0]
+    assert outcome.status == "selected", outcome.reason
+    assert outcome.int8_missed is not None and "accuracy drop" in outcome.int8_missed
+    manifest = read_bundle(outcome.bundle).manifest
+    assert manifest.quantization is not None
+    kept = manifest.quantization.kept_float
+    assert kept and {k.module for k in kept} <= set(KEPT), kept
+    assert all("NNCF's accuracy control reverted" in k.reason for k in kept)
+    assert manifest.quantization.int8_missed == outcome.int8_missed
+    float_accuracy = _float_accuracy(model)
+    assert _held_out_accuracy(outcome.bundle) >= float_accuracy - 0.01
+    assert _plain_int8_accuracy(model, "openvino", tmp_path / "plain") < float_accuracy - 0.05
+
+
+def test_every_layer_but_the_reverted_ones_stays_int8_in_the_openvino_model(openvino_export: Any) -> None:
+    """Counted from the IR apart from the exporter: a convolution or matrix product reads int8 when a FakeQuantize
+    makes its input (through reshapes)."""
+    import xml.etree.ElementTree as ET
+
+    from edgeline.bundle import read_bundle
+
+    bundle = openvino_export.outcomes[0].bundle
+    root = ET.parse(bundle / "model.xml").getroot()
+    layers = {layer.get("id"): layer for layer in root.iter("layer")}
+    source = {(edge.get("to-layer"), edge.get("to-port")): edge.get("from-layer") for edge in root.iter("edge")}
+
+    def first_port(layer: ET.Element) -> str:
+        ports = layer.find("input")
+        assert ports is not None
+        return str(ports[0].get("id"))
+
+    def fed_by_fake_quantize(layer: ET.Element) -> bool:
+        found = layers[source[(layer.get("id"), first_port(layer))]]
+        while found.get("type") in ("Reshape", "Transpose", "Squeeze", "Unsqueeze"):
+            found = layers[source[(found.get("id"), first_port(found))]]
+        return found.get("type") == "FakeQuantize"
+
+    weighted = [layer for layer in layers.values() if layer.get("type") in ("Convolution", "MatMul")]
+    floating = [layer.get("name") for layer in weighted if not fed_by_fake_quantize(layer)]
+    manifest = read_bundle(bundle).manifest
+    assert manifest.quantization is not None
+    reverted = {k.module for k in manifest.quantization.kept_float}
+    # the five layers (conv1, mix, conv3, conv4, fc): the reverted ones float, every other int8
+    assert len(weighted) == 5
+    assert len(floating) == len(reverted), floating
+    named = {"conv1": "convolution/", "mix": "convolution_1/"}  # torch.export's node names, in forward()'s order
+    assert all(any(str(name).startswith(named[module]) for name in floating) for module in reverted), floating
+
+
 def test_every_layer_but_the_kept_ones_stays_int8_in_the_litert_model(litert_export: Any) -> None:
     from ai_edge_litert.interpreter import Interpreter
 
@@ -227,7 +290,7 @@ def test_no_mixed_precision_rejects_plain_int8_naming_the_layer_that_lost(
     assert not (tmp_path / "bundle").exists()
 
 
-@pytest.mark.parametrize("exported", ["litert_export", "onnx_export"])
+@pytest.mark.parametrize("exported", ["litert_export", "onnx_export", "openvino_export"])
 def test_the_last_layers_figures_are_the_bundles_own_outputs_against_the_float_model(
     exported: str, model: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -2,7 +2,7 @@
 (fp32 LiteRT, any batch size, NaN outputs for negative inputs), and ExecuTorch programs for the torch-free runtime:
 the tiny classifier in fp32 and int8 (XNNPACK) and a model of two inputs in int8, with what ExecuTorch's Python
 runtime answered on their golden inputs (``executorch_python_outputs.npz``: the device tier, which has no torch,
-compares the torch-free runtime's answers with it).
+compares the torch-free runtime's answers with it); OpenVINO IRs of the tiny classifier in fp32 and int8 (NNCF).
 
 The workstation tier exports each bundle once per session (``built_litert_bundle`` and ``sqrt_bundle`` in
 conftest). The device tier (``scripts/test_device.sh``: the base install, no torch) cannot export: it uses the copies
@@ -27,6 +27,7 @@ __all__ = [
     "CLASSES",
     "COMMITTED_BUNDLE",
     "COMMITTED_BUNDLES",
+    "COMMITTED_OV_BUNDLES",
     "COMMITTED_PTE_BUNDLES",
     "COMMITTED_SQRT_BUNDLE",
     "IMAGE_SHAPE",
@@ -36,6 +37,7 @@ __all__ = [
     "TINY_MODEL_SOURCE",
     "export_committed",
     "export_sqrt",
+    "export_target",
     "export_tiny",
     "write_samples",
 ]
@@ -46,16 +48,28 @@ COMMITTED_SQRT_BUNDLE = DATA / "sqrt-fp32"
 COMMITTED_PTE_BUNDLES = {name: DATA / name for name in ("tiny-pte-fp32", "tiny-pte-int8", "pair-pte-int8")}
 """ExecuTorch bundles (XNNPACK): the tiny classifier in fp32 (x86-64's target) and int8-static (rpi5's), and the
 two-input model in int8-static (rpi5)."""
-PTE_TARGETS = {
-    "tiny-pte-fp32": ("x86-64", "fp32"),
-    "tiny-pte-int8": ("rpi5", "int8-static"),
-    "pair-pte-int8": ("rpi5", "int8-static"),
+COMMITTED_OV_BUNDLES = {name: DATA / name for name in ("tiny-ov-fp32", "tiny-ov-int8")}
+"""OpenVINO bundles (IR): the tiny classifier in fp32 and int8-static (NNCF), both x86-64's targets."""
+TARGETS = {
+    "tiny-pte-fp32": ("x86-64", "executorch-xnnpack", "fp32"),
+    "tiny-pte-int8": ("rpi5", "executorch-xnnpack", "int8-static"),
+    "pair-pte-int8": ("rpi5", "executorch-xnnpack", "int8-static"),
+    "tiny-ov-fp32": ("x86-64", "openvino", "fp32"),
+    "tiny-ov-int8": ("x86-64", "openvino", "int8-static"),
 }
+"""The fresh exports (``export_target``) of the committed bundles other than the LiteRT ones: profile, backend,
+precision."""
 PYTHON_RUNTIME_OUTPUTS = DATA / "executorch_python_outputs.npz"
 """``<bundle>/output_<j>``: ExecuTorch's Python runtime's outputs on each ExecuTorch bundle's golden inputs, one
 sample per call, as its model takes them (made by ``python -m tests.tiny_bundle``)."""
 COMMITTED_BUNDLES = {
-    path.name: path for path in (COMMITTED_BUNDLE, COMMITTED_SQRT_BUNDLE, *COMMITTED_PTE_BUNDLES.values())
+    path.name: path
+    for path in (
+        COMMITTED_BUNDLE,
+        COMMITTED_SQRT_BUNDLE,
+        *COMMITTED_PTE_BUNDLES.values(),
+        *COMMITTED_OV_BUNDLES.values(),
+    )
 }
 
 TINY_MODEL_SOURCE = '''\
@@ -182,11 +196,11 @@ def write_pair_samples(root: Path) -> dict[str, Path]:
     return {"calibration": calibration, "validation": validation}
 
 
-def export_pte(name: str, work: Path, out: Path) -> int:
-    """``edgeline export`` of an ExecuTorch bundle of ``COMMITTED_PTE_BUNDLES`` (needs the export extra)."""
+def export_target(name: str, work: Path, out: Path) -> int:
+    """``edgeline export`` of a committed bundle of ``TARGETS`` (needs the export extra)."""
     from edgeline.cli import main
 
-    profile, precision = PTE_TARGETS[name]
+    profile, backend, precision = TARGETS[name]
     if name.startswith("pair"):
         model_file, samples = work / "pair.py", write_pair_samples(work)
         model_file.write_text(PAIR_MODEL_SOURCE, encoding="utf-8")
@@ -195,7 +209,7 @@ def export_pte(name: str, work: Path, out: Path) -> int:
         model_file.write_text(TINY_MODEL_SOURCE, encoding="utf-8")
     return main(
         ["export", f"{model_file}:model", "--profile", profile, "--calibration", str(samples["calibration"]),
-         "--validation", str(samples["validation"]), "--backend", "executorch-xnnpack", "--precision", precision,
+         "--validation", str(samples["validation"]), "--backend", backend, "--precision", precision,
          "--out", str(out)]
     )  # fmt: skip
 
@@ -229,8 +243,8 @@ def export_committed(name: str, work: Path, out: Path) -> int:
     """Export the bundle committed as ``tests/data/<name>`` to ``out`` (``work``: a folder for its sources)."""
     if name == COMMITTED_SQRT_BUNDLE.name:
         return export_sqrt(work, out)
-    if name in COMMITTED_PTE_BUNDLES:
-        return export_pte(name, work, out)
+    if name in TARGETS:
+        return export_target(name, work, out)
     model_file = work / "tiny.py"
     model_file.write_text(TINY_MODEL_SOURCE, encoding="utf-8")
     return export_tiny(model_file, write_samples(work), out)

@@ -28,12 +28,14 @@ RUNTIME_BACKENDS: dict[str, str] = {
     "tflite-micro": "edgeline.backends.tflite_micro:TFLiteMicroSession",
     "coreml": "edgeline.backends.coreml:CoreMLSession",
     "onnxruntime": "edgeline.backends.onnxruntime:OnnxRuntimeSession",
+    "openvino": "edgeline.backends.openvino:OpenVINOSession",
 }
 BASE_INSTALL_BACKENDS: frozenset[str] = frozenset({"litert"})
 """The runtime backends that ``pip install edgeline`` (no extras, what a device runs) can run: their runtime is a
 dependency of the base install and needs no torch. ``executorch`` needs its C++ runtime installed
 (``edgeline doctor --install executorch``, no torch) or the ``executorch`` extra (torch), ``tflite-runtime`` a package
-of its own and ``onnxruntime`` the ``onnx`` extra. A device profile's first target must export for one of these."""
+of its own, ``onnxruntime`` the ``onnx`` extra and ``openvino`` the ``openvino`` extra (both torch-free). A device
+profile's first target must export for one of these, unless the profile is for an accelerator whose extra it names."""
 
 
 class Session(Protocol):

@@ -106,6 +106,25 @@ def accelerator_of(model: Model) -> dict[str, str | None] | None:
     return {"wanted": placement.accelerator, "in_use": model.accelerator, "fallback": model.accelerator_fallback}
 
 
+OPENVINO_CACHE = "openvino-cache"
+"""The folder of the state directory where OpenVINO keeps the models it compiled (``CACHE_DIR``)."""
+
+
+def _cache_compiled_models(bundle: Path, config: DaemonConfig, backend: str | None) -> None:
+    """An OpenVINO bundle's compiled model is cached in the state directory, so a restart loads it rather than
+    compiling again (seconds on a GPU or NPU). A manifest that does not read is ``load``'s to report."""
+    from edgeline.bundle import read_manifest
+
+    try:
+        manifest = read_manifest(bundle)
+    except EdgelineError:
+        return
+    if (backend or manifest.backend) == "openvino":
+        from edgeline.backends.openvino import set_cache_dir
+
+        set_cache_dir((config.daemon.state_dir or default_state_dir()) / manifest.name / OPENVINO_CACHE)
+
+
 def build_parts(
     bundle: Path,
     config: DaemonConfig,
@@ -119,6 +138,7 @@ def build_parts(
     start_on, lock, kept = bundle, None, None
     if config.updates.enabled:  # the committed version may be newer than the bundle given
         start_on, lock, kept = _update_state(bundle, config)
+    _cache_compiled_models(start_on, config, backend)
     model = load(start_on, backend=backend)
     name = model.name
     codec = get_codec(config.input.codec)

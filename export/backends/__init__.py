@@ -17,9 +17,10 @@ from edgeline.registry import resolve
 
 if TYPE_CHECKING:  # the registry is read by `edgeline export --help` (choices of --backend): nothing heavy for that
     from edgeline.device_profiles import Precision, Profile
-    from edgeline.manifest import Estimates, Placement, Rewrite, RuntimeRequirement, TensorSpec
+    from edgeline.manifest import Estimates, KeptFloat, Placement, Rewrite, RuntimeRequirement, TensorSpec
 
 __all__ = [
+    "ACCURACY_CONTROL",
     "EXPORT_BACKENDS",
     "INT8_EDGES",
     "KEEPS_FLOAT",
@@ -40,6 +41,9 @@ EXPORT_BACKENDS: dict[str, str] = {
     "tflite-micro": "edgeline.export.backends.tflite_micro:TFLiteMicroExporter",
     "coreml": "edgeline.export.backends.coreml:CoreMLExporter",
     "executorch-coreml": "edgeline.export.backends.executorch_coreml:ExecuTorchCoreMLExporter",
+    "openvino": "edgeline.export.backends.openvino:OpenVINOExporter",
+    "openvino-gpu": "edgeline.export.backends.openvino:OpenVINOGpuExporter",
+    "openvino-npu": "edgeline.export.backends.openvino:OpenVINONpuExporter",
 }
 
 
@@ -48,6 +52,10 @@ INT8_EDGES = frozenset({"tflite-micro", "ethos-u"})
 Micro's firmware and vela take)."""
 
 KEEPS_FLOAT = frozenset({"litert", "onnxruntime", "executorch-xnnpack", "tflite-micro", "ethos-u", "qnn-htp"})
+ACCURACY_CONTROL = frozenset({"openvino", "openvino-gpu", "openvino-npu"})
+"""The exporters whose int8-static model, when it misses the accuracy budget, is made again by their quantizer's own
+accuracy control (NNCF's ``quantize_with_accuracy_control``, ``ExportRequest.accuracy_control``) rather than by
+edgeline's mixed precision; what it reverted to float comes back as ``ExportedModel.kept_float``."""
 """The exporters that honour ``ExportRequest.keep_float`` in int8-static, through their quantizer's public means:
 the LiteRT quantizer's per-operator annotation (also for the int8 models of TFLite Micro, whose float kernels run
 the kept layers, and of the Ethos-U, whose CPU runs them), ONNX Runtime's ``nodes_to_exclude`` (also QNN's QDQ
@@ -68,6 +76,9 @@ class ExportRequest:
     keep_float: tuple[str, ...] = ()
     """Module paths (``features.2``) to leave in float in an int8-static model: mixed precision, for the exporters
     in ``KEEPS_FLOAT``."""
+    accuracy_control: Any = None
+    """For the exporters in ``ACCURACY_CONTROL``: what their quantizer's accuracy control needs (the validation
+    samples, the score the budget judges, the largest drop; ``edgeline.export.backends.openvino.AccuracyControl``)."""
 
     def profile_section(self, name: str, backend: str, needs: str) -> Any:
         """The profile's ``[name]`` section, which ``backend`` cannot export without (``needs`` says what it takes
@@ -115,6 +126,8 @@ class ExportedModel:
     # Per output: the step of an integer tensor dequantized to the float output inside the model (QDQ). Another
     # runtime or CPU may land one step apart: golden.npz's tolerance allows two (see export/staging.py).
     output_steps: tuple[float, ...] = ()
+    kept_float: tuple[KeptFloat, ...] = ()
+    """The layers the exporter's own accuracy control left in float (``ExportRequest.accuracy_control``)."""
     rewrites: tuple[Rewrite, ...] = ()
     """What the export changed of the function the model computes, so that the target runs it (the manifest's
     ``quantization.rewrites``)."""

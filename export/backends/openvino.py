@@ -1,0 +1,441 @@
+"""OpenVINO (.xml + .bin IR): the torch.export program converted by ``openvino.convert_model``, fp32, fp16 or int8
+quantized by NNCF on our samples, with its accuracy control when plain int8 misses the accuracy budget.
+
+- **From the exported program, not ONNX.** OpenVINO's PyTorch frontend reads the ``ExportedProgram`` (decomposed to
+  core ATen, as every exporter of ours takes it) directly: no ONNX exporter in between, and each IR operator keeps the
+  name of the torch.export node it came from (``convolution_1/aten.convolution.default/Convolution``), which says
+  which torch module it computes (the layers NNCF's accuracy control reverts, listed by module in ``kept_float``).
+- **Precision.** ``save_model`` compresses weights to fp16 unless told not to: fp32 bundles are saved with
+  ``compress_to_fp16=False``, fp16 ones with it. The precision fidelity was measured with is written into the IR
+  (``rt_info`` ``edgeline/inference_precision``) and the runtime sets ``INFERENCE_PRECISION_HINT`` to it, so the CPU
+  plugin does not switch to bf16 (or fp16) by itself on a device whose CPU has it.
+- **int8.** ``nncf.quantize`` on the calibration samples (8-bit weights per channel, symmetric: NNCF's performance
+  preset for the target device), with ``overflow_fix`` on every layer: weights in 7 bits, so AVX2 CPUs without VNNI
+  (whose VPMADDUBSW saturates int16 pair sums, as this machine's) compute the same integers as VNNI ones and the
+  fidelity measured here holds on the device. Activation ranges are NNCF's ``HISTOGRAM`` estimator's (the range
+  whose quantization error is least over the calibration samples' histogram): NNCF's default averages each
+  sample's range, which with one sample per batch clips what rarer samples reach. Points lost on the reference models'
+  held-out samples, default / histogram: autoencoder 9.0 / 0.0, ResNet-8 1.1 / 0.4, VWW 0.3 / 0.0, digits and
+  DS-CNN none either way (the plain min-max range: 0.0 on the autoencoder, 0.9 on ResNet-8).
+- **Accuracy control.** ``nncf.quantize_with_accuracy_control`` against the profile's accuracy budget, measured the way
+  edgeline judges it (accuracy against labels, else agreement with the float model's decisions, else cosine) on the
+  validation samples; the layers it reverted to float are the manifest's ``kept_float``.
+- **Telemetry.** ``convert_model`` and NNCF send usage telemetry to Google Analytics when ``openvino-telemetry`` is
+  importable and no opt-out file exists; an export must not talk to the network: the exporter imports both with
+  ``openvino_telemetry`` unimportable, which makes each use its own no-op stub.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any
+
+import numpy as np
+
+from edgeline.backends.openvino import CPU, PRECISION_KEY, import_openvino
+from edgeline.device_profiles import Precision
+from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.conversion import module_path
+from edgeline.export.errors import ExportError
+from edgeline.manifest import KeptFloat, Placement, RuntimeRequirement
+
+__all__ = [
+    "AccuracyControl",
+    "OpenVINOExporter",
+    "OpenVINOGpuExporter",
+    "OpenVINONpuExporter",
+    "import_export_tools",
+    "int8_operators",
+    "openvino_placement",
+    "unsupported_operators",
+]
+
+MODEL_FILE = "model.xml"
+WEIGHTS_FILE = "model.bin"
+MIN_VERSION = "2025.0"  # the IR of convert_model's PyTorch frontend on torch.export programs
+WEIGHTED = frozenset(
+    {"Convolution", "GroupConvolution", "ConvolutionBackpropData", "GroupConvolutionBackpropData", "MatMul"}
+)
+"""IR operators that multiply by weights: what int8 is for, and what NNCF's accuracy control reverts."""
+_PASSING = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Transpose", "Concat", "Split", "VariadicSplit"})
+"""IR operators a quantized tensor crosses unchanged on its way to the operator that reads it."""
+_NOT_COMPUTE = frozenset({"Input", "Output", "Const", "Reorder", "Convert"})
+"""Nodes of a plugin's runtime graph that compute nothing of the model: its inputs, outputs, constants, and the
+layout and type conversions the plugin inserts (as Q/DQ nodes are left out of an ONNX model's count)."""
+_INTEGER = frozenset({"i8", "u8"})
+_FX_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)/aten\.")
+
+
+@dataclass(frozen=True)
+class AccuracyControl:
+    """What NNCF's accuracy control needs from the pipeline: the validation samples, a score of a model's outputs on
+    some of them (higher better; the float model's is the reference), and the largest drop of that score allowed."""
+
+    samples: Sequence[tuple[np.ndarray, ...]]
+    score: Callable[[Sequence[int], Sequence[tuple[np.ndarray, ...]]], float]
+    """(sample indices, each one's outputs) -> the score edgeline's budget judges on those samples."""
+    max_drop: float
+    measure: str  # what ``score`` is, for the manifest: "accuracy", "top-1 agreement", ...
+
+
+def import_export_tools() -> tuple[Any, Any]:
+    """(openvino, nncf), their telemetry off (see the module's docstring); one error naming the extra otherwise."""
+    if "openvino_telemetry" not in sys.modules:
+        sys.modules["openvino_telemetry"] = None  # type: ignore[assignment]  # import fails: the stubs are used
+    ov = import_openvino()
+    try:
+        import nncf
+    except ImportError as exc:
+        raise ExportError("exporting to OpenVINO int8 needs nncf: pip install 'edgeline[export]'") from exc
+    return ov, nncf
+
+
+def _ov_type(ov: Any, dtype: Any) -> Any:
+    import torch
+
+    types = {torch.float32: ov.Type.f32, torch.float16: ov.Type.f16, torch.int64: ov.Type.i64, torch.int32: ov.Type.i32}
+    if dtype not in types:
+        raise ExportError(f"openvino: an input of dtype {dtype} is not supported (float32, float16, int32, int64)")
+    return types[dtype]
+
+
+def to_openvino(ov: Any, request: ExportRequest) -> tuple[Any, Any]:
+    """(the OpenVINO model, the decomposed torch.export program it was converted from), with static batch-1 shapes
+    and the tensors named like forward()'s parameters and ``output_<j>``."""
+    import torch
+
+    program = torch.export.export(request.module, request.example_inputs).run_decompositions()
+    shapes = [(list(tensor.shape), _ov_type(ov, tensor.dtype)) for tensor in request.example_inputs]
+    try:
+        model = ov.convert_model(program, input=shapes)
+    except Exception as exc:  # its frontend raises OpConversionFailure and others, naming the aten operators
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        raise ExportError(f"openvino: convert_model failed: {' '.join(lines[-3:])[:600]}") from exc
+    for port, name in zip(model.inputs, request.input_names, strict=True):
+        port.get_tensor().set_names({name})
+    for index, port in enumerate(model.outputs):
+        port.get_tensor().set_names({f"output_{index}"})
+    return model, program
+
+
+def operator_modules(model: Any, program: Any, module: Any) -> dict[str, str]:
+    """IR operator name -> the path of the torch module it computes, where known. An operator keeps the name of the
+    torch.export node it came from (``convolution_1/aten.convolution.default/Convolution``), which ``nn_module_stack``
+    names the module of. A convolution the frontend rebuilt before a batch norm is named ``Multiply_<n>``: it is the
+    module, among those whose output the next named operator reads, whose weight has as many elements as its weights."""
+    nodes = {node.name: node for node in program.graph.nodes if node.op == "call_function"}
+    paths = {name: path for name, node in nodes.items() if (path := module_path(node)) is not None}
+    named = dict(module.named_modules())
+    found: dict[str, str] = {}
+    for op in model.get_ordered_ops():
+        name = op.get_friendly_name()
+        match = _FX_NAME.match(name)
+        if match is not None:
+            if match.group(1) in paths:
+                found[name] = paths[match.group(1)]
+        elif op.get_type_name() in WEIGHTED:
+            owner = _rebuilt_owner(op, nodes, paths, named)
+            if owner is not None:
+                found[name] = owner
+    return found
+
+
+def _rebuilt_owner(op: Any, nodes: dict[str, Any], paths: dict[str, str], named: dict[str, Any]) -> str | None:
+    weights = op.input(1).get_partial_shape()
+    if weights.is_dynamic:
+        return None
+    size = int(np.prod([int(d) for d in weights.to_shape()], dtype=np.int64))  # grouped: [G, O/G, I/G, k...]
+    frontier: list[Any] = [op]
+    seen: set[int] = set()
+    for _ in range(8):  # bounded walk to the first operator named after a torch.export node
+        readers = [t.get_node() for node in frontier for t in node.output(0).get_target_inputs()] if frontier else []
+        named_reader = next((r for r in readers if _FX_NAME.match(r.get_friendly_name())), None)
+        if named_reader is not None:
+            fx = nodes.get(_FX_NAME.match(named_reader.get_friendly_name()).group(1))  # type: ignore[union-attr]
+            inputs = [arg for arg in (fx.all_input_nodes if fx is not None else ()) if arg.name in paths]
+            owners = {
+                paths[arg.name]
+                for arg in inputs
+                if getattr(getattr(named.get(paths[arg.name]), "weight", None), "numel", lambda: -1)() == size
+            }
+            return owners.pop() if len(owners) == 1 else None
+        frontier = [r for r in readers if id(r) not in seen and r.get_output_size() == 1]
+        seen.update(id(r) for r in frontier)
+    return None
+
+
+def _feeds(request: ExportRequest, samples: Sequence[tuple[Any, ...]]) -> list[dict[str, np.ndarray]]:
+    return [
+        {name: np.asarray(value.numpy() if hasattr(value, "numpy") else value) for name, value in zip(
+            request.input_names, sample, strict=True
+        )}
+        for sample in samples
+    ]  # fmt: skip
+
+
+def int8_operators(model: Any) -> set[str]:
+    """The weighted IR operators of a quantized model that compute in int8: their activation input comes from a
+    FakeQuantize (through operators that only move values)."""
+    found = set()
+    for op in model.get_ordered_ops():
+        if op.get_type_name() not in WEIGHTED:
+            continue
+        source = op.input(0).get_source_output().get_node()
+        for _ in range(16):  # bounded walk back
+            if source.get_type_name() not in _PASSING:
+                break
+            source = source.input(0).get_source_output().get_node()
+        if source.get_type_name() == "FakeQuantize":
+            found.add(op.get_friendly_name())
+    return found
+
+
+class OpenVINOExporter:
+    name = "openvino"
+    runtime_backend = "openvino"
+    device = CPU
+    precisions: tuple[Precision, ...] = (Precision.FP32, Precision.FP16, Precision.INT8_STATIC)
+
+    def export(self, request: ExportRequest) -> ExportedModel:
+        if request.precision not in self.precisions:
+            raise ExportError(f"{self.name} cannot export {request.precision.value}")
+        ov, nncf = import_export_tools()
+        model, program = to_openvino(ov, request)
+        modules = operator_modules(model, program, request.module)
+        kept: tuple[KeptFloat, ...] = ()
+        if request.precision is Precision.INT8_STATIC:
+            model, kept = self._quantize(ov, nncf, model, request, modules)
+        hint = "f16" if request.precision is Precision.FP16 else "f32"
+        model.set_rt_info(hint, PRECISION_KEY)
+        path = request.out_dir / MODEL_FILE
+        ov.save_model(model, str(path), compress_to_fp16=request.precision is Precision.FP16)
+        core = ov.Core()
+        accelerator = None if self.device == CPU else self.device
+        here = accelerator is None or any(d.split(".")[0] == accelerator for d in core.available_devices)
+        placement = openvino_placement(core, core.read_model(str(path)), request.precision, accelerator, here, hint)
+        return ExportedModel(
+            model_file=MODEL_FILE,
+            runtime_backend=self.runtime_backend,
+            runtime=RuntimeRequirement(package="openvino", min_version=MIN_VERSION),
+            input_names=tuple(request.input_names),
+            extra_files=(WEIGHTS_FILE,),
+            placement=placement,
+            tool_versions={"torch": version("torch"), "openvino": version("openvino"), "nncf": version("nncf")}
+            if request.precision is Precision.INT8_STATIC
+            else {"torch": version("torch"), "openvino": version("openvino")},
+            verification=_verification(core, request.precision, accelerator, here),
+            kept_float=kept,
+        )
+
+    def _quantize(
+        self, ov: Any, nncf: Any, model: Any, request: ExportRequest, modules: dict[str, str]
+    ) -> tuple[Any, tuple[KeptFloat, ...]]:
+        from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
+        from nncf.quantization.range_estimator import RangeEstimatorParametersSet
+
+        calibration = nncf.Dataset(_feeds(request, request.calibration))
+        options: dict[str, Any] = dict(
+            preset=nncf.QuantizationPreset.PERFORMANCE,
+            target_device=getattr(nncf.TargetDevice, self.device),
+            subset_size=len(request.calibration),
+        )
+        advanced = AdvancedQuantizationParameters(
+            overflow_fix=OverflowFix.ENABLE, activations_range_estimator_params=RangeEstimatorParametersSet.HISTOGRAM
+        )
+        control = request.accuracy_control
+        if control is None:
+            try:
+                return nncf.quantize(model, calibration, advanced_parameters=advanced, **options), ()
+            except Exception as exc:
+                raise ExportError(f"openvino: nncf.quantize failed: {_last_line(exc)}") from exc
+        assert isinstance(control, AccuracyControl)
+        plain = int8_operators(nncf.quantize(model.clone(), calibration, advanced_parameters=advanced, **options))
+        indexed = [(index, feed) for index, feed in enumerate(_feeds(request, control.samples))]
+
+        def validate(compiled: Any, items: Any) -> tuple[float, None]:
+            chosen = list(items)
+            request_ = compiled.create_infer_request()
+            outputs = []
+            for _, feed in chosen:
+                results = request_.infer(feed)
+                outputs.append(tuple(np.array(results[port], copy=True) for port in compiled.outputs))
+            return control.score([index for index, _ in chosen], outputs), None
+
+        try:
+            quantized = nncf.quantize_with_accuracy_control(
+                model,
+                calibration,
+                nncf.Dataset(indexed, lambda item: item[1]),
+                validate,
+                max_drop=control.max_drop,
+                drop_type=nncf.DropType.ABSOLUTE,
+                advanced_quantization_parameters=advanced,
+                **options,
+            )
+        except Exception as exc:
+            raise ExportError(f"openvino: nncf.quantize_with_accuracy_control failed: {_last_line(exc)}") from exc
+        reverted = sorted(plain - int8_operators(quantized))
+        return quantized, _kept(reverted, modules, request.module, control)
+
+
+def _kept(reverted: list[str], modules: dict[str, str], module: Any, control: AccuracyControl) -> tuple[KeptFloat, ...]:
+    """The modules whose weighted operators accuracy control reverted to float, in the manifest's terms."""
+    named = dict(module.named_modules())
+    found: dict[str, list[str]] = {}
+    for op in reverted:  # an operator no module is known for is listed by its own name
+        path = modules.get(op)
+        found.setdefault(path if path is not None else op, []).append(op.split("/")[-1] if path is not None else "")
+    kept = []
+    for path, ops in found.items():
+        leaf = named.get(path)
+        params = sum(p.numel() for p in leaf.parameters()) if leaf is not None else 0
+        ops = [op for op in ops if op]
+        kept.append(
+            KeptFloat(
+                module=path,
+                operator=type(leaf).__name__ if leaf is not None else "IR operator",
+                added_bytes=3 * params,
+                reason=f"NNCF's accuracy control reverted {'its ' + ', '.join(ops) if ops else 'it'} to float to hold "
+                f"the {control.measure} "
+                f"budget (a drop of at most {control.max_drop:g})",
+            )
+        )
+    return tuple(kept)
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines or [type(exc).__name__])[-1][:400]
+
+
+def _runtime_graph(core: Any, model: Any, device: str, hint: str) -> list[Any]:
+    compiled = core.compile_model(model, device, {"INFERENCE_PRECISION_HINT": hint})
+    return [op for op in compiled.get_runtime_model().get_ordered_ops()]
+
+
+def _info(op: Any, key: str) -> str:
+    info = op.get_rt_info()
+    return str(info[key].astype(str)) if key in info else ""
+
+
+def _elements(shape: Any) -> int | None:
+    if shape.is_dynamic:
+        return None
+    return int(np.prod([int(d) for d in shape.to_shape()], dtype=np.int64))
+
+
+def _macs(op: Any) -> int | None:
+    """Multiply-accumulates of one runtime-graph node from its shapes: convolutions and fully connected layers by their
+    reduction, every other node one per output element."""
+    kind = _info(op, "layerType")
+    out = _elements(op.get_output_partial_shape(0)) if op.get_output_size() else 0
+    if out is None:
+        return None
+    if kind in ("Convolution", "FullyConnected") and op.get_input_size() > 1:
+        weights = _elements(op.input(1).get_partial_shape())
+        shape = op.get_output_partial_shape(0)
+        channels = int(shape[1].get_length() if kind == "Convolution" else shape[len(shape) - 1].get_length())
+        return None if weights is None or not channels else out * (weights // channels)
+    if kind == "MatMul" and op.get_input_size() > 1:
+        left = op.input(0).get_partial_shape()
+        return None if left.is_dynamic else out * int(left[len(left) - 1].get_length())
+    return out
+
+
+def unsupported_operators(core: Any, model: Any, device: str) -> Counter[str]:
+    """The IR's operators, by type, that ``device``'s plugin does not support (``query_model``), its parameters,
+    results and constants aside."""
+    supported = core.query_model(model, device)
+    return Counter(
+        op.get_type_name()
+        for op in model.get_ordered_ops()
+        if op.get_type_name() not in ("Parameter", "Result", "Constant") and op.get_friendly_name() not in supported
+    )
+
+
+def openvino_placement(
+    core: Any, model: Any, precision: Precision, accelerator: str | None, here: bool, hint: str
+) -> Placement:
+    """Placement read from the runtime graph of the plugin that compiles the model here (its nodes are fused
+    operators: a convolution with its bias, activation and requantization is one), each node's ``runtimePrecision``
+    saying whether it computes in int8. An accelerator's plugin present here is asked first which operators it
+    supports (``query_model``): it compiles the whole model or nothing (no fallback without HETERO), so one it lacks
+    puts the model on the CPU, the missing operators in ``fallback``. An accelerator absent here leaves its share
+    unknown, said so."""
+    missing = unsupported_operators(core, model, accelerator) if accelerator is not None and here else Counter()
+    device = accelerator if accelerator is not None and here and not missing else CPU
+    graph = _runtime_graph(core, model, device, hint)
+    constant = {id(op) for op in graph if _info(op, "layerType") == "Const"}
+    for op in graph:  # nodes that compute on constants alone (weights' reshapes) are the weights' preparation
+        sources = [op.input(i).get_source_output().get_node() for i in range(op.get_input_size())]
+        if sources and all(id(source) in constant for source in sources):
+            constant.add(id(op))
+    nodes = [op for op in graph if _info(op, "layerType") not in _NOT_COMPUTE and id(op) not in constant]
+    quantized = [op for op in nodes if _info(op, "runtimePrecision") in _INTEGER]
+    work = {id(op): _macs(op) for op in nodes}
+    counted = all(value is not None for value in work.values())
+    unknown: dict[str, str] = {}
+    if not counted:
+        unknown["macs"] = "the plugin's runtime graph has dynamic shapes"
+    fallback: dict[str, int] = dict(missing)
+    if precision.integer:
+        for op in nodes:
+            if op not in quantized:
+                fallback[_info(op, "layerType")] = fallback.get(_info(op, "layerType"), 0) + 1
+    accelerator_ops = None
+    if accelerator is not None:
+        if here:
+            accelerator_ops = 0 if missing else len(nodes)
+        else:
+            unknown["accelerator_ops"] = (
+                f"OpenVINO's {accelerator} plugin compiles the model on the device; there is no {accelerator} here, so "
+                "the operators are counted on the CPU plugin's runtime graph"
+            )
+    return Placement(
+        accelerator=accelerator,
+        ops=len(nodes),
+        accelerator_ops=accelerator_ops,
+        quantized_ops=len(quantized) if precision.integer else None,
+        macs=sum(work[id(op)] or 0 for op in nodes) if counted else None,
+        quantized_macs=sum(work[id(op)] or 0 for op in quantized) if counted and precision.integer else None,
+        fallback=dict(sorted(fallback.items())),
+        unknown=unknown,
+    )
+
+
+def _verification(core: Any, precision: Precision, accelerator: str | None, here: bool) -> Verification | None:
+    """None (the bundle on its own runtime backend here, the usual check) unless what runs here is not what the
+    device runs: an accelerator absent here, or an fp16 model whose fp16 this CPU does not compute."""
+    notes = []
+    if accelerator is not None and not here:
+        notes.append(f"the bundle is built for OpenVINO's {accelerator} plugin, which was not measured")
+    if precision is Precision.FP16 and "FP16" not in core.get_property(CPU, "OPTIMIZATION_CAPABILITIES"):
+        notes.append("this CPU computes no fp16: the fp16 weights were computed in fp32")
+    if not notes:
+        return None
+    return Verification(
+        backend="openvino",
+        measured_with=f"openvino {version('openvino')} CPU plugin on this {platform.machine()} machine; "
+        + "; ".join(notes),
+    )
+
+
+class OpenVINOGpuExporter(OpenVINOExporter):
+    """An Intel integrated GPU (OpenVINO's GPU plugin): it computes in fp16 (fp32 costs it twice the time)."""
+
+    name = "openvino-gpu"
+    device = "GPU"
+
+
+class OpenVINONpuExporter(OpenVINOExporter):
+    """An Intel NPU (Core Ultra's; OpenVINO's NPU plugin): static shapes only, int8 or fp16."""
+
+    name = "openvino-npu"
+    device = "NPU"
+    precisions = (Precision.FP16, Precision.INT8_STATIC)
