@@ -74,6 +74,9 @@ def set_cache_dir(directory: Path | None) -> None:
     if directory is not None:
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            for entry in directory.iterdir():  # a blob that is not a regular file (a FIFO would block the compiler)
+                if entry.suffix == ".blob" and (entry.is_symlink() or not entry.is_file()) and not entry.is_dir():
+                    entry.unlink()
             blobs = sorted(
                 (entry for entry in directory.iterdir() if entry.is_file() and entry.suffix == ".blob"),
                 key=lambda entry: entry.stat().st_mtime,
