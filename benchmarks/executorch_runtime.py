@@ -13,17 +13,14 @@ Goals (issue 37): start-up and memory within 1.5x of LiteRT's, latency within 1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from report import markdown_table, publish  # benchmarks/report.py, next to this script
+from report import fresh_process_probe, markdown_table, publish  # benchmarks/report.py, next to this script
 
 PROBE = r"""
 import json, sys, time
@@ -54,32 +51,7 @@ RUNS = (
 
 
 def probe(bundle: Path, env: dict[str, str], seconds: float) -> dict[str, float]:
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, str(bundle), str(seconds)],
-        capture_output=True, text=True, timeout=300, check=False, env={**os.environ, **env},
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{bundle}: {done.stderr[-2000:]}")
-    found = json.loads(lines[-1])
-    # from spawning the process to its first answer: the interpreter's own start plus what it measured
-    found["spawn_to_first_s"] = found["first_s"] + _interpreter_start()
-    return found
-
-
-_START: list[float] = []
-
-
-def _interpreter_start() -> float:
-    """A bare ``python -c pass``: added to what each probe measured from its first line (median of 5, once)."""
-    if not _START:
-        samples = []
-        for _ in range(5):
-            begin = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "pass"], check=True)
-            samples.append(time.perf_counter() - begin)
-        _START.append(statistics.median(samples))
-    return _START[0]
+    return fresh_process_probe(PROBE, bundle, seconds, env)
 
 
 def main() -> int:

@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/outlier_model.py
-from report import markdown_table, publish  # benchmarks/report.py, next to this script
+from report import fresh_process_probe, markdown_table, publish  # benchmarks/report.py, next to this script
 
 PROBE = r"""
 import json, sys, time
@@ -89,32 +88,7 @@ max_accuracy_drop = 100.0
 
 
 def probe(bundle: Path, seconds: float) -> dict[str, float]:
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, str(bundle), str(seconds)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{bundle}: {done.stderr[-2000:]}")
-    found = json.loads(lines[-1])
-    # from spawning the process to its first answer: the interpreter's own start plus what it measured
-    found["spawn_to_first_s"] = found["first_s"] + _interpreter_start()
-    return found
-
-
-_START: list[float] = []
-
-
-def _interpreter_start() -> float:
-    """A bare ``python -c pass``: added to what each probe measured from its first line (median of 5, once)."""
-    if not _START:
-        samples = []
-        for _ in range(5):
-            begin = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "pass"], check=True)
-            samples.append(time.perf_counter() - begin)
-        _START.append(statistics.median(samples))
-    return _START[0]
+    return fresh_process_probe(PROBE, bundle, seconds)
 
 
 def _cpu() -> str:

@@ -235,12 +235,20 @@ def _executorch_facts(*, try_import: bool) -> RuntimeFacts:
     )
 
 
+def _openvino_has(runtime: RuntimeFacts, device: str) -> bool:
+    from edgeline.backends.openvino import has_device  # imports nothing of openvino's
+
+    return has_device(runtime.devices, device)
+
+
 def _openvino_device(facts: Facts, device: str) -> dict[str, Any]:
     runtime = facts.runtimes.get("openvino")
     if runtime is None or not runtime.imports:
         return {"present": False, "detail": "openvino is not installed (pip install 'edgeline[openvino]')"}
-    present = any(found.split(".")[0] == device for found in runtime.devices)
-    return {"present": present, "detail": "OpenVINO devices: " + (", ".join(runtime.devices) or "none")}
+    return {
+        "present": _openvino_has(runtime, device),
+        "detail": "OpenVINO devices: " + (", ".join(runtime.devices) or "none"),
+    }
 
 
 def _runtime_facts(backend: str, *, try_import: bool, native: bool = True) -> RuntimeFacts:
@@ -421,7 +429,7 @@ def _profile_runs(profile: Profile, facts: Facts) -> list[str]:
         if accelerator == "ethos-u" and facts.ethos_u_delegate is None:
             label += " (CPU fallback)"
         elif backend == "openvino" and accelerator is not None:
-            if not any(device.split(".")[0] == accelerator for device in runtime.devices):
+            if not _openvino_has(runtime, accelerator):
                 label += " (CPU fallback)"
         elif accelerator is not None and accelerator.endswith("ExecutionProvider"):
             ort = facts.runtimes["onnxruntime"]
@@ -708,7 +716,7 @@ def verdict(
     if name == "executorch":
         return _executorch_verdict(model, accelerator, runtime, common)
     if name == "openvino" and accelerator is not None:
-        if any(device.split(".")[0] == accelerator for device in runtime.devices):
+        if _openvino_has(runtime, accelerator):
             return Verdict(True, name, model, accelerator, None, f"OpenVINO has its {accelerator} device", **common)
         if runtime.imports:  # devices known: the plugin found none
             has = ", ".join(runtime.devices) or "no device"

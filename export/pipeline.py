@@ -33,6 +33,7 @@ from edgeline.export.backends import (
     EXPORT_BACKENDS,
     INT8_EDGES,
     KEEPS_FLOAT,
+    AccuracyControl,
     ExportedModel,
     ExportRequest,
     Verification,
@@ -259,8 +260,6 @@ def _try_target(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
 def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -> None:
     """Mixed precision by the exporter's own quantizer (NNCF's accuracy control): the target built again with
     what it needs, the budget measured as edgeline judges it; the layers it reverted come back as ``kept_float``."""
-    from edgeline.export.backends.openvino import AccuracyControl
-
     assert outcome.fidelity is not None
     budgets, reference, validation = shared.profile.budgets, shared.reference, shared.validation
     measure = decisive_measure(outcome.fidelity)
@@ -268,6 +267,10 @@ def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -
         return
     first_reason = outcome.reason
     post = shared.common["postprocess"]
+    # the score is the measure itself (points of accuracy or agreement, or the minimum cosine), its drop the budget's
+    perfect, max_drop = (
+        (100.0, budgets.max_accuracy_drop) if measure != "cosine" else (1.0, 1.0 - (budgets.min_cosine or 0.0))
+    )
 
     def score(indices: Sequence[int], outputs: Sequence[tuple[np.ndarray, ...]]) -> float:
         chosen = tuple(indices)
@@ -276,10 +279,6 @@ def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -
         )
         return perfect - fidelity_shortfall(fidelity)  # NNCF divides by the float model's score: never 0
 
-    # the score is the measure itself (points of accuracy or agreement, or the minimum cosine), its drop the budget's
-    perfect, max_drop = (
-        (100.0, budgets.max_accuracy_drop) if measure != "cosine" else (1.0, 1.0 - (budgets.min_cosine or 0.0))
-    )
     names = {"accuracy": "accuracy", "top1": "top-1 agreement", "anomaly": "anomaly agreement", "cosine": "cosine"}
     control = AccuracyControl(
         samples=[tuple(validation.sample(i)) for i in range(len(validation))],
@@ -447,7 +446,7 @@ def _build(
     int8_missed: str | None = None,
     plain: Placement | None = None,
     macs: tuple[dict[str, int], int] | None = None,
-    accuracy_control: Any = None,
+    accuracy_control: AccuracyControl | None = None,
 ) -> list[str]:
     """One export of ``target`` into ``staging``, measured and judged into ``outcome``; its budget violations.
     ``kept``: mixed precision's float layers (``int8_missed``: why, ``plain``: plain int8's placement, ``macs``: each

@@ -232,6 +232,21 @@ def test_setting_the_cache_keeps_the_newest_compiled_models_only(tmp_path: Path)
 
 
 @pytest.mark.quick
+def test_a_blob_in_the_cache_that_is_not_a_regular_file_is_removed_before_openvino_reads_it(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    set_cache_dir(cache)
+    OpenVINOSession(COMMITTED_OV_BUNDLES["tiny-ov-int8"] / "model.xml")
+    (blob,) = cache.glob("*.blob")
+    blob.unlink()
+    os.mkfifo(blob)  # the compiled model's own name: opening it would block until a writer came
+    (cache / "elsewhere.blob").symlink_to("/dev/zero")
+    set_cache_dir(cache)
+    assert list(cache.glob("*.blob")) == []
+    session = OpenVINOSession(COMMITTED_OV_BUNDLES["tiny-ov-int8"] / "model.xml")  # compiled again, not blocked
+    assert session.from_cache is False and blob.is_file()
+
+
+@pytest.mark.quick
 def test_a_cache_that_cannot_be_made_leaves_caching_off_and_the_model_runs(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -62,6 +62,11 @@ _cache: dict[str, str | None] = {"dir": None}
 _lock = threading.Lock()
 
 
+def has_device(available: Sequence[str], device: str) -> bool:
+    """Whether OpenVINO's ``available_devices`` (``CPU``, ``GPU.0``, ``GPU.1``, ``NPU``) hold a ``device``."""
+    return any(found.split(".")[0] == device for found in available)
+
+
 def set_cache_dir(directory: Path | None) -> None:
     """Where compiled models are cached from now on (None: not cached). The directory is made, and its compiled
     models beyond the ``CACHE_KEEP`` newest deleted (each update compiles one more); a directory that cannot be made
@@ -69,6 +74,9 @@ def set_cache_dir(directory: Path | None) -> None:
     if directory is not None:
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            for entry in directory.iterdir():  # a blob that is not a regular file (a FIFO would block the compiler)
+                if entry.suffix == ".blob" and (entry.is_symlink() or not entry.is_file()) and not entry.is_dir():
+                    entry.unlink()
             blobs = sorted(
                 (entry for entry in directory.iterdir() if entry.is_file() and entry.suffix == ".blob"),
                 key=lambda entry: entry.stat().st_mtime,
@@ -199,7 +207,7 @@ class OpenVINOSession:
         wanted = None if accelerator in (None, CPU) else accelerator
         if wanted is not None:
             available = core.available_devices
-            if any(found.split(".")[0] == wanted for found in available):
+            if has_device(available, wanted):
                 device = wanted
             else:
                 self.fallback_reason = f"OpenVINO has no {wanted} plugin device here (it has {', '.join(available)})"

@@ -7,7 +7,7 @@ and writes model file(s) into a directory. Everything else (bundle, fidelity, bu
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -16,6 +16,8 @@ from edgeline.export.errors import ExportError
 from edgeline.registry import resolve
 
 if TYPE_CHECKING:  # the registry is read by `edgeline export --help` (choices of --backend): nothing heavy for that
+    import numpy as np
+
     from edgeline.device_profiles import Precision, Profile
     from edgeline.manifest import Estimates, KeptFloat, Placement, Rewrite, RuntimeRequirement, TensorSpec
 
@@ -24,6 +26,7 @@ __all__ = [
     "EXPORT_BACKENDS",
     "INT8_EDGES",
     "KEEPS_FLOAT",
+    "AccuracyControl",
     "ExportRequest",
     "ExportedModel",
     "Exporter",
@@ -65,6 +68,19 @@ to hold to a budget)."""
 
 
 @dataclass(frozen=True)
+class AccuracyControl:
+    """What an exporter's own accuracy control needs from the pipeline (``ACCURACY_CONTROL``): the validation samples,
+    a score of a model's outputs on some of them (higher better; the float model's is the reference), and the
+    largest drop of that score allowed."""
+
+    samples: Sequence[tuple[np.ndarray, ...]]
+    score: Callable[[Sequence[int], Sequence[tuple[np.ndarray, ...]]], float]
+    """(sample indices, each one's outputs) -> the score edgeline's budget judges on those samples."""
+    max_drop: float
+    measure: str  # what ``score`` is, for the manifest: "accuracy", "top-1 agreement", ...
+
+
+@dataclass(frozen=True)
 class ExportRequest:
     module: Any  # torch.nn.Module in eval mode
     example_inputs: tuple[Any, ...]  # torch tensors, batch 1
@@ -76,9 +92,8 @@ class ExportRequest:
     keep_float: tuple[str, ...] = ()
     """Module paths (``features.2``) to leave in float in an int8-static model: mixed precision, for the exporters
     in ``KEEPS_FLOAT``."""
-    accuracy_control: Any = None
-    """For the exporters in ``ACCURACY_CONTROL``: what their quantizer's accuracy control needs (the validation
-    samples, the score the budget judges, the largest drop; ``edgeline.export.backends.openvino.AccuracyControl``)."""
+    accuracy_control: AccuracyControl | None = None
+    """For the exporters in ``ACCURACY_CONTROL``: make int8-static with their quantizer's accuracy control."""
 
     def profile_section(self, name: str, backend: str, needs: str) -> Any:
         """The profile's ``[name]`` section, which ``backend`` cannot export without (``needs`` says what it takes

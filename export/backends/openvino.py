@@ -31,22 +31,20 @@ import platform
 import re
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from importlib.metadata import version
 from typing import Any
 
 import numpy as np
 
-from edgeline.backends.openvino import CPU, PRECISION_KEY, import_openvino
+from edgeline.backends.openvino import CPU, PRECISION_KEY, has_device, import_openvino
 from edgeline.device_profiles import Precision
-from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.backends import AccuracyControl, ExportedModel, ExportRequest, Verification
 from edgeline.export.conversion import module_path
 from edgeline.export.errors import ExportError
 from edgeline.manifest import KeptFloat, Placement, RuntimeRequirement
 
 __all__ = [
-    "AccuracyControl",
     "OpenVINOExporter",
     "OpenVINOGpuExporter",
     "OpenVINONpuExporter",
@@ -70,18 +68,6 @@ _NOT_COMPUTE = frozenset({"Input", "Output", "Const", "Reorder", "Convert"})
 layout and type conversions the plugin inserts (as Q/DQ nodes are left out of an ONNX model's count)."""
 _INTEGER = frozenset({"i8", "u8"})
 _FX_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)/aten\.")
-
-
-@dataclass(frozen=True)
-class AccuracyControl:
-    """What NNCF's accuracy control needs from the pipeline: the validation samples, a score of a model's outputs on
-    some of them (higher better; the float model's is the reference), and the largest drop of that score allowed."""
-
-    samples: Sequence[tuple[np.ndarray, ...]]
-    score: Callable[[Sequence[int], Sequence[tuple[np.ndarray, ...]]], float]
-    """(sample indices, each one's outputs) -> the score edgeline's budget judges on those samples."""
-    max_drop: float
-    measure: str  # what ``score`` is, for the manifest: "accuracy", "top-1 agreement", ...
 
 
 def import_export_tools() -> tuple[Any, Any]:
@@ -217,7 +203,7 @@ class OpenVINOExporter:
         ov.save_model(model, str(path), compress_to_fp16=request.precision is Precision.FP16)
         core = ov.Core()
         accelerator = None if self.device == CPU else self.device
-        here = accelerator is None or any(d.split(".")[0] == accelerator for d in core.available_devices)
+        here = accelerator is None or has_device(core.available_devices, accelerator)
         placement = openvino_placement(core, core.read_model(str(path)), request.precision, accelerator, here, hint)
         return ExportedModel(
             model_file=MODEL_FILE,
@@ -254,7 +240,6 @@ class OpenVINOExporter:
                 return nncf.quantize(model, calibration, advanced_parameters=advanced, **options), ()
             except Exception as exc:
                 raise ExportError(f"openvino: nncf.quantize failed: {_last_line(exc)}") from exc
-        assert isinstance(control, AccuracyControl)
         plain = int8_operators(nncf.quantize(model.clone(), calibration, advanced_parameters=advanced, **options))
         indexed = [(index, feed) for index, feed in enumerate(_feeds(request, control.samples))]
 
