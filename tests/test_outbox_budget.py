@@ -5,13 +5,14 @@ dropped because the budget shrank. On small tmpfs mounts of the test's own (root
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from edgeline.daemon.outbox import DiskFull, Outbox
+from edgeline.daemon.outbox import DiskFull, Outbox, row_size
 from edgeline.disk import DISK_SHARE, MIN_BUDGET, budget, file_system, files_bytes, mount_of
 from tests.faults import can_mount, fill, tmpfs
 
@@ -137,5 +138,60 @@ def test_a_full_disk_does_not_shrink_the_budget_the_held_answers_were_taken_with
         assert box.check() >= before
         added = box.add(held)
         assert len(added) == len(held) and box.stats().overflowed == 0
+    finally:
+        box.close()
+
+
+def leave_free(disk: Path, free: int) -> Path:
+    """Take all but about ``free`` bytes of the disk with one file (others writing to it)."""
+    filler = disk / "filler"
+    info = os.statvfs(disk)
+    filler.write_bytes(b"\0" * max(0, info.f_bavail * info.f_frsize - free))
+    return filler
+
+
+def test_answers_on_their_way_when_the_budget_shrinks_are_all_stored(one_mb: Path) -> None:
+    """Others fill the disk while answers are on their way to the outbox (their inputs came in within the budget
+    before, and are acknowledged once these are stored): the commit that meets the shrunk budget first stores every
+    one, and drops no older one in their place."""
+    box = Outbox(one_mb / "state" / "outbox.sqlite")
+    try:
+        box.remove([p.seq for p in box.add(rows(10))])  # the warm-up, acknowledged
+        kept = box.add(rows(5, start=10))  # unacknowledged, stored before
+        batch = rows(700, start=15)  # received now, before the shrink
+        before = box.answer_bytes
+        leave_free(one_mb, 600 << 10)
+        box.check()
+        size = sum(row_size(topic, payload) for topic, payload, _ in batch)
+        assert box.answer_bytes < before and box.answer_bytes < size, "the budget did not shrink below the batch"
+        added = box.add(batch)
+        assert len(added) == len(batch) and box.stats().overflowed == 0
+        assert box.depth == len(kept) + len(batch)
+        assert [p.seq for p in box.take(len(kept))] == [p.seq for p in kept]
+    finally:
+        box.close()
+
+
+def test_a_commit_the_full_disk_refused_is_handed_over_whole_once_there_is_room(one_mb: Path) -> None:
+    """A commit whose answers came after the budget shrank (the bounds drop the oldest of them in its transaction),
+    refused by the full disk, then retried once there is room (the bounds drop nothing now): every answer it stored
+    is handed over. The drops of the refused transaction must go with it: counted as dropped, 27 stored answers
+    were never sent, their inputs acknowledged (a daemon without a restart answered 4,973 of 5,000)."""
+    box = Outbox(one_mb / "state" / "outbox.sqlite")
+    try:
+        box.remove([p.seq for p in box.add(rows(10))])
+        filler = one_mb / "filler"
+        filler.touch()
+        fill(filler)
+        box.check(truncate=True)
+        held = rows(700, start=10)  # received after the shrink
+        assert sum(row_size(topic, payload) for topic, payload, _ in held) > box.answer_bytes
+        with pytest.raises(DiskFull):
+            box.add(held)
+        filler.unlink()
+        box.check()
+        added = box.add(held)
+        assert len(added) == len(held) and box.stats().overflowed == 0
+        assert box.depth == len(held)
     finally:
         box.close()

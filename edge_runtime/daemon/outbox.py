@@ -36,9 +36,11 @@ full: then it does not shrink (the answers held for the next commit were taken w
 holds: on a 3 MB disk, that filled the disk and a checkpoint could never run again). The answers' counted bytes
 (payload, topic and a row's overhead) may take half of the rest (``PAGE_SLACK``): SQLite's pages hold rows with up to
 a half of them lost (a row a little over half a page takes a page alone), so the database file stays within its
-share whatever the answers' size. A budget that shrinks below what the outbox holds drops nothing: the outbox stops
-growing. A write that fails for lack of space raises ``DiskFull``: the transaction is rolled back, nothing is
-half-stored, and the caller keeps what it wanted to write and tries again (``edgeline.daemon.delivery``). An
+share whatever the answers' size. A budget that shrinks below what the outbox holds drops nothing, nor any answer
+to an input received before it shrank (taken within the budget before it, on its way here): the outbox stops growing,
+past its budget by at most what was on its way. A write that fails for lack of space raises ``DiskFull``: the
+transaction is rolled back, the bounds' drops in it too, nothing is half-stored, and the caller keeps what it wanted
+to write and tries again (``edgeline.daemon.delivery``). An
 outbox that is not a database any more (a corrupted file) is set aside at open (renamed ``*.corrupt-<time>``,
 said in an error) and a new one started, so that a restart does not fail on it for ever.
 """
@@ -117,6 +119,12 @@ def _row_size(topic: str, payload: bytes) -> int:
 _SQLITE_CORRUPT = 11
 _SQLITE_FULL = 13
 _SQLITE_NOTADB = 26
+
+
+def _answer_share(total: int) -> int:
+    """What the answers' counted bytes may take of a budget of ``total`` bytes: a half (``PAGE_SLACK``) of what the
+    WAL leaves."""
+    return max(1, (total - wal_share(total)) // PAGE_SLACK)
 
 
 def _is_full(exc: BaseException) -> bool:
@@ -268,6 +276,9 @@ class Outbox:
         self._wal = Path(f"{path}-wal")
         self._bytes = 0
         self.budget = self.wal_limit = self.answer_bytes = self.disk_bytes = 0
+        self._shrunk_at = 0.0
+        """When a check last lowered ``answer_bytes`` (``time.time()``): answers to inputs received before it were
+        taken within the budget before it (``_make_room``)."""
         self.free_bytes: int | None = None
         """Free on the state directory's file system at the last check (None: not measurable here)."""
         self._set_budget(self._measure())
@@ -332,8 +343,10 @@ class Outbox:
     def _set_budget(self, total: int) -> None:
         self.budget = total
         self.wal_limit = wal_share(total)
-        room = max(1, (total - self.wal_limit) // PAGE_SLACK)
-        self.answer_bytes = max(room, self._bytes)
+        answer_bytes = max(_answer_share(total), self._bytes)
+        if answer_bytes < self.answer_bytes:
+            self._shrunk_at = time.time()  # (the clock of a ``Message``'s ``received``)
+        self.answer_bytes = answer_bytes
         """What the answers' rows may take (counted: ``row_size``); never less than they take now."""
 
     def _limit_wal(self, db: sqlite3.Connection) -> None:
@@ -387,6 +400,7 @@ class Outbox:
         rows = _rows(answers, now)
         size = sum(_row_size(row[0], row[1]) for row in rows)
         with self._using():
+            floor = self._floor
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 gone = self._delete_seqs(remove)
@@ -396,15 +410,20 @@ class Outbox:
                 (last,) = self._db.execute("SELECT last_insert_rowid()").fetchone()
                 self._depth += len(rows)
                 self._bytes += size
-                dropped = self._make_room()
+                shrunk = self._shrunk_at
+                dropped = self._make_room(sum(_row_size(r[0], r[1]) for r in rows if r[3] < shrunk))
                 self._db.execute("COMMIT")
             except BaseException as exc:
+                # nothing of the transaction happened, the bounds' drops included: a retry gets the same seqs, and
+                # those it keeps must not be taken for dropped
+                self._floor = floor
                 self._rollback()
                 if _is_full(exc):
                     self._full = True
                     raise DiskFull(f"outbox {self.path}: the disk is full ({exc})") from exc
                 raise
             self._full = False
+            self.answer_bytes = max(self.answer_bytes, self._bytes)  # what it kept past a shrunk budget stays
             self._added += len(rows)
             self._removed += gone
             self._truncate_wal()
@@ -419,10 +438,16 @@ class Outbox:
             if first + i > self._floor
         ]
 
-    def _make_room(self) -> list[int]:
-        """Inside a transaction: drop the oldest answers until both bounds hold again; their seqs."""
+    def _make_room(self, allowance: int) -> list[int]:
+        """Inside a transaction: drop the oldest answers until both bounds hold again; their seqs. ``allowance``:
+        bytes of this commit's answers whose inputs came before the budget last shrank (taken within the budget
+        before it), let past the budget on the disk (never past the answers' share of ``max_bytes``): dropping them,
+        or older answers in their place, would acknowledge inputs whose answers are lost. The outbox is then past
+        its budget by at most what was on its way, the intake gate is shut, and a disk that refuses even that is the
+        full-disk state (``DiskFull``: nothing acknowledged, retried)."""
         dropped: list[int] = []
-        while self._depth > self.max_answers or self._bytes > self.answer_bytes:
+        cap = max(self.answer_bytes, min(self.answer_bytes + allowance, _answer_share(self.max_bytes)))
+        while self._depth > self.max_answers or self._bytes > cap:
             excess = max(self._depth - self.max_answers, 1)
             victims = self._db.execute(f"SELECT seq, {SIZE_OF} FROM answers ORDER BY seq LIMIT ?", (excess,)).fetchall()
             if not victims:
