@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,16 @@ def private_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyt
     monkeypatch.setenv("XDG_STATE_HOME", str(state))
     monkeypatch.delenv("STATE_DIRECTORY", raising=False)
     return state
+
+
+@pytest.fixture(autouse=True)
+def openvino_cache_off_after() -> Iterator[None]:
+    """A daemon run in this process points OpenVINO's compiled-model cache (a process-wide setting) into its state
+    directory: the next test of this worker must not compile into, or load from, what that test left."""
+    yield
+    module = sys.modules.get("edgeline.backends.openvino")
+    if module is not None:
+        module.set_cache_dir(None)
 
 
 @pytest.fixture(scope="session")

@@ -621,9 +621,10 @@ def test_onnx_runtime_s_isolated_figure_is_the_layer_s_own_quantization_computed
     signal, noise = np.sum(reference**2, axis=axes), np.sum((reference - got) ** 2, axis=axes)
     live = (signal > 0) & (noise > 0)  # a channel the ReLU kills on every sample is exact, not the worst
     per_channel = 10 * np.log10(signal[live] / noise[live])
+    # (the accumulated figure, ``channel_sqnr_db``, includes what the layers before lost: on a CPU without VNNI, whose
+    # int8 products saturate, half a dB or more below this; with VNNI they lose next to nothing and the two agree)
     assert found["act4"].isolated_sqnr_db == pytest.approx(float(per_channel.min()), abs=0.2)
     assert found["act4"].channel_sqnr_db is not None
-    assert abs(found["act4"].isolated_sqnr_db - found["act4"].channel_sqnr_db) > 0.5  # not the accumulated one
 
 
 def test_the_layers_are_ranked_on_the_samples_plain_int8_does_worst_on(model: Path, tmp_path: Path) -> None:

@@ -7,6 +7,14 @@ device has it; a loud fallback to the CPU otherwise, as for ONNX Runtime's provi
   when absent).
 - **Compiled-model cache.** ``CACHE_DIR`` (``set_cache_dir``: the daemon points it into its state directory) so a
   restart loads the compiled blob instead of compiling again (seconds on a GPU or NPU).
+- **One thread and int8 fully connected layers.** On one inference thread, OpenVINO 2026's CPU plugin (2026.0 to
+  2026.4.1, measured) fuses a chain of int8 fully connected layers into one Snippets kernel (a ``Subgraph`` node of
+  its runtime graph); on a Xeon with AMX that kernel computes wrong results (an int8 autoencoder's anomaly decisions:
+  50% right, against 99% for the same IR on two threads, and for 2025.4 on one). A session asked for one thread that
+  finds such a node compiles again on two threads, where the plugin keeps the layers apart, and says so once
+  (``fused_int8_matmuls``). Such a model (int8, two fully connected layers or more) is compiled afresh at every
+  start, never from the cache: a cached compilation keeps its fusion whatever thread count loads it, and a loaded
+  one's runtime graph does not say.
 - **Batches.** ``batched(size)`` reshapes the model's first dimension, where its graph allows (the NPU plugin needs
   static shapes: each batch size is a model of its own, compiled once).
 """
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -164,6 +173,58 @@ def _compile(core: Any, model: Any, device: str, config: dict[str, Any], cache: 
     return core.compile_model(model, device, config)
 
 
+def _fusable(model: Any) -> bool:
+    """An int8 model (FakeQuantize) with two MatMul operators or more: what the CPU plugin may fuse (see the module)."""
+    kinds = Counter(op.get_type_name() for op in model.get_ops())
+    return kinds["MatMul"] >= 2 and kinds["FakeQuantize"] > 0
+
+
+def _compile_cpu(
+    core: Any, model: Any, precision: str, threads: int, cache: str | None, model_path: Path
+) -> tuple[Any, int]:
+    """The model compiled for the CPU, and on how many threads: two where one would fuse its int8 fully connected
+    layers (see the module)."""
+    compiled = _compile(core, model, CPU, _config(core, CPU, precision, threads), cache)
+    if threads == 1 and cache is None and fused_int8_matmuls(model, compiled):
+        _say_fused_once(model_path)
+        threads = 2
+        compiled = _compile(core, model, CPU, _config(core, CPU, precision, threads), None)
+    return compiled, threads
+
+
+def fused_int8_matmuls(model: Any, compiled: Any) -> bool:
+    """Whether the CPU plugin fused the weighted (MatMul) operators of an int8 model (one with FakeQuantize) into a
+    ``Subgraph`` node of its runtime graph (its Snippets kernels): see the module. Read from the runtime graph's
+    ``layerType`` and ``originalLayersNames`` (what ``get_runtime_model`` documents for every node)."""
+    ops = model.get_ops()
+    matmuls = {op.get_friendly_name() for op in ops if op.get_type_name() == "MatMul"}
+    if not matmuls or not any(op.get_type_name() == "FakeQuantize" for op in ops):
+        return False
+    for node in compiled.get_runtime_model().get_ordered_ops():
+        info = node.get_rt_info()
+        if "layerType" not in info or info["layerType"].astype(str) != "Subgraph":
+            continue
+        fused = info["originalLayersNames"].astype(str) if "originalLayersNames" in info else ""
+        if matmuls & set(fused.split(",")):
+            return True
+    return False
+
+
+def _say_fused_once(model_path: Path) -> None:
+    with _lock:
+        if model_path in _said_fused:
+            return
+        _said_fused.add(model_path)
+    log.warning(
+        "openvino: %s runs on 2 CPU threads, not 1: on one, this OpenVINO fuses its int8 fully connected layers into "
+        "one kernel, which computes wrong results on some CPUs (AMX)",
+        model_path,
+    )
+
+
+_said_fused: set[Path] = set()
+
+
 class OpenVINOSession:
     file_suffixes: ClassVar[tuple[str, ...]] = (".xml",)
 
@@ -211,8 +272,12 @@ class OpenVINOSession:
                 device = wanted
             else:
                 self.fallback_reason = f"OpenVINO has no {wanted} plugin device here (it has {', '.join(available)})"
+        cpu_cache = None if _fusable(model) else cache
         try:
-            compiled = _compile(core, model, device, _config(core, device, self.precision, threads), cache)
+            if device == CPU:
+                compiled, threads = _compile_cpu(core, model, self.precision, threads, cpu_cache, model_path)
+            else:
+                compiled = _compile(core, model, device, _config(core, device, self.precision, threads), cache)
         except Exception as exc:
             if device == CPU:
                 raise BundleError(
@@ -220,12 +285,14 @@ class OpenVINOSession:
                 ) from exc
             self.fallback_reason = f"the {device} plugin could not compile the model: {_one_line(exc)}"
             try:
-                compiled = _compile(core, model, CPU, _config(core, CPU, self.precision, threads), cache)
+                compiled, threads = _compile_cpu(core, model, self.precision, threads, cpu_cache, model_path)
             except Exception as again:
                 raise BundleError(
                     f"{model_path}: OpenVINO could not compile the model for {device} nor the CPU: {_one_line(again)}"
                 ) from again
             device = CPU
+        self.threads = threads
+        """The CPU plugin's inference threads (two where one would fuse int8 fully connected layers)."""
         self.accelerator = None if device == CPU else device
         self.computes = _type_name(_property(compiled, "INFERENCE_PRECISION_HINT", "unknown"))
         """What the plugin computes the float parts in here (f32, f16, bf16): the hint where the device has it."""
