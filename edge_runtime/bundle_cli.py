@@ -270,6 +270,8 @@ def _quantization_line(quantization: dict[str, Any]) -> str:
         parts.append(f"layers not measured: {quantization['layers_unknown'] or 'none recorded'}")
     for rewrite in quantization["rewrites"]:
         parts.append(f"{rewrite['operator']} ({rewrite['count']}) computes {rewrite['replacement']}")
+    if quantization.get("activation_ranges"):
+        parts.append(f"activation ranges by {quantization['activation_ranges']}")
     return "; ".join(parts) or "nothing beyond the precision"
 
 

@@ -425,6 +425,9 @@ class QuantizationSummary(_Frozen):
     """Mixed precision: the layers left in float, in the order they were chosen."""
     int8_missed: str | None = None
     """With ``kept_float``: the budget the model missed with every layer int8."""
+    activation_ranges: str | None = None
+    """How the activations' int8 ranges were chosen, where the exporter chose among several ways (OpenVINO: NNCF's
+    estimator whose outputs on the calibration samples were nearest the float model's, with each one's error)."""
     layers_samples: int = Field(default=0, ge=0)
     layers_measured_with: str | None = None
     layers_unknown: str | None = None

@@ -517,7 +517,9 @@ def _build(
         fidelity = Fidelity(status="not-measured", reason=check.reason or "no runtime here", reference=REFERENCE)
         if target.precision.integer:
             fields["quantization"] = QuantizationSummary(
-                rewrites=exported.rewrites, **not_measured_layers(check.reason or "no runtime here").fields()
+                rewrites=exported.rewrites,
+                activation_ranges=exported.activation_ranges,
+                **not_measured_layers(check.reason or "no runtime here").fields(),
             )
         golden = write_float_golden(staging, validation, reference.outputs)
         manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
@@ -556,7 +558,11 @@ def _build(
                     "validation samples plain int8 did worst on (the ranking subset, as NNCF's accuracy control)",
                 )
             fields["quantization"] = QuantizationSummary(
-                rewrites=exported.rewrites, kept_float=kept, int8_missed=int8_missed, **layers.fields()
+                rewrites=exported.rewrites,
+                kept_float=kept,
+                int8_missed=int8_missed,
+                activation_ranges=exported.activation_ranges,
+                **layers.fields(),
             )
             if not kept:  # the ranking mixed precision goes by is plain int8's
                 outcome.layers = layers.layers

@@ -146,6 +146,9 @@ class ExportedModel:
     rewrites: tuple[Rewrite, ...] = ()
     """What the export changed of the function the model computes, so that the target runs it (the manifest's
     ``quantization.rewrites``)."""
+    activation_ranges: str | None = None
+    """How the int8 activation ranges were chosen, when the exporter chose (the manifest's
+    ``quantization.activation_ranges``)."""
 
 
 class Exporter(Protocol):
