@@ -243,7 +243,7 @@ def test_openvino_int8_chooses_the_range_estimator_an_expert_would_on_models_it_
     """No range estimator is best on every model: the exporter tries NNCF's three and keeps the one whose outputs on
     the calibration samples are nearest the float model's. On these two models (no rule was fitted on them) that is
     the one that loses least on the held-out digits, checked here against each estimator's own int8 model: the
-    histogram (best on the reference models) loses 3.5 points more on the MobileNetV3-shaped one."""
+    histogram (best on the reference models) loses 3 points more on the MobileNetV3-shaped one."""
     import nncf
     import openvino as ov
 

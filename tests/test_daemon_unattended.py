@@ -285,6 +285,14 @@ def overflow_behind_a_black_hole(
             delivery._handed_over = slowly  # type: ignore[method-assign]
         port = daemon._metrics_server.port
         try:
+            # QoS 0 has no session: an input published before the daemon's subscription is in is never sent to it.
+            # Its "online" follows its SUBSCRIBE on the same connection: once "online" is out, the broker has both.
+            availability = Collector(broker, daemon.availability_topic)
+            try:
+                said = availability.wait_for(1, timeout=30)
+            finally:
+                availability.close()
+            assert said and said[-1][1] == b"online", f"the daemon never said online: {said}"
             publish_all(broker, topic, range(count))
             assert wait_until(lambda: daemon.queue.stats().enqueued == count), daemon.queue.stats()
             proxy.pause()
