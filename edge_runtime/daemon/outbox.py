@@ -410,8 +410,9 @@ class Outbox:
                 (last,) = self._db.execute("SELECT last_insert_rowid()").fetchone()
                 self._depth += len(rows)
                 self._bytes += size
-                shrunk = self._shrunk_at
-                dropped = self._make_room(sum(_row_size(r[0], r[1]) for r in rows if r[3] < shrunk))
+                shrunk = self._shrunk_at  # (0 until a check shrinks the budget: nothing to count per commit)
+                allowance = sum(_row_size(r[0], r[1]) for r in rows if r[3] < shrunk) if shrunk else 0
+                dropped = self._make_room(allowance)
                 self._db.execute("COMMIT")
             except BaseException as exc:
                 # nothing of the transaction happened, the bounds' drops included: a retry gets the same seqs, and
