@@ -155,7 +155,13 @@ def _fidelity_line(fidelity: dict[str, Any]) -> str:
         parts.append(f"accuracy {fidelity['accuracy'] * 100:.2f}%{versus}")
     if fidelity["anomaly_agreement"] is not None:
         parts.append(f"anomaly agreement {fidelity['anomaly_agreement'] * 100:.2f}%")
-    return "; ".join(parts) + (f" (measured with {fidelity['measured_with']})" if fidelity["measured_with"] else "")
+    text = "; ".join(parts) + (f" (measured with {fidelity['measured_with']})" if fidelity["measured_with"] else "")
+    if fidelity.get("instruction_set") or fidelity.get("computed_in"):
+        computed = [f"float operators in {fidelity['computed_in']}"] if fidelity.get("computed_in") else []
+        if fidelity.get("instruction_set"):
+            computed.append(f"on {fidelity['instruction_set']}")
+        text += f"; computed with {' '.join(computed)}"
+    return text
 
 
 def _placement_line(placement: dict[str, Any] | None) -> str:

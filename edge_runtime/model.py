@@ -162,6 +162,14 @@ class Model:
         return kind if isinstance(kind, str) else None
 
     @property
+    def computes(self) -> str:
+        """The arithmetic the runtime computes the model's floating-point operators in here: what its session says
+        (OpenVINO's CPU plugin chooses by the CPU: f32, f16), else f32, which every other CPU runtime here computes
+        them in (an fp16 LiteRT model's weights are dequantized to f32)."""
+        found = getattr(self._session, "computes", None)
+        return found if isinstance(found, str) else "f32"
+
+    @property
     def from_cache(self) -> bool | None:
         """Whether the runtime loaded the model already compiled from its cache (OpenVINO's, in the daemon's state
         directory) rather than compiling it; None for a runtime without one."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeline.commands import runtime_output, warn_accelerator_fallback
 from edgeline.errors import BackendUnavailableError, BundleError
+from edgeline.isa import instruction_set
 from edgeline.manifest import percent
 
 if TYPE_CHECKING:
@@ -234,7 +235,8 @@ def _describe(check: dict[str, Any]) -> str:
             else ""
         )
         backend = f"{check['backend']} ({check['runtime']} runtime)" if check.get("runtime") else check["backend"]
-        return f"load: {backend} opened {check['model']}{instead}{where}{fallback}"
+        apart = f" (NOTE: {check['computed_apart']})" if check.get("computed_apart") else ""
+        return f"load: {backend} opened {check['model']}{instead}{where}{fallback}{apart}"
     if kind == "fidelity":
         top1 = check["top1_agreement"]
         agreement = f", top-1 agreement {percent(top1)}" if top1 is not None else ""
@@ -332,7 +334,16 @@ def run_verify(args: argparse.Namespace) -> int:
             "bundle_model": manifest.model,
             "accelerator": model.accelerator,
             "accelerator_fallback": model.accelerator_fallback,
+            "computes": model.computes,
+            "instruction_set": instruction_set(),
         }
+        measured = manifest.fidelity
+        if measured.computed_in is not None and measured.computed_in != model.computes:
+            loaded["computed_apart"] = (
+                f"the bundle's fidelity was computed in {measured.computed_in}"
+                f"{' on ' + measured.instruction_set if measured.instruction_set else ''}; this machine computes "
+                f"its float operators in {model.computes}"
+            )
         if model.runtime:
             loaded["runtime"] = model.runtime
         checks = [

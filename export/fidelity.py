@@ -12,6 +12,7 @@ import numpy as np
 
 from edgeline.export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
 from edgeline.export.progress import Progress
+from edgeline.isa import instruction_set
 from edgeline.manifest import Fidelity, Postprocess
 from edgeline.model import Model
 from edgeline.postprocess import interpret
@@ -130,7 +131,8 @@ def measure_fidelity(
         converted.append(model.predict(*samples.sample(index)))
         if progress is not None and ((index + 1) % 50 == 0 or index + 1 == len(samples)):
             progress.count(index + 1, len(samples))
-    return compare_outputs(reference.outputs, converted, samples, post, _runtime_description(model), per_sample)
+    fidelity = compare_outputs(reference.outputs, converted, samples, post, _runtime_description(model), per_sample)
+    return fidelity.model_copy(update={"instruction_set": instruction_set(), "computed_in": model.computes})
 
 
 def compare_outputs(

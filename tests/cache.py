@@ -43,14 +43,19 @@ SOURCE_SUFFIXES = (".py", ".toml", ".ini", ".h", ".c", ".ld", ".json")
 LIBRARIES = (
     "torch", "executorch", "litert-torch", "ai-edge-litert", "ai-edge-quantizer", "numpy", "scikit-learn",
     "onnx", "onnxruntime", "onnxscript", "onnxruntime-qnn", "ethos-u-vela", "tflite-micro", "coremltools",
+    "openvino", "nncf",
 )  # fmt: skip
-"""What converts, quantizes or trains: a new version of any may change the bytes."""
+"""What converts, quantizes or trains: a new version of any may change the bytes. So does the CPU's instruction set
+(``edgeline.isa``: training and the runtimes pick their kernels by it), which the key holds too: a run as another
+kind of CPU (``edgeline.sim.cpu_kind``) makes its own entries."""
 
 
 @cache
 def code_fingerprint(folders: tuple[str, ...] | None = None) -> str:
-    """sha256 of the sources under ``folders`` (repository-relative; default: every package folder) and of the
-    versions of ``LIBRARIES``."""
+    """sha256 of the sources under ``folders`` (repository-relative; default: every package folder), of the
+    versions of ``LIBRARIES`` and of this CPU's instruction set."""
+    from edgeline.isa import instruction_set
+
     roots = [REPO / folder for folder in folders] if folders else sorted(set(package_dirs().values()))
     digest = hashlib.sha256()
     for root in roots:
@@ -63,6 +68,7 @@ def code_fingerprint(folders: tuple[str, ...] | None = None) -> str:
         except importlib.metadata.PackageNotFoundError:
             version = "-"
         digest.update(f"{name}=={version}\0".encode())
+    digest.update(instruction_set().encode())
     return digest.hexdigest()
 
 

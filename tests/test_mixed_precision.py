@@ -619,10 +619,14 @@ def test_onnx_runtime_s_isolated_figure_is_the_layer_s_own_quantization_computed
     reference = captured["act4"]
     axes = (0, 2, 3)
     signal, noise = np.sum(reference**2, axis=axes), np.sum((reference - got) ** 2, axis=axes)
-    live = (signal > 0) & (noise > 0)  # a channel the ReLU kills on every sample is exact, not the worst
+    # A channel the ReLU kills on (nearly) every sample is left out, as the report leaves it out: its float signal
+    # under 1e-4 of the mean channel's, where any noise is relatively huge. (The model trained on an EPYC, whose torch
+    # kernels round otherwise, gave 17.96 dB here against the report's 32.76 when this rule was ``signal > 0``: the
+    # same integers on both sides, so a nearly dead channel counted by one and not the other.)
+    live = (signal >= 1e-4 * signal.mean()) & (noise > 0)
     per_channel = 10 * np.log10(signal[live] / noise[live])
-    # (the accumulated figure, ``channel_sqnr_db``, includes what the layers before lost: on a CPU without VNNI, whose
-    # int8 products saturate, half a dB or more below this; with VNNI they lose next to nothing and the two agree)
+    # (the accumulated figure, ``channel_sqnr_db``, includes what the layers before lost; with U8U8 every CPU computes
+    # the same integers: on this model the two agree within 0.1 dB)
     assert found["act4"].isolated_sqnr_db == pytest.approx(float(per_channel.min()), abs=0.2)
     assert found["act4"].channel_sqnr_db is not None
 

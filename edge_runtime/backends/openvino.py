@@ -4,7 +4,11 @@ device has it; a loud fallback to the CPU otherwise, as for ONNX Runtime's provi
 - **Precision.** The CPU plugin computes in bf16 by itself on CPUs that have it (AMX, AVX-512 BF16), and the GPU in
   fp16: fidelity measured at export would not hold. The session sets ``INFERENCE_PRECISION_HINT`` to what the
   bundle's IR says it was measured with (``rt_info`` ``edgeline/inference_precision``, written by the exporter; f32
-  when absent).
+  when absent). A CPU without that arithmetic does not compute it: asked for f16, a CPU with AVX512-FP16 (Xeon of
+  the 4th generation on) computes f16, one with AVX-512 BF16 and no FP16 (Zen 4, Cooper Lake) would compute bf16,
+  coarser than f16 (8 bits of mantissa against 11) and never measured, so the session compiles again in f32 (said
+  once); one with neither computes f32 by itself. ``computes`` says what runs: f16 or f32, never bf16 unless the
+  bundle asks for it.
 - **Compiled-model cache.** ``CACHE_DIR`` (``set_cache_dir``: the daemon points it into its state directory) so a
   restart loads the compiled blob instead of compiling again (seconds on a GPU or NPU).
 - **One thread and int8 fully connected layers.** On one inference thread, OpenVINO 2026's CPU plugin (2026.0 to
@@ -183,12 +187,16 @@ def _compile_cpu(
     core: Any, model: Any, precision: str, threads: int, cache: str | None, model_path: Path
 ) -> tuple[Any, int]:
     """The model compiled for the CPU, and on how many threads: two where one would fuse its int8 fully connected
-    layers (see the module)."""
+    layers (see the module); in f32 where the plugin would compute another precision than the bundle's."""
     compiled = _compile(core, model, CPU, _config(core, CPU, precision, threads), cache)
     if threads == 1 and cache is None and fused_int8_matmuls(model, compiled):
         _say_fused_once(model_path)
         threads = 2
         compiled = _compile(core, model, CPU, _config(core, CPU, precision, threads), None)
+    computes = _type_name(_property(compiled, "INFERENCE_PRECISION_HINT", precision))
+    if computes not in (precision, "f32"):
+        _say_pinned_once(model_path, precision, computes)
+        compiled = _compile(core, model, CPU, _config(core, CPU, "f32", threads), cache)
     return compiled, threads
 
 
@@ -210,19 +218,40 @@ def fused_int8_matmuls(model: Any, compiled: Any) -> bool:
     return False
 
 
-def _say_fused_once(model_path: Path) -> None:
+def _say_once(model_path: Path, what: str, level: int, message: str, *args: object) -> None:
+    """Log ``message`` (about ``model_path``, its first argument) once per model and ``what``."""
     with _lock:
-        if model_path in _said_fused:
+        if (model_path, what) in _said:
             return
-        _said_fused.add(model_path)
-    log.warning(
+        _said.add((model_path, what))
+    log.log(level, message, model_path, *args)
+
+
+def _say_fused_once(model_path: Path) -> None:
+    _say_once(
+        model_path,
+        "fused",
+        logging.WARNING,
         "openvino: %s runs on 2 CPU threads, not 1: on one, this OpenVINO fuses its int8 fully connected layers into "
         "one kernel, which computes wrong results on some CPUs (AMX)",
-        model_path,
     )
 
 
-_said_fused: set[Path] = set()
+def _say_pinned_once(model_path: Path, precision: str, computes: str) -> None:
+    _say_once(
+        model_path,
+        "pinned",
+        logging.INFO,
+        "openvino: %s computes in f32 here: asked for %s, this CPU's plugin would compute %s (it has no %s "
+        "arithmetic), which the bundle's fidelity was not measured in",
+        precision,
+        computes,
+        precision,
+    )
+
+
+_said: set[tuple[Path, str]] = set()
+"""What was said once per model: ``fused`` (two threads, not one), ``pinned`` (f32, not the plugin's choice)."""
 
 
 class OpenVINOSession:
