@@ -7,13 +7,19 @@
  * feature that KVM also gives its guests: the "cpuid_fault" flag of /proc/cpuinfo); the SIGSEGV that follows is
  * answered here with the real CPUID's values less the hidden bits, and the program goes on after the instruction.
  * The setting is inherited by threads and children and reset by execve, where this library (LD_PRELOAD) sets it
- * again. The program's own SIGSEGV handlers (Python's faulthandler) are kept and called for every other fault.
+ * again. The program's own SIGSEGV handlers (Python's faulthandler) are kept and called for every other fault, and
+ * no thread may block SIGSEGV (see ``unblocked``). The handler runs on the faulting thread's own stack, never an
+ * alternate one: with SA_ONSTACK, the whole suite lost 9 pytest workers inside OpenVINO's device enumeration (the
+ * kernel could not write the signal frame, AVX-512 state included, to an alternate stack some library had set,
+ * reset the handler and killed the process at the next CPUID). A real stack overflow then dies without the program's
+ * own report.
  *
  * Not hidden: what glibc read before this library loaded (its string functions may still use AVX-512: they compute
  * no figures), statically linked programs, and a child started without LD_PRELOAD in its environment. XGETBV is not
  * masked; no runtime uses a state component whose CPUID feature bit is hidden.
  *
- * EDGELINE_CPU_KIND: avx2 | avx512-vnni | avx512-vnni-bf16 (anything else: nothing hidden).
+ * EDGELINE_CPU_KIND: avx2 | avx512-vnni | avx512-vnni-bf16 (anything else: nothing hidden). EDGELINE_CPU_VENDOR=amd
+ * also says AuthenticAMD, family 19h: only where a runtime chooses by vendor (its other leaves stay Intel's).
  */
 #define _GNU_SOURCE
 #include <asm/prctl.h>
@@ -142,6 +148,29 @@ sighandler_t signal(int sig, sighandler_t handler) {
     return old.sa_handler;
 }
 
+/* A thread that blocks SIGSEGV and then runs CPUID would be killed: the kernel forces a blocked synchronous signal,
+ * resetting its handler to the default (OpenVINO's GPU and NPU plugins start such threads). SIGSEGV is never blocked. */
+static int unblocked(int (*real)(int, const sigset_t *, sigset_t *), int how, const sigset_t *set, sigset_t *old) {
+    if (kind != HOST && set && how != SIG_UNBLOCK && sigismember(set, SIGSEGV) == 1) {
+        sigset_t copy = *set;
+        sigdelset(&copy, SIGSEGV);
+        return real(how, &copy, old);
+    }
+    return real(how, set, old);
+}
+
+int pthread_sigmask(int how, const sigset_t *set, sigset_t *old) {
+    static int (*real)(int, const sigset_t *, sigset_t *);
+    if (!real) real = dlsym(RTLD_NEXT, "pthread_sigmask");
+    return unblocked(real, how, set, old);
+}
+
+int sigprocmask(int how, const sigset_t *set, sigset_t *old) {
+    static int (*real)(int, const sigset_t *, sigset_t *);
+    if (!real) real = dlsym(RTLD_NEXT, "sigprocmask");
+    return unblocked(real, how, set, old);
+}
+
 __attribute__((constructor)) static void start(void) {
     const char *wanted = getenv("EDGELINE_CPU_KIND");
     real_sigaction = dlsym(RTLD_NEXT, "sigaction");
@@ -158,7 +187,7 @@ __attribute__((constructor)) static void start(void) {
     struct sigaction ours;
     memset(&ours, 0, sizeof ours);
     ours.sa_sigaction = on_segv;
-    ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+    ours.sa_flags = SA_SIGINFO | SA_RESTART; /* not SA_ONSTACK: see the header */
     sigemptyset(&ours.sa_mask);
     if (real_sigaction(SIGSEGV, &ours, &next_segv) != 0 || syscall(SYS_arch_prctl, ARCH_SET_CPUID, 0) != 0) {
         real_sigaction(SIGSEGV, &next_segv, NULL); /* no CPUID faulting here: nothing hidden */

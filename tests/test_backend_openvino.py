@@ -74,8 +74,8 @@ def float_outputs(digits: dict[str, Any]) -> np.ndarray:
 
 def openvino_outputs(bundle: Path, images: np.ndarray, threads: int | None = 1) -> np.ndarray:
     """The IR through OpenVINO's own API, the CPU plugin in the precision the IR names (f32, or f16: a CPU with
-    AVX512-FP16 computes it; others compute f32 whatever the hint), one image per call, on ``threads`` (None: the
-    plugin's choice)."""
+    AVX512-FP16 computes it; one with AVX512-BF16 and no FP16 would compute bf16, and is asked for f32 as the session
+    asks; others compute f32 whatever the hint), one image per call, on ``threads`` (None: the plugin's choice)."""
     import openvino as ov
 
     core = ov.Core()
@@ -86,6 +86,10 @@ def openvino_outputs(bundle: Path, images: np.ndarray, threads: int | None = 1) 
     if threads is not None:
         config["INFERENCE_NUM_THREADS"] = threads
     compiled = core.compile_model(model, "CPU", config)
+    computes = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # f32, f16, bf16
+    if computes not in ("f32", precision):
+        # a CPU with AVX512-BF16 and no FP16 computes an f16 hint in bf16: the bundle is computed in f32 there
+        compiled = core.compile_model(model, "CPU", {**config, "INFERENCE_PRECISION_HINT": "f32"})
     request = compiled.create_infer_request()
     return np.concatenate([np.array(request.infer([x[None]])[compiled.output(0)]) for x in images])
 
