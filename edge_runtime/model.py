@@ -162,12 +162,12 @@ class Model:
         return kind if isinstance(kind, str) else None
 
     @property
-    def computes(self) -> str:
-        """The arithmetic the runtime computes the model's floating-point operators in here: what its session says
-        (OpenVINO's CPU plugin chooses by the CPU: f32, f16), else f32, which every other CPU runtime here computes
-        them in (an fp16 LiteRT model's weights are dequantized to f32)."""
+    def computes(self) -> str | None:
+        """The arithmetic the runtime computes the model's floating-point operators in here, as its session says
+        (OpenVINO's CPU plugin chooses by the CPU: f32 or f16; the CPU runtimes f32; QNN's HTP f16); None where a
+        session cannot say (Core ML, an ExecuTorch delegate)."""
         found = getattr(self._session, "computes", None)
-        return found if isinstance(found, str) else "f32"
+        return found if isinstance(found, str) else None
 
     @property
     def from_cache(self) -> bool | None:

@@ -338,7 +338,7 @@ def run_verify(args: argparse.Namespace) -> int:
             "instruction_set": instruction_set(),
         }
         measured = manifest.fidelity
-        if measured.computed_in is not None and measured.computed_in != model.computes:
+        if None not in (measured.computed_in, model.computes) and measured.computed_in != model.computes:
             loaded["computed_apart"] = (
                 f"the bundle's fidelity was computed in {measured.computed_in}"
                 f"{' on ' + measured.instruction_set if measured.instruction_set else ''}; this machine computes "

@@ -65,6 +65,7 @@ def test_fidelity_on_the_htp_emulator_meets_the_profile_budgets(name: str, bundl
     assert fidelity.measured_with is not None
     assert "HTP emulator" in fidelity.measured_with and "CPU fallback disabled" in fidelity.measured_with
     assert "soc_model 57" in fidelity.measured_with and "HTP v75" in fidelity.measured_with
+    assert fidelity.computed_in == "f16"  # the HTP computes its float operators in fp16
     size = sum(entry.size for entry in data.files if entry.path != "golden.npz")
     profile = load_profile(PROFILE)
     assert budget_violations(profile.budgets, size, fidelity, data.placement, Precision.INT8_STATIC) == []
@@ -147,6 +148,7 @@ def test_without_qnn_the_kept_qdq_model_runs_on_the_cpu_loudly(bundles: dict[str
     assert (
         load_check["accelerator"] is None and "onnxruntime-qnn is not installed" in load_check["accelerator_fallback"]
     )
+    assert load_check["computes"] == "f32" and "computed in f16" in load_check["computed_apart"]  # the CPU provider
     # the CPU's QDQ kernels land within the golden tolerance of the HTP's outputs (two output quantization steps)
     golden = next(check for check in report["checks"] if check["check"] == "golden")
     assert golden["ok"] is True, golden

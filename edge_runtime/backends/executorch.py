@@ -76,6 +76,7 @@ class NativeSession:
 
         native = NativeRuntime.get()
         self.accelerator = accelerator
+        self.computes = "f32" if accelerator in (None, "xnnpack") else None  # XNNPACK: fp32 programs; Core ML: its own
         self.version = native.version
         needed = DELEGATE_BACKENDS.get(accelerator or "")
         registered = native.backends()
@@ -203,6 +204,7 @@ class PythonSession:
     ):
         # Delegated parts are compiled into the program: they run on what they were lowered for, or not at all.
         self.accelerator = accelerator
+        self.computes = "f32" if accelerator in (None, "xnnpack") else None  # XNNPACK: fp32 programs; Core ML: its own
         try:
             import torch
             from executorch.extension.pybindings import portable_lib

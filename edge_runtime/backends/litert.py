@@ -46,6 +46,8 @@ class _InterpreterSession:
         accelerator: str | None = None,
     ):
         self.accelerator: str | None = None  # the CPU (LiteRT's kernels or XNNPACK) runs every operator
+        self.computes = "f32"
+        """The float operators' arithmetic: f32 (an fp16 model's weights are dequantized; an NPU computes integers)."""
         self.fallback_reason: str | None = None
         try:
             interpreter_module = importlib.import_module(self.module)

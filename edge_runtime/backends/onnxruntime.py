@@ -160,6 +160,9 @@ class OnnxRuntimeSession:
         else:
             session = self._open_providers(ort, model_path, threads, accelerator)
         session.disable_fallback()  # a failed run must fail, never re-run silently on the CPU provider
+        self.computes: str | None = {None: "f32", QNN_HTP: "f16"}.get(self.accelerator)
+        """The float operators' arithmetic: f32 on the CPU provider, f16 on Qualcomm's HTP (its emulator too); another
+        provider's is not known here."""
         inputs = session.get_inputs()
         if input_names is not None:
             by_name = {arg.name: arg for arg in inputs}

@@ -72,6 +72,7 @@ class TFLiteMicroSession:
     ):
         del threads  # TFLite Micro runs on one core
         self.accelerator: str | None = None  # this host's CPU, with TFLite Micro's reference kernels
+        self.computes = "f32"  # its float kernels
         self.fallback_reason: str | None = None
         if accelerator is not None:
             self.fallback_reason = f"{accelerator} is not here: TFLite Micro's reference kernels run on this CPU"
