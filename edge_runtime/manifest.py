@@ -178,10 +178,10 @@ class Fidelity(_Frozen):
     confusion_float: list[list[int]] | None = None
     anomaly_agreement: float | None = None
     measured_with: str | None = None
-    instruction_set: str | None = None
+    instruction_set: str | None = Field(default=None, max_length=256, pattern=r"^[A-Za-z0-9_. -]*$")
     """The measuring machine's architecture and the CPU features its runtime chose kernels by (``edgeline.isa``):
     ``x86_64 FMA AVX2 AVX512 AVX512-VNNI AVX512-BF16``. Which figures can differ with them: docs/bundle.md."""
-    computed_in: str | None = None
+    computed_in: Literal["f32", "f16", "bf16"] | None = None
     """The arithmetic the runtime computed the model's floating-point operators in while measuring: ``f32``, ``f16``
     or ``bf16`` (an integer model's integer operators are exact 32-bit sums on every CPU edgeline exports for)."""
 

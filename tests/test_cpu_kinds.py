@@ -183,3 +183,19 @@ def test_a_real_crash_run_as_a_kind_still_reaches_the_program_s_own_handler() ->
     )
     assert done.returncode == -11, (done.returncode, done.stderr[-2000:])
     assert "Fatal Python error: Segmentation fault" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "field", [{"instruction_set": "x86_64 \x1b[31mCRITICAL"}, {"instruction_set": "A" * 257}, {"computed_in": "fp64"}]
+)
+def test_a_manifest_s_computed_with_fields_hold_only_what_edgeline_writes(field: dict[str, str]) -> None:
+    """What ``bundle show`` and ``verify`` print from a bundle someone sent: names of features and arithmetics, never
+    escape sequences or a megabyte of text."""
+    from pydantic import ValidationError
+
+    from edgeline.manifest import Fidelity
+
+    Fidelity(status="measured", reference="torch", instruction_set="x86_64 FMA AVX2", computed_in="f16")
+    with pytest.raises(ValidationError):
+        Fidelity(status="measured", reference="torch", **field)
