@@ -64,6 +64,7 @@ from tests.tiny_bundle import COMMITTED_BUNDLE
 from tests.update_repo import versioned
 
 REPO = Path(__file__).resolve().parents[1]
+CAGE_MARKER = "<!-- benchmarks/update_cage.py: the section below is its own -->"
 TIMEOUT_S = 90.0
 STATUS_CONFIG = "[health]\nstatus_interval_s = 1.0\n"
 """The unpaced daemons publish their status every second (default 10 s): the trial's figures after the rounds."""
@@ -978,8 +979,11 @@ def main() -> int:
     print(text)
     if args.write is not None:
         args.write.parent.mkdir(parents=True, exist_ok=True)
+        # the cage's section (benchmarks/update_cage.py) is kept, after its marker
+        old = args.write.read_text() if args.write.exists() else ""
+        kept = old[old.index(CAGE_MARKER) :] if CAGE_MARKER in old else ""
         args.write.write_text("# Signed updates: verification, swap time, the answers around a swap, the trial's cost"
-                              "\n\n" + text + "\n")  # fmt: skip
+                              "\n\n" + text + "\n" + ("\n" + kept if kept else ""))  # fmt: skip
     return 0
 
 

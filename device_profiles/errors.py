@@ -9,7 +9,8 @@ subclass that only one module raises lives beside it, named in brackets.
     ├── PayloadError           model inputs of the wrong count, shape, dtype, or with NaN/Inf
     ├── UpdateError            a signed update that cannot be published or fetched (keys, repository, link)
     │   └── UpdateRefused      an update the device will not take: ``reason`` is one of ``REFUSAL_REASONS``
-    ├── KeysError              [edgeline.updates.keys] a keys directory missing, incomplete or not trusted
+    ├── KeysError              [edgeline.updates.keys] a keys directory missing, incomplete, untrusted, open to others
+    ├── WriteRefused           [edgeline.durable] a write through a link, or over what edgeline did not make
     ├── BrokerRefused          [edgeline.daemon.mqtt] the broker could not be reached or refused us at start
     ├── DiskFull               [edgeline.daemon.outbox] an outbox write failed for lack of space
     ├── OutboxClosed           [edgeline.daemon.outbox] a call after ``close``
@@ -117,6 +118,9 @@ REFUSAL_REASONS = (
     "revoked",  # the publisher withdrew it (a halted rollout)
     "no-room",  # not now: the state directory's disk or the memory a trial needs (tried again at the next check)
     "timeout",  # a download not whole within download_timeout_s: given up, tried again at the next check
+    "crashed",  # opened in its cage (a child process), the runtime crashed: a signal, or an exit without a verdict
+    "hung",  # opened in its cage, it did not load and answer its golden inputs within [updates] open_timeout_s
+    "too-big",  # opened in its cage, it took more memory than it may (the cage's cap, or the unit's MemoryMax)
 )
 
 

@@ -251,10 +251,9 @@ class Model:
         batched: Session | None = opener(size)
         if batched is None:
             return "the model's graph is fixed to a batch of 1"
-        from edgeline.samples import read_npz
+        from edgeline.samples import read_golden
 
-        arrays = read_npz(self.bundle.file(golden.path), "golden")
-        inputs = [arrays[f"input_{i}"] for i in range(len(self.inputs))]
+        inputs, _ = read_golden(self.bundle.file(golden.path), golden, self.inputs, self.outputs)
         picks = [i % golden.samples for i in range(size)]
         samples = [[np.asarray(a[i : i + 1], np.float32) for a in inputs] for i in picks]
         single = [self.predict(*sample) for sample in samples]

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import math
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from edgeline.errors import PayloadError
-from edgeline.manifest import TensorSpec
+from edgeline.errors import BundleError, PayloadError
+from edgeline.manifest import Golden, TensorSpec
 
-__all__ = ["LABELS_KEY", "SampleSet", "check_sample_counts", "class_indices", "match_inputs", "read_npz", "sample_set"]
+__all__ = [
+    "GOLDEN_MAX_BYTES",
+    "LABELS_KEY",
+    "SampleSet",
+    "check_sample_counts",
+    "class_indices",
+    "match_inputs",
+    "read_golden",
+    "read_npz",
+    "sample_set",
+]
 
 LABELS_KEY = "labels"
 
@@ -38,6 +50,88 @@ def read_npz(path: str | Path, role: str = "input") -> dict[str, np.ndarray]:
     return arrays
 
 
+GOLDEN_MAX_BYTES = 256 * 1024 * 1024
+"""The most golden.npz may inflate to, all arrays together (the exporter writes 8 samples, or 32 for a float
+golden: 160 MB for 32 images of 640x640x3 in float32)."""
+_NPY_HEADER_MAX = 10_000
+
+
+def read_golden(
+    path: Path, golden: Golden, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """golden.npz's ``input_<i>`` and ``output_<j>`` arrays, read member by member: each member's header (shape and
+    dtype) is checked against the manifest (``golden.samples`` rows of each tensor's shape) before a byte of it is
+    inflated, the whole against ``GOLDEN_MAX_BYTES``, and nothing else in the file is read. What the archive says
+    about its own sizes is never trusted: a member is read for exactly the bytes its checked header implies.
+    Raises ``BundleError`` naming the file and the member."""
+    where = f"golden file {path}"
+    n = golden.samples
+    # as the exporter writes them: inputs as sample files hold them (``_as_samples``), outputs concatenated
+    wanted = [(f"input_{i}", _sample_shape(spec, n)) for i, spec in enumerate(inputs)]
+    wanted += [
+        (f"output_{j}", (n * spec.shape[0], *spec.shape[1:]) if spec.shape else (n,)) for j, spec in enumerate(outputs)
+    ]
+    total = 0
+    arrays: list[np.ndarray] = []
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = set(archive.namelist())
+            for key, shape in wanted:
+                member = f"{key}.npy"
+                if member not in names:
+                    raise BundleError(f"{where}: lacks {key}")
+                with archive.open(member) as stream:
+                    dtype = _checked_header(stream, shape, f"{where}: {key}")
+                    total += math.prod(shape) * dtype.itemsize
+                    if total > GOLDEN_MAX_BYTES:
+                        raise BundleError(
+                            f"{where}: its arrays come to more than {GOLDEN_MAX_BYTES // 2**20} MiB (at {key})"
+                        )
+                    arrays.append(_read_exactly(stream, shape, dtype, f"{where}: {key}"))
+    except (OSError, zipfile.BadZipFile, EOFError, NotImplementedError, RuntimeError, ValueError) as exc:
+        raise BundleError(f"{where}: not a readable .npz file ({exc})") from exc
+    return arrays[: len(inputs)], arrays[len(inputs) :]
+
+
+def _sample_shape(spec: TensorSpec, samples: int) -> tuple[int, ...]:
+    return (samples, *(spec.shape[1:] if spec.shape and spec.shape[0] == 1 else spec.shape))
+
+
+def _checked_header(stream: Any, shape: tuple[int, ...], where: str) -> np.dtype[Any]:
+    from numpy.lib import format as npy
+
+    try:
+        version = npy.read_magic(stream)
+        if version == (1, 0):
+            got, fortran, dtype = npy.read_array_header_1_0(stream, max_header_size=_NPY_HEADER_MAX)
+        elif version == (2, 0):
+            got, fortran, dtype = npy.read_array_header_2_0(stream, max_header_size=_NPY_HEADER_MAX)
+        else:
+            raise BundleError(f"{where}: .npy format {version[0]}.{version[1]} (1.0 or 2.0 expected)")
+    except ValueError as exc:
+        raise BundleError(f"{where}: not a .npy array ({exc})") from exc
+    if dtype.hasobject or dtype.kind not in "biuf" or dtype.itemsize > 8:
+        raise BundleError(f"{where}: dtype {dtype} (a plain number type expected)")
+    if tuple(got) != shape:
+        raise BundleError(f"{where}: shape {list(got)}, the manifest says {list(shape)}")
+    if fortran:
+        raise BundleError(f"{where}: a Fortran-ordered array (C order expected)")
+    return dtype
+
+
+def _read_exactly(stream: Any, shape: tuple[int, ...], dtype: np.dtype[Any], where: str) -> np.ndarray:
+    array = np.empty(shape, dtype)
+    view = array.reshape(-1).view(np.uint8).data
+    done = 0
+    while done < len(view):
+        chunk = stream.read(min(len(view) - done, 1 << 20))
+        if not chunk:
+            raise BundleError(f"{where}: {done} of {len(view)} bytes (the member ends early)")
+        view[done : done + len(chunk)] = chunk
+        done += len(chunk)
+    return array
+
+
 class SampleSet:
     """Samples matched to a model's inputs: ``inputs[i]`` has shape (N, *input_i.shape[1:])."""
 
@@ -54,7 +148,7 @@ class SampleSet:
 
 
 def _as_samples(array: np.ndarray, spec: TensorSpec, where: str) -> np.ndarray:
-    per_sample = spec.shape[1:] if spec.shape and spec.shape[0] == 1 else spec.shape
+    per_sample = _sample_shape(spec, 1)[1:]
     if array.shape == tuple(per_sample):
         array = array[np.newaxis]
     if array.shape[1:] != tuple(per_sample):

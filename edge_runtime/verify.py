@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgeline.commands import runtime_output, warn_accelerator_fallback
-from edgeline.errors import BackendUnavailableError, BundleError
+from edgeline.errors import BackendUnavailableError
 from edgeline.isa import instruction_set
 from edgeline.manifest import percent
 
@@ -37,17 +37,12 @@ def _zeros(model: Model) -> list[Any]:
 def golden_check(model: Model) -> dict[str, Any]:
     import numpy as np
 
-    from edgeline.samples import read_npz
+    from edgeline.samples import read_golden
 
     golden = model.manifest.golden
     if golden is None:
         return {"check": "golden", "ok": None, "samples": 0, "reason": "the bundle has no golden.npz"}
-    arrays = read_npz(model.bundle.file(golden.path), "golden")
-    try:
-        inputs = [arrays[f"input_{i}"] for i in range(len(model.inputs))]
-        expected = [arrays[f"output_{j}"] for j in range(len(model.outputs))]
-    except KeyError as exc:
-        raise BundleError(f"{model.bundle.path}: golden.npz lacks {exc.args[0]}") from exc
+    inputs, expected = read_golden(model.bundle.file(golden.path), golden, model.inputs, model.outputs)
     if golden.reference == "float":
         return _fidelity_check(model, inputs, expected, golden.samples)
     worst = 0.0

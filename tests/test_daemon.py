@@ -152,8 +152,11 @@ def test_systemd_ready_watchdog_and_stopping(broker: Broker, built_litert_bundle
         receiver.bind(path)
         receiver.settimeout(TIMEOUT_S)
         env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}
-        args = [sys.executable, "-m", "edgeline.cli", "run", str(built_litert_bundle), "--broker", broker.address]
-        process = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        args = [sys.executable, "-m", "edgeline.cli", "run", str(built_litert_bundle), "--broker", broker.address,
+                "--state-dir", str(tmp_path / "state")]  # fmt: skip
+        log = tmp_path / "daemon.log"
+        with log.open("wb") as out:  # a file, not a pipe nobody reads while it runs (a full pipe blocks the daemon)
+            process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             assert receiver.recv(64) == b"READY=1"
             assert receiver.recv(64) == b"WATCHDOG=1"
@@ -164,10 +167,12 @@ def test_systemd_ready_watchdog_and_stopping(broker: Broker, built_litert_bundle
                 states.append(state)
             assert set(states) <= {b"WATCHDOG=1"}
             assert process.wait(timeout=TIMEOUT_S) == 0
+        except (AssertionError, TimeoutError) as exc:
+            raise AssertionError(f"{exc!r}; the daemon said:\n{log.read_text(errors='replace')[-3000:]}") from exc
         finally:
             if process.poll() is None:
                 process.kill()
-            process.communicate(timeout=10)
+            process.wait(timeout=10)
 
 
 TORCH_FREE_DAEMON = """

@@ -10,7 +10,9 @@ Before the audit none of the three flushed anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,9 +37,20 @@ def syscalls(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
         fsync(fd)
 
-    def spied_replace(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
-        events.append(("replace", f"{os.path.realpath(source)} -> {os.path.realpath(target)}"))
-        replace(source, target)
+    def named(path: str | os.PathLike[str], directory_fd: int | None) -> str:
+        if directory_fd is None:
+            return os.path.realpath(path)
+        return os.path.join(os.readlink(f"/proc/self/fd/{directory_fd}"), os.fspath(path))
+
+    def spied_replace(
+        source: str | os.PathLike[str],
+        target: str | os.PathLike[str],
+        *,
+        src_dir_fd: int | None = None,
+        dst_dir_fd: int | None = None,
+    ) -> None:
+        events.append(("replace", f"{named(source, src_dir_fd)} -> {named(target, dst_dir_fd)}"))
+        replace(source, target, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(os, "fsync", spied_fsync)
     monkeypatch.setattr(os, "replace", spied_replace)
@@ -46,6 +59,14 @@ def syscalls(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
 
 def flushed(events: list[Event]) -> list[str]:
     return [path for kind, path in events if kind == "fsync"]
+
+
+def renamed_from(events: list[Event], target: str) -> str:
+    """The temporary file that was renamed to ``target`` (a fresh name each time: ``edgeline.durable``)."""
+    for kind, subject in events:
+        if kind == "replace" and subject.split(" -> ")[1] == target:
+            return subject.split(" -> ")[0]
+    raise AssertionError(f"nothing was renamed to {target} in {events}")
 
 
 def at(events: list[Event], kind: str, path: str) -> int:
@@ -90,7 +111,9 @@ def test_a_packed_archive_is_on_the_disk_before_its_name_is(
     destination = (tmp_path / "out").resolve() / "tiny-v2.tar"
     pack(read_bundle(repo.bundle(2)), destination)
     renamed = at(syscalls, "replace", str(destination))
-    assert at(syscalls, "fsync", f"{destination}.tmp") < renamed
+    temporary = renamed_from(syscalls, str(destination))
+    assert Path(temporary).parent == destination.parent and temporary != f"{destination}.tmp"
+    assert at(syscalls, "fsync", temporary) < renamed
     assert str(destination.parent) in flushed(syscalls[renamed:])
 
 
@@ -110,6 +133,67 @@ def test_trusted_metadata_is_on_the_disk_before_and_after_its_rename(
     assert {"timestamp.json", "snapshot.json", "targets.json", "root_history/1.root.json"} <= names, names
     for path in stored:
         renamed = at(syscalls, "replace", path)
-        assert at(syscalls, "fsync", f"{path}.tmp") < renamed, f"{path} was renamed into place unflushed"
+        assert at(syscalls, "fsync", renamed_from(syscalls, path)) < renamed, f"{path} was renamed into place unflushed"
         assert str(Path(path).parent) in flushed(syscalls[renamed:]), f"{Path(path).parent} not flushed after"
     assert archive_of(repo, 2).exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the one writer never follows what was planted (issue 48)
+
+
+@pytest.mark.parametrize(
+    "planted", ["link-at-destination", "fifo-at-destination", "directory-at-destination", "linked-directory"]
+)
+def test_the_writer_refuses_a_destination_it_did_not_make(tmp_path: Path, planted: str) -> None:
+    from edgeline.durable import WriteRefused, write_atomically
+
+    sentinel = tmp_path / "outside" / "sentinel"
+    sentinel.parent.mkdir()
+    sentinel.write_bytes(b"precious")
+    directory = tmp_path / "repo" / "metadata"
+    directory.parent.mkdir()
+    if planted == "linked-directory":
+        directory.symlink_to(sentinel.parent, target_is_directory=True)
+        refused = directory
+    else:
+        directory.mkdir()
+        refused = directory / "timestamp.json"
+        if planted == "link-at-destination":
+            refused.symlink_to(sentinel)
+        elif planted == "fifo-at-destination":
+            os.mkfifo(refused)
+        else:
+            refused.mkdir()
+    with pytest.raises(WriteRefused) as caught:
+        write_atomically(directory / "timestamp.json", b"new")
+    assert str(refused) in str(caught.value), caught.value
+    assert sentinel.read_bytes() == b"precious" and sorted(sentinel.parent.iterdir()) == [sentinel]
+    if planted != "linked-directory":
+        assert sorted(p.name for p in directory.iterdir()) == ["timestamp.json"], "a temporary was left behind"
+
+
+@pytest.mark.parametrize("stale", ["link", "fifo", "file"])
+def test_a_stale_temporary_is_never_opened_and_never_blocks(tmp_path: Path, stale: str) -> None:
+    from edgeline.durable import write_atomically
+
+    sentinel = tmp_path / "sentinel"
+    sentinel.write_bytes(b"precious")
+    destination = tmp_path / "root.json"
+    old = tmp_path / "root.json.tmp"  # the name the writer opened with O_TRUNC before issue 48
+    if stale == "link":
+        old.symlink_to(sentinel)
+    elif stale == "fifo":
+        os.mkfifo(old)
+    else:
+        old.write_bytes(b"cut short")
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (write_atomically(destination, b"new"), done.set()), daemon=True)
+    worker.start()
+    worker.join(20)
+    if not done.is_set():
+        with contextlib.suppress(OSError):
+            os.close(os.open(old, os.O_RDWR | os.O_NONBLOCK))
+        pytest.fail(f"write_atomically waited on the FIFO {old}")
+    assert destination.read_bytes() == b"new" and sentinel.read_bytes() == b"precious"
+    assert os.path.lexists(old)

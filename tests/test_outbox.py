@@ -5,6 +5,7 @@ survives a new process."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -168,3 +169,26 @@ def test_a_closed_outbox_refuses_calls_by_name_and_still_reports_its_counts(tmp_
             call()
     assert box.stats().depth == 3 and box.stats().added == 3
     box.close()  # twice: nothing
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-journal", "-shm"])
+@pytest.mark.parametrize("plant", ["link", "fifo"])
+def test_an_outbox_file_someone_planted_is_refused_by_name_and_nothing_outside_written(
+    tmp_path: Path, suffix: str, plant: str
+) -> None:
+    import os
+
+    from edgeline.errors import EdgelineError
+
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    state = tmp_path / "state"
+    state.mkdir()
+    planted = state / f"outbox.sqlite{suffix}"
+    if plant == "link":
+        planted.symlink_to(outside)
+    else:
+        os.mkfifo(planted)
+    with pytest.raises(EdgelineError, match=re.escape(str(planted))):
+        Outbox(state / "outbox.sqlite")
+    assert outside.read_bytes() == b"keep me"

@@ -45,11 +45,12 @@ def repo(tmp_path: Path) -> UpdateRepo:
 
 
 class UpdatingDaemon(DaemonProcess):
-    """``DaemonProcess`` with ``[updates]`` on ``repo``, checked every 0.3 s, and a Prometheus port."""
+    """``DaemonProcess`` with ``[updates]`` on ``repo``, checked every 0.3 s (``updates``: more of its lines), and a
+    Prometheus port."""
 
     def __init__(
         self, repo: UpdateRepo, broker: Broker, topic: str, state_dir: Path, version: int = 1, config: str = "",
-        repository: str | None = None,
+        repository: str | None = None, updates: str = "",
     ) -> None:  # fmt: skip
         # /metrics needs prometheus-client (the metrics extra): the whole suite has it and checks the counters;
         # the device tier (scripts/test_device.sh) runs the base install, where the daemon serves none.
@@ -57,7 +58,7 @@ class UpdatingDaemon(DaemonProcess):
         self.state = state_dir
         config = (  # what the test adds comes last
             f'[updates]\nrepository = "{repository or repo.directory}"\ntrusted_root = "{repo.trusted_root}"\n'
-            "check_interval_s = 0.3\n"
+            f"check_interval_s = 0.3\n{updates}"
             f"[health]\nstatus_interval_s = 1.0\nprometheus_port = {self.metrics_port}\n{config}"
         )
         super().__init__(repo.bundle(version), broker.address, topic, state_dir, config)

@@ -79,14 +79,16 @@ def archive_of(repo: UpdateRepo, version: int) -> Path:
     return found[0]
 
 
-def sign_archive(repo: UpdateRepo, version: int, tar: Path) -> None:
-    """Sign ``tar`` as ``version``'s target, with the facts already published: what a holder of the targets key can
-    ship (``edgeline publish`` packs its own archives). Uses the repository's own signing step."""
+def sign_archive(repo: UpdateRepo, version: int, tar: Path, **facts: Any) -> None:
+    """Sign ``tar`` as ``version``'s target, with the facts already published (``facts``: some changed): what a
+    holder of the targets key can ship (``edgeline publish`` packs its own archives). Uses the repository's own
+    signing step."""
     from tuf.api.metadata import TargetFile
 
     path = target_path(NAME, version)
     info = TargetFile.from_file(path, str(tar), ["sha256"])
-    info.unrecognized_fields["custom"] = repo.repository.versions(NAME)[version].as_custom()
+    published = repo.repository.versions(NAME)[version]
+    info.unrecognized_fields["custom"] = published.model_copy(update=facts).as_custom()
     shutil.copyfile(tar, repo.directory / "targets" / NAME / f"{info.hashes['sha256']}.{NAME}-v{version}.tar")
 
     def replace(targets: Any) -> None:
@@ -248,16 +250,54 @@ def test_a_server_that_trickles_its_headers_is_given_up_at_the_deadline_too(
 # the byte limit
 
 
-@pytest.mark.parametrize("mode", ["endless", "announced-huge"])
-def test_a_target_longer_than_signed_is_refused_at_once_and_not_downloaded_again(
-    repo: UpdateRepo, served: tuple[str, _Server], tmp_path: Path, mode: str
+def test_a_target_announced_longer_than_signed_is_not_read_and_not_held_against_the_target(
+    repo: UpdateRepo, served: tuple[str, _Server], tmp_path: Path
 ) -> None:
-    """A server streaming without end (or announcing a terabyte): refused ``tampered`` after at most a chunk past
-    the signed length, and not asked again while the signed target stays the same (the issue: 5-9 MB at every
-    check). New signed metadata for the version (another archive) is tried."""
+    """A server (or proxy) announcing a terabyte: not a byte read, and no verdict on the signed target (a transport
+    fault): the same target served right at the next check is taken."""
     url, server = served
     repo.publish(2)
-    server.mode = mode
+    server.mode = "announced-huge"
+    client = UpdateClient(url, repo.trusted_root, tmp_path / "device")
+    updater, offer = offered(client)
+    with pytest.raises(UpdateError) as caught:
+        client.fetch(updater, offer)
+    assert not isinstance(caught.value, UpdateRefused), caught.value
+    assert f"announces {1 << 40} bytes, more than the {offer.info.length} signed" in str(caught.value)
+    server.mode = "serve"
+    updater, offer = offered(client)
+    bundle = client.unpack(client.fetch(updater, offer), offer, tmp_path / "unpacked")
+    assert bundle.manifest.version == 2
+
+
+def test_a_signed_archive_whose_manifest_names_another_version_is_refused_against_that_version(
+    repo: UpdateRepo, tmp_path: Path
+) -> None:
+    """Intact and signed, yet not the version its metadata says: ``malformed``, which the agent remembers (it was
+    ``tampered``, unpacked again at every check)."""
+    other = UpdateRepo(tmp_path / "other")
+    other.publish(3)
+    v3 = archive_of(other, 3)
+    repo.publish(2)  # v3's archive signed as v2, its facts naming v3's manifest: a consistent lie
+    sign_archive(repo, 2, v3, manifest_sha256=other.repository.versions(NAME)[3].manifest_sha256)
+    client = UpdateClient(str(repo.directory), repo.trusted_root, tmp_path / "device")
+    updater, offer = offered(client)
+    error = refused("malformed", client.unpack, client.fetch(updater, offer), offer, tmp_path / "unpacked")
+    assert error.version == 2 and "its manifest says tiny v3" in str(error), error
+    from edgeline.updates.agent import PERSISTED_REASONS
+
+    assert error.reason in PERSISTED_REASONS
+
+
+def test_a_target_longer_than_signed_is_refused_at_once_and_not_downloaded_again(
+    repo: UpdateRepo, served: tuple[str, _Server], tmp_path: Path
+) -> None:
+    """A server streaming without end: refused ``tampered`` after at most a chunk past the signed length, and not
+    asked again while the signed target stays the same (the issue: 5-9 MB at every check). New signed metadata for
+    the version (another archive) is tried."""
+    url, server = served
+    repo.publish(2)
+    server.mode = "endless"
     client = UpdateClient(url, repo.trusted_root, tmp_path / "device")
     updater, offer = offered(client)
     first = refused("tampered", client.fetch, updater, offer)

@@ -589,6 +589,7 @@ def test_a_rotation_cut_short_says_which_file_holds_the_new_key(cli: RunCli, rep
     # as if the process stopped between writing the new root and moving the new key into place
     (repo.keys / "targets.key").rename(repo.keys / "targets.key.new")
     (repo.keys / "targets.key").write_bytes(old_key)
+    (repo.keys / "targets.key").chmod(0o600)  # as edgeline wrote it
     message = user_error(
         cli("publish", versioned(tmp_path / "v2", 2), "--repo", repo.directory, "--keys", repo.keys),
         "edgeline publish",

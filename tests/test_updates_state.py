@@ -41,7 +41,7 @@ GIVEN = COMMITTED_BUNDLE
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
-    return Store(tmp_path / "state" / "tiny" / "updates")
+    return Store(tmp_path / "state" / "tiny" / "updates", given=GIVEN)
 
 
 class _Errors(logging.Handler):
@@ -152,13 +152,14 @@ def test_an_unreadable_state_file_never_stops_the_start() -> None:
     directory = Path(tempfile.mkdtemp(prefix="edgeline-state-"))
     try:
         directory.chmod(0o755)
-        store = Store(directory)
+        store = Store(directory, given=GIVEN)
         store.save(State(committed=Installed(version=2, bundle="bundles/v2")))
         store.path.chmod(0)
         code = (
             "import logging, sys; from pathlib import Path; logging.basicConfig(level=logging.INFO)\n"
             "from edgeline.updates.agent import starting_bundle; from edgeline.updates.store import Store\n"
-            f"path, state = starting_bundle(Store(Path({str(directory)!r})), Path({str(GIVEN)!r}), 1)\n"
+            f"given = Path({str(GIVEN)!r})\n"
+            f"path, state = starting_bundle(Store(Path({str(directory)!r}), given=given), given, 1)\n"
             "print(path, state.committed)\n"
         )
         as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
@@ -182,6 +183,22 @@ def test_a_state_file_of_an_older_edgeline_keeps_the_given_bundle_as_previous(st
     loaded = store.load()
     assert loaded.previous == Installed(version=1, bundle=str(GIVEN.resolve()), given=True) and not errors
     assert store.resolve(loaded.previous) == GIVEN.resolve()
+
+
+def test_only_the_command_lines_bundle_may_be_given_in_a_state_file(store: Store, tmp_path: Path) -> None:
+    """A committed or previous entry marked ``given`` that names any other bundle (one planted outside the state
+    directory) is not kept: the daemon starts on the bundle it was given."""
+    elsewhere = versioned(tmp_path / "elsewhere", 5)
+    with_committed_v2(store)
+    state = json.loads(store.path.read_text())
+    state["committed"] = {"version": 5, "bundle": str(elsewhere.resolve()), "given": True}
+    state["previous"] = {"version": 1, "bundle": str(GIVEN.resolve()), "given": True}
+    store.path.write_text(json.dumps(state))
+    from edgeline.updates.agent import starting_bundle
+
+    path, loaded = starting_bundle(store, GIVEN, 1)
+    assert path == GIVEN and loaded.committed is None
+    assert loaded.previous == Installed(version=1, bundle=str(GIVEN.resolve()), given=True)
 
 
 def test_bad_state_files_set_aside_are_kept_three_at_most(store: Store, errors: list[str]) -> None:
@@ -314,3 +331,23 @@ def test_a_version_whose_runtime_fails_on_its_golden_inputs_is_refused_for_its_s
     assert store.load().refused[2]["reason"] == "self-test"
     agent.check_once()
     assert agent.counts["check_errors"] == 0 and agent.refusals["self-test"] == 1, "not fetched or tested again"
+
+
+@pytest.mark.parametrize("name", ["state.json", "refused.jsonl"])
+def test_a_link_planted_in_the_state_directory_is_never_written_through(
+    store: Store, tmp_path: Path, name: str, errors: list[str]
+) -> None:
+    from edgeline.durable import WriteRefused
+
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me")
+    store.directory.mkdir(parents=True)
+    (store.directory / name).symlink_to(outside)
+    state = State()
+    if name == "state.json":
+        with pytest.raises(WriteRefused, match=r"state\.json"):
+            store.save(state)
+    else:
+        store.refuse(state, 2, "trial", "a test")
+        assert any("refused.jsonl cannot be written" in e for e in errors), errors
+    assert outside.read_bytes() == b"keep me"

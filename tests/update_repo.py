@@ -69,6 +69,24 @@ def _failing_at_every_input(model_file: Path) -> None:
     model_file.write_bytes(bytes(builder.Output()))
 
 
+def _add_zeros(npz: Path, arrays: dict[str, tuple[int, ...]]) -> None:
+    import io
+    import math
+    import zipfile
+
+    chunk = bytes(1 << 20)
+    with zipfile.ZipFile(npz, "a", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, shape in arrays.items():
+            header = io.BytesIO()
+            np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
+            left = math.prod(shape) * 4
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                member.write(header.getvalue())
+                while left > 0:
+                    member.write(chunk[: min(left, len(chunk))])
+                    left -= len(chunk)
+
+
 def versioned(
     destination: Path,
     version: int,
@@ -76,12 +94,17 @@ def versioned(
     source: Path = COMMITTED_BUNDLE,
     break_golden: bool = False,
     fail_every_input: bool = False,
+    hostile: str | None = None,
+    golden_zeros: dict[str, tuple[int, ...]] | None = None,
+    golden_rows: int | None = None,
     manifest: dict[str, Any] | None = None,
 ) -> Path:
     """A copy of ``source`` as ``version``; ``break_golden``: its golden outputs moved by 1.0, so the bundle is
     intact and signed but fails its self-test on any machine; ``fail_every_input``: its LiteRT model fails on every
     input when it runs (``_failing_at_every_input``; it fails its self-test too); ``manifest``: other fields to
-    set."""
+    set; ``hostile``: its model rewritten as one of ``tests.hostile_models.HOSTILE``; ``golden_zeros``: float32
+    arrays of zeros of these shapes added to its golden.npz, deflated (a GiB is a MB in the file; streamed, never in
+    memory); ``golden_rows``: a golden.npz of zeros this many samples long, as the manifest then says."""
     if destination.exists():
         shutil.rmtree(destination)
     shutil.copytree(source, destination)
@@ -101,6 +124,23 @@ def versioned(
         (model_file,) = destination.glob("*.tflite")
         _failing_at_every_input(model_file)
         changed.append(model_file)
+    if hostile is not None:
+        from tests.hostile_models import rewrite
+
+        (model_file,) = destination.glob("*.tflite")
+        rewrite(model_file, hostile)
+        changed.append(model_file)
+    if golden_rows is not None:
+        manifest_now = json.loads((destination / "manifest.json").read_text())
+        (destination / "golden.npz").unlink()
+        shapes = {f"input_{i}": (golden_rows, *t["shape"][1:]) for i, t in enumerate(manifest_now["inputs"])}
+        shapes |= {f"output_{j}": (golden_rows, *t["shape"][1:]) for j, t in enumerate(manifest_now["outputs"])}
+        _add_zeros(destination / "golden.npz", shapes)
+        changed.append(destination / "golden.npz")
+        change["golden"] = {**manifest_now["golden"], "samples": golden_rows}
+    if golden_zeros:
+        _add_zeros(destination / "golden.npz", golden_zeros)
+        changed.append(destination / "golden.npz")
     if changed:
         files = json.loads((destination / "manifest.json").read_text())["files"]
         for entry in files:

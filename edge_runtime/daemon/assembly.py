@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgeline.daemon.codecs import example_payload, get_codec
-from edgeline.daemon.config import DaemonConfig, OutboxConfig
+from edgeline.daemon.config import DaemonConfig, OutboxConfig, UpdatesConfig
 from edgeline.daemon.guards import check_topics, check_window
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.messages import Message
@@ -36,8 +36,11 @@ from edgeline.machine import this_machine
 from edgeline.model import Model, load
 
 if TYPE_CHECKING:
+    from edgeline.manifest import Manifest
     from edgeline.updates.agent import UpdateAgent
+    from edgeline.updates.cage import CageLimits
     from edgeline.updates.client import UpdateClient
+    from edgeline.updates.policy import TargetFacts
     from edgeline.updates.store import State, Store
     from edgeline.updates.swap import Swap
 
@@ -214,7 +217,7 @@ def _update_state(bundle: Path, config: DaemonConfig) -> tuple[Path, StateLock, 
     given = read_bundle(bundle).manifest
     state_dir = (config.daemon.state_dir or default_state_dir()) / given.name
     lock = StateLock(state_dir)
-    store = Store(state_dir / "updates")
+    store = Store(state_dir / "updates", given=Path(bundle))
     start_on, state = starting_bundle(store, bundle, given.version)
     return start_on, lock, (store, state)
 
@@ -257,10 +260,28 @@ def attach_updates(
         client=plan.client, store=plan.store, state=plan.state, running=processor.model, running_bundle=plan.bundle,
         device=device, interval_s=config.updates.check_interval_s, backend=plan.backend,
         max_batch=config.queue.max_batch, on_event=lambda event: on_event(), reserve_bytes=reserve_bytes,
+        cage=_cage(config.updates),
     )  # fmt: skip
     swap = Swap(updater, processor)
     updater.swap = swap
     return updater, swap
+
+
+def _cage(updates: UpdatesConfig) -> Callable[[Manifest, TargetFacts], CageLimits] | None:
+    """The limits a new version is opened under in a child process first, from ``[updates]``; None: no cage."""
+    if not updates.cage:
+        return None
+
+    def limits(manifest: Manifest, facts: TargetFacts) -> CageLimits:
+        from edgeline.memory import available_mb
+        from edgeline.updates.cage import cage_limits
+
+        return cage_limits(
+            manifest, facts, seconds=updates.open_timeout_s, memory_mb=updates.cage_memory_mb,
+            available_mb=available_mb(),
+        )  # fmt: skip
+
+    return limits
 
 
 def open_outbox(box: OutboxConfig, state_dir: Path) -> OutboxInterface:

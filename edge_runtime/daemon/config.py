@@ -264,6 +264,15 @@ class UpdatesConfig(_Section):
     download_timeout_s: float = Field(default=DOWNLOAD_TIMEOUT_S, gt=0, le=86400)
     """Each file a check downloads (metadata, an archive) must arrive whole within this, or it is given up (refusal
     ``timeout``) and tried again at the next check: set it for the largest archive over the slowest link."""
+    cage: bool = True
+    """Open and self-test a new version in a child process first (``edgeline.updates.cage``): a version that
+    crashes, hangs or bloats its runtime is refused (``crashed``, ``hung``, ``too-big``) and the daemon never opens
+    it. ``false`` opens it in the daemon (a device that cannot afford a second interpreter for a few seconds)."""
+    open_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """The cage's deadline: start, open, self-test and exit of a new version, as a whole."""
+    cage_memory_mb: float | None = Field(default=None, gt=0)
+    """What the caged version may take beyond a bare interpreter; default: the runtime's headroom, the version's
+    measured memory (with a margin) and its golden arrays, at most 90% of what the daemon can still take."""
 
     @model_validator(mode="after")
     def _both(self) -> UpdatesConfig:

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Protocol
 
 from edgeline.disk import budget, files_bytes, free_bytes, wal_share
+from edgeline.durable import check_destination
 from edgeline.errors import EdgelineError
 from edgeline.lograte import Repeated
 
@@ -293,6 +294,8 @@ class Outbox:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise EdgelineError(f"outbox {path}: {exc.strerror or exc}") from exc
+        for name in (path.name, f"{path.name}-wal", f"{path.name}-journal", f"{path.name}-shm"):
+            check_destination(path.with_name(name))  # SQLite would write through a planted link: refused, named
         try:
             self._db, depth, size = self._open()
         except sqlite3.DatabaseError as exc:

@@ -33,14 +33,18 @@ from edgeline.updates.store import MAX_TRIAL_ATTEMPTS, Installed, State, Store
 from edgeline.updates.swap import Swap
 
 if TYPE_CHECKING:
+    from edgeline.manifest import Manifest
     from edgeline.model import Model
+    from edgeline.updates.cage import CageLimits
     from edgeline.updates.client import UpdateClient
 
 __all__ = ["PERSISTED_REASONS", "Event", "UpdateAgent", "starting_bundle"]
 
 log = logging.getLogger("edgeline.updates")
 
-PERSISTED_REASONS = frozenset({"incompatible", "malformed", "self-test", "trial", "revoked"})
+PERSISTED_REASONS = frozenset(
+    {"incompatible", "malformed", "self-test", "trial", "revoked", "crashed", "hung", "too-big"}
+)
 """Refusals that belong to the version itself: remembered in the state directory, never tried again."""
 SAID_MEMORY = 64
 """Messages remembered as said (oldest forgotten first)."""
@@ -106,6 +110,7 @@ class UpdateAgent:
         max_batch: int,
         on_event: Callable[[Event], None] = lambda event: None,
         reserve_bytes: Callable[[], int] = lambda: 0,
+        cage: Callable[[Manifest, TargetFacts], CageLimits] | None = None,
     ):
         self.client = client
         self.store = store
@@ -121,6 +126,9 @@ class UpdateAgent:
         self.on_event = on_event
         self.reserve_bytes = reserve_bytes
         """Bytes to leave free on the state directory's disk (the room the durable outbox may still grow into)."""
+        self.cage = cage
+        """The limits a version is opened and self-tested under in a child process first; None: in this process."""
+        self.last_cage: dict[str, Any] | None = None
         self.running_version = running.version
         self.running_bundle = running_bundle
         self.swap: Swap | None = None
@@ -146,6 +154,9 @@ class UpdateAgent:
                 continue
             try:
                 self.check_once()
+            except EdgelineError as exc:  # the state directory refused a write (a planted link): said once, by name
+                self.counts["check_errors"] += 1
+                self._say(logging.ERROR, f"update check failed: {exc}")
             except Exception as exc:  # a bug of ours: said (once, with its traceback), and the thread goes on
                 self.counts["check_errors"] += 1
                 self._say(logging.ERROR, f"update check failed: {type(exc).__name__}: {exc}", exc_info=True)
@@ -171,9 +182,6 @@ class UpdateAgent:
             self._refusal_over()
 
     def _check(self) -> None:
-        from edgeline.model import load
-        from edgeline.verify import golden_check
-
         assert self.swap is not None, "attach a Swap first"
         self.counts["checks"] += 1
         with self._lock:  # the worker may be refusing a version (a trial's end) meanwhile
@@ -223,40 +231,15 @@ class UpdateAgent:
                 facts.version,
                 f"v{facts.version}: signature, hashes and manifest verified ({offer.info.length} bytes)",
             )
-            try:
-                model = load(bundle.path, backend=self.backend)
-            except BackendUnavailableError as exc:
-                raise UpdateRefused(
-                    f"v{facts.version} cannot run here: {exc}", reason="incompatible", version=facts.version
-                ) from exc
-            except EdgelineError as exc:
-                raise UpdateRefused(
-                    f"v{facts.version} cannot be opened: {exc}", reason="malformed", version=facts.version
-                ) from exc
-            self._check_same_io(model, facts.version)
-            try:
-                golden = golden_check(model)
-            except Exception as exc:  # the version's model failed on its own golden inputs (as a trial counts it)
-                raise UpdateRefused(
-                    f"v{facts.version} failed its golden self-test here: {type(exc).__name__}: {exc}"[:500],
-                    reason="self-test", version=facts.version,
-                ) from exc  # fmt: skip
-            if golden["ok"] is None:
-                raise UpdateRefused(
-                    f"v{facts.version} cannot test itself here: {golden.get('reason')}",
-                    reason="self-test", version=facts.version,
-                )  # fmt: skip
-            if not golden["ok"]:
-                raise UpdateRefused(
-                    f"v{facts.version} failed its golden self-test here: {golden.get('mismatched_samples')} of "
-                    f"{golden.get('samples')} samples off (max |error| {golden.get('max_abs_error')})",
-                    reason="self-test", version=facts.version,
-                )  # fmt: skip
-            self.event(
-                "self-test",
-                facts.version,
-                f"v{facts.version} passed its golden self-test ({golden.get('samples')} samples)",
-            )
+            self._check_same_io(bundle.manifest, facts.version)
+            if self.cage is not None:
+                self._self_test_caged(bundle.path, bundle.manifest, facts)
+            # From here the daemon itself opens the version: a crash, a kernel OOM kill or a hang that only happens
+            # in this process counts as an attempt of its trial, whatever the phase (two deaths refuse it).
+            self.note_trying(facts.version)
+            model = self._open(bundle.path, facts.version)
+            if self.cage is None:
+                self._self_test(model, facts.version)
             model.enable_batching(self.max_batch)
         except UpdateRefused as exc:
             self._refused(exc, facts.version)
@@ -266,6 +249,64 @@ class UpdateAgent:
             self._say(logging.WARNING, f"update of v{facts.version}: {exc}")
             return
         self.swap.propose(model, facts, bundle.path)
+
+    def _self_test_caged(self, bundle: Path, manifest: Manifest, facts: TargetFacts) -> None:
+        """The version opened and self-tested in a child process first (``edgeline.updates.cage``); refused with
+        the child's reason unless it passed and exited cleanly."""
+        from edgeline.updates.cage import open_caged
+
+        assert self.cage is not None
+        limits = self.cage(manifest, facts)
+        caged = open_caged(bundle, backend=self.backend, max_batch=self.max_batch, limits=limits)
+        self.last_cage = {
+            "version": facts.version, "ok": caged.ok, "reason": caged.reason, "seconds": round(caged.seconds, 3),
+            "peak_rss_mb": None if caged.peak_rss_bytes is None else round(caged.peak_rss_bytes / 2**20, 1),
+            "limit_s": limits.seconds,
+            "limit_mb": None if limits.memory_bytes is None else round(limits.memory_bytes / 2**20, 1),
+        }  # fmt: skip
+        if not caged.ok:
+            raise UpdateRefused(f"v{facts.version} {caged.message}", reason=caged.reason or "crashed",
+                                version=facts.version)  # fmt: skip
+        golden = caged.golden or {}
+        self.event(
+            "self-test",
+            facts.version,
+            f"v{facts.version} passed its golden self-test in a cage ({golden.get('samples')} samples, "
+            f"{caged.seconds:.2f} s, peak {self.last_cage['peak_rss_mb']} MB)",
+        )
+
+    def _open(self, bundle: Path, version: int) -> Model:
+        from edgeline.model import load
+
+        try:
+            return load(bundle, backend=self.backend)
+        except BackendUnavailableError as exc:
+            raise UpdateRefused(f"v{version} cannot run here: {exc}", reason="incompatible", version=version) from exc
+        except EdgelineError as exc:
+            raise UpdateRefused(f"v{version} cannot be opened: {exc}", reason="malformed", version=version) from exc
+
+    def _self_test(self, model: Model, version: int) -> None:
+        """The golden self-test in this process (``[updates] cage = false``)."""
+        from edgeline.verify import golden_check
+
+        try:
+            golden = golden_check(model)
+        except Exception as exc:  # the version's model failed on its own golden inputs (as a trial counts it)
+            raise UpdateRefused(
+                f"v{version} failed its golden self-test here: {type(exc).__name__}: {exc}"[:500],
+                reason="self-test", version=version,
+            ) from exc  # fmt: skip
+        if golden["ok"] is None:
+            raise UpdateRefused(
+                f"v{version} cannot test itself here: {golden.get('reason')}", reason="self-test", version=version
+            )
+        if not golden["ok"]:
+            raise UpdateRefused(
+                f"v{version} failed its golden self-test here: {golden.get('mismatched_samples')} of "
+                f"{golden.get('samples')} samples off (max |error| {golden.get('max_abs_error')})",
+                reason="self-test", version=version,
+            )  # fmt: skip
+        self.event("self-test", version, f"v{version} passed its golden self-test ({golden.get('samples')} samples)")
 
     def _check_room(self, facts: TargetFacts, length: int) -> None:
         from edgeline.memory import available_mb
@@ -279,8 +320,7 @@ class UpdateAgent:
         if problem is not None:
             raise UpdateRefused(problem, reason="no-room", version=facts.version)
 
-    def _check_same_io(self, model: Model, version: int) -> None:
-        manifest = model.manifest
+    def _check_same_io(self, manifest: Manifest, version: int) -> None:
         if manifest.inputs != self.inputs or manifest.window != self.window:
             raise UpdateRefused(
                 f"v{version} takes other inputs than v{self.running_version} (a new input format is a new bundle "
@@ -473,6 +513,7 @@ class UpdateAgent:
             "last_refusal": refusal,
             "trial": runner.trial.figures() if runner is not None else None,
             "last_trial": self.last_trial,
+            "last_cage": self.last_cage,
             "committed": state["committed"],
             "previous": state["previous"],
             "refused": state["refused"],

@@ -27,12 +27,13 @@ import shutil
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from edgeline.bundle import MANIFEST_FILE, MAX_MANIFEST_BYTES, Bundle, read_bundle, read_manifest
-from edgeline.durable import flush_directory, sync_file, sync_tree
+from edgeline.durable import atomic_writer, flush_directory, sync_tree
 from edgeline.errors import BundleError, UpdateError, UpdateRefused
 
-__all__ = ["ARCHIVE_SUFFIX", "manifest_sha256", "pack", "unpack", "unpacked_size"]
+__all__ = ["ARCHIVE_SUFFIX", "manifest_sha256", "pack", "pack_into", "unpack", "unpacked_size"]
 
 ARCHIVE_SUFFIX = ".tar"
 _CHUNK = 1 << 20
@@ -62,19 +63,22 @@ def _info(name: str, size: int) -> tarfile.TarInfo:
 
 
 def pack(bundle: Bundle, destination: Path) -> Path:
-    """Write ``bundle`` (already read and verified) as one tar at ``destination``, atomically."""
-    tmp = destination.with_name(destination.name + ".tmp")
+    """Write ``bundle`` (already read and verified) as one tar at ``destination``, atomically (``atomic_writer``)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+    with atomic_writer(destination) as handle:
+        pack_into(bundle, handle)
+    return destination
+
+
+def pack_into(bundle: Bundle, handle: BinaryIO) -> None:
+    """Write ``bundle`` as one tar into ``handle`` (a file open for writing, at its start): deterministic, the
+    manifest first."""
+    with tarfile.open(fileobj=handle, mode="w", format=tarfile.PAX_FORMAT) as tar:
         manifest = (bundle.path / MANIFEST_FILE).read_bytes()
         tar.addfile(_info(MANIFEST_FILE, len(manifest)), io.BytesIO(manifest))
         for entry in bundle.manifest.files:
-            with (bundle.path / entry.path).open("rb") as handle:
-                tar.addfile(_info(entry.path, entry.size), handle)
-    sync_file(tmp)  # on the disk before its name is, and before any metadata names its hash
-    os.replace(tmp, destination)
-    flush_directory(destination.parent)
-    return destination
+            with (bundle.path / entry.path).open("rb") as source:
+                tar.addfile(_info(entry.path, entry.size), source)
 
 
 def _member_path(name: str, archive: Path) -> PurePosixPath:

@@ -96,7 +96,10 @@ def register(subparsers: Any) -> None:
             "carries what a device checks before fetching it (name, version, profile, backend, runtime, the "
             "manifest's sha256, the trial's gates), then sign new targets, snapshot and timestamp metadata. "
             "REPO is a directory: serve it over HTTP(S), rsync it or copy it to a USB stick. Without BUNDLE, "
-            "--refresh re-signs the current state with new expiry dates."
+            "--refresh re-signs the current state with new expiry dates, and --remove NAME VERSION removes a "
+            "target from the signed metadata (one whose archive is lost). One command writes a repository at a "
+            "time (REPO/.edgeline.lock; another waits up to 60 s, then is told who holds it), and a repository "
+            "below what these keys signed for it (KEYS/signed.json: an older state put back) is refused."
         ),
     )
     publish.add_argument("bundle", metavar="BUNDLE", type=Path, nargs="?", help="a bundle directory (edgeline export)")
@@ -111,6 +114,12 @@ def register(subparsers: Any) -> None:
         help="days until the timestamp metadata expires (default 30; targets and snapshot: 365 or N if longer)",
     )  # fmt: skip
     publish.add_argument("--refresh", action="store_true", help="re-sign the current state (no BUNDLE)")
+    publish.add_argument(
+        "--remove", metavar=("NAME", "VERSION"), nargs=2, default=None,
+        help="remove the target NAME VERSION from the signed metadata, and its archive if it is there (no BUNDLE): "
+        "a target whose archive is lost blocks every write until then; devices that run it keep it (this is not a "
+        "revocation)",
+    )  # fmt: skip
     publish.add_argument(
         "--devices", metavar="ID,ID", default=None,
         help="offer the bundle to these device instance ids only (default: every device; `edgeline rollout` widens it)",
@@ -231,14 +240,17 @@ def _new_root(args: argparse.Namespace) -> int:
     from edgeline.updates.repository import Repository
 
     days = args.expires_days if args.expires_days is not None else ROOT_EXPIRY_DAYS
-    repository = Repository(args.repo, args.directory) if args.repo is not None else None
-    if repository is not None:
-        repository.check()  # before the new root is written: a repository these keys did not sign changes nothing
-    made = new_root(args.directory, rotate=args.role, expires_days=days)
+    if args.repo is None:
+        made = new_root(args.directory, rotate=args.role, expires_days=days)
+    else:
+        repository = Repository(args.repo, args.directory)
+        with repository.writing():  # no other writer between the check, the new root and the re-signing
+            repository.check()  # before the new root is written: a repository these keys did not sign changes nothing
+            made = new_root(args.directory, rotate=args.role, expires_days=days)
+            version = repository.refresh()
     what = f"a new {made.rotated} key, " if made.rotated else "the same keys, "
     print(f"wrote root version {made.version} ({what}expires {made.expires:%Y-%m-%d %H:%M} UTC): {made.path}")
-    if repository is not None:
-        version = repository.refresh()
+    if args.repo is not None:
         print(f"re-signed {args.repo} (targets version {version}): devices take root v{made.version} at next check")
     else:
         print(f"devices see it once the repository is re-signed: edgeline publish --refresh --keys {args.directory} "
@@ -253,9 +265,13 @@ def _publish(args: argparse.Namespace) -> int:
     from edgeline.updates.repository import Repository
 
     repository = Repository(args.repo, args.keys)
+    if args.remove is not None:
+        return _remove(args, repository)
     if args.bundle is None:
         if not args.refresh:
-            raise UpdateError("give a BUNDLE to publish, or --refresh to re-sign the current state")
+            raise UpdateError(
+                "give a BUNDLE to publish, --refresh to re-sign the current state, or --remove NAME VERSION"
+            )
         version = repository.refresh(expires_days=args.expires_days)
         print(f"re-signed {args.repo} (targets version {version})")
         return 0
@@ -292,3 +308,36 @@ def _publish(args: argparse.Namespace) -> int:
         f"agreement >= {g.min_agreement:.0%}, p95 latency <= {latency}"
     )
     return 0
+
+
+def _remove(args: argparse.Namespace, repository: Any) -> int:
+    from edgeline.errors import UpdateError
+
+    given = [flag for flag, value in (("BUNDLE", args.bundle), ("--refresh", args.refresh), ("--hold", args.hold),
+                                      ("--devices", args.devices)) if value]  # fmt: skip
+    given += [f"--{name.replace('_', '-')}" for name in _GATES if getattr(args, name) is not None]
+    if given:
+        raise UpdateError(f"--remove NAME VERSION is a command of its own: {', '.join(given)} cannot go with it")
+    name, text = args.remove
+    try:
+        version = int(text)
+    except ValueError:
+        raise UpdateError(f"--remove {name} {text}: VERSION is a whole number, 1 or more") from None
+    if version < 1:
+        raise UpdateError(f"--remove {name} {text}: VERSION is a whole number, 1 or more")
+    removed = repository.remove(name, version, expires_days=args.expires_days)
+    archive = "deleted" if removed.archive_was_there else "already missing"
+    if args.json:
+        document = {"removed": removed.path, "archive": str(removed.archive)}
+        document.update(archive_was_there=removed.archive_was_there, targets_version=removed.targets_version)
+        print(json.dumps(document, indent=2))
+        return 0
+    print(
+        f"removed {name} v{version} ({removed.path}) from the signed metadata of {args.repo} (targets metadata "
+        f"v{removed.targets_version}); its archive {removed.archive.name} was {archive}"
+    )
+    print("devices no longer see it; a device that runs it keeps it (to take it back, publish a newer version)")
+    return 0
+
+
+_GATES = ("trial_inputs", "trial_seconds", "min_agreement", "max_error_rate", "tolerance", "max_latency_ms")

@@ -256,10 +256,10 @@ class UpdateClient:
             facts.name, facts.version, facts.profile, facts.backend,
         ):  # fmt: skip
             shutil.rmtree(destination, ignore_errors=True)
-            raise UpdateRefused(
+            raise UpdateRefused(  # intact and signed: the version itself is wrong, remembered against it
                 f"{offer.path}: its manifest says {manifest.name} v{manifest.version} ({manifest.profile}, "
                 f"{manifest.backend}), its signed metadata {facts.name} v{facts.version}",
-                reason="tampered",
+                reason="malformed",
                 version=facts.version,
             )
         return bundle

@@ -212,7 +212,11 @@ class HttpFetcher(BoundedFetcher):
             with self._get(url, deadline) as response:
                 announced = response.getheader("Content-Length", "")
                 if max_length is not None and announced.isdigit() and int(announced) > max_length:
-                    raise _too_long(url, max_length)
+                    # a header, not bytes: a proxy's or server's fault, not a verdict on the signed target
+                    raise DownloadError(
+                        f"{url}: announces {int(announced)} bytes, more than the {max_length} signed (not read; "
+                        "tried again at the next check)"
+                    )
                 while chunk := response.read1(CHUNK):
                     yield chunk
         except TimeoutError as exc:

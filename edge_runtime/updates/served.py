@@ -18,22 +18,26 @@ under ``targets/`` that no signed target names are said and left alone: only sig
 they are never signed.
 
 Unlike a device, the publisher does not refuse expired metadata (re-signing it is what ``publish --refresh`` and
-``keys renew`` are for), and it keeps no earlier state to compare versions with: a replay of an older state it did
-sign is not caught here (docs/updates.md, "The publisher's rule"). A signature covers the whole file, so an added
-entry, a changed hash or a removed entry all read as "not signed by the ... key".
+``keys renew`` are for). A replay of an older state these keys did sign reads as valid here; it is caught against
+what the keys recorded they signed (``edgeline.updates.highwater``). A signature covers the whole file, so an added
+entry, a changed hash or a removed entry all read as "not signed by the ... key". A signed target whose archive is
+lost is refused until it is restored or the target removed (``edgeline publish --remove NAME VERSION``: its
+archive is then left unchecked, ``unchecked``).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgeline.errors import UpdateError
+from edgeline.errors import UpdateError, UpdateRefused
 from edgeline.updates.fetchers import open_regular
 from edgeline.updates.keys import RootChain, root_files
+from edgeline.updates.policy import TargetFacts
 
 if TYPE_CHECKING:
     from tuf.api.metadata import Metadata, MetaFile, Root, Snapshot, Targets, Timestamp
@@ -86,8 +90,9 @@ def _read(path: Path) -> bytes:
     return b"".join(chunks)
 
 
-def verified_state(directory: Path, chain: RootChain) -> SignedState | None:
-    """The state the repository ``directory`` serves, verified against ``chain``; None for a new repository."""
+def verified_state(directory: Path, chain: RootChain, *, unchecked: frozenset[str] = frozenset()) -> SignedState | None:
+    """The state the repository ``directory`` serves, verified against ``chain``; None for a new repository. The
+    archives of the targets ``unchecked`` names (being removed) are not read."""
     metadata_dir = directory / "metadata"
     trusted = _repository_root(metadata_dir, chain)
     stamp_file = metadata_dir / "timestamp.json"
@@ -108,7 +113,7 @@ def verified_state(directory: Path, chain: RootChain) -> SignedState | None:
         raise UpdateError(f"{snapshot_file}: names no targets.json")
     targets_file = metadata_dir / f"{targets_meta.version}.targets.json"
     targets = _verified(targets_file, "targets", trusted, targets_meta, snapshot_file)
-    _check_archives(directory / "targets", targets, targets_file)
+    _check_archives(directory / "targets", targets, targets_file, unchecked, chain.directory)
     return SignedState(timestamp=timestamp, snapshot=snapshot, targets=targets)
 
 
@@ -195,7 +200,9 @@ def _verified(
     return metadata
 
 
-def _check_archives(targets_dir: Path, targets: Metadata[Targets], targets_file: Path) -> None:
+def _check_archives(
+    targets_dir: Path, targets: Metadata[Targets], targets_file: Path, unchecked: frozenset[str], keys: Path
+) -> None:
     """Each signed target's archive is on disk as signed; files no signed target names are said."""
     from tuf.api.exceptions import LengthOrHashMismatchError
 
@@ -206,13 +213,16 @@ def _check_archives(targets_dir: Path, targets: Metadata[Targets], targets_file:
             raise UpdateError(f"{targets_file}: target {path} has no hash (this publisher always signs a sha256)")
         archive = targets_dir / prefixed[0]
         signed.add(archive)
+        if path in unchecked:
+            continue
         try:
             with open_regular(archive) as handle:
                 info.verify_length_and_hashes(handle)
         except FileNotFoundError as exc:
             raise UpdateError(
                 f"{archive}: missing: {targets_file} signs {path} ({info.length} bytes), so a device it is offered "
-                f"to cannot fetch it; {_RESTORE}"
+                f"to cannot fetch it; restore it from a copy you trust, or, if it is lost, remove the target: "
+                f"{_remove_command(path, info, targets_dir.parent, keys)}"
             ) from exc
         except OSError as exc:
             raise UpdateError(f"{archive}: {exc.strerror or exc}") from exc
@@ -227,3 +237,15 @@ def _check_archives(targets_dir: Path, targets: Metadata[Targets], targets_file:
             len(unsigned),
             shown,
         )
+
+
+def _remove_command(path: str, info: Any, repository: Path, keys: Path) -> str:
+    """The command that removes the target ``path`` from the signed metadata."""
+    try:
+        facts = TargetFacts.from_custom(path, info.custom)
+        name, version = facts.name, str(facts.version)
+    except UpdateRefused:  # facts this publisher cannot read: the target's path names it all the same
+        name, _, version = path.rpartition("-v")
+        name, version = name.partition("/")[0], version.removesuffix(".tar")
+    argv = ["edgeline", "publish", "--remove", name, version, "--repo", str(repository), "--keys", str(keys)]
+    return "`" + shlex.join(argv) + "`"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
@@ -149,8 +150,12 @@ def _first_error(exc: ValidationError) -> str:
 
 
 class Store:
-    def __init__(self, directory: Path):
+    """The updates directory. ``given``: the bundle on the daemon's command line, the only one outside it a state
+    file may name (``Installed.given``)."""
+
+    def __init__(self, directory: Path, given: Path | None = None):
         self.directory = directory
+        self.given = None if given is None else str(given.resolve())
         self.path = directory / "state.json"
         self.record = directory / "refused.jsonl"
         self.bundles = directory / "bundles"
@@ -202,8 +207,16 @@ class Store:
             parsed = parsed.model_copy(update={"previous": previous.model_copy(update={"given": True})})
         for name in ("committed", "previous"):
             installed = getattr(parsed, name)
-            if installed is not None:
-                self._check_place(name, installed)
+            if installed is None:
+                continue
+            self._check_place(name, installed)
+            if installed.given and installed.bundle != self.given:
+                # another bundle than the command line's, marked as it: never run from outside the directory
+                log.warning(
+                    "%s: %s v%d names %s as the command line's bundle; the daemon was started with %s: not kept",
+                    self.path, name, installed.version, installed.bundle, self.given,
+                )  # fmt: skip
+                parsed = parsed.model_copy(update={name: None})
         return parsed
 
     def _check_place(self, name: str, installed: Installed) -> None:
@@ -279,9 +292,13 @@ class Store:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             created = not self.record.exists()
-            fd = os.open(self.record, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            # appended in place: never through a planted link (O_NOFOLLOW), never waiting on a FIFO (O_NONBLOCK)
+            fd = os.open(self.record, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
             try:
-                size = os.fstat(fd).st_size
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file")
+                size = info.st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":  # a line a power cut left unfinished is ended
                     line = "\n" + line
                 os.write(fd, line.encode())

@@ -144,8 +144,7 @@ class Swap:
     def _start_trial(self, proposal: _Proposal) -> None:
         agent = self.agent
         previous = self.processor.model
-        facts = proposal.facts
-        agent.note_trying(facts.version)
+        facts = proposal.facts  # its attempt was recorded before the daemon opened it (``UpdateAgent._check``)
         trial = Trial(
             version=facts.version,
             previous_version=previous.version,
