@@ -56,6 +56,8 @@ START_S = 600.0
 """From QEMU's start to the unit running (a minute or two under TCG)."""
 STOP_S = 180.0
 """From the host's stop to the guest's power-off (the daemon drains, systemd stops; minutes under TCG)."""
+UPDATE_WAIT_S = 180.0
+"""How much longer than ``--seconds`` the stream runs while the update has not yet answered past its trial."""
 CONFIG = """\
 [broker]
 host = "{broker}"
@@ -172,6 +174,17 @@ class Subscriber:
                 continue
         return found
 
+    def answered_by_newer(self, version: int) -> int:
+        """How many answers a version newer than ``version`` gave (the update's trial, then the committed one)."""
+        count = 0
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                answer = json.loads(line.partition(" ")[2])
+                count += "id" in answer and int(answer["version"]) > version  # answers, not status messages
+            except (ValueError, KeyError, TypeError):
+                continue
+        return count
+
     def close(self) -> None:
         self.process.terminate()
         self.process.wait(10)
@@ -277,7 +290,15 @@ def record(
             publisher = subprocess.Popen(command, stdin=subprocess.PIPE, text=True)
             assert publisher.stdin is not None
             begun = time.monotonic()
-            while time.monotonic() - begun < seconds:
+            first = int(json.loads((bundle / "manifest.json").read_text())["version"])
+            # ``seconds`` of stream, and with an update on until the new version answered past its trial (committed
+            # then): the update's steps take what the host's load gives an emulated guest, so they are waited for
+            # (at most UPDATE_WAIT_S more), not assumed to fit in a time
+            while time.monotonic() - begun < seconds or (
+                update
+                and subscriber.answered_by_newer(first) < UPDATE_GATES["inputs"] + 5
+                and time.monotonic() - begun < seconds + UPDATE_WAIT_S
+            ):
                 publisher.stdin.write(_payload(recording.sent) + "\n")
                 publisher.stdin.flush()
                 recording.sent += 1

@@ -695,3 +695,25 @@ def test_an_http_proxy_from_the_environment_is_used_unless_no_proxy_names_the_ho
         assert seen == []
     else:
         assert f"{served[0]}/metadata/timestamp.json" in seen and any("/targets/tiny/" in url for url in seen), seen
+
+
+@pytest.mark.parametrize("plant", ["link-to-directory", "dangling-link", "fifo"])
+def test_a_link_planted_where_a_bundle_unpacks_is_removed_never_followed(
+    repo: UpdateRepo, tmp_path: Path, plant: str
+) -> None:
+    published = repo.publish(2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep me")
+    destination = tmp_path / "state" / "bundles" / "v2"
+    destination.parent.mkdir(parents=True)
+    partial = destination.with_name("v2.partial")
+    if plant == "link-to-directory":
+        partial.symlink_to(outside)
+    elif plant == "dangling-link":
+        partial.symlink_to(tmp_path / "nowhere")
+    else:
+        os.mkfifo(partial)
+    bundle = archive.unpack(published.archive, destination, manifest_sha=published.facts.manifest_sha256)
+    assert bundle.manifest.version == 2 and not partial.exists() and not partial.is_symlink()
+    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and not (tmp_path / "nowhere").exists()

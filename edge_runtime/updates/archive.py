@@ -136,7 +136,9 @@ def unpack(
     if destination.exists():
         raise BundleError(f"{destination} already exists")
     work = destination.with_name(destination.name + ".partial")
-    if work.exists():
+    if work.is_symlink() or (work.exists() and not work.is_dir()):
+        work.unlink()  # a link planted there is removed, never followed; a cut unpack's directory is removed whole
+    elif work.exists():
         shutil.rmtree(work)
     try:
         work.mkdir(parents=True)
