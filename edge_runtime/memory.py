@@ -15,7 +15,7 @@ import gc
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["UNMEASURABLE", "available_mb", "cgroup_room_mb", "resident_mb", "resident_mb_added"]
+__all__ = ["UNMEASURABLE", "available_mb", "cgroup_room_mb", "proc_fields", "resident_mb", "resident_mb_added"]
 
 STATUS = Path("/proc/self/status")
 MEMINFO = Path("/proc/meminfo")
@@ -26,18 +26,27 @@ UNLIMITED = 1 << 62
 UNMEASURABLE = "this system has no /proc/self/status to read the resident set size from (Linux has)"
 
 
+def proc_fields(path: str | Path) -> dict[str, int]:
+    """The ``KEY:  N kB`` lines of a /proc file (``status``, ``meminfo``), in bytes; empty where it cannot be read
+    (a process that is gone)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as handle:
+            text = handle.read(65536)
+    except OSError:
+        return {}
+    fields: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        parts = value.split()
+        if len(parts) == 2 and parts[1].lower() == "kb" and parts[0].isdigit():
+            fields[name] = int(parts[0]) * 1024
+    return fields
+
+
 def _mb_field(path: Path, key: str) -> float | None:
     """A ``KEY:  N kB`` line of a /proc file, in MB; None where the file or the line cannot be read."""
-    try:
-        text = path.read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith(f"{key}:"):
-            fields = line.split()
-            if len(fields) >= 3 and fields[2].lower() == "kb" and fields[1].isdigit():
-                return int(fields[1]) / 1024
-    return None
+    value = proc_fields(path).get(key)
+    return None if value is None else value / 2**20
 
 
 def resident_mb(status: Path = STATUS) -> float | None:

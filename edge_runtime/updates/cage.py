@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeline.memory import proc_fields
+
 if TYPE_CHECKING:
     from edgeline.manifest import Manifest
     from edgeline.updates.policy import TargetFacts
@@ -266,7 +268,7 @@ class _Watch:
                 pipe.close()
 
     def _sample(self) -> None:
-        fields = _status_fields(f"{self._proc}/status")
+        fields = proc_fields(f"{self._proc}/status")
         rss, data = fields.get("VmHWM"), fields.get("VmData")
         if rss is not None:
             self.peak_rss = max(self.peak_rss or 0, rss)
@@ -311,22 +313,6 @@ def _oom_kills() -> int | None:
     return None
 
 
-def _status_fields(path: str) -> dict[str, int]:
-    """``VmHWM``, ``VmData`` and the like of /proc/PID/status, in bytes (empty once the process is gone)."""
-    try:
-        with open(path, encoding="ascii", errors="replace") as handle:
-            text = handle.read(8192)
-    except OSError:
-        return {}
-    fields: dict[str, int] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        parts = value.split()
-        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
-            fields[name] = int(parts[0]) * 1024
-    return fields
-
-
 # -- the child -------------------------------------------------------------------------------------------------------
 
 
@@ -342,7 +328,7 @@ def _confine(memory_bytes: int | None, cpu_seconds: int) -> None:
     _lower(resource.RLIMIT_CORE, 0)
     _lower(resource.RLIMIT_CPU, cpu_seconds)
     if memory_bytes is not None:
-        data = _status_fields("/proc/self/status").get("VmData")
+        data = proc_fields("/proc/self/status").get("VmData")
         if data is not None:
             _lower(resource.RLIMIT_DATA, data + memory_bytes)
 
@@ -416,13 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     for module in ("numpy", "edgeline.model", "edgeline.verify"):  # loaded before the cap: the cap is the version's
         importlib.import_module(module)
 
-    start = _status_fields("/proc/self/status").get("VmData", 0)
+    start = proc_fields("/proc/self/status").get("VmData", 0)
     _confine(args.memory_bytes, args.cpu_seconds)
     try:
         verdict = _test(args.bundle, args.backend, args.max_batch)
     except MemoryError:
         verdict = {"ok": False, "reason": "too-big", "message": "ran out of the memory it may take (MemoryError)"}
-    end = _status_fields("/proc/self/status")
+    end = proc_fields("/proc/self/status")
     verdict["memory"] = {"data_start": start, "data_end": end.get("VmData"), "peak_rss": end.get("VmHWM")}
     sys.stdout.flush()
     with os.fdopen(verdict_fd, "w", encoding="utf-8") as out:
