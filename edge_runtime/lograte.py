@@ -20,9 +20,31 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-__all__ = ["SUMMARY_EVERY_S", "Repeated"]
+__all__ = ["SHOWN_MAX", "SUMMARY_EVERY_S", "Repeated", "shown"]
 
 SUMMARY_EVERY_S = 60.0
+SHOWN_MAX = 200
+"""Characters of an outsider's text a log line quotes, at most."""
+
+
+def shown(text: object, limit: int = SHOWN_MAX) -> str:
+    """Text someone outside the process wrote (a board's LOG line, its HELLO's ``firmware``, a payload), as a log
+    line may quote it: one line whatever it holds, every character that is not printable escaped as ``\\xNN`` (a
+    newline cannot start a forged ``CRITICAL`` line, an escape sequence cannot repaint a terminal), at most ``limit``
+    characters of it, and the number cut said. Bytes are read as UTF-8, undecodable bytes escaped too."""
+    if isinstance(text, bytes | bytearray | memoryview):
+        text = bytes(text).decode("utf-8", errors="backslashreplace")
+    elif not isinstance(text, str):
+        text = str(text)
+    cut = len(text) - limit
+    head = text[:limit] if cut > 0 else text
+    out = "".join(c if c.isprintable() else _escaped(c) for c in head)
+    return out + (f"... ({cut} more characters)" if cut > 0 else "")
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 @dataclass

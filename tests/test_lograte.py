@@ -92,3 +92,14 @@ def test_a_line_can_carry_the_traceback_of_the_exception_being_handled(caplog: p
         said.happened(1, "update check failed", level=logging.ERROR, exc_info=True)
     (record,) = caplog.records
     assert record.exc_info is not None and record.exc_info[0] is AttributeError
+
+
+def test_shown_keeps_an_outsiders_text_on_one_printable_line_and_bounded() -> None:
+    forged = "boot ok\n2026-01-01 CRITICAL edgeline: disk wiped\x1b[2J\u2028\x00"
+    text = lograte.shown(forged)
+    assert "\n" not in text and "\x1b" not in text and "\u2028" not in text and "\x00" not in text
+    assert text.startswith("boot ok\\x0a2026-01-01 CRITICAL") and text.endswith("\\x1b[2J\\u2028\\x00")
+    assert lograte.shown(b"\xff\xfeok") == "\\xff\\xfeok"
+    long = lograte.shown("x" * 1000, limit=10)
+    assert long == "x" * 10 + "... (990 more characters)"
+    assert lograte.shown("plain text, é and 中文") == "plain text, é and 中文"
