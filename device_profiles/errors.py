@@ -14,9 +14,11 @@ subclass that only one module raises lives beside it, named in brackets.
     ├── BrokerRefused          [edgeline.daemon.mqtt] the broker could not be reached or refused us at start
     ├── DiskFull               [edgeline.daemon.outbox] an outbox write failed for lack of space
     ├── OutboxClosed           [edgeline.daemon.outbox] a call after ``close``
+    │   └── OutboxLost         its files deleted or truncated under it, and no new outbox could be made there
     ├── FrameError             [edgeline.firmware_bridge.protocol] a frame refused
     ├── FleetError             [edgeline.sim.fleet_status] a simulated fleet that cannot be made or observed
     ├── WriteLogError          [edgeline.sim.writelog] a block write log cut short or not one
+    ├── MqttStreamError        [edgeline.sim.mqtt_tap] bytes through the power-cut tap that are not MQTT
     └── ExportError            [edgeline.export.errors] export failed for a reason the user can act on
         ├── ModelLoadError
         ├── CalibrationError

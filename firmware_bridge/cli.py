@@ -67,15 +67,18 @@ def register(subparsers: Any) -> None:
         default=500,
         metavar="N",
         help="samples published and not yet answered, per daemon, at most (default 500, under a stock Mosquitto's "
-        "queue of 1,000 per client): past it reliable frames wait for their ACK and other samples are dropped, "
-        "counted; 0: no limit (samples nobody answers: then the broker's queue limits apply)",
+        "queue of 1,000 per client): past it other samples than reliable ones are dropped, counted (a reliable frame "
+        "is acknowledged to its board once every sample of it is answered, whatever this is); 0: no limit, for "
+        "samples nobody answers: a reliable frame is then acknowledged at the broker's PUBACK, and the broker's "
+        "queue limits apply",
     )
     parser.add_argument(
         "--answer-timeout",
         type=float,
         default=60.0,
         metavar="S",
-        help="a sample not answered this long leaves the window, counted as unanswered (default 60 s)",
+        help="a sample not answered this long leaves the window: a reliable one is taken again from its board's "
+        "resend and published again, any other is counted as unanswered (default 60 s)",
     )
     parser.add_argument("--for", dest="duration", type=float, metavar="S", help="stop after S seconds")
     parser.set_defaults(func=run_bridge)

@@ -6,13 +6,22 @@ reopens it with back-off when it goes away, one log line per change of state), a
 what the wire did (frames, bytes, CRC errors, resyncs, sequence gaps, board restarts, refused frames), and hands every
 sample to a ``LinkHandler`` with a ``safe`` callback. In reliable mode the ``ACK`` of a frame goes out only once every
 sample of it, and of every frame before it, is safe (the caller says when: in the daemon's outbox, or acknowledged
-by the broker). Answers go back down with ``answer``, from any thread, without ever waiting: frames to the board go
-through a bounded queue that the link's writer thread drains, each write bounded by ``write_timeout_s``. A board that
-does not read (many sensor firmwares never read their RX line, and a USB CDC device that does not read fills the
-host's buffer) has what does not fit dropped, counted (``answers_unsent``) and said once per change of state.
+by the broker); a stream's start is the ``seq`` of the HELLO or, without one, learned from the board's go-back, never
+assumed (``edgeline.firmware_bridge.reliable``). Answers go back down with ``answer``, from any thread, without ever
+waiting: frames to the board go through a bounded queue that the link's writer thread drains, each write bounded by
+``write_timeout_s``. A board that does not read (many sensor firmwares never read their RX line, and a USB CDC device
+that does not read fills the host's buffer) has what does not fit dropped, counted (``answers_unsent``) and said once
+per change of state. An answer carries the ``session`` of its input: one to a board that restarted since (or to
+another board) is dropped, counted (``answers_stale``).
 
-Nothing a board sends stops a link: an exception while serving it is said once (with the board and the traceback),
-counted (``link_errors``), and the port is reopened with back-off.
+The port is opened exclusively (``edgeline.firmware_bridge.port``): a second program that opens it is refused,
+the holder named, and retries with back-off until the port is free.
+
+Nothing a board sends stops a link, grows it without bound, or writes what it likes into the host's log: an exception
+while serving it is said once (with the board and the traceback), counted (``link_errors``), and the port is reopened
+with back-off; a port takes at most ``MAX_DEVICE_NAMES`` device names over its life; every log line a board's frames
+cause goes through ``edgeline.lograte.Repeated`` (a flood costs a few lines; the counters stay exact), its text
+quoted by ``edgeline.lograte.shown`` (one line, escaped, bounded).
 
 Each board is named by the ``device`` of its ``HELLO``, never by its port: a board that comes back on another port
 keeps its streams.
@@ -25,11 +34,10 @@ import logging
 import math
 import os
 import queue
-import select
 import threading
 import time
 import traceback
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,8 +48,10 @@ import orjson
 from edgeline.daemon.reconnect import Retry
 from edgeline.daemon.topics import topic_problem
 from edgeline.errors import EdgelineError
+from edgeline.firmware_bridge.port import FRAME_WRITE_TURNS, _PortBusy, closed, open_port, write_timeout_s
+from edgeline.firmware_bridge.port import reader as _reader
+from edgeline.firmware_bridge.port import writer as _writer
 from edgeline.firmware_bridge.protocol import (
-    MAX_ENCODED,
     MAX_PAYLOAD,
     SEQ_MODULO,
     Decoder,
@@ -52,10 +62,14 @@ from edgeline.firmware_bridge.protocol import (
     encode,
     pack_ack,
 )
-from edgeline.lograte import Repeated
+from edgeline.firmware_bridge.reliable import ReliableStream, Verdict, not_after
+from edgeline.lograte import Repeated, shown
 
 __all__ = [
     "DTYPES",
+    "FRAME_WRITE_TURNS",
+    "LEARN_ROUNDS",
+    "MAX_DEVICE_NAMES",
     "Board",
     "BoardLink",
     "LinkCounters",
@@ -65,6 +79,7 @@ __all__ = [
     "name_problem",
     "parse_hello",
     "parse_input_id",
+    "write_timeout_s",
 ]
 
 log = logging.getLogger("edgeline.bridge")
@@ -82,28 +97,28 @@ CONTROL_STREAM = 0
 HELLO_RETRY_S = 2.0
 """A board that has not said HELLO this long after we asked is asked again (it may have been busy, or the request
 was lost on the wire)."""
+LEARN_ROUNDS = 8
+"""HELLO_REQUESTs a link sends at once, per session, to learn where the reliable frames of a stream whose HELLO gives
+no ``seq`` start (``edgeline.firmware_bridge.reliable``: one or two do, on a sound wire); past them, one every
+``HELLO_RETRY_S``, for as long as it does not settle (nothing of the stream is taken meanwhile: the board waits)."""
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 10.0
-READ_TIMEOUT_S = 0.05
-READ_CHUNK = 65536
 MAX_STREAMS = 255
 MAX_HELLO_DEVICE = 128
+MAX_DEVICE_NAMES = 32
+"""Distinct device names one port takes over its life (the process's): a board's id is fixed, and a real port sees
+a few boards swapped over years, never this many. A HELLO with a new name past it is refused (``names``): a board that
+names itself anew in every HELLO grows neither the link nor what a bridge keeps (subscriptions, claims) per name."""
 DOWNLINK_FRAMES = 256
 """Frames waiting to be written to one board, at most, by default: past it a new one is dropped (the board does not
-read, or reads slower than its answers come). ``edgeline bridge`` sizes it from its window (``--max-unanswered``):
-every answer a daemon may owe fits behind a board that reads."""
-FRAME_WRITE_TURNS = 8
-"""A board that reads, however slowly, has one frame at most this many write timeouts to take it."""
+read, or reads slower than its answers come). ``edgeline run`` sizes it, and the inputs it hands the daemon, so that
+every answer the daemon may owe fits (``edgeline.firmware_bridge.source``); ``edgeline bridge`` from its window
+(``--max-unanswered``)."""
 WRITER_IDLE_S = 0.25
 LOG_EVERY_S = 10.0
 """A board's LOG lines: the first of a burst is said, the rest counted and summarised at most this often."""
-
-
-def write_timeout_s(baudrate: int) -> float:
-    """How long a port may take no byte of a frame: twice the largest frame's time on the wire, at least 1 s. A board
-    whose port takes nothing for that long does not read it (one that reads, however slowly, is given
-    ``FRAME_WRITE_TURNS`` times this for the whole frame)."""
-    return max(1.0, 2 * MAX_ENCODED * 10 / baudrate)
+SHOWN_LOG = 500
+"""Characters of a board's LOG line the host's log quotes, at most."""
 
 
 def name_problem(name: object) -> str | None:
@@ -240,8 +255,10 @@ class LinkCounters:
     resyncs: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     """By reason: the decoder's (``cobs``, ``short``, ``crc``, ``version``, ``flags``, ``type``, ``size``), and
-    ``hello`` (a HELLO that does not parse), ``stream`` (SAMPLES of a stream no HELLO declared), ``samples`` (a
-    payload that is not a whole number of samples), ``direction`` (a host-to-board type from the board)."""
+    ``hello`` (a HELLO that does not parse), ``names`` (a HELLO with a new device name, past the port's
+    ``MAX_DEVICE_NAMES``), ``stream`` (SAMPLES of a stream no HELLO declared), ``samples`` (a payload that is not a
+    whole number of samples), ``direction`` (a host-to-board type from the board), ``result`` (a RESULT that is not a
+    JSON object)."""
     sequence_gaps: int = 0
     repeats: int = 0
     board_restarts: int = 0
@@ -251,6 +268,12 @@ class LinkCounters:
     answers_unsent: int = 0
     """Answers not written to the board: it does not read (its port took nothing for ``write_timeout_s``, or the
     queue to it was full), its port was closed, or the answer does not fit a frame."""
+    answers_stale: int = 0
+    """Answers not written to the board because they answer an input of another session: the board restarted since
+    the input came (or another board took the port), so their stream and ``seq`` now name another input."""
+    start_unknown: int = 0
+    """Reliable frames not taken (nor acknowledged) because their stream's start was not learned yet: a HELLO
+    without ``seq`` (the board resends them)."""
     acks_sent: int = 0
     reopens: int = 0
     link_errors: int = 0
@@ -270,6 +293,8 @@ class LinkCounters:
             "results": self.results,
             "answers_sent": self.answers_sent,
             "answers_unsent": self.answers_unsent,
+            "answers_stale": self.answers_stale,
+            "start_unknown": self.start_unknown,
             "acks_sent": self.acks_sent,
             "reopens": self.reopens,
             "link_errors": self.link_errors,
@@ -291,16 +316,6 @@ class LinkHandler(Protocol):
     def on_result(self, link: BoardLink, board: Board, frame: Frame, record: dict[str, Any]) -> None: ...
 
 
-@dataclass
-class _Reliable:
-    """Reliable-mode state of one stream in one session: what is taken and not yet safe, and how far it is safe."""
-
-    expected: int | None
-    pending: deque[list[int]] = field(default_factory=deque)
-    """[seq, samples not safe yet], oldest first."""
-    safe_through: int | None = None
-
-
 class BoardLink:
     """See the module. ``run`` blocks until ``stopping`` is set; everything else may be called from any thread."""
 
@@ -318,47 +333,94 @@ class BoardLink:
         """The board's last ``stats`` LOG line, as it sent it."""
         self.last_heard: float | None = None
         self.connected = threading.Event()
+        self.held_by: str | None = None
+        """Who holds the port while another program has it open (``pid N (program)``, or ``another program``)."""
         self._port: Any = None
         self._write_lock = threading.Lock()
         self._state_lock = threading.Lock()
-        self._session = 0
-        self._reliable: dict[int, _Reliable] = {}
+        self._session = int.from_bytes(os.urandom(4), "little")
+        """Changes at every new session; starts at a random number, so that another process's sessions (a bridge
+        restarted, answering the ids its previous run made) are not taken for this one's."""
+        self._reliable: dict[int, ReliableStream] = {}
+        self._device_names: set[str] = set()
+        """The device names this port took, at most ``MAX_DEVICE_NAMES``."""
+        self._learn_rounds = 0
+        """HELLO_REQUESTs sent in this session to learn a stream's start (``LEARN_ROUNDS`` at once, then paced)."""
+        self._hello_due: float | None = None
+        """When the next paced HELLO_REQUEST goes out (a start still not learned after ``LEARN_ROUNDS``)."""
         self._gaps = SequenceGaps()
         self._host_seq = 0
         self._hello_wanted_since: float | None = None
         self._decoder = Decoder()
         self._decoder_seen: Counter[str] = Counter()
         self._decoder_resyncs = 0
+        self._refused_with = False
+        """The decoder refused something in the bytes whose frames are being handled."""
         self._port_for_writes: Any = None
-        self._write_port: Callable[[bytes], bool] = _closed
+        self._write_port: Callable[[bytes], bool] = closed
+        self._open_failure: str | None = None
+        """The last failure to open the port, said once (one line per change of state, not one per attempt)."""
         self.write_timeout_s = write_timeout_s(baudrate)
         self.downlink_frames = max(1, downlink_frames)
-        self._downlink: queue.Queue[tuple[int, bytes]] = queue.Queue(self.downlink_frames)
-        """Frames to the board (their type, their bytes), drained by the writer thread."""
+        self._downlink: queue.Queue[tuple[int, bytes, int]] = queue.Queue(self.downlink_frames)
+        """Frames to the board (their type, their bytes, the session they were queued in), drained by the writer."""
         self._cut = False
         """The last write timed out part way through a frame: the next one starts with a delimiter."""
         self._board_clock_us = 0
         """The ``t_us`` of the board's last frame: a HELLO with an earlier one is from a board that restarted."""
-        self._refused_log = Repeated(log, f"serial {url}: frames refused", remember=16)
-        self._unsent_log = Repeated(log, f"serial {url}: frames to the board dropped, not written")
+        where = f"serial {shown(url)}"
+        self._refused_log = Repeated(log, f"{where}: frames refused", remember=16)
+        self._unsent_log = Repeated(log, f"{where}: frames to the board dropped, not written")
+        self._restart_log = Repeated(log, f"{where}: board restarts")
+        self._named_log = Repeated(
+            log, f"{where}: boards named", level=logging.INFO, every_s=math.inf, remember=MAX_DEVICE_NAMES
+        )  # fmt: skip  (each name said once: at most 32 lines)
+        self._learn_log = Repeated(log, f"{where}: reliable streams whose start is not learned", every_s=math.inf,
+                                   remember=MAX_STREAMS)  # fmt: skip
         self._board_log = Repeated(log, "board LOG lines", level=logging.INFO, every_s=LOG_EVERY_S)
-        self._errors_log = Repeated(log, f"serial {url}: the link failed", level=logging.ERROR, every_s=math.inf,
+        self._stats_log = Repeated(log, f"{where}: board stats lines", level=logging.DEBUG, every_s=LOG_EVERY_S)
+        self._errors_log = Repeated(log, f"{where}: the link failed", level=logging.ERROR, every_s=math.inf,
                                     remember=16)  # fmt: skip
+        self._said = (self._unsent_log, self._board_log, self._refused_log, self._restart_log, self._stats_log)
+
+    @property
+    def session(self) -> int:
+        """The board's session: a number that changes at every new one (the board restarted, or another board took
+        the port). An answer bound to the session of its input (``answer(..., session=)``) is not written to another.
+        """
+        return self._session
+
+    @property
+    def downlink_queued(self) -> int:
+        """Frames waiting in the queue to the board."""
+        return self._downlink.qsize()
 
     # -- the port ----------------------------------------------------------------------------------------------
     def _open(self) -> Any:
-        import serial
-
         try:
-            return serial.serial_for_url(
-                self.url, baudrate=self.baudrate, timeout=0, write_timeout=self.write_timeout_s
-            )
-        except (serial.SerialException, ValueError, OSError) as exc:
-            raise EdgelineError(f"serial {self.url}: {exc}") from exc
+            port = open_port(self.url, baudrate=self.baudrate, write_timeout=self.write_timeout_s)
+        except _PortBusy as exc:
+            self.held_by = exc.held_by or "another program"
+            raise
+        except EdgelineError:
+            self.held_by = None
+            raise
+        self.held_by = None
+        return port
 
     def open(self) -> None:
-        """Open the port now: a wrong URL fails before the caller says it is ready."""
-        self._port = self._open()
+        """Open the port now: a wrong URL fails before the caller says it is ready. A port another program holds is
+        not an error: it is said, and ``run`` takes it once it is free (a service restarted while its previous
+        process still holds the port)."""
+        try:
+            self._port = self._open()
+        except _PortBusy as exc:
+            self._said_open_failure(exc)
+
+    def _said_open_failure(self, exc: EdgelineError) -> None:
+        if self._open_failure != str(exc):  # one line per change of state, not one per attempt
+            self._open_failure = str(exc)
+            log.warning("%s; retrying with back-off up to %g s", exc, BACKOFF_MAX_S)
 
     def run(self, stopping: threading.Event) -> None:
         """Serve the board until ``stopping`` is set: this thread reads, a writer thread of its own writes."""
@@ -379,7 +441,6 @@ class BoardLink:
         import serial
 
         retry = Retry(BACKOFF_FIRST_S, BACKOFF_MAX_S, jitter=False)  # reset only once the port worked again
-        failing: str | None = None  # the last failure to open, said once
         flapping = False  # the port opens and fails at once, again and again: said once
         first = True
         while not stopping.is_set():
@@ -388,16 +449,16 @@ class BoardLink:
                 try:
                     port = self._open()
                 except EdgelineError as exc:
-                    if failing != str(exc):  # one line per change of state, not one per attempt
-                        failing = str(exc)
-                        log.warning("%s; retrying with back-off up to %g s", exc, BACKOFF_MAX_S)
+                    self._said_open_failure(exc)
                     stopping.wait(retry.next_delay())
                     continue
             if not first:
                 self.counters.reopens += 1
                 if not flapping:
                     log.info("serial %s open again", self.url)
-            first, failing, frames = False, None, self.counters.frames
+            elif self._open_failure is not None:  # it waited for the port from the start
+                log.info("serial %s open", self.url)
+            first, self._open_failure, frames = False, None, self.counters.frames
             try:
                 self._serve(port, stopping)
             except (serial.SerialException, OSError) as exc:
@@ -405,7 +466,7 @@ class BoardLink:
                     log.warning("serial %s lost: %s; reopening", self.url, exc)
                     flapping = False
                     retry.reset()
-                else:  # it opens and fails at once (a port another program holds): back off, say it once
+                else:  # it opens and fails at once: back off, say it once
                     if not flapping:
                         log.warning("serial %s opens but fails at once: %s; retrying with back-off", self.url, exc)
                     flapping = True
@@ -416,7 +477,7 @@ class BoardLink:
             finally:
                 self.connected.clear()
                 with self._write_lock:
-                    self._port_for_writes, self._write_port = None, _closed
+                    self._port_for_writes, self._write_port = None, closed
                     # what was queued for this port goes with it, as what comes while it is closed: the next port
                     # starts with its HELLO_REQUEST, not behind a backlog for a board that may have restarted since
                     self.counters.answers_unsent += self._drop_queued().count(FrameType.ANSWER)
@@ -425,12 +486,12 @@ class BoardLink:
 
     def _failed(self, exc: Exception, then: str) -> None:
         self.counters.link_errors += 1
-        board = self.board.device if self.board is not None else "not named yet"
+        board = shown(self.board.device) if self.board is not None else "not named yet"
         where = traceback.extract_tb(exc.__traceback__)[-1:]
         key = (type(exc).__name__, *((where[0].filename, where[0].lineno) if where else ()))
         self._errors_log.happened(
-            1, f"board {board}: {type(exc).__name__}: {exc}; {then} (said once per place; counted as link_errors)",
-            key=key, exc_info=True,
+            1, f"board {board}: {type(exc).__name__}: {shown(exc)}; {then} (said once per place; counted as "
+            "link_errors)", key=key, exc_info=True,
         )  # fmt: skip
 
     def _serve(self, port: Any, stopping: threading.Event) -> None:
@@ -445,21 +506,44 @@ class BoardLink:
             chunk = read()
             if chunk:
                 self._take(chunk)
-            wanted = self._hello_wanted_since
-            if wanted is not None and time.monotonic() - wanted > HELLO_RETRY_S:
+            now = time.monotonic()
+            wanted, due = self._hello_wanted_since, self._hello_due
+            if wanted is not None and now - wanted > HELLO_RETRY_S:
+                self.request_hello()
+            elif due is not None and now >= due and wanted is None:
+                self._hello_due = None
+                self._learn_rounds += 1
                 self.request_hello()
 
     def _take(self, chunk: bytes) -> None:
+        """Bytes from the port. While a stream waits for the go-back that tells its start, fed to the decoder one
+        delimited piece at a time, so that what it refuses is counted in its place among the frames (a start is
+        learned only from a go-back nothing was refused in); otherwise at once (about a third less CPU per frame)."""
+        self.counters.bytes += len(chunk)
         decoder = self._decoder
-        frames = decoder.feed(chunk)
-        counters = self.counters
-        counters.bytes += len(chunk)
+        if not any(state.listening for state in self._reliable.values()):
+            self._decoded(decoder.feed(chunk))
+            return
+        start, size = 0, len(chunk)
+        while start < size:
+            end = chunk.find(b"\x00", start)
+            stop = size if end < 0 else end + 1
+            self._decoded(decoder.feed(chunk[start:stop]))
+            start = stop
+
+    def _decoded(self, frames: list[Frame]) -> None:
+        decoder, counters = self._decoder, self.counters
         counters.frames += len(frames)
-        counters.resyncs += decoder.resyncs - self._decoder_resyncs
-        self._decoder_resyncs = decoder.resyncs
-        if decoder.refused != self._decoder_seen:
+        refused = decoder.resyncs != self._decoder_resyncs or decoder.refused != self._decoder_seen
+        self._refused_with = refused  # a HELLO among these frames cannot tell whether the refusal came after it
+        if refused:
+            counters.resyncs += decoder.resyncs - self._decoder_resyncs
+            self._decoder_resyncs = decoder.resyncs
             counters.refused.update(decoder.refused - self._decoder_seen)
             self._decoder_seen = Counter(decoder.refused)
+            with self._state_lock:
+                for state in self._reliable.values():
+                    state.clean_since_hello = False
         for frame in frames:
             self._frame(frame)
 
@@ -467,10 +551,13 @@ class BoardLink:
     def send(self, frame: Frame) -> bool:
         """Queue one frame for the board, never waiting; False when it is dropped instead: the port is not open (the
         board is away), or the queue is full (the board does not read)."""
+        return self._queue(frame, self._session)
+
+    def _queue(self, frame: Frame, session: int) -> bool:
         if self._port_for_writes is None:
             return False
         try:
-            self._downlink.put_nowait((frame.type, encode(frame)))
+            self._downlink.put_nowait((frame.type, encode(frame), session))
         except queue.Full:
             self._unsent_log.happened(
                 1, f"the queue to the board is full ({self.downlink_frames} frames): it does not read, or too slowly"
@@ -482,17 +569,23 @@ class BoardLink:
         """The writer thread: one frame at a time from the queue to the port, each within ``write_timeout_s``."""
         while not (stopping.is_set() or ended.is_set()):
             try:
-                kind, data = self._downlink.get(timeout=WRITER_IDLE_S)
+                kind, data, session = self._downlink.get(timeout=WRITER_IDLE_S)
             except queue.Empty:
-                for said in (self._unsent_log, self._board_log, self._refused_log):
+                for said in self._said:
                     said.tick()
                 continue
             try:
-                self._write(kind, data)
+                self._write(kind, data, session)
             except Exception as exc:  # never: _write takes what a port raises; still, the writer never dies
                 self._failed(exc, "the frame is dropped")
 
-    def _write(self, kind: int, data: bytes) -> None:
+    def _write(self, kind: int, data: bytes, session: int) -> None:
+        if session != self._session and kind in (FrameType.ANSWER, FrameType.ACK):
+            # the board restarted (or another took the port) since it was queued: its stream and seq name another
+            # frame now; an ACK would tell the new boot that frames nobody took are safe
+            if kind == FrameType.ANSWER:
+                self.counters.answers_stale += 1
+            return
         with self._write_lock:
             try:
                 written = self._write_port(b"\x00" + data if self._cut else data)
@@ -526,11 +619,12 @@ class BoardLink:
                 dropped.append(self._downlink.get_nowait()[0])
         return dropped
 
-    def _control(self, kind: FrameType, payload: bytes = b"") -> bool:
+    def _control(self, kind: FrameType, payload: bytes = b"", session: int | None = None) -> bool:
         with self._state_lock:
             seq = self._host_seq
             self._host_seq = (seq + 1) % SEQ_MODULO
-        return self.send(Frame(int(kind), CONTROL_STREAM, seq, _now_us(), payload))
+        frame = Frame(int(kind), CONTROL_STREAM, seq, _now_us(), payload)
+        return self._queue(frame, self._session if session is None else session)
 
     def request_hello(self) -> None:
         self._hello_wanted_since = time.monotonic()
@@ -540,11 +634,20 @@ class BoardLink:
         """Send a CONFIG frame (``{"rate_hz": ..., "streams": {"1": false}}``)."""
         return self._control(FrameType.CONFIG, orjson.dumps(dict(settings)))
 
-    def answer(self, stream: int, seq: int, payload: bytes) -> bool:
+    def answer(self, stream: int, seq: int, payload: bytes, session: int | None = None) -> bool:
         """Queue an answer for the board, as the ANSWER of its input ``stream``/``seq``, never waiting; False when it
-        is dropped at once (counted in ``answers_unsent``; ``answers_sent`` counts those written)."""
-        queued = len(payload) <= MAX_PAYLOAD and self.send(
-            Frame(int(FrameType.ANSWER), stream, seq, _now_us(), payload)
+        is dropped at once (counted in ``answers_unsent``; ``answers_sent`` counts those written).
+
+        ``session``: the ``session`` the input came in (read in ``on_samples``). An answer of another session is
+        dropped, counted in ``answers_stale`` (the board restarted since, or another took the port: the stream and
+        ``seq`` name another input now); so is one queued before such a change and not yet written. None: the
+        session now (the caller cannot tell; the second check still applies)."""
+        current = self._session
+        if session is not None and session != current:
+            self.counters.answers_stale += 1
+            return False
+        queued = len(payload) <= MAX_PAYLOAD and self._queue(
+            Frame(int(FrameType.ANSWER), stream, seq, _now_us(), payload), current
         )
         if not queued:
             self.counters.answers_unsent += 1
@@ -553,7 +656,7 @@ class BoardLink:
     # -- reading -----------------------------------------------------------------------------------------------
     def _refuse(self, reason: str, text: str) -> None:
         self.counters.refused[reason] += 1
-        self._refused_log.happened(1, text, key=reason)
+        self._refused_log.happened(1, shown(text, 400), key=reason)
 
     def _frame(self, frame: Frame) -> None:
         self.last_heard = time.monotonic()
@@ -587,25 +690,41 @@ class BoardLink:
         except FrameError as exc:
             self._refuse(exc.reason, str(exc))
             return
+        if board.device not in self._device_names:
+            if len(self._device_names) >= MAX_DEVICE_NAMES:
+                self._refuse(
+                    "names", f"HELLO refused: device {board.device!r} is a new name, and this port took "
+                    f"{MAX_DEVICE_NAMES} device names already, the most it takes over its life (a board's id is "
+                    "fixed: one that renames itself in every HELLO is not one to follow); restart the process to "
+                    "take more",
+                )  # fmt: skip
+                return
+            self._device_names.add(board.device)
+        asked = self._hello_wanted_since is not None
         self._hello_wanted_since = None
         previous = self.board
+        device = shown(board.device)
         if restarted:
             self.counters.board_restarts += 1
-            log.warning(
-                "serial %s: board %s restarted (a HELLO not asked for, or its clock went back)", self.url, board.device
-            )
-        elif previous is None or previous.device != board.device:
+            self._restart_log.happened(1, f"board {device} restarted (a HELLO not asked for, or its clock went back)")
+        if previous is None or previous.device != board.device:
             streams = ", ".join(
-                f"{s.id} {s.name} {s.dtype.str}{list(s.shape)}" + (f" at {s.rate_hz:g} Hz" if s.rate_hz else "")
+                f"{s.id} {shown(s.name)} {s.dtype.str}{list(s.shape)}" + (f" at {s.rate_hz:g} Hz" if s.rate_hz else "")
                 for s in board.streams.values()
             )
-            log.info("serial %s: board %s (%s), streams %s", self.url, board.device, board.firmware or "?", streams)
+            self._named_log.happened(
+                1, f"board {device} ({shown(board.firmware) or '?'}), streams {shown(streams, 600)}", key=device
+            )
         with self._state_lock:
             same = not restarted and previous == board
             self.board = board
             if not same:  # a new session: what the last one took and has not acknowledged means nothing now
-                self._session += 1
-                self._reliable = {sid: _Reliable(spec.seq) for sid, spec in board.streams.items()}
+                self._session = (self._session + 1) % (1 << 32)
+                self._reliable = {sid: ReliableStream(spec.seq) for sid, spec in board.streams.items()}
+                self._learn_rounds, self._hello_due = 0, None
+            if asked:  # the board's go-back follows: where a stream without "seq" starts
+                for state in self._reliable.values():
+                    state.heard_hello(clean=not self._refused_with)
         self.handler.on_hello(self, board, restarted)
 
     def _restarted(self, hello: Frame) -> bool:
@@ -615,7 +734,7 @@ class BoardLink:
 
     def _log(self, frame: Frame) -> None:
         text = frame.payload.decode("utf-8", errors="replace")
-        device = self.board.device if self.board is not None else self.url
+        device = shown(self.board.device) if self.board is not None else self.url
         if text.startswith("stats "):
             try:
                 stats = orjson.loads(text[6:])
@@ -623,9 +742,9 @@ class BoardLink:
                 stats = None
             if isinstance(stats, dict):
                 self.stats = stats
-                log.debug("board %s: %s", device, text)
+                self._stats_log.happened(1, f"board {device}: {shown(text, SHOWN_LOG)}")
                 return
-        self._board_log.happened(1, f"{device}: {text[:500]}")
+        self._board_log.happened(1, f"{device}: {shown(text, SHOWN_LOG)}")
 
     def _result(self, frame: Frame) -> None:
         board = self.board
@@ -659,14 +778,11 @@ class BoardLink:
         state = self._reliable[frame.stream]
         if reliable:
             with self._state_lock:
-                verdict = self._admit(state, frame.seq)
-            if verdict == "resend":
-                self.counters.repeats += 1
-                if state.safe_through is not None and _not_after(frame.seq, state.safe_through):
-                    self._send_ack(frame.stream, state.safe_through)
+                verdict = state.admit(frame.seq)
+            if verdict != "take" and self._not_taken(verdict, state, frame):
                 return
-            if verdict == "ahead":
-                return  # one before it was lost: the board resends from there (go-back-N)
+        elif state.listening:  # its frames after the HELLO are not reliable: no go-back to wait for
+            state.listening = False
         size = len(frame.payload)
         if size == 0 or size % spec.sample_bytes:
             self._refuse(
@@ -685,19 +801,40 @@ class BoardLink:
             safe = [_nothing] * len(samples)
         self.handler.on_samples(self, board, spec, frame, samples, safe)
 
-    @staticmethod
-    def _admit(state: _Reliable, seq: int) -> str:
-        """Whether a reliable frame is the next one (``take``), a resend of one taken (``resend``), or ahead of a
-        lost one (``ahead``)."""
-        if state.expected is None:
-            state.expected = seq
-        ahead = (seq - state.expected) % SEQ_MODULO
-        if ahead == 0:
-            state.expected = (seq + 1) % SEQ_MODULO
-            return "take"
-        return "ahead" if ahead < SEQ_MODULO // 2 else "resend"
+    def _not_taken(self, verdict: Verdict, state: ReliableStream, frame: Frame) -> bool:
+        """A reliable frame not taken: a resend of one taken (acknowledged again when safe), one ahead of a lost one
+        (the board goes back to it), or one of a stream whose start is not learned yet. True: not taken."""
+        if verdict == "resend":
+            self.counters.repeats += 1
+            if state.safe_through is not None and not_after(frame.seq, state.safe_through):
+                self._send_ack(frame.stream, state.safe_through)
+        elif verdict in ("unknown", "ask"):
+            self.counters.start_unknown += 1
+            if verdict == "ask":
+                self._ask_for_start(frame.stream)
+        return verdict != "take"
 
-    def _track(self, state: _Reliable, session: int, stream: int, seq: int, parts: int) -> list[Callable[[], None]]:
+    def _ask_for_start(self, stream: int) -> None:
+        """A HELLO_REQUEST to learn where a stream starts: at once for ``LEARN_ROUNDS`` rounds per session, then one
+        every ``HELLO_RETRY_S`` (``_serve`` sends it); never a second one while one is waiting for its HELLO."""
+        if self._hello_wanted_since is not None or self._hello_due is not None:
+            return
+        if self._learn_rounds < LEARN_ROUNDS:
+            self._learn_rounds += 1
+            self.request_hello()
+            return
+        self._hello_due = time.monotonic() + HELLO_RETRY_S
+        device = shown(self.board.device) if self.board is not None else "?"
+        self._learn_log.happened(
+            1, f"board {device} stream {stream}: its HELLO gives no \"seq\", and {LEARN_ROUNDS} go-backs did not "
+            "agree on where its reliable frames start (frames refused on the wire, or a board that does not resend "
+            f"its window after a HELLO): nothing of it is taken or acknowledged; asking again every "
+            f"{HELLO_RETRY_S:g} s (a board that says \"seq\" in its HELLO is never asked twice)", key=(device, stream),
+        )  # fmt: skip
+
+    def _track(
+        self, state: ReliableStream, session: int, stream: int, seq: int, parts: int
+    ) -> list[Callable[[], None]]:  # fmt: skip
         entry = [seq, parts]
         with self._state_lock:
             state.pending.append(entry)
@@ -713,7 +850,7 @@ class BoardLink:
                 if ack is not None:
                     state.safe_through = ack
             if ack is not None:
-                self._send_ack(stream, ack)
+                self._send_ack(stream, ack, session)
 
         return [safe] * parts
 
@@ -729,8 +866,8 @@ class BoardLink:
             state.pending.pop()[1] = -1
             state.expected = seq
 
-    def _send_ack(self, stream: int, seq: int) -> None:
-        self._control(FrameType.ACK, pack_ack(stream, seq))  # counted in acks_sent once written
+    def _send_ack(self, stream: int, seq: int, session: int | None = None) -> None:
+        self._control(FrameType.ACK, pack_ack(stream, seq), session)  # counted in acks_sent once written
 
     def status(self) -> dict[str, Any]:
         """For the status message: the board, what the wire did, the board's own counters."""
@@ -738,92 +875,16 @@ class BoardLink:
         return {
             "port": self.url,
             "connected": self.connected.is_set(),
+            "held_by": self.held_by,
             "device": board.device if board is not None else None,
             "firmware": board.firmware if board is not None else None,
             "heard_s_ago": None if self.last_heard is None else round(time.monotonic() - self.last_heard, 3),
             "hello_pending": self._hello_wanted_since is not None,
+            "streams_learning": sum(state.expected is None for state in self._reliable.values()),
             **self.counters.as_dict(),
             "refused_by_reason": dict(self.counters.refused),
             "board_stats": self.stats,
         }
-
-
-def _reader(port: Any) -> Callable[[], bytes]:
-    """What came on the port, waiting at most ``READ_TIMEOUT_S`` for it: whatever is there, in one call.
-
-    ``port.read(port.in_waiting)`` is not that for every URL: pyserial's ``socket://`` says 0 or 1 for
-    ``in_waiting`` (readable or not), which read a frame one byte per call (19 times the CPU of a pty, measured:
-    ``benchmarks/results/firmware_bridge.md``). With a file descriptor the port is read without a timeout after a
-    ``select`` on it (a POSIX port, a socket); otherwise (``rfc2217://``, ``loop://``) with the timeout, as before."""
-    fd = _fileno(port)
-    if fd is None:
-        port.timeout = READ_TIMEOUT_S
-        return lambda: bytes(port.read(max(1, port.in_waiting)))
-
-    def read() -> bytes:
-        ready, _, _ = select.select([fd], [], [], READ_TIMEOUT_S)
-        return bytes(port.read(READ_CHUNK)) if ready else b""
-
-    return read
-
-
-def _writer(port: Any, timeout_s: float) -> Callable[[bytes], bool]:
-    """A function that writes bytes to the port; False when the port took no byte for ``timeout_s`` (a board that
-    does not read: its buffer, or the pty's, is full), or not all of them in ``FRAME_WRITE_TURNS`` times that (a
-    trickle). A board that reads slowly, or an emulated one a busy machine runs late, is not taken for a deaf one.
-
-    With a file descriptor, a ``select`` for room then a non-blocking write, as ``_reader``: pyserial's own write
-    timeout spins on EAGAIN for the whole timeout (a core busy for each frame to a board that does not read).
-    Otherwise (``rfc2217://``, ``loop://``) pyserial's ``write_timeout`` (set when the port was opened)."""
-    import serial
-
-    fd = _fileno(port)
-    if fd is None:
-
-        def write_with_pyserial(data: bytes) -> bool:
-            try:
-                port.write(data)
-            except serial.SerialTimeoutException:
-                return False
-            return True
-
-        return write_with_pyserial
-
-    def write(data: bytes) -> bool:
-        view = memoryview(data)
-        start = time.monotonic()
-        deadline, last = start + FRAME_WRITE_TURNS * timeout_s, start  # the whole frame; the last byte taken
-        while view:
-            now = time.monotonic()
-            left = min(deadline, last + timeout_s) - now
-            _, ready, _ = select.select([], [fd], [], max(0.0, left))
-            if not ready:
-                return False
-            try:
-                view = view[os.write(fd, view) :]
-            except BlockingIOError:
-                continue
-            last = time.monotonic()
-        return True
-
-    return write
-
-
-def _closed(data: bytes) -> bool:
-    """The writer of a port that is not open: nothing written."""
-    raise OSError("the port is not open")
-
-
-def _fileno(port: Any) -> int | None:
-    try:
-        fd = port.fileno()
-    except Exception:  # a URL handler without one (pyserial raises NotImplementedError or AttributeError)
-        return None
-    return fd if isinstance(fd, int) else None
-
-
-def _not_after(seq: int, reference: int) -> bool:
-    return (reference - seq) % SEQ_MODULO < SEQ_MODULO // 2
 
 
 def _nothing() -> None:

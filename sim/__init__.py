@@ -17,4 +17,5 @@ Nothing is imported here; the modules:
     powercut   power cuts planned from a seed (a flush, a cache that kept some writes, some torn) and replayed
     imagecheck an ext4 image after a cut, checked offline: journal, e2fsck, the outbox, ``state.json``, the bundle
     powercut_vm ``scripts/vm.sh power-cut``: a recording in the VM, its cuts checked and some booted
+    mqtt_tap   a loopback proxy in front of a broker that stamps every QoS 1 acknowledgement through it
 """

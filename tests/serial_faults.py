@@ -13,22 +13,49 @@ the board's byte stream at the ``0x00`` delimiters and, on request, damages the 
 
 ``injected`` counts each fault done, ``lost_unplugged`` the frames lost while unplugged. Everything is bounded: each
 thread ends at ``close()``, every wait has a timeout.
+
+Boards written out by hand, for what no honest emulated board does:
+
+    GoBackBoard   a reliable go-back-N board without I/O whose HELLO may leave out "seq", and whose first sending of
+                  chosen frames is damaged (a CRC error) or out of order
+    PtyPeer       any such board object on a pseudo-terminal, reading and writing independently (as a UART's two
+                  lines), its reading paced like a UART's if asked
+    damaged       a frame as the wire would carry it with a bit flipped: a CRC error
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import random
+import select
 import socket
+import struct
 import threading
 import time
+import tty
+import zlib
 from collections import Counter
+from collections.abc import Iterable
+from typing import Any
 
+import numpy as np
 from cobs import cobs
 
-from edgeline.firmware_bridge.protocol import CRC_SIZE, HEADER, FrameType
+from edgeline.firmware_bridge.protocol import (
+    CRC_SIZE,
+    FLAG_ACK_REQUESTED,
+    HEADER,
+    SEQ_MODULO,
+    Decoder,
+    Frame,
+    FrameType,
+    encode,
+    unpack_ack,
+)
 
-__all__ = ["FrameRelay"]
+__all__ = ["FrameRelay", "GoBackBoard", "PtyPeer", "damaged"]
 
 HOST = "127.0.0.1"
 CONNECT_TIMEOUT_S = 10.0
@@ -252,3 +279,172 @@ class FrameRelay:
             self.frames_passed += data.count(b"\x00")
         except OSError:
             self.lost_unplugged += data.count(b"\x00")
+
+
+# -- boards written out by hand ------------------------------------------------------------------------------------
+
+
+def damaged(frame: Frame) -> bytes:
+    """``frame`` on the wire with a CRC that does not match its bytes: what a bit flipped on the wire makes."""
+    body = HEADER.pack(1, frame.type, frame.flags, frame.stream, frame.seq, frame.t_us) + frame.payload
+    return cobs.encode(body + struct.pack("<I", zlib.crc32(body) ^ 1)) + b"\x00"
+
+
+class GoBackBoard:
+    """A reliable board without I/O, to the letter of docs/firmware-protocol.md's Sessions section: one data stream
+    (1, ``digits``, f32 ``[1, 8, 8]``), a window of ``window`` frames kept until acknowledged, the whole window sent
+    again, in order, right after a HELLO it was asked for and when the caller says its resend timeout passed
+    (``resend``). It says nothing until the host's first HELLO_REQUEST (it booted before the host opened the port).
+
+    What an unlucky or odd board does, on the *first* sending of a frame only: ``damaged`` seqs go out with a CRC
+    error, and the first window goes out in ``order`` (seqs listed first, in that order). ``say_seq`` puts the
+    optional ``"seq"`` in its HELLO; ``boot`` its ``"boot"``. ``acked`` is what the host acknowledged, ``answered``
+    the ANSWER frames per seq."""
+
+    def __init__(
+        self, count: int, *, say_seq: bool, damaged: Iterable[int] = (), order: Iterable[int] = (), window: int = 8,
+        device: str = "gb-1",
+    ) -> None:  # fmt: skip
+        self.count, self.say_seq, self.window_size, self.device = count, say_seq, window, device
+        self.damaged, self.order = set(damaged), list(order)
+        self.payload = np.arange(64, dtype="<f4").tobytes()
+        self.acked: set[int] = set()
+        self.answered: Counter[int] = Counter()
+        self.hello_requests = 0
+        self.started = False
+        self._window: list[Frame] = []
+        self._next = 0
+        self._control_seq = 0
+        self.clock_us = 1000
+
+    @property
+    def done(self) -> bool:
+        return self._next >= self.count and not self._window
+
+    def take(self, frames: Iterable[Frame]) -> bytes:
+        """The host's frames in, the board's bytes out."""
+        out = []
+        for frame in frames:
+            if frame.type == FrameType.HELLO_REQUEST:
+                self.hello_requests += 1
+                self.started = True
+                out.append(self._hello())
+                out += [encode(held) for held in self._window]
+            elif frame.type == FrameType.ACK and len(frame.payload) == 3:
+                stream, seq = unpack_ack(frame.payload)
+                while stream == 1 and self._window and (seq - self._window[0].seq) % SEQ_MODULO < SEQ_MODULO // 2:
+                    self.acked.add(self._window.pop(0).seq)
+            elif frame.type == FrameType.ANSWER:
+                self.answered[frame.seq] += 1
+        if self.started:
+            out += self._fill()
+        return b"".join(out)
+
+    def resend(self) -> bytes:
+        """The resend timeout: the whole window again, in order (go-back-N)."""
+        return b"".join(encode(held) for held in self._window)
+
+    def _fill(self) -> list[bytes]:
+        new = []
+        while self._next < self.count and len(self._window) + len(new) < self.window_size:
+            self.clock_us += 1000
+            new.append(Frame(FrameType.SAMPLES, 1, self._next, self.clock_us, self.payload, FLAG_ACK_REQUESTED))
+            self._next += 1
+        self._window += new
+        first = {seq: rank for rank, seq in enumerate(self.order)}
+        new.sort(key=lambda f: first.get(f.seq, len(first) + f.seq))
+        out = [damaged(f) if f.seq in self.damaged else encode(f) for f in new]
+        self.damaged -= {f.seq for f in new}
+        return out
+
+    def _hello(self) -> bytes:
+        stream: dict[str, object] = {"id": 1, "name": "digits", "dtype": "f32", "shape": [1, 8, 8], "rate_hz": 100}
+        if self.say_seq:
+            stream["seq"] = self._window[0].seq if self._window else self._next
+        hello = {"device": self.device, "firmware": "go-back", "protocol": 1, "streams": [stream]}
+        self.clock_us += 1000
+        frame = Frame(FrameType.HELLO, 0, self._control_seq, self.clock_us, json.dumps(hello).encode())
+        self._control_seq = (self._control_seq + 1) % SEQ_MODULO
+        return encode(frame)
+
+
+class PtyPeer:
+    """A board object (``take(frames) -> bytes``, optionally ``resend() -> bytes``) on the master side of a
+    pseudo-terminal, served by a thread that reads and writes independently, as a UART's two lines are; the host
+    opens ``url`` (the slave's path). ``read_bytes_per_s`` bounds how fast the board reads its port (a UART's pace:
+    what the host writes faster waits in the pty's buffer, then in the host's queue); ``resend_s`` is the board's
+    resend timeout, counted from the last byte it sent or read. ``send`` queues bytes of the test's own. Every wait
+    is bounded; ``close`` ends the thread."""
+
+    def __init__(
+        self, board: Any, *, read_bytes_per_s: float | None = None, resend_s: float | None = None
+    ) -> None:  # fmt: skip
+        self.board = board
+        self.read_bytes_per_s = read_bytes_per_s
+        self.resend_s = resend_s
+        self.master, self.slave = os.openpty()
+        tty.setraw(self.slave)
+        os.set_blocking(self.master, False)
+        self.url = os.ttyname(self.slave)
+        self.received: list[Frame] = []
+        self.bytes_read = 0
+        self.lock = threading.Lock()
+        """Held while the board object is used: a test that looks at it takes it too."""
+        self._out = bytearray()
+        self._decoder = Decoder()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def send(self, data: bytes) -> None:
+        with self.lock:
+            self._out += data
+
+    def unsent(self) -> int:
+        with self.lock:
+            return len(self._out)
+
+    def _serve(self) -> None:
+        quiet_since = next_read = time.monotonic()
+        rate = self.read_bytes_per_s
+        chunk = 4096 if rate is None else max(1, min(4096, int(rate * 0.01)))
+        while not self._closing.is_set():
+            now = time.monotonic()
+            with self.lock:
+                writing = bool(self._out)
+            readable, writable, _ = select.select(
+                [self.master] if now >= next_read else [], [self.master] if writing else [], [], 0.01
+            )
+            data = b""
+            if readable:
+                try:
+                    data = os.read(self.master, chunk)
+                except OSError:  # no host has the pty open right now
+                    self._closing.wait(0.01)
+                if data and rate is not None:
+                    next_read = now + len(data) / rate
+            frames = self._decoder.feed(data)
+            with self.lock:
+                if writable:
+                    with contextlib.suppress(OSError):  # (BlockingIOError: no room after all)
+                        del self._out[: os.write(self.master, self._out)]
+                self.bytes_read += len(data)
+                self.received += frames
+                out = self.board.take(frames)
+                if not out and self.resend_s is not None and time.monotonic() - quiet_since > self.resend_s:
+                    out = self.board.resend()
+                if out or data:
+                    quiet_since = time.monotonic()
+                self._out += out
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(5.0)
+        os.close(self.master)
+        os.close(self.slave)
+
+    def __enter__(self) -> PtyPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

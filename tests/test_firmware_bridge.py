@@ -247,6 +247,16 @@ def processes() -> Iterator[list[Process]]:
             process.process.communicate(timeout=TIMEOUT_S)
 
 
+@contextlib.contextmanager
+def stopped(process: Process) -> Iterator[None]:
+    """The process frozen (SIGSTOP) for the block: the broker queues what it does not take."""
+    process.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.process.send_signal(signal.SIGCONT)
+
+
 def start_daemon(collector: Collector, bundle: Path, broker: Broker, state: Path) -> Process:
     """`edgeline run BUNDLE --broker` with the default topics, once it is subscribed (its "online" is out): what a
     bridge publishes before then has no subscriber to go to."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import signal
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -22,11 +21,11 @@ import pytest
 from edgeline.firmware_bridge.bridge import Bridge, BridgeOptions
 from edgeline.firmware_bridge.link import parse_hello
 from edgeline.firmware_bridge.window import AnswerWindow
-from edgeline.sim.board import BoardOptions, PythonBoard, Uart
+from edgeline.sim.board import WINDOW, BoardOptions, PythonBoard, Uart
 from tests import test_firmware_bridge as end_to_end
 from tests.mqtt_broker import Broker, Collector, free_port
 from tests.serial_faults import FrameRelay
-from tests.test_firmware_bridge import BOARDS, HELLO, TIMEOUT_S, Process, make_board
+from tests.test_firmware_bridge import BOARDS, HELLO, TIMEOUT_S, Process, make_board, stopped
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.device
@@ -191,16 +190,6 @@ def start_daemon(bundle: Path, broker: Broker, state: Path, watch: Watch) -> Pro
     return daemon
 
 
-@contextlib.contextmanager
-def stopped(process: Process) -> Iterator[None]:
-    """The process frozen (SIGSTOP) for the block: the broker queues what it does not take."""
-    process.process.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        process.process.send_signal(signal.SIGCONT)
-
-
 def bridge(url: str, broker: Broker, instance: str, *more: str) -> Process:
     return Process("bridge", url, "--broker", broker.address, "--instance", instance, "--status-interval", "0.3",
                    "--max-unanswered", str(MAX_UNANSWERED), *more)  # fmt: skip
@@ -300,17 +289,17 @@ def test_answers_that_come_before_the_boards_hello_after_a_bridge_is_killed_reac
 ) -> None:  # fmt: skip
     """The bridge SIGKILLed while its samples wait for the (stopped) daemon; the daemon answers them into the
     bridge's persistent session; the next bridge gets them before it can hear the board (its port is unplugged
-    meanwhile), keeps them, and sends them down at the board's HELLO. Before, they were dropped as unrouted."""
+    meanwhile), keeps them, and sends them down at the board's HELLO. Before, they were dropped as unrouted. (The
+    board resends them too, not acknowledged: answered already, they are acknowledged, not published again.)"""
     count = 600
     board = make_board("python", BoardOptions("k-1", rate_hz=200, count=count, reliable=True), board_data)
     with board, FrameRelay(board.url, seed=5) as relay:
         processes.append(daemon := start_daemon(built_litert_bundle, stock_broker, tmp_path / "state", watch))
         processes.append(first := bridge(relay.url, stock_broker, "gw"))
         assert wait_until(lambda: watch.board_stats("gw").get("answered", 0) >= 20, TIMEOUT_S), "first answers"
-        with stopped(daemon):
-            acked = int(watch.board_stats("gw").get("acked", 0))
-            assert wait_until(lambda: watch.board_stats("gw").get("acked", 0) >= acked + 30, TIMEOUT_S)
-            first.process.kill()  # acknowledged to the board, not answered yet: only the session can bring them
+        with stopped(daemon):  # the board's window of frames published, not answered (so not acknowledged)
+            assert wait_until(lambda: watch.status("gw").get("acks_held", 0) >= WINDOW, TIMEOUT_S), watch.status("gw")
+            first.process.kill()  # their answers come in the bridge's session; the board resends them to the next
             first.process.communicate(timeout=TIMEOUT_S)
             unplugged = threading.Thread(target=relay.unplug, args=(6.0,))
             unplugged.start()

@@ -158,6 +158,55 @@ def test_cut_plans_are_a_function_of_the_seed_and_keep_only_writes_of_their_wind
         CacheModel(keep=2)
 
 
+def commit_log(commits: int) -> bytes:
+    """A log the shape of a guest's SQLite commits on ext4 (tests/test_powercut_vm.py's recordings): the WAL's
+    frames (24 sectors) and the journal's blocks (40), a flush, the journal's commit block (8), a flush; a last
+    window of a single sector."""
+    requests: list[tuple[int, int, int, bytes]] = [(0, 0, int(Flag.FLUSH), b"")]
+    for n in range(commits):
+        requests += [(1000 + 16 * n, 24, 0, bytes([n + 1]) * 24 * SECTOR), (4000 + 48 * n, 40, 0, bytes(40 * SECTOR)),
+                     (0, 0, int(Flag.FLUSH), b""), (4040 + 48 * n, 8, 0, bytes(8 * SECTOR)),
+                     (0, 0, int(Flag.FLUSH), b"")]  # fmt: skip
+    return synthetic_log([*requests, (9000, 1, 0, bytes(SECTOR)), (0, 0, int(Flag.FLUSH), b"")])
+
+
+@pytest.mark.quick
+def test_cuts_inside_a_commit_s_writes_keep_what_came_before_the_cut_in_the_log_s_order() -> None:
+    """A cut in order falls between two sectors of a window's writes, among windows holding a commit's writes
+    before its flush (two writes or more): the writes before it whole, the one it falls in up to it, none after.
+    Over the cuts, both a commit's WAL frames torn (its commit frame not written) and the frames whole with the
+    journal's blocks not begun."""
+    log = parse_log(synthetic_log(sample_requests(flushes=12)))
+    assert plan_cuts(log, 8, 7) == plan_cuts(log, 8, 7, in_order=0), "none asked: the plan as it always was"
+    log = parse_log(commit_log(30))
+    cuts = plan_cuts(log, 40, 3, in_order=30)
+    assert cuts == plan_cuts(log, 40, 3, in_order=30) and cuts != plan_cuts(log, 40, 4, in_order=30)
+    assert {c.number for c in cuts if c.in_order} == {*range(1, 40, 2), *range(0, 20, 2)}, "odd numbers first"
+    assert sum(c.in_order for c in cuts) == 30 and all(c.as_dict()["in_order"] == c.in_order for c in cuts)
+    states = set()
+    for cut in (c for c in cuts if c.in_order):
+        writes = window(log, cut.flush)
+        assert len(writes) == 2 and cut.window == 2, "a window with a commit's writes in it"
+        kept = {k.entry: k.sectors for k in cut.kept}
+        sectors = [w.nr_sectors if w.index in kept and kept[w.index] is None else len(kept.get(w.index) or ())
+                   for w in writes]  # fmt: skip
+        assert 0 < sum(sectors) < sum(w.nr_sectors for w in writes), "neither nothing nor everything"
+        falls = next(i for i, w in enumerate(writes) if sectors[i] < w.nr_sectors)
+        assert all(kept[w.index] is None for w in writes[:falls]) and all(
+            w.index not in kept for w in writes[falls + 1 :]
+        )
+        assert kept.get(writes[falls].index, ()) == tuple(range(sectors[falls])), "the first sectors of the write"
+        states.add("wal torn" if falls == 0 else "journal not begun" if sectors[1] == 0 else "journal torn")
+    assert states == {"wal torn", "journal not begun", "journal torn"}
+    one = parse_log(synthetic_log([(0, 0, 1, b""), (8, 2, 0, bytes(1024)), (0, 0, 1, b"")]))
+    assert plan_cuts(one, 3, 1, in_order=3)[0].kept == (KeptWrite(1, (0,)),), "one write of two sectors: inside it"
+    with pytest.raises(ValueError, match="in_order = 5: at most the 4 cuts"):
+        plan_cuts(log, 4, 1, in_order=5)
+    single = parse_log(synthetic_log([(0, 0, 1, b""), (8, 1, 0, bytes(SECTOR)), (0, 0, 1, b"")]))
+    with pytest.raises(WriteLogError, match=r"no window among flushes range\(0, 2\) holds writes of two sectors"):
+        plan_cuts(single, 2, 1, in_order=1)
+
+
 # -- QEMU's own logs (integration) ---------------------------------------------------------------------------------
 
 needs_qemu_io = pytest.mark.skipif(QEMU_IO is None, reason="qemu-io: scripts/setup.sh installs Debian's qemu-utils")

@@ -461,3 +461,28 @@ def test_a_runtime_failure_in_a_replay_is_one_coded_answer_without_a_traceback(l
     assert [(a["id"], "error" in a) for a in answers] == [("a", False), ("b", True), ("c", False)]
     assert answers[1]["error"]["code"] == "inference-failed"  # type: ignore[index]
     assert b"inference failed: on a message from replay" in done.stderr and b"Traceback" not in done.stderr
+
+
+@pytest.mark.quick
+def test_a_second_program_on_a_serial_port_is_refused_not_given_half_its_lines() -> None:
+    """A JSON-lines port is opened exclusively (a flock, as the framed link and serial tools do): a second daemon, or
+    a bridge beside this one, is told the port is taken instead of splitting the board's lines with it."""
+    from edgeline.daemon.sources import SerialSource
+    from edgeline.errors import EdgelineError
+
+    board, port = os.openpty()
+    try:
+        path = os.ttyname(port)
+        first = SerialSource(path, baudrate=115200, device="b", max_payload_bytes=1024)
+        second = SerialSource(path, baudrate=115200, device="b", max_payload_bytes=1024)
+        first.open()
+        try:
+            with pytest.raises(EdgelineError, match=rf"--serial {path}: .*lock"):
+                second.open()
+        finally:
+            first._port.close()  # type: ignore[union-attr]
+        second.open()  # free again once the first closed it
+        second._port.close()  # type: ignore[union-attr]
+    finally:
+        os.close(board)
+        os.close(port)

@@ -24,6 +24,11 @@ the disk is full:
   (the committer calls ``check``); the intake gate's byte marks follow ``bytes_cap``, so a disk that others fill
   holds the inputs back at the broker before the outbox would have to drop an answer. Any other failure to write or
   read the outbox ends the committer, and the supervisor ends the process (exit 1).
+- **Files deleted, truncated or replaced** under the outbox are the outbox's to notice, say and mend (a new outbox
+  at the path holding every answer it still reads, before ``add`` returns: ``edgeline.daemon.outbox``), so the
+  acknowledgements handed over after a commit are always for answers in the file a restart opens. When no new
+  outbox can be made there (``OutboxLost``) the committer says so and ends the process (exit 1), as for any other
+  outbox that cannot be written: a daemon that acknowledged inputs it cannot keep would look healthy and lose them.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from typing import TypeVar
 
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.mqtt import MqttConnection, MqttSink
-from edgeline.daemon.outbox import CHECK_EVERY_S, DiskFull, OutboxClosed, OutboxInterface, Pending, row_size
+from edgeline.daemon.outbox import CHECK_EVERY_S, DiskFull, OutboxClosed, OutboxInterface, OutboxLost, Pending, row_size
 from edgeline.lograte import Repeated
 
 __all__ = ["COMMIT_BACKLOG", "Delivery"]
@@ -165,6 +170,8 @@ class Delivery:
     def _commit_loop(self) -> None:
         try:
             self._commit_until_done()
+        except OutboxLost as exc:  # said by the outbox; the daemon says it again as why it stopped (exit 1)
+            self.fail(str(exc))
         except OutboxClosed:  # the drain time ran out while a full disk kept us retrying: the stop goes on
             log.error("the committer stopped with the drain time; what it held was not acknowledged")
 
@@ -273,8 +280,12 @@ class Delivery:
                 DiskFull, OutboxClosed
             ):  # the expired rows are never handed out all the same (``take``,
                 self.outbox.expire()  # and ``_publish``, check their age)
-            with contextlib.suppress(OutboxClosed, sqlite3.Error, OSError):  # measured again at the next turn
+            try:  # also where files changed under an idle outbox are found (and mended)
                 self.outbox.check(truncate=self.disk_full)
+            except OutboxLost:
+                raise
+            except (OutboxClosed, sqlite3.Error, OSError):  # measured again at the next turn
+                pass
 
     # -- network thread: answers to the client -----------------------------------------------------------------
     def _dropped(self, seqs: list[int]) -> None:
@@ -424,6 +435,8 @@ class Delivery:
             self.outbox.remove(taken)
         except DiskFull:
             self._acknowledged.extendleft(reversed(taken))  # sent again at the next start: a duplicate, no loss
+        except OutboxLost:  # said when it was lost
+            pass
         except (sqlite3.Error, OSError, OutboxClosed) as exc:
             log.error("outbox %s: could not remove %d delivered answers (%s): they are sent again at the next "
                       "start", self.outbox.path, len(taken), exc)  # fmt: skip

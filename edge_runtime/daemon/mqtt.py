@@ -300,6 +300,23 @@ class MqttConnection:
         else:
             self.call_soon(add)
 
+    def remove_subscription(self, pattern: str) -> None:
+        """Undo ``add_subscription``, from any thread, in the order of the calls: unsubscribed now when connected,
+        and not subscribed again on a later connect (``edgeline bridge`` lets go of a name no board has any more)."""
+
+        def remove() -> None:
+            kept = [(p, q) for p, q in self._subscriptions if p != pattern]
+            if len(kept) == len(self._subscriptions):
+                return
+            self._subscriptions = kept
+            if self.connected.is_set():
+                self._client.unsubscribe(pattern)
+
+        if self._thread is None:
+            remove()
+        else:
+            self.call_soon(remove)
+
     def on_tick(self, tick: Callable[[], None]) -> None:
         """Run ``tick()`` on the network thread at every turn of its loop (at least every ``LOOP_TICK_S``), connected
         or not: the daemon refills the client from its outbox there. It must be cheap when it has nothing to do."""

@@ -43,6 +43,14 @@ transaction is rolled back, the bounds' drops in it too, nothing is half-stored,
 to write and tries again (``edgeline.daemon.delivery``). An
 outbox that is not a database any more (a corrupted file) is set aside at open (renamed ``*.corrupt-<time>``,
 said in an error) and a new one started, so that a restart does not fail on it for ever.
+
+Files deleted, truncated or replaced under the running outbox (``edgeline.daemon.outbox_files``) are looked for
+before and after every commit that acknowledges inputs, around every other write, and at every ``check``. Found,
+they are said once (an error naming the path and what happened), every answer the open connection still reads (the
+unlinked inode, SQLite's page cache) is written into a new outbox made at the path, with its seq, and only then does
+``add`` return: an input is acknowledged only once its answer is in the file a restart opens. A new outbox that
+cannot be made there (the directory gone for good, read-only, full) is ``OutboxLost``: every later call raises it,
+and the daemon ends (exit 1) rather than acknowledge what it cannot keep.
 """
 
 from __future__ import annotations
@@ -60,13 +68,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from edgeline.daemon.outbox_files import FilesWatch
 from edgeline.disk import budget, files_bytes, free_bytes, wal_share
-from edgeline.durable import check_destination
+from edgeline.durable import check_destination, flush_directory
 from edgeline.errors import EdgelineError
 from edgeline.lograte import Repeated
 
 __all__ = [
-    "DiskFull", "MemoryOutbox", "Outbox", "OutboxClosed", "OutboxInterface", "OutboxStats", "Pending", "row_size",
+    "DiskFull", "MemoryOutbox", "Outbox", "OutboxClosed", "OutboxInterface", "OutboxLost", "OutboxStats", "Pending",
+    "row_size",
 ]  # fmt: skip
 
 log = logging.getLogger("edgeline.outbox")
@@ -104,6 +114,11 @@ class DiskFull(EdgelineError):
 
 class OutboxClosed(EdgelineError):
     """A call after ``close``: a thread that outlived the drain time (the committer retrying a full disk)."""
+
+
+class OutboxLost(OutboxClosed):
+    """The outbox's files were deleted, truncated or replaced under it and no new outbox could be made at its path:
+    what it held is lost with the process, and every later call raises this (the message says where and why)."""
 
 
 def row_size(topic: str, payload: bytes) -> int:
@@ -158,6 +173,23 @@ def _set_aside(path: Path, exc: BaseException) -> Path:
     return target
 
 
+def _last_seq(db: sqlite3.Connection) -> int:
+    """The highest seq the answers table ever gave (SQLite's AUTOINCREMENT keeps it in ``sqlite_sequence``)."""
+    row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'answers'").fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def _whole(row: tuple[object, ...]) -> bool:
+    """A row read back as the answers table holds it: a row read from pages a truncation zeroed has NULLs or zeros
+    in its place (``created``, the outbox's own wall-clock time, is never 0)."""
+    seq, topic, payload, created, received, correlation = row
+    return (
+        isinstance(seq, int) and seq > 0 and isinstance(topic, str) and bool(topic) and isinstance(payload, bytes)
+        and isinstance(created, float) and created > 0 and isinstance(received, float)
+        and isinstance(correlation, (bytes, type(None)))
+    )  # fmt: skip
+
+
 OnDrop = Callable[[list[int]], None]
 """Told the seqs of the answers the bounds dropped, once that is committed (``add``), still under the outbox's lock:
 before any ``take`` can read what the commit left (a caller that counts the dropped answers it never handed out
@@ -208,6 +240,8 @@ class OutboxStats:
     overflowed: int
     corrupt: int = 0
     """Corrupted outbox files set aside at open (0 or 1)."""
+    replaced: int = 0
+    """Times its files were found deleted, truncated or replaced under it, and a new outbox made at the path."""
     budget_bytes: int = 0
     """The budget in effect (see the module): what the outbox's files may take on the disk."""
     disk_bytes: int = 0
@@ -288,6 +322,9 @@ class Outbox:
         self._synchronous = "FULL" if synchronous == "full" else "NORMAL"
         self._lock = threading.Lock()
         self._closed = False
+        self._lost: str | None = None
+        """Why the outbox is lost (``OutboxLost``), once it is."""
+        self.replaced = 0
         self.set_aside: Path | None = None
         """Where a corrupted outbox found at open was moved (None: none was)."""
         try:
@@ -306,6 +343,14 @@ class Outbox:
                 self._db, depth, size = self._open()
             except sqlite3.Error as again:
                 raise EdgelineError(f"outbox {path}: {again}") from again
+        try:
+            self._watch = FilesWatch(path, self._wal)
+        except OSError as exc:
+            self._db.close()
+            raise EdgelineError(f"outbox {path}: {exc.strerror or exc}") from exc
+        self._last_seq = _last_seq(self._db)
+        """The highest seq ever given: a new outbox made at the path goes on from it (the delivery path reads back
+        above the seqs it handed out)."""
         self._depth, self._bytes = int(depth), int(size)
         self._set_budget(self.budget)  # what it holds is not dropped for a budget that shrank
         self._added = self._removed = self._expired = self._overflowed = 0
@@ -368,12 +413,15 @@ class Outbox:
         if size and (always or size > self.wal_limit):
             with contextlib.suppress(sqlite3.Error):
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._watch.emptied()
+            self._keep_files()  # the database file grew: what a truncation is measured against
 
     def check(self, *, truncate: bool = False) -> int:
         """Measure the budget again (the file system's free bytes change under us) and checkpoint the WAL when it is
         past its share (``truncate``: in any case, to give room back on a full disk). The committer calls it every
         ``CHECK_EVERY_S`` and on every retry of a full disk. Returns the budget in effect."""
         with self._using():
+            self._keep_files()
             wal_limit = self.wal_limit
             measured = self._measure()
             # a full disk measures nothing useful (no free bytes): the answers the committer holds meanwhile were
@@ -403,6 +451,7 @@ class Outbox:
         rows = _rows(answers, now)
         size = sum(_row_size(row[0], row[1]) for row in rows)
         with self._using():
+            self._keep_files()
             floor = self._floor
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -426,6 +475,8 @@ class Outbox:
                     self._full = True
                     raise DiskFull(f"outbox {self.path}: the disk is full ({exc})") from exc
                 raise
+            self._last_seq = int(last)
+            self._keep_files()  # what was committed is in the file a restart opens before ``add`` returns
             self._full = False
             self.answer_bytes = max(self.answer_bytes, self._bytes)  # what it kept past a shrunk budget stays
             self._added += len(rows)
@@ -495,29 +546,36 @@ class Outbox:
         """
         if not seqs:
             return
-        with self._using(), self._writing():
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                gone = self._delete_seqs(seqs)
-                self._db.execute("COMMIT")
-            finally:
-                self._db.execute(f"PRAGMA synchronous={self._synchronous}")
-            self._removed += gone
+        with self._using():
+            self._keep_files()
+            with self._writing():
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                try:
+                    self._db.execute("BEGIN IMMEDIATE")
+                    gone = self._delete_seqs(seqs)
+                    self._db.execute("COMMIT")
+                finally:
+                    self._db.execute(f"PRAGMA synchronous={self._synchronous}")
+                self._removed += gone
+            self._keep_files()  # (a commit may checkpoint: the database file grows)
 
     def expire(self) -> int:
         """Drop the answers older than the time to live; how many."""
-        with self._using(), self._writing():
-            gone = self._delete("created < ?", [(time.time() - self.ttl_s,)])
-            self._expired += gone
+        with self._using():
+            with self._writing():
+                gone = self._delete("created < ?", [(time.time() - self.ttl_s,)])
+                self._expired += gone
+            self._keep_files()
         if gone:
             self.expiry_log.happened(gone, f"{gone} dropped (time to live {self.ttl_s:g} s)")
         return gone
 
     def drop(self, seq: int) -> None:
         """An answer taken but found expired before it was sent: gone, counted as expired."""
-        with self._using(), self._writing():
-            self._expired += self._delete("seq = ?", [(seq,)])
+        with self._using():
+            with self._writing():
+                self._expired += self._delete("seq = ?", [(seq,)])
+            self._keep_files()
 
     def count_expired(self, count: int) -> None:
         """Answers that expired outside the table (in the MQTT client, waiting for a resend)."""
@@ -609,6 +667,7 @@ class Outbox:
                 expired=self._expired,
                 overflowed=self._overflowed,
                 corrupt=int(self.set_aside is not None),
+                replaced=self.replaced,
                 budget_bytes=self.budget,
                 disk_bytes=self.disk_bytes,
                 free_bytes=self.free_bytes,
@@ -623,14 +682,118 @@ class Outbox:
             with contextlib.suppress(sqlite3.Error):  # a checkpoint only tidies up; the WAL is replayed at open
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._db.close()
+            self._watch.close()  # after SQLite's connection (``edgeline.daemon.outbox_files``)
 
     @contextlib.contextmanager
     def _using(self) -> Iterator[None]:
         """The lock, on an outbox that is still open."""
         with self._lock:
+            if self._lost is not None:
+                raise OutboxLost(self._lost)
             if self._closed:
                 raise OutboxClosed(f"outbox {self.path} is closed")
             yield
+
+    # -- its files changed under it ------------------------------------------------------------------------------
+    def _keep_files(self) -> None:
+        """Under the lock, outside a transaction: when the files at the path are not the ones SQLite writes any
+        more, say so and write what the outbox holds into a new one there (``_remake``)."""
+        try:
+            problem = self._watch.changed()
+        except OSError as exc:  # a card that fails reading its files fails writing the new one too: said there
+            problem = f"its files cannot be read ({exc.strerror or exc})"
+        if problem is not None:
+            self._remake(problem)
+
+    def _remake(self, problem: str) -> None:
+        """Said once; every answer the open connection still reads, into a new outbox at the path with its seq (the
+        old one is closed first: SQLite's close removes ``-wal`` by name). Raises ``OutboxLost`` when it cannot."""
+        self.replaced += 1
+        log.error(
+            "outbox %s: %s while the daemon ran: SQLite went on writing where a restart does not look. No input is "
+            "acknowledged until what it holds (%d answers) is in a new outbox at that path",
+            self.path, problem, self._depth,
+        )  # fmt: skip
+        rows, unreadable = self._read_all()
+        lost_rows = max(0, self._depth - len(rows))
+        last = max(self._last_seq, rows[-1][0] if rows else 0)
+        try:
+            try:
+                self._clear_path()
+            finally:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.close()
+                self._watch.close()
+            self._db, self._watch = self._made_again(rows, last)
+        except (sqlite3.Error, OSError, EdgelineError) as exc:
+            self._closed = True
+            self._depth = self._bytes = 0
+            self._lost = (
+                f"outbox {self.path}: {problem}, and no new outbox could be made there "
+                f"({getattr(exc, 'strerror', None) or exc}): the {len(rows)} answers it held are lost with the process"
+            )
+            raise OutboxLost(self._lost) from exc
+        self._depth, self._bytes = self._count()
+        self.disk_bytes = files_bytes(self.path, self._wal)
+        if unreadable is not None:
+            log.error(
+                "outbox %s: %d answers written into a new outbox; %d more could not be read back (%s) and are lost "
+                "(their inputs were acknowledged)", self.path, len(rows), lost_rows, unreadable,
+            )  # fmt: skip
+        else:
+            log.info("outbox %s: the %d answers it held are in a new outbox at that path", self.path, len(rows))
+
+    def _read_all(self) -> tuple[list[tuple[int, str, bytes, float, float, bytes | None]], str | None]:
+        """Every answer the open connection reads, oldest first, and why it stopped short (None: it did not)."""
+        rows: list[tuple[int, str, bytes, float, float, bytes | None]] = []
+        spoiled = 0
+        try:  # one statement: as many rows as the table holds
+            for row in self._db.execute(
+                "SELECT seq, topic, payload, created, received, correlation FROM answers ORDER BY seq"
+            ):
+                if _whole(row):
+                    rows.append(row)
+                else:  # read from pages a truncation zeroed, which SQLite's cache did not hold
+                    spoiled += 1
+        except sqlite3.Error as exc:  # the same, found by SQLite
+            return rows, str(exc)
+        return rows, f"{spoiled} rows read back spoiled" if spoiled else None
+
+    def _clear_path(self) -> None:
+        """What is at the path: ours (truncated, overwritten) is removed, its answers read back; another's (a file
+        moved over it) is renamed ``*.replaced-<time>-N`` and kept."""
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        for suffix in ("", "-wal", "-journal", "-shm"):
+            found = Path(f"{self.path}{suffix}")
+            if not os.path.lexists(found):
+                continue
+            if self._watch.ours(found):
+                found.unlink()
+            else:
+                found.rename(self.path.with_name(f"{self.path.name}.replaced-{stamp}-{self.replaced}{suffix}"))
+
+    def _made_again(
+        self, rows: list[tuple[int, str, bytes, float, float, bytes | None]], last: int
+    ) -> tuple[sqlite3.Connection, FilesWatch]:
+        """A new outbox at the path holding ``rows`` with their seqs, the next seq above ``last``, on the disk."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for name in (self.path.name, f"{self.path.name}-wal", f"{self.path.name}-journal", f"{self.path.name}-shm"):
+            check_destination(self.path.with_name(name))
+        db, _, _ = self._open()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.executemany(
+                "INSERT INTO answers (seq, topic, payload, created, received, correlation) VALUES (?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            if db.execute("UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'answers'", (last,)).rowcount < 1:
+                db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('answers', ?)", (last,))
+            db.execute("COMMIT")
+            flush_directory(self.path.parent)  # the new file's name, before anything is acknowledged on it
+            return db, FilesWatch(self.path, self._wal)
+        except BaseException:
+            db.close()
+            raise
 
 
 class MemoryOutbox:

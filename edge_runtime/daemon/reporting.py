@@ -122,7 +122,10 @@ class Reporter:
             )
         if self.network is not None:
             box = self.network.delivery.outbox.stats()
-            counters.update(outbox_expired=box.expired, outbox_overflowed=box.overflowed, outbox_corrupt=box.corrupt)
+            counters.update(
+                outbox_expired=box.expired, outbox_overflowed=box.overflowed, outbox_corrupt=box.corrupt,
+                outbox_replaced=box.replaced,
+            )  # fmt: skip
         gate = self.intake.gate
         if gate is not None:
             counters["intake_paused_seconds"] = int(gate.paused_seconds())

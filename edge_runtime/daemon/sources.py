@@ -164,7 +164,9 @@ class SerialSource(SourceBase):
         except ImportError as exc:  # pragma: no cover - pyserial is part of the base install
             raise EdgelineError("the serial source needs pyserial: pip install pyserial") from exc
         try:
-            return serial.serial_for_url(self.url, baudrate=self.baudrate, timeout=0.2)
+            # exclusive: a second program on the port (a bridge, another daemon) is refused rather than splitting
+            # its lines with this one (a flock on a device file; network URLs have one client by nature)
+            return serial.serial_for_url(self.url, baudrate=self.baudrate, timeout=0.2, exclusive=True)
         except (serial.SerialException, ValueError, OSError) as exc:
             raise EdgelineError(f"--serial {self.url}: {exc}") from exc
 
