@@ -9,6 +9,7 @@ subclass that only one module raises lives beside it, named in brackets.
     ├── PayloadError           model inputs of the wrong count, shape, dtype, or with NaN/Inf
     ├── UpdateError            a signed update that cannot be published or fetched (keys, repository, link)
     │   └── UpdateRefused      an update the device will not take: ``reason`` is one of ``REFUSAL_REASONS``
+    ├── CameraError            a camera or video that cannot be opened or read: ``reason`` in ``CAMERA_REASONS``
     ├── KeysError              [edgeline.updates.keys] a keys directory missing, incomplete, untrusted, open to others
     ├── WriteRefused           [edgeline.durable] a write through a link, or over what edgeline did not make
     ├── BrokerRefused          [edgeline.daemon.mqtt] the broker could not be reached or refused us at start
@@ -19,6 +20,7 @@ subclass that only one module raises lives beside it, named in brackets.
     ├── FleetError             [edgeline.sim.fleet_status] a simulated fleet that cannot be made or observed
     ├── WriteLogError          [edgeline.sim.writelog] a block write log cut short or not one
     ├── MqttStreamError        [edgeline.sim.mqtt_tap] bytes through the power-cut tap that are not MQTT
+    ├── SceneError             [edgeline.sim.scene] a synthetic scene of a size, rate or count out of range
     └── ExportError            [edgeline.export.errors] export failed for a reason the user can act on
         ├── ModelLoadError
         ├── CalibrationError
@@ -33,11 +35,13 @@ Anything that is not an ``EdgelineError`` reaching the command line is a bug of 
 from __future__ import annotations
 
 __all__ = [
+    "CAMERA_REASONS",
     "DAEMON_CODES",
     "PAYLOAD_CODES",
     "REFUSAL_REASONS",
     "BackendUnavailableError",
     "BundleError",
+    "CameraError",
     "EdgelineError",
     "IntegrityError",
     "PayloadError",
@@ -135,3 +139,25 @@ class UpdateRefused(UpdateError):
             raise ValueError(f"unknown refusal reason {reason!r}; valid: {', '.join(REFUSAL_REASONS)}")
         self.reason = reason
         self.version = version
+
+
+CAMERA_REASONS = (
+    "unreachable",  # the source cannot be opened: connection refused, an HTTP error, no such file or device
+    "timeout",  # no answer within the open deadline, or no frame within the read deadline
+    "not-a-video",  # a file (or a folder of images) that holds no decodable video
+    "corrupt",  # too many undecodable packets in a row: the stream is given up
+    "ended",  # a live stream that ended (the server closed it)
+    "unsupported",  # a source text of no known form, or options it does not take
+    "missing-extra",  # the library the source needs is not installed (the camera extra, picamera2)
+)
+
+
+class CameraError(EdgelineError):
+    """A camera or video that cannot be opened or read (``edgeline.video``). ``reason`` is one of
+    ``CAMERA_REASONS``; the text never carries a URL's credentials."""
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        if reason not in CAMERA_REASONS:
+            raise ValueError(f"unknown camera error reason {reason!r}; valid: {', '.join(CAMERA_REASONS)}")
+        self.reason = reason

@@ -108,6 +108,9 @@ def describe_bundle(bundle: Bundle) -> dict[str, Any]:
             "values": payload_fields(manifest.inputs, manifest.window),
         },
         "preprocess": None if manifest.preprocess is None else manifest.preprocess.model_dump(),
+        "image": None
+        if manifest.image is None
+        else dict(manifest.image.model_dump(), summary=manifest.image.describe()),
         "postprocess": {
             "kind": post.kind,
             "labels": None if post.labels is None else list(post.labels),
@@ -235,6 +238,7 @@ def format_description(info: dict[str, Any]) -> str:
         *(f"input:        {_shape(tensor)}" for tensor in info["inputs"]),
         *(f"output:       {_shape(tensor)}" for tensor in info["outputs"]),
         f"payload:      {info['payload']['example']}  (edgeline run, codec json)",
+        *([f"image:        {info['image']['summary']} (how a camera frame becomes input 0)"] if info["image"] else []),
         f"postprocess:  {_postprocess_line(info['postprocess'])}",
         f"fidelity:     {_fidelity_line(info['fidelity'])}",
         f"placement:    {_placement_line(info['placement'])}",

@@ -838,6 +838,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if found.runs else 1
     facts = gather(state=_state_of(args))
     document = report(facts, list_profiles(), _read("/proc/cpuinfo"))
+    document["cameras"] = camera_report()
     if args.json:
         print(json.dumps(document, indent=2))
         return 0
@@ -921,6 +922,33 @@ def _min_budget(max_bytes: int) -> int:
     return min(MIN_BUDGET, max_bytes)
 
 
+def camera_report() -> dict[str, Any]:
+    """The camera extra (PyAV) and the cameras this machine shows (``/dev/video*``, picamera2)."""
+    from edgeline.video import camera_extra, cameras_seen
+
+    version = camera_extra()
+    return {
+        "extra": version,
+        "install": None if version is not None else "pip install 'edgeline[camera]'",
+        "devices": cameras_seen(),
+    }
+
+
+def _describe_cameras(cameras: dict[str, Any]) -> list[str]:
+    extra = cameras["extra"]
+    lines = [f"cameras:      camera extra {'PyAV ' + extra if extra else 'not installed: ' + cameras['install']}"]
+    devices = [device for device in cameras["devices"] if device.get("kind") == "v4l2"]
+    for device in devices:
+        lines.append(f"  {device['source']:15} {device.get('name') or 'V4L2 device'}")
+    if not devices:
+        lines.append("  no /dev/video* device")
+    for device in cameras["devices"]:
+        if device.get("kind") == "picamera2":
+            state = "importable" if device.get("importable") else "not installed (Raspberry Pi OS: python3-picamera2)"
+            lines.append(f"  {'picamera2':15} {state}")
+    return lines
+
+
 def _describe_report(document: dict[str, Any]) -> list[str]:
     machine = document["machine"]
     features = ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in machine["features"].items())
@@ -972,6 +1000,8 @@ def _describe_report(document: dict[str, Any]) -> list[str]:
         lines.append(f"              it emulates the CPU of {', '.join(profiles['emulates'])} (timings are not theirs)")
     for profile_id, targets in profiles["runs"].items():
         lines.append(f"  runs {profile_id:20} {', '.join(targets)}")
+    if document.get("cameras"):
+        lines += _describe_cameras(document["cameras"])
     if document.get("state_dir"):
         lines += _describe_state(document["state_dir"])
     return lines

@@ -22,6 +22,7 @@ __all__ = [
     "FileEntry",
     "Firmware",
     "Golden",
+    "ImagePreprocess",
     "KeptFloat",
     "LayerFidelity",
     "Manifest",
@@ -35,6 +36,7 @@ __all__ = [
     "RuntimeRequirement",
     "TensorSpec",
     "Window",
+    "image_axes",
     "percent",
     "worst_layers",
 ]
@@ -127,6 +129,79 @@ class Preprocess(_Frozen):
 
     scale: float = 1.0
     offset: float = 0.0
+
+
+MAX_IMAGE_SIDE = 65535
+"""The largest image side a manifest may name (pixels): a sent bundle cannot make a device allocate without bound."""
+
+
+def image_axes(shape: tuple[int, ...], layout: Literal["nchw", "nhwc"]) -> tuple[int, int, int]:
+    """(channels, height, width) of an image input of ``shape`` in ``layout``: (1, C, H, W) or (C, H, W) for
+    ``nchw``, (1, H, W, C) or (H, W, C) for ``nhwc``. ``ValueError`` saying why when the shape is not an image's."""
+    order = "(1, C, H, W)" if layout == "nchw" else "(1, H, W, C)"
+    if len(shape) == 4 and shape[0] != 1:
+        raise ValueError(f"shape {list(shape)} has a batch of {shape[0]}; an image input takes one: {order}")
+    if len(shape) not in (3, 4):
+        raise ValueError(f"shape {list(shape)} is not an image's: {layout} is {order}")
+    dims = shape[-3:]
+    channels, height, width = dims if layout == "nchw" else (dims[2], dims[0], dims[1])
+    if channels not in (1, 3):
+        axis = "second" if layout == "nchw" else "last"
+        raise ValueError(
+            f"shape {list(shape)} has {channels} channels on its {axis} axis ({layout} is {order}); an image has 1 "
+            "(gray) or 3 (rgb, bgr)" + (": is the layout nhwc?" if layout == "nchw" and dims[2] in (1, 3) else "")
+        )
+    return channels, height, width
+
+
+class ImagePreprocess(_Frozen):
+    """How a camera frame or an image becomes input 0 (``edgeline.imaging.FramePrep``, which export and the daemon
+    both call): converted to ``color``, resized to ``size`` (height, width) by ``resize`` (bilinear, half-pixel
+    centres; ``letterbox`` pads with ``pad``), normalised as ``(x * scale - mean) / std`` per channel, laid out as
+    ``layout``. Quantization is the input tensor's, applied after."""
+
+    size: tuple[int, int]
+    resize: Literal["letterbox", "squash", "center-crop"] = "letterbox"
+    pad: int = Field(default=114, ge=0, le=255)
+    color: Literal["rgb", "bgr", "gray"] = "rgb"
+    scale: float = Field(default=1 / 255, gt=0, allow_inf_nan=False)
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+    layout: Literal["nchw", "nhwc"] = "nchw"
+
+    @property
+    def channels(self) -> int:
+        return 1 if self.color == "gray" else 3
+
+    @field_validator("size")
+    @classmethod
+    def _size_positive(cls, size: tuple[int, int]) -> tuple[int, int]:
+        if not all(1 <= side <= MAX_IMAGE_SIDE for side in size):
+            raise ValueError(f"(height, width) must be 1..{MAX_IMAGE_SIDE} each, got {list(size)}")
+        return size
+
+    @model_validator(mode="after")
+    def _per_channel(self) -> ImagePreprocess:
+        for key, values in (("mean", self.mean), ("std", self.std)):
+            if len(values) not in (1, self.channels):
+                raise ValueError(
+                    f"{key} has {len(values)} values; color {self.color} has {self.channels} channel"
+                    f"{'s' if self.channels > 1 else ''}: give 1 (for all) or {self.channels}"
+                )
+            if not all(math.isfinite(v) for v in values):
+                raise ValueError(f"{key} must be finite numbers, got {list(values)}")
+        if not all(v > 0 for v in self.std):
+            raise ValueError(f"std must be > 0 for every channel, got {list(self.std)}")
+        return self
+
+    def describe(self) -> str:
+        """One line: ``96x96 rgb, center-crop, (x * 0.00392 - 0) / 1, nchw``."""
+        resize = f"letterbox (pad {self.pad})" if self.resize == "letterbox" else self.resize
+        numbers = "/".join(f"{v:.4g}" for v in self.mean), "/".join(f"{v:.4g}" for v in self.std)
+        return (
+            f"{self.size[0]}x{self.size[1]} {self.color}, {resize}, (x * {self.scale:.4g} - {numbers[0]}) / "
+            f"{numbers[1]}, {self.layout}"
+        )
 
 
 class Window(_Frozen):
@@ -454,6 +529,8 @@ class Manifest(_Frozen):
     outputs: tuple[TensorSpec, ...] = Field(min_length=1)
     postprocess: Postprocess = Postprocess()
     preprocess: Preprocess | None = None
+    image: ImagePreprocess | None = None
+    """How a camera frame or an image becomes input 0 (an image model's); None: not an image model."""
     window: Window | None = None
     fidelity: Fidelity
     golden: Golden | None = None
@@ -489,5 +566,16 @@ class Manifest(_Frozen):
             if len(self.postprocess.labels) != classes:
                 raise ValueError(
                     f"postprocess.labels has {len(self.postprocess.labels)} labels but output 0 has {classes} classes"
+                )
+        if self.image is not None:
+            spec = self.inputs[0]
+            try:
+                channels, height, width = image_axes(spec.shape, self.image.layout)
+            except ValueError as exc:
+                raise ValueError(f"image: input 0 ({spec.name}) {exc}") from None
+            if (height, width) != self.image.size or channels != self.image.channels:
+                raise ValueError(
+                    f"image: size {self.image.size[0]}x{self.image.size[1]} {self.image.color} does not fit input 0 "
+                    f"({spec.name}) of shape {list(spec.shape)}, {channels} channel(s) of {height}x{width}"
                 )
         return self

@@ -36,13 +36,29 @@ def register(subparsers: Any) -> None:
         required=True,
         type=Path,
         metavar="CAL.npz",
-        help="one array per model input, first axis = samples",
+        help="one array per model input, first axis = samples; or, with an image pre-processing, a folder of "
+        "images (any sub-folders)",
     )
     parser.add_argument(
         "--validation",
         type=Path,
         metavar="VAL.npz",
-        help="held-out samples (same arrays) with an optional `labels` array",
+        help="held-out samples (same arrays) with an optional `labels` array; or, with an image pre-processing, "
+        "a folder with one sub-folder of images per class (classes in sorted order unless --labels names them)",
+    )
+    parser.add_argument(
+        "--preprocess",
+        metavar="KEY=VALUE,...",
+        help="an image model's pre-processing, written into the bundle (the daemon applies it to camera frames): "
+        "resize=letterbox|squash|center-crop (letterbox), pad=0..255 (114), color=rgb|bgr|gray (rgb, gray for a "
+        "1-channel input), scale (1/255), mean and std (0 and 1; per channel as 0.485/0.456/0.406), "
+        "layout=nchw|nhwc (nchw), size=HxW (the model's input); these keys override a --config [preprocess] table's",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="EXPORT.toml",
+        help="an export config file; its [preprocess] table takes the keys of --preprocess",
     )
     parser.add_argument(
         "--backend",
@@ -110,6 +126,40 @@ def _read_labels(path: Path | None) -> tuple[str, ...] | None:
     return labels
 
 
+CONFIG_TABLES = ("preprocess",)
+
+
+def _preprocess(config: Path | None, text: str | None) -> dict[str, object] | None:
+    """The image pre-processing keys: a config file's [preprocess] table, with --preprocess's keys over it."""
+    from edgeline.imaging import parse_preprocess, preprocess_table
+
+    keys: dict[str, object] | None = None
+    if config is not None:
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover
+            import tomli as tomllib
+        try:
+            document = tomllib.loads(config.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise EdgelineError(f"--config {config}: {exc.strerror or exc}") from exc
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise EdgelineError(f"--config {config}: not valid TOML ({exc})") from exc
+        unknown = [key for key in document if key not in CONFIG_TABLES]
+        if unknown:
+            raise EdgelineError(
+                f"--config {config}: unknown key or table {unknown[0]!r}; valid: [{'], ['.join(CONFIG_TABLES)}]"
+            )
+        table = document.get("preprocess")
+        if table is not None:
+            if not isinstance(table, dict):
+                raise EdgelineError(f"--config {config}: preprocess must be a table ([preprocess])")
+            keys = preprocess_table(table, f"--config {config} [preprocess]")
+    if text is not None:
+        keys = {**(keys or {}), **parse_preprocess(text)}
+    return keys
+
+
 HASH_SEED = "0"
 
 
@@ -151,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         all_targets=args.all,
         version=args.version,
         mixed_precision=args.mixed_precision,
+        preprocess=_preprocess(args.config, args.preprocess),
     )
     with Progress() as progress:
         report = run_export(options, progress)

@@ -24,6 +24,35 @@ class LoadedModel:
     source: str
     default_name: str
     forward_parameters: tuple[str, ...] | None  # None when the signature does not name them (e.g. *args)
+    input_shape: tuple[int, ...] | None = None
+    """Input 0's shape where the model says it before it runs: a .pt2's example input, a module's ``INPUT_SHAPE``
+    (an image's (C, H, W) or (H, W, C) without the batch gets 1 in front)."""
+    image: dict[str, object] | None = None
+    """The image pre-processing the model's module declares (``IMAGE_PREPROCESS``: ``--preprocess`` text or a
+    dict of its keys), as the reference image models do; None: none declared."""
+
+
+def _declared(module: Any, where: str) -> tuple[tuple[int, ...] | None, dict[str, object] | None]:
+    """A model module's ``INPUT_SHAPE`` (batch first, 1) and ``IMAGE_PREPROCESS`` keys, where it declares them."""
+    from edgeline.errors import EdgelineError
+    from edgeline.imaging import parse_preprocess, preprocess_table
+
+    shape = getattr(module, "INPUT_SHAPE", None)
+    valid = isinstance(shape, tuple) and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+    declared = getattr(module, "IMAGE_PREPROCESS", None)
+    image = None
+    try:
+        if isinstance(declared, str):
+            image = parse_preprocess(declared, f"{where}.IMAGE_PREPROCESS")
+        elif isinstance(declared, dict):
+            image = preprocess_table(declared, f"{where}.IMAGE_PREPROCESS")
+        elif declared is not None:
+            raise ModelLoadError(f"{where}.IMAGE_PREPROCESS: expected --preprocess text or a dict of its keys")
+    except EdgelineError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    if not valid or not shape:
+        return None, image
+    return ((1, *shape) if len(shape) == 3 else shape), image
 
 
 def _where(exc: BaseException) -> str:
@@ -108,7 +137,11 @@ def load_model(spec: str) -> LoadedModel:
         except Exception as exc:
             raise ModelLoadError(f"{path}: not a program saved with torch.export.save ({exc})") from exc
         inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-        return LoadedModel(program.module(), str(path), default_name(spec), tuple(inputs))
+        examples: tuple[Any, ...] = program.example_inputs[0] if program.example_inputs else ()
+        shape = (
+            tuple(int(d) for d in examples[0].shape) if len(examples) == 1 and hasattr(examples[0], "shape") else None
+        )
+        return LoadedModel(program.module(), str(path), default_name(spec), tuple(inputs), input_shape=shape)
 
     location, sep, function_name = spec.rpartition(":")
     if not sep or not location or not function_name:
@@ -131,4 +164,5 @@ def load_model(spec: str) -> LoadedModel:
     if not isinstance(result, torch.nn.Module):
         raise ModelLoadError(f"{spec} returned {type(result).__name__}, expected a torch.nn.Module")
     result.eval()
-    return LoadedModel(result, spec, default_name(spec), _forward_parameters(result))
+    shape, image = _declared(module, location)
+    return LoadedModel(result, spec, default_name(spec), _forward_parameters(result), input_shape=shape, image=image)

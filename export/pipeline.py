@@ -17,7 +17,7 @@ import platform
 import re
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +52,7 @@ from edgeline.export.conversion import (
 )
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError
 from edgeline.export.fidelity import REFERENCE, FloatReference, compare_outputs, measure_fidelity, run_float
+from edgeline.export.images import image_input, read_class_folders, read_image_folder
 from edgeline.export.layers import (
     INPUT,
     LAYER_SAMPLES,
@@ -73,6 +74,7 @@ from edgeline.manifest import (
     Device,
     Fidelity,
     Firmware,
+    ImagePreprocess,
     KeptFloat,
     Memory,
     Placement,
@@ -114,6 +116,11 @@ class ExportOptions:
     mixed_precision: bool = True
     """An int8-static target that misses only the accuracy budget keeps its most sensitive layers in float
     (``--no-mixed-precision``: it is rejected)."""
+    labels_given: bool = True
+    """Whether ``labels`` came from ``--labels`` (else from a validation folder's class sub-folders)."""
+    preprocess: Mapping[str, object] | None = None
+    """``--preprocess`` / ``[preprocess]``: an image model's pre-processing keys (``edgeline.imaging``), written as
+    the manifest's ``image``; None: the one the model's module declares, if any (the reference image models')."""
 
 
 def _targets(profile: Profile, backend: str | None, precision: Precision | None) -> list[Target]:
@@ -173,7 +180,8 @@ def _postprocess(
         )
     if task == "classify":
         if options.labels is not None and len(options.labels) != classes:
-            raise ExportError(f"--labels gives {len(options.labels)} labels but the model has {classes} outputs")
+            given = "--labels gives" if options.labels_given else "the validation folder has class sub-folders for"
+            raise ExportError(f"{given} {len(options.labels)} labels but the model has {classes} outputs")
         return Postprocess(kind="classify", labels=options.labels)
     if task == "anomaly":
         threshold = options.threshold
@@ -186,6 +194,46 @@ def _postprocess(
             threshold = float(np.percentile(np.array(scores, dtype=np.float64), ANOMALY_PERCENTILE))
         return Postprocess(kind="anomaly", threshold=threshold)
     return Postprocess(kind=task)
+
+
+def _samples(
+    options: ExportOptions, loaded: LoadedModel
+) -> tuple[SampleSet, SampleSet, ImagePreprocess | None, tuple[str, ...] | None]:
+    """Calibration and validation samples (.npz files, or image folders read through the image pre-processing),
+    the manifest's ``image``, and the class names (``--labels``, or a validation folder's class sub-folders)."""
+    keys = options.preprocess if options.preprocess is not None else loaded.image
+    folders = [
+        f"--{role} {path}"
+        for role, path in (("calibration", options.calibration), ("validation", options.validation))
+        if path is not None and path.is_dir()
+    ]
+    if folders and keys is None:
+        raise CalibrationError(
+            f"{folders[0]} is a folder of images; image folders are read through the model's image pre-processing: "
+            "give --preprocess KEY=VALUE,... (e.g. resize=letterbox,color=rgb) or a [preprocess] table"
+        )
+    calibration = (
+        None if options.calibration.is_dir() else load_model_samples(options.calibration, "calibration", loaded, None)
+    )
+    image = prep = None
+    if keys is not None:
+        image, prep = image_input(loaded, keys, calibration, "image pre-processing")
+    if calibration is None:
+        assert prep is not None
+        calibration = read_image_folder(options.calibration, "calibration", prep)
+    labels = options.labels
+    if options.validation is None:
+        return calibration, calibration, image, labels
+    if options.validation.is_dir():
+        assert prep is not None
+        validation, classes = read_class_folders(options.validation, prep, options.labels)
+        if validation.inputs[0].shape[1:] != calibration.inputs[0].shape[1:]:
+            raise CalibrationError(
+                f"validation folder {options.validation}: sample shape {list(validation.inputs[0].shape[1:])} "
+                f"differs from the calibration's {list(calibration.inputs[0].shape[1:])}"
+            )
+        return calibration, validation, image, labels or classes
+    return calibration, load_model_samples(options.validation, "validation", loaded, calibration), image, labels
 
 
 def _check_name(name: str, what: str) -> str:
@@ -672,10 +720,8 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
     loaded = load_model(options.model)
     name = options.name or _check_name(loaded.default_name, f"the name taken from {options.model} (give --name)")
     out, version = _out_dir(options, name)
-    calibration = load_model_samples(options.calibration, "calibration", loaded, None)
-    validation = (
-        load_model_samples(options.validation, "validation", loaded, calibration) if options.validation else calibration
-    )
+    calibration, validation, image, labels = _samples(options, loaded)
+    options = replace(options, labels=labels, labels_given=options.labels is not None)
     outputs = check_model_runs(loaded, calibration)
     post = _postprocess(options, loaded, calibration, validation, outputs)
     progress("tracing the model with torch.export")
@@ -693,6 +739,7 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
         "created": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z"),
         "profile": profile.id,
         "postprocess": post,
+        "image": image,
         "budgets": profile.budgets,
         "device": Device(arch=profile.cpu.arch, cpu=profile.cpu.name),
         # PYTHONHASHSEED: "0" from the command line (which pins it); other values when called as a library

@@ -16,9 +16,22 @@ fi
 # Cortex-M boards; the VM tier (scripts/vm.sh) builds a Debian image with mmdebstrap and mke2fs and boots it with
 # qemu-system-x86_64 (overlays by qemu-img, port forwards by socat); ExecuTorch's torch-free runtime builds edgeline's
 # shim with g++ (and, for the emulated Pi of scripts/arm64.sh, with g++-aarch64-linux-gnu). (/usr/sbin, where the
-# broker and mke2fs live, is not on a normal user's PATH.)
+# broker and mke2fs live, is not on a normal user's PATH.) `edgeline sim camera` serves RTSP with GStreamer's RTSP
+# server through PyGObject, run by the system python3 (sim/camera_rtsp.py): Debian has openh264enc (plugins-bad), not
+# x264enc; jpegenc and rtpjpegpay are in plugins-good.
 PACKAGES="mosquitto mosquitto-clients openssl zsh gcc gcc-arm-none-eabi libnewlib-arm-none-eabi qemu-system-arm"
 PACKAGES+=" mmdebstrap e2fsprogs qemu-system-x86 qemu-utils socat g++ g++-aarch64-linux-gnu"
+PACKAGES+=" python3-gi gir1.2-gst-rtsp-server-1.0 gstreamer1.0-rtsp gir1.2-gst-plugins-base-1.0"
+PACKAGES+=" gstreamer1.0-plugins-good gstreamer1.0-plugins-bad"
+have_rtsp_server() {
+    [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import gi
+gi.require_version("Gst", "1.0"); gi.require_version("GstRtspServer", "1.0")
+from gi.repository import Gst, GstRtspServer
+Gst.init(None)
+missing = [n for n in ("appsrc", "videoconvert", "openh264enc", "h264parse", "rtph264pay", "jpegenc", "rtpjpegpay")
+           if Gst.ElementFactory.find(n) is None]
+raise SystemExit(1 if missing else 0)' >/dev/null 2>&1
+}
 have_mosquitto() {
     { command -v mosquitto || [ -x /usr/sbin/mosquitto ]; } >/dev/null 2>&1 \
         && command -v mosquitto_pub >/dev/null 2>&1 && command -v mosquitto_sub >/dev/null 2>&1 \
@@ -28,7 +41,8 @@ have_mosquitto() {
         && { command -v mke2fs || [ -x /usr/sbin/mke2fs ] || [ -x /sbin/mke2fs ]; } >/dev/null 2>&1 \
         && command -v qemu-system-x86_64 >/dev/null 2>&1 && command -v qemu-img >/dev/null 2>&1 \
         && command -v socat >/dev/null 2>&1 \
-        && command -v g++ >/dev/null 2>&1 && command -v aarch64-linux-gnu-g++ >/dev/null 2>&1
+        && command -v g++ >/dev/null 2>&1 && command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 \
+        && have_rtsp_server
 }
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
@@ -59,10 +73,10 @@ fi
 stamp="$venv/.edgeline-install-stamp"
 want="$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "setup: installing edgeline with the export and dev extras (first time: a few minutes)" >&2
+    echo "setup: installing edgeline with the export, dev and camera extras (first time: a few minutes)" >&2
     "$venv/bin/python" -m pip install --quiet --upgrade pip
     # torch first, pinned exactly: the CPU build. A looser pin could pull the CUDA build (several GB).
     "$venv/bin/python" -m pip install --quiet "torch==2.13.0"
-    "$venv/bin/python" -m pip install --quiet -e "$root[export,dev]"
+    "$venv/bin/python" -m pip install --quiet -e "$root[export,dev,camera]"
     echo "$want" > "$stamp"
 fi

@@ -17,10 +17,10 @@ fi
 stamp="$venv/.edgeline-install-stamp"
 want="$(cat "$root/pyproject.toml" "$root/scripts/test_device.sh" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "test_device: installing edgeline (its openvino extra), pytest (xdist, timeout) and hypothesis" >&2
+    echo "test_device: installing edgeline (its openvino and camera extras), pytest (xdist, timeout) and hypothesis" >&2
     pip_log="$venv/pip.log"
     if ! { "$venv/bin/python" -m pip install --quiet --upgrade pip \
-        && "$venv/bin/python" -m pip install --quiet -e "$root[openvino]" "pytest>=8" "pytest-xdist>=3.5" "pytest-timeout>=2.3" "hypothesis>=6"; } >"$pip_log" 2>&1; then
+        && "$venv/bin/python" -m pip install --quiet -e "$root[openvino,camera]" "pytest>=8" "pytest-xdist>=3.5" "pytest-timeout>=2.3" "hypothesis>=6"; } >"$pip_log" 2>&1; then
         cat "$pip_log" >&2
         echo "test_device: pip could not install the base install (output above)" >&2
         exit 1

@@ -7,6 +7,11 @@ speaking the firmware bridge's wire protocol, for ``edgeline run --serial`` and 
 
     edgeline sim mcu --data work --rate 10 --count 100 --reliable
 
+``edgeline sim camera``: a synthetic scene served as a camera on loopback, RTSP and HTTP MJPEG (edgeline.sim.camera),
+for ``edgeline run --camera``:
+
+    edgeline sim camera --rtsp 8554 --http 8080 --size 640x480 --fps 30
+
 ``edgeline sim fleet``: a fleet of real ``edgeline run`` daemons on one broker, fed inputs, checking one update
 repository (edgeline.sim.fleet), for ``edgeline rollout``:
 
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from edgeline.arguments import CommandParser, bounded_int
 from edgeline.daemon.topics import SENSOR_TOPIC
 from edgeline.errors import EdgelineError
+from edgeline.sim.camera import camera_parser
 from edgeline.sim.data import MODEL_SHAPES, SENSOR_MODELS, SENSORS
 
 if TYPE_CHECKING:
@@ -48,10 +54,12 @@ BOARDS = ("qemu", "python")
 
 
 class _SimParser(CommandParser):
-    """``edgeline sim SENSOR ...``, and ``edgeline sim mcu ...`` and ``edgeline sim fleet ...`` with options of their
-    own. argparse cannot take a positional argument or a command at the same place, so the first word ``mcu`` or
-    ``fleet`` hands the rest of the line to that parser (``edgeline sim mcu: error: ...`` for its mistakes); any
-    other word is a sensor, as before."""
+    """``edgeline sim SENSOR ...``, and ``edgeline sim mcu ...``, ``edgeline sim fleet ...`` and ``edgeline sim
+    camera ...`` with options of their own. argparse cannot take a positional argument or a command at the same
+    place, so the first word ``mcu``, ``fleet`` or ``camera`` hands the rest of the line to that parser
+    (``edgeline sim mcu: error: ...`` for its mistakes); any other word is a sensor, as before. ``camera`` is also a
+    sensor: a line with an option only the sensor has (``--data``, ``--model``, ``--broker``, ...) stays the
+    sensor's."""
 
     words: dict[str, argparse.ArgumentParser]
 
@@ -60,9 +68,24 @@ class _SimParser(CommandParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         given = list(sys.argv[1:] if args is None else args)
         word = getattr(self, "words", {}).get(given[0]) if given else None
+        if word is not None and given[0] == "camera" and self._camera_sensor(word, given[1:]):
+            word = None  # `edgeline sim camera --data ...`: the camera sensor, as before the camera server existed
         if word is not None:
             return word.parse_known_args(given[1:], namespace)
         return super().parse_known_args(given, namespace)
+
+    def _camera_sensor(self, server: argparse.ArgumentParser, rest: list[str]) -> bool:
+        """Whether ``sim camera REST`` is the camera sensor (an option only the sensor has: --data, --model,
+        --broker, --out, ...) rather than the camera server (``edgeline.sim.camera``); refuses a line with both."""
+        given = {word.split("=", 1)[0] for word in rest if word.startswith("--")}
+        sensor = sorted(given & (set(self._option_string_actions) - set(server._option_string_actions)))
+        serving = sorted(given & (set(server._option_string_actions) - set(self._option_string_actions)))
+        if sensor and serving:
+            self.error(
+                f"camera: {', '.join(serving)} is for the camera server, {', '.join(sensor)} for the camera sensor "
+                "(image samples over MQTT): one or the other"
+            )
+        return bool(sensor)
 
 
 def register(subparsers: Any) -> None:
@@ -78,10 +101,16 @@ def register(subparsers: Any) -> None:
         epilog=f"{listed.prog} mcu [--board qemu|python] [--uart socket|pty] ...: an emulated sensor board on a "
         f"serial port (QEMU's mps2-an386 Cortex-M4, or Python), speaking the firmware bridge's protocol; see "
         f"`{listed.prog} mcu --help`. {listed.prog} fleet BUNDLE --devices N ...: a fleet of `edgeline run` "
-        f"daemons fed inputs, checking one update repository; see `{listed.prog} fleet --help`.",
+        f"daemons fed inputs, checking one update repository; see `{listed.prog} fleet --help`. {listed.prog} "
+        f"camera [--rtsp PORT] [--http PORT] ...: a synthetic scene served as a camera (RTSP and HTTP MJPEG on "
+        f"127.0.0.1) for `edgeline run --camera`; see `{listed.prog} camera --help`.",
     )
     subparsers.choices["sim"] = parser  # the same command, parsed by the parser that also knows `sim mcu`, `fleet`
-    parser.words = {"mcu": _mcu_parser(f"{listed.prog} mcu"), "fleet": _fleet_parser(f"{listed.prog} fleet")}
+    parser.words = {
+        "mcu": _mcu_parser(f"{listed.prog} mcu"),
+        "fleet": _fleet_parser(f"{listed.prog} fleet"),
+        "camera": camera_parser(f"{listed.prog} camera"),
+    }
     add_sensor_arguments(parser)
     parser.add_argument(
         "--broker", default=DEFAULT_BROKER, metavar="HOST:PORT", help=f"MQTT broker (default {DEFAULT_BROKER})"

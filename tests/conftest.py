@@ -69,6 +69,7 @@ collect_ignore = [
 
 pytest_plugins = [
     "tests.mqtt_broker",  # real-Mosquitto fixtures: broker, session_broker, unique_topic
+    "tests.camera_server",  # cameras: camera_server (edgeline sim camera), silent_server, stalling_server
     "tests.tiers",  # every test has one cost tier, and its time bound
     "pytester",  # tests/test_suite_tiers.py runs small suites of its own
 ]

@@ -319,7 +319,11 @@ def test_ranges_that_depend_on_the_model_and_the_machine(
     [
         (["--replay", os.devnull], ["--baudrate", "9600"], "--baudrate applies to the serial source (--serial)"),
         ([], ["--baudrate", "9600"], "--baudrate applies to the serial source (--serial); this run reads mqtt"),
-        (["--serial", "socket://127.0.0.1:9"], ["--speed", "2"], "--speed applies to the replay source (--replay)"),
+        (
+            ["--serial", "socket://127.0.0.1:9"],
+            ["--speed", "2"],
+            "--speed applies to the replay or camera source (--replay, --camera)",
+        ),
     ],
 )
 def test_a_setting_of_another_source_is_refused(

@@ -374,3 +374,23 @@ def test_doctor_says_the_state_directorys_file_system_free_space_and_outbox_budg
         config.write_text("[outbox]\nenabled = false\n")
         assert main(["doctor", "--state-dir", str(state), "--config", str(config)]) == 0
         assert "outbox:       in memory" in capsys.readouterr().out
+
+
+@pytest.mark.quick
+def test_doctor_says_whether_the_camera_extra_is_installed_and_which_cameras_it_sees(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import importlib.metadata
+    import importlib.util
+
+    assert main(["doctor", "--json"]) == 0
+    cameras = json.loads(capsys.readouterr().out)["cameras"]
+    installed = importlib.util.find_spec("av") is not None
+    assert cameras["extra"] == (importlib.metadata.version("av") if installed else None)
+    assert (cameras["install"] is None) == installed
+    picamera2 = [device for device in cameras["devices"] if device["kind"] == "picamera2"]
+    assert picamera2 and picamera2[0]["importable"] == (importlib.util.find_spec("picamera2") is not None)
+    assert main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    line = next(line for line in text.splitlines() if line.startswith("cameras:"))
+    assert (f"PyAV {cameras['extra']}" if installed else "pip install 'edgeline[camera]'") in line

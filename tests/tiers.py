@@ -39,6 +39,7 @@ COSTLY_FIXTURES = {
     "durable_broker": "integration",
     "answers": "integration",
     "publisher": "integration",
+    "camera_server": "integration",
     "batchable_bundle": "export",
     "lookup_bundle": "export",
     "vm_image": "vm",

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from edgeline.daemon.codecs import example_payload, get_codec
 from edgeline.daemon.config import DaemonConfig, OutboxConfig, UpdatesConfig
 from edgeline.daemon.guards import check_topics, check_window
@@ -34,8 +36,10 @@ from edgeline.daemon.topics import TopicFilter, render_topic
 from edgeline.errors import EdgelineError
 from edgeline.machine import this_machine
 from edgeline.model import Model, load
+from edgeline.video import Pixel
 
 if TYPE_CHECKING:
+    from edgeline.imaging import FramePrep
     from edgeline.manifest import Manifest
     from edgeline.updates.agent import UpdateAgent
     from edgeline.updates.cage import CageLimits
@@ -183,6 +187,8 @@ def build_parts(
             config.broker, client_id=client_id, will=(availability_topic, b"offline"), waiting=waiting
         )
         sink = MqttSink(connection, config.output.qos, ANSWER_FORMATS["json" if codec.name == "raw" else codec.name])
+    if source is None and config.source.kind == "camera":
+        source = _camera_source(config, processor, connection, state_dir, name=name, instance=instance)
     if source is None:
         source = _configured_source(config, connection, filters)
     return DaemonParts(
@@ -232,6 +238,66 @@ def _update_plan(config: DaemonConfig, store: Store, state: State, start_on: Pat
         updates.repository, updates.trusted_root, store.directory, download_timeout_s=updates.download_timeout_s
     )
     return UpdatePlan(client=client, store=store, state=state, bundle=start_on, backend=backend)
+
+
+class _FramePrepOfTheRunningVersion:
+    """A camera frame made into the input of the version answering now: an update may bring another size or colour
+    order, and its frames follow it from the swap on (``edgeline.imaging.FramePrep``, made once per version)."""
+
+    def __init__(self, processor: Processor):
+        self.processor = processor
+        self._model: Model | None = None
+        self._prep: FramePrep | None = None
+
+    def __call__(self, frame: np.ndarray, pixel: Pixel) -> np.ndarray:
+        model = self.processor.model
+        if model is not self._model:
+            self._model, self._prep = model, _frame_prep(model)
+        assert self._prep is not None
+        return self._prep(frame, pixel)
+
+
+def _frame_prep(model: Model) -> FramePrep:
+    from edgeline.imaging import FramePrep
+
+    image = model.manifest.image
+    if image is None or len(model.inputs) != 1:
+        what = "takes several inputs" if image is not None else "does not say how a frame becomes its input"
+        raise EdgelineError(
+            f"--camera: the bundle {model.name} v{model.version} {what}; export an image model with --preprocess "
+            "(e.g. --preprocess resize=letterbox,color=rgb) so that its manifest carries the pre-processing"
+        )
+    return FramePrep(image, model.inputs[0])
+
+
+def _camera_source(
+    config: DaemonConfig,
+    processor: Processor,
+    connection: MqttConnection | None,
+    state_dir: Path,
+    *,
+    name: str,
+    instance: str,
+) -> Source:
+    """The cameras, each frame made into the model's input by the bundle's own pre-processing."""
+    from edgeline.daemon.camera import CameraSource
+    from edgeline.daemon.snapshots import Snapshots
+
+    prep = _FramePrepOfTheRunningVersion(processor)
+    prep(np.zeros((2, 2, 3), np.uint8), "rgb")  # the starting version's, checked now: refused before anything runs
+    snapshots = None
+    camera = config.camera
+    if camera.snapshots:
+        publish = None
+        if connection is not None and camera.snapshot_topic is not None:
+            template = camera.snapshot_topic
+
+            def publish(device: str, _: str, jpeg: bytes) -> None:
+                topic = render_topic(template, device=device, name=name, instance=instance)
+                connection.publish(topic, jpeg, qos=0)
+
+        snapshots = Snapshots(camera, state_dir, publish)
+    return CameraSource(camera, prep, max_batch=config.queue.max_batch, snapshots=snapshots)
 
 
 def _configured_source(config: DaemonConfig, connection: MqttConnection | None, filters: list[TopicFilter]) -> Source:

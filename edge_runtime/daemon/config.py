@@ -2,8 +2,8 @@
 
 [daemon]   state_dir (default: $STATE_DIRECTORY from systemd, else $XDG_STATE_HOME/edgeline or ~/.local/state/edgeline),
            instance (default: derived from the host name and the state directory), drain_timeout_s
-[source]   kind = "mqtt" | "serial" | "replay" | "sim"; url, baudrate, protocol ("json-lines" | "frames": the firmware
-           bridge's framed protocol, boards named by their HELLO) (serial); path, speed (replay); sim (the
+[source]   kind = "mqtt" | "serial" | "replay" | "sim" | "camera"; url, baudrate, protocol ("json-lines" | "frames":
+           the firmware bridge's framed protocol, boards named by their HELLO) (serial); path, speed (replay); sim (the
            arguments of `edgeline sim`); device (the stream key of messages that carry no topic)
 [broker]   host, port, client_id (template with {name}, {instance}), keepalive_s, protocol ("5" or "3.1.1"),
            session_expiry_s (7 days; 300 s with a shared subscription), reconnect_max_s, connect_timeout_s,
@@ -25,6 +25,10 @@
            commit_interval_s (group commit: at most one fsync per interval, default 20 ms)
 [health]   availability_topic, status_topic, status_interval_s, prometheus_port (0 = off), prometheus_host (loopback)
 [window]   size, hop, channels (overrides the bundle's)
+[camera]   sources (["NAME=SOURCE", ...]: files, image folders, rtsp://, http://, /dev/video0, picamera2:0, testsrc:),
+           open_timeout_s, read_timeout_s, stall_s, reconnect_max_s, max_age_ms (0: off), speed ("max" | "realtime"
+           | a factor: for files and image folders), snapshot_every_s, snapshot_when, snapshot_topic,
+           snapshot_max_files, snapshot_max_bytes, snapshot_min_interval_s (see edgeline.daemon.camera)
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ else:  # pragma: no cover
 __all__ = ["DEFAULT_QOS", "BrokerAddress", "BrokerConfig", "DaemonConfig", "load_config"]
 
 CODEC_NAMES = ("json", "raw", "cbor", "msgpack")
-SOURCE_KINDS = ("mqtt", "serial", "replay", "sim")
-LOSSLESS_SOURCES = ("replay", "sim")
+SOURCE_KINDS = ("mqtt", "serial", "replay", "sim", "camera")
+LOSSLESS_SOURCES = ("replay", "sim", "camera")
+"""Sources that wait rather than lose (the block policy). A camera source keeps at most a few frames in the queue
+itself: a live camera drops what the model cannot take (counted by reason), a file or image folder waits."""
 DEFAULT_PORT = 1883
 SESSION_EXPIRY_S = 7 * 86400
 SHARED_SESSION_EXPIRY_S = 300
@@ -100,7 +106,7 @@ class _Section(BaseModel):
 
 
 class SourceConfig(_Section):
-    kind: Literal["mqtt", "serial", "replay", "sim"] = "mqtt"
+    kind: Literal["mqtt", "serial", "replay", "sim", "camera"] = "mqtt"
     url: str | None = None
     baudrate: int = Field(default=115200, ge=50, le=4_000_000)
     protocol: Literal["json-lines", "frames"] = "json-lines"
@@ -120,6 +126,82 @@ class SourceConfig(_Section):
             if not getattr(self, key):
                 raise ValueError(f"the {self.kind} source needs source.{key}: {example}")
         return self
+
+
+def _answer_template(template: str | None) -> str | None:
+    """A topic template with ``{device}``, ``{name}``, ``{instance}``, checked (pydantic's ``ValueError``)."""
+    if template is None:
+        return None
+    try:
+        return validate_template(template)
+    except EdgelineError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+SNAPSHOT_WHEN = r"^(label=[^,]+|score>=(0(\.\d+)?|1(\.0+)?))(,(label=[^,]+|score>=(0(\.\d+)?|1(\.0+)?)))*$"
+
+
+class CameraConfig(_Section):
+    """Cameras and video (``edgeline.daemon.camera``); every wait bounded."""
+
+    sources: tuple[str, ...] = ()
+    """``[NAME=]SOURCE`` each (``edgeline.video.parse_camera``); NAME defaults to cam0, cam1, ..."""
+    open_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    """Opening a source (connect, handshake, first header) must end within this."""
+    read_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    """One read from the source (a socket read) must return within this, else the source is closed and reopened:
+    a stall (a frozen server, a pulled cable)."""
+    stall_s: float = Field(default=10.0, gt=0, le=3600)
+    """A source that sends data but no frame for this long (garbage, another kind of stream) is a stall too."""
+    reconnect_max_s: float = Field(default=30.0, ge=0.1, le=3600)
+    """The longest wait between two attempts to reopen (the daemon's back-off: 0.25 s doubling, with jitter)."""
+    max_age_ms: float = Field(default=0.0, ge=0)
+    """A frame older than this when the model is free for it is dropped as ``stale``; 0: off."""
+    speed: str = "max"
+    """Files and image folders: ``max`` (as fast as the model takes them), ``realtime`` (at the file's own
+    timestamps), or a factor of it (``2``: twice as fast)."""
+    snapshot_every_s: float = Field(default=0.0, ge=0)
+    """A JPEG of an answered frame at most this often per camera; 0: only on ``snapshot_when``."""
+    snapshot_when: str | None = Field(default=None, pattern=SNAPSHOT_WHEN)
+    """``label=NAME`` and/or ``score>=X`` (comma: all must hold): a snapshot when an answer meets it."""
+    snapshot_topic: str | None = None
+    """Publish snapshots there too (template with {name}, {device}, {instance}); default: files only."""
+    snapshot_files: bool = True
+    """Write snapshots to ``<state dir>/snapshots``."""
+    snapshot_max_files: int = Field(default=200, ge=1, le=1_000_000)
+    snapshot_max_bytes: int = Field(default=50 << 20, ge=1 << 16)
+    snapshot_min_interval_s: float = Field(default=1.0, ge=0)
+    """Snapshots of one camera are at least this far apart, whatever asks for them."""
+
+    @field_validator("speed")
+    @classmethod
+    def _speed(cls, speed: str) -> str:
+        camera_speed(speed)
+        return speed
+
+    @field_validator("snapshot_topic")
+    @classmethod
+    def _template(cls, template: str | None) -> str | None:
+        return _answer_template(template)
+
+    @property
+    def snapshots(self) -> bool:
+        return self.snapshot_every_s > 0 or self.snapshot_when is not None
+
+
+def camera_speed(text: str) -> float:
+    """``max`` (or 0) -> 0 (unpaced), ``realtime`` -> 1, a positive factor as it is."""
+    if text == "max":
+        return 0.0
+    if text == "realtime":
+        return 1.0
+    try:
+        factor = float(text)
+    except ValueError:
+        factor = -1.0
+    if not 0 <= factor <= 1000:
+        raise ValueError(f"speed {text!r}: expected max, realtime or a factor between 0 and 1000, e.g. 2")
+    return factor
 
 
 class DaemonSection(_Section):
@@ -208,12 +290,7 @@ class OutputConfig(_Section):
     @field_validator("publish", "error_topic")
     @classmethod
     def _template(cls, template: str | None) -> str | None:
-        if template is None:
-            return None
-        try:
-            return validate_template(template)
-        except EdgelineError as exc:
-            raise ValueError(str(exc)) from exc
+        return _answer_template(template)
 
 
 class QueueConfig(_Section):
@@ -298,12 +375,30 @@ class DaemonConfig(_Section):
     outbox: OutboxConfig = OutboxConfig()
     health: HealthConfig = HealthConfig()
     updates: UpdatesConfig = UpdatesConfig()
+    camera: CameraConfig = CameraConfig()
     window: Window | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cameras_are_the_source(cls, data: object) -> object:
+        """``[camera] sources`` without a ``[source] kind``: the cameras are the source."""
+        if isinstance(data, dict):
+            camera, source = data.get("camera"), data.get("source")
+            has_kind = isinstance(source, dict) and "kind" in source
+            if isinstance(camera, dict) and camera.get("sources") and (source is None or isinstance(source, dict)):
+                data = data if has_kind else {**data, "source": {**(source or {}), "kind": "camera"}}
+        return data
 
     @model_validator(mode="after")
     def _mqtt_source_publishes(self) -> DaemonConfig:
         if self.source.kind == "mqtt" and self.output.mqtt is False:
             raise ValueError("output.mqtt = false needs a source other than MQTT (the answers would go nowhere)")
+        if (self.source.kind == "camera") != bool(self.camera.sources):
+            raise ValueError(
+                'the camera source needs camera.sources (e.g. ["cam0=rtsp://127.0.0.1:8554/scene"])'
+                if self.camera.sources == ()
+                else f'camera.sources is set, but the source is {self.source.kind}: set source.kind = "camera"'
+            )
         if self.source.kind == "serial" and self.input.codec != "json":
             raise ValueError(
                 f"input.codec = {self.input.codec!r}: the serial source hands the daemon JSON (its lines, or the "
@@ -343,6 +438,7 @@ class DaemonConfig(_Section):
         trusted_root: Path | None = None,
         check_interval_s: float | None = None,
         download_timeout_s: float | None = None,
+        camera: dict[str, object] | None = None,
     ) -> DaemonConfig:
         """The command line wins over the file; the result is validated like the file.
 
@@ -353,7 +449,12 @@ class DaemonConfig(_Section):
         if source:
             if "kind" in source and source["kind"] != data["source"]["kind"]:
                 data["source"] = {"device": data["source"]["device"]}  # another kind: its own settings only
+                data["camera"]["sources"] = ()
             data["source"].update({key: value for key, value in source.items() if value is not None})
+        if camera:
+            data["camera"].update({key: value for key, value in camera.items() if value is not None})
+            if camera.get("sources"):
+                data["source"] = {"kind": "camera", "device": data["source"]["device"]}
         if broker is not None:
             address = BrokerAddress.parse(broker)
             data["broker"].update(host=address.host, port=address.port)

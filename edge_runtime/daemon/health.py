@@ -96,7 +96,7 @@ class Metrics:
         self._stages = {stage: _Stage() for stage in STAGES}
         self._providers: list[GaugeProvider] = []
         self._counter_providers: list[GaugeProvider] = []
-        self._labelled: list[tuple[str, str, str, Callable[[], Mapping[str, int]]]] = []
+        self._labelled: list[tuple[str, tuple[str, ...], str, Callable[[], Mapping[Any, float | None]], bool]] = []
         self._failed_providers = Repeated(logger, "", every_s=math.inf, remember=MAX_PROVIDERS_SAID)
         """A provider that raises is said once (with its traceback), whatever it raises next."""
         self._registry: CollectorRegistry | None = None
@@ -146,12 +146,22 @@ class Metrics:
             self._counter_providers.append(provider)
 
     def labelled_counters(
-        self, name: str, label: str, help_text: str, provider: Callable[[], Mapping[str, int]]
+        self, name: str, label: str | tuple[str, ...], help_text: str, provider: Callable[[], Mapping[Any, int]]
     ) -> None:
-        """Register counters of one family told apart by ``label`` (updates refused, by reason), exposed as
-        ``edgeline_<name>_total{<label>=...}``; the status message shows them where their owner puts them."""
+        """Register counters of one family told apart by ``label`` (updates refused, by reason; a camera's drops, by
+        camera and reason: a tuple of labels, and tuples as keys), exposed as ``edgeline_<name>_total{<label>=...}``;
+        the status message shows them where their owner puts them."""
+        labels = (label,) if isinstance(label, str) else tuple(label)
         with self._lock:
-            self._labelled.append((name, label, help_text, provider))
+            self._labelled.append((name, labels, help_text, provider, True))
+
+    def labelled_gauges(
+        self, name: str, labels: tuple[str, ...], help_text: str, provider: Callable[[], Mapping[Any, float | None]]
+    ) -> None:
+        """Register gauges of one family told apart by ``labels`` (a camera's state, its frame age by quantile);
+        keys are tuples of label values; a None value is omitted."""
+        with self._lock:
+            self._labelled.append((name, labels, help_text, provider, False))
 
     # -- gauges ------------------------------------------------------------------------------------------------
     def gauges(self, provider: GaugeProvider) -> None:
@@ -269,18 +279,22 @@ class Metrics:
         _claim(taken, "edgeline_emulated", ("",))
         with self._lock:
             labelled = list(self._labelled)
-        for name, label, help_text, provider in labelled:
+        for name, label_names, help_text, provider, is_counter in labelled:
             metric = _metric_name(name)
-            if not _claim(taken, metric, _COUNTER_SUFFIXES):
+            if not _claim(taken, metric, _COUNTER_SUFFIXES if is_counter else ("",)):
                 continue
             try:
                 values = dict(provider())
             except Exception:
                 logger.warning("counter provider %r failed; its counters are omitted", provider, exc_info=True)
                 continue
-            family = CounterMetricFamily(metric, help_text, labels=[*_LABELS, label])
-            for key, value in sorted(values.items()):
-                family.add_metric([*labels, key], value)
+            kind = CounterMetricFamily if is_counter else GaugeMetricFamily
+            family = kind(metric, help_text, labels=[*_LABELS, *label_names])
+            for key, value in sorted(values.items(), key=lambda item: str(item[0])):
+                if value is None:
+                    continue
+                keys = [key] if isinstance(key, str) else [str(part) for part in key]
+                family.add_metric([*labels, *keys], float(value))
             yield family
 
         if self.emulated is not None:

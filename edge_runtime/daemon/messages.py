@@ -9,7 +9,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["Answer", "Message", "Reply"]
 
@@ -46,6 +49,14 @@ class Message:
     ack: Callable[[], None] | None = None
     """Called once the message's answers are safe (committed to the outbox, or handed to every sink): the MQTT
     source sends its PUBACK then, so the broker keeps the message until its answer cannot be lost."""
+    arrays: tuple[np.ndarray, ...] | None = None
+    """The model's inputs already made (a camera frame through the bundle's pre-processing): no payload to decode,
+    so no JPEG or JSON round trip between a camera and the model. None: decode ``payload``."""
+    fields: dict[str, Any] | None = None
+    """Added to every answer of the message (a camera's name, frame number, stream, source timestamp)."""
+    captured: float | None = None
+    """``time.monotonic()`` when the input was captured (a camera frame decoded): answers carry ``age_ms``,
+    capture to answer."""
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,8 @@ class Processor:
             return self._failure(item.message, item.sequence, item.identity, exc)
 
     def _decode(self, message: Message) -> Decoded:
+        if message.arrays is not None:  # made by the source (a camera frame, pre-processed)
+            return Decoded(None, message.arrays)
         size = len(message.payload) if message.size is None else message.size
         if size > self.max_payload_bytes:
             raise PayloadError(
@@ -227,6 +229,8 @@ class Processor:
         }
         if self.instance:
             record["instance"] = self.instance
+        if message.fields:
+            record.update(message.fields)
         return record
 
     def _infer(
@@ -272,6 +276,8 @@ class Processor:
         if batch > 1:
             record["batch"] = batch
         record["timestamp"] = time.time()
+        if message.captured is not None:
+            record["age_ms"] = round((time.monotonic() - message.captured) * 1000.0, 3)
         payload = self.result_codec.encode(record, plain=True)
         self.metrics.observe("model", seconds)
         self.metrics.count("results")

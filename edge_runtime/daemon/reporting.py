@@ -76,6 +76,7 @@ class Reporter:
         self.network: NetworkTick | None = None
         metrics.gauges(self.gauges)
         metrics.counters(self.counters)
+        source.register_metrics(metrics)
         if updater is not None:
             metrics.counters(updater.counters)
             metrics.gauges(updater.gauges)
@@ -144,6 +145,7 @@ class Reporter:
             extra["source"] = source_status
         if self.updater is not None:
             extra["update"] = self.updater.status()
+        extra.update(self.source.report())
         return self.metrics.snapshot(extra)
 
     def publish_status(self) -> None:

@@ -91,6 +91,32 @@ def register(subparsers: Any) -> None:
         metavar="'SENSOR [ARGS]'",
         help="simulated sensors in-process, with the arguments of `edgeline sim`, e.g. 'digits --count 10'",
     )
+    exclusive.add_argument(
+        "--camera",
+        action="append",
+        metavar="[NAME=]SOURCE",
+        help="a camera or video (repeatable: one reader each): a video file or a folder/glob of images (every frame "
+        "once), rtsp:// or http(s):// (MJPEG, HLS), /dev/video0[?width=640&height=480&fps=30&format=mjpeg], "
+        "picamera2:0, testsrc: (synthetic); NAME is the device in topics and answers (default cam0, cam1, ...). "
+        "The bundle must carry its pre-processing (export --preprocess)",
+    )
+    sources.add_argument(
+        "--max-age-ms", type=float, metavar="MS", help="with --camera: drop a live frame older than MS (default off)"
+    )
+    sources.add_argument(
+        "--snapshot-every",
+        type=float,
+        metavar="S",
+        help="with --camera: a JPEG of an answered frame every S seconds per camera, in the state directory",
+    )
+    sources.add_argument(
+        "--snapshot-when",
+        metavar="COND",
+        help="with --camera: a snapshot when an answer meets COND: label=NAME and/or score>=X (comma: all)",
+    )
+    sources.add_argument(
+        "--snapshot-topic", metavar="TEMPLATE", help="with --camera: publish snapshots there too ({device}, {name})"
+    )
     sources.add_argument("--baudrate", type=int, metavar="N", help="serial speed, with --serial (default 115200)")
     sources.add_argument(
         "--serial-protocol",
@@ -101,9 +127,9 @@ def register(subparsers: Any) -> None:
     )
     sources.add_argument(
         "--speed",
-        type=float,
         metavar="X",
-        help="with --replay: replay at X times the recorded pace (default 0: as fast as possible)",
+        help="with --replay or a camera file: realtime, max (as fast as the model takes them: the default), or a "
+        "factor of the recorded pace (2: twice as fast)",
     )
     sources.add_argument("--device", metavar="ID", help="stream key of messages without a topic (serial, bare lines)")
     run.set_defaults(func=run_daemon)
@@ -148,13 +174,20 @@ def _runtime_output_as_one_record() -> Iterator[None]:
 
 
 def run_daemon(args: argparse.Namespace) -> int:
-    from edgeline.daemon.config import load_config
+    from edgeline.daemon.config import camera_speed, load_config
     from edgeline.daemon.messages import Answer
     from edgeline.daemon.service import Daemon
 
+    replay_speed = camera_speed_text = None
+    if args.speed is not None:
+        try:
+            replay_speed = camera_speed(args.speed)
+        except ValueError as exc:
+            raise EdgelineError(f"--speed: {exc}") from exc
+        camera_speed_text = args.speed
     source: dict[str, object] = {
         "baudrate": args.baudrate,
-        "speed": args.speed,
+        "speed": replay_speed if args.camera is None else None,
         "device": args.device,
         "protocol": args.serial_protocol,
     }
@@ -164,6 +197,11 @@ def run_daemon(args: argparse.Namespace) -> int:
         source.update(kind="replay", path=args.replay)
     elif args.sim is not None:
         source.update(kind="sim", sim=args.sim)
+    camera = {
+        "sources": tuple(args.camera) if args.camera else None, "speed": camera_speed_text,
+        "max_age_ms": args.max_age_ms, "snapshot_every_s": args.snapshot_every,
+        "snapshot_when": args.snapshot_when, "snapshot_topic": args.snapshot_topic,
+    }  # fmt: skip
     config = load_config(args.config).with_overrides(
         broker=args.broker,
         subscribe=args.subscribe,
@@ -177,15 +215,24 @@ def run_daemon(args: argparse.Namespace) -> int:
         trusted_root=args.trusted_root,
         check_interval_s=args.check_interval,
         download_timeout_s=args.download_timeout_s,
+        camera=camera,
     )
     # A setting of another source would be dropped without a word: refuse it.
     for flag, value, kind in (
         ("--baudrate", args.baudrate, "serial"),
         ("--serial-protocol", args.serial_protocol, "serial"),
-        ("--speed", args.speed, "replay"),
+        ("--speed", args.speed, ("replay", "camera")),
+        ("--max-age-ms", args.max_age_ms, "camera"),
+        ("--snapshot-every", args.snapshot_every, "camera"),
+        ("--snapshot-when", args.snapshot_when, "camera"),
+        ("--snapshot-topic", args.snapshot_topic, "camera"),
     ):
-        if value is not None and config.source.kind != kind:
-            raise EdgelineError(f"{flag} applies to the {kind} source (--{kind}); this run reads {config.source.kind}")
+        kinds = (kind,) if isinstance(kind, str) else kind
+        if value is not None and config.source.kind not in kinds:
+            flags = ", ".join(f"--{k}" for k in kinds)
+            raise EdgelineError(
+                f"{flag} applies to the {' or '.join(kinds)} source ({flags}); this run reads {config.source.kind}"
+            )
 
     def echo(answer: Answer) -> None:  # JSON lines whatever the codec on the wire
         sys.stdout.write(json.dumps(answer.record, separators=(",", ":")) + "\n")

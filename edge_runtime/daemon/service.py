@@ -198,6 +198,9 @@ class Daemon:
 
     @property
     def expectation(self) -> str:
+        image = self.model.manifest.image
+        if self.config.source.kind == "camera" and image is not None:
+            return f"each frame made into the model's input by the bundle's pre-processing: {image.describe()}"
         where = ""
         if self.source.subscribed:
             where = f" on {', '.join(f.pattern for f in self.filters)} (the device is the first + level)"
@@ -280,6 +283,7 @@ class Daemon:
                 disk_full=lambda: delivery.disk_full,
                 metrics=self.metrics,
             )
+            self.source.attach_gate(self.intake.gate.open)
         connection.on_tick(network.tick)
         connection.start(lambda target: spawn("edgeline-mqtt", target))
         delivery.start(spawn)

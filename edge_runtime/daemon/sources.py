@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, Protocol
 import orjson
 
 from edgeline.daemon.config import SourceConfig
+from edgeline.daemon.health import Metrics
 from edgeline.daemon.messages import Message
 from edgeline.daemon.reconnect import Retry
 from edgeline.daemon.topics import TopicFilter
@@ -85,6 +86,16 @@ class Source(Protocol):
         """The status message's ``source`` field (the framed serial source: its board, what the wire did); None:
         no such field."""
 
+    def report(self) -> dict[str, Any]:
+        """Fields the source adds to the status message's top level (the cameras: ``cameras``); empty for most."""
+
+    def register_metrics(self, metrics: Metrics) -> None:
+        """Register the source's own labelled metrics (``/metrics``: a camera's frames, drops by reason, age)."""
+
+    def attach_gate(self, is_open: Callable[[], bool]) -> None:
+        """Whether answers can leave now (the intake gate), for a source that drops rather than waits (a live
+        camera drops a frame as ``backpressure``); set by the daemon when it has a gate."""
+
 
 class SourceBase:
     """The defaults of ``Source``'s optional parts: a live source, not subscribed, nothing counted, no status."""
@@ -96,6 +107,15 @@ class SourceBase:
         return {}
 
     def status(self) -> dict[str, Any] | None:
+        return None
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+    def register_metrics(self, metrics: Metrics) -> None:
+        return None
+
+    def attach_gate(self, is_open: Callable[[], bool]) -> None:
         return None
 
 

@@ -56,6 +56,8 @@ class Prepared:
     threshold: float | None
     seed: int
     directory: Path
+    image: str | None = None
+    """An image model's pre-processing (its module's ``IMAGE_PREPROCESS``, ``--preprocess`` text); None for others."""
 
     @property
     def model_path(self) -> Path:
@@ -96,6 +98,8 @@ class Prepared:
             words += ["--labels", os.fspath(self.labels_path)]
         if self.threshold is not None:
             words += ["--task", self.task, "--threshold", repr(self.threshold)]
+        if self.image is not None:  # a .pt2 does not carry its module's declaration: the command says it
+            words += ["--preprocess", self.image]
         return shlex.join(words)
 
     def to_json(self) -> dict[str, Any]:
@@ -108,12 +112,14 @@ class Prepared:
         }
         if self.threshold is not None:
             document["threshold"] = self.threshold
+        if self.image is not None:
+            document["image"] = self.image
         document["seed"] = self.seed
         return document
 
     @classmethod
     def from_json(cls, document: dict[str, Any], directory: Path) -> Prepared:
-        threshold = document.get("threshold")
+        threshold, image = document.get("threshold"), document.get("image")
         return cls(
             name=str(document["name"]),
             task=str(document["task"]),
@@ -123,6 +129,7 @@ class Prepared:
             threshold=None if threshold is None else float(threshold),
             seed=int(document["seed"]),
             directory=directory,
+            image=None if image is None else str(image),
         )
 
 
@@ -181,6 +188,7 @@ def prepare(name: str, out_dir: Path | str, *, seed: int = 0) -> Prepared:
         threshold=threshold,
         seed=seed,
         directory=directory,
+        image=getattr(module, "IMAGE_PREPROCESS", None),
     )
     example = torch.tensor(data.validation_x[:1])
     torch.export.save(torch.export.export(model, (example,)), prepared.model_path)

@@ -20,11 +20,26 @@ from torch import nn
 from edgeline.export.reference.data import Dataset, bilinear_resize, calibration_subset, load_digits_split, rng_for
 from edgeline.export.reference.training import fit_classifier, seeded_build
 
-__all__ = ["INPUT_SHAPE", "LABELS", "NAME", "TASK", "ResNet8", "build", "make_data", "model", "tint", "train"]
+__all__ = [
+    "IMAGE_PREPROCESS",
+    "INPUT_SHAPE",
+    "LABELS",
+    "NAME",
+    "TASK",
+    "ResNet8",
+    "build",
+    "make_data",
+    "model",
+    "tint",
+    "train",
+]
 
 NAME = "resnet8"
 TASK = "classify"
 LABELS: tuple[str, ...] = tuple(str(digit) for digit in range(10))
+IMAGE_PREPROCESS = "resize=center-crop,color=rgb,scale=1/255,mean=0,std=1,layout=nchw"
+"""How a camera frame becomes its input (the bundle's ``image``): RGB in [0, 1], NCHW; centre-cropped, as the
+the digits fill a square: a frame's centre square."""
 INPUT_SHAPE: tuple[int, ...] = (3, 32, 32)
 
 

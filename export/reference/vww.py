@@ -24,11 +24,25 @@ from torch import nn
 from edgeline.export.reference.data import Dataset, bilinear_resize, calibration_subset, load_digits_split, rng_for
 from edgeline.export.reference.training import fit_classifier, seeded_build
 
-__all__ = ["INPUT_SHAPE", "LABELS", "NAME", "TASK", "MobileNetV1", "build", "make_data", "model", "train"]
+__all__ = [
+    "IMAGE_PREPROCESS",
+    "INPUT_SHAPE",
+    "LABELS",
+    "NAME",
+    "TASK",
+    "MobileNetV1",
+    "build",
+    "make_data",
+    "model",
+    "train",
+]
 
 NAME = "vww"
 TASK = "classify"
 LABELS: tuple[str, ...] = ("no_person", "person")
+IMAGE_PREPROCESS = "resize=center-crop,color=rgb,scale=1/255,mean=0,std=1,layout=nchw"
+"""How a camera frame becomes its input (the bundle's ``image``): RGB in [0, 1], NCHW; centre-cropped, as the
+training crops are squares of the photos, resized: a frame's centre square is what it knows."""
 INPUT_SHAPE: tuple[int, ...] = (3, 96, 96)
 
 _SIZE = INPUT_SHAPE[1]
