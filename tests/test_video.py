@@ -586,3 +586,29 @@ def test_a_real_rtsp_camera_is_read_frame_after_frame(camera_server: Any, codec:
     numbers = [read_frame_number(f.array) for f in frames if f is not None]
     assert [f.index for f in frames if f is not None] == list(range(30))
     assert None not in numbers and numbers == sorted(numbers) and len(set(numbers)) == 30
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("codec", ["h264", "mjpeg"])
+def test_a_read_that_reaches_its_deadline_on_a_frozen_camera_raises_and_returns_no_old_frame(
+    camera_server: Any, codec: str
+) -> None:
+    """After a SIGSTOP of the server, libavformat hands out the frame H.264's parser held back when its read
+    deadline passes, instead of its error: taken as a frame, the stall took two deadlines and that frame, seconds
+    old, looked new. A read that reached the deadline raises ``timeout`` and returns nothing."""
+    served = camera_server(codec=codec, size="320x240", fps=15)
+    reader = open_reader(parse_camera(served.rtsp_url, 0), open_timeout_s=10, read_timeout_s=1)
+    try:
+        for _ in range(20):
+            reader.read()
+        served.freeze()
+        slow_frames = 0
+        with pytest.raises(CameraError) as caught:
+            for _ in range(100):  # the frames already on their way, then the deadline
+                began = time.monotonic()
+                reader.read()
+                slow_frames += time.monotonic() - began >= 1.0
+        assert caught.value.reason == "timeout" and slow_frames == 0
+    finally:
+        reader.close()
+        served.thaw()

@@ -153,8 +153,11 @@ class CameraConfig(_Section):
     a stall (a frozen server, a pulled cable)."""
     stall_s: float = Field(default=10.0, gt=0, le=3600)
     """A source that sends data but no frame for this long (garbage, another kind of stream) is a stall too."""
-    reconnect_max_s: float = Field(default=30.0, ge=0.1, le=3600)
-    """The longest wait between two attempts to reopen (the daemon's back-off: 0.25 s doubling, with jitter)."""
+    reconnect_max_s: float = Field(default=2.0, ge=0.1, le=3600)
+    """The longest wait between two attempts to reopen (the daemon's back-off: 0.25 s doubling, with jitter). Short by
+    default: a camera is this device's own (on its cable or its LAN), an attempt costs one connection, and a camera
+    that is back must be answered within seconds (benchmarks/results/camera.md: 30 s gave 3.1-4.1 s from the server's
+    return to the first answer, 2 s gave 1.0-2.1 s)."""
     max_age_ms: float = Field(default=0.0, ge=0)
     """A frame older than this when the model is free for it is dropped as ``stale``; 0: off."""
     speed: str = "max"
