@@ -458,13 +458,21 @@ def test_a_frozen_camera_is_a_stall_and_the_daemon_stops_at_once_whatever_a_came
 
 
 @pytest.mark.integration
-def test_snapshots_are_written_bounded_and_decodable(run_daemon: Callable[..., _Daemon], tmp_path: Path) -> None:
+def test_snapshots_are_written_bounded_decodable_and_published(
+    run_daemon: Callable[..., _Daemon], broker: Broker, tmp_path: Path
+) -> None:
+    published = Collector(broker, "edgeline/colour/door/snapshot")
     daemon = run_daemon(
         "--camera", "door=testsrc:?size=160x96&rate=20", "--snapshot-every", "0.1",
+        "--snapshot-topic", "edgeline/{name}/{device}/snapshot",
         config="[camera]\nsnapshot_min_interval_s = 0.1\nsnapshot_max_files = 3\n",
     )  # fmt: skip
     assert wait_until(lambda: daemon.status().get("counts", {}).get("snapshots", 0) >= 6), daemon.log_text()
+    assert wait_until(lambda: len(published.payloads) >= 6), daemon.log_text()
     assert daemon.stop() == 0
+    jpegs = published.payloads
+    published.close()
+    assert len(jpegs) >= 6 and all(jpeg[:2] == b"\xff\xd8" and jpeg[-2:] == b"\xff\xd9" for jpeg in jpegs)
     folder = tmp_path / "d0" / "state" / "colour" / "snapshots"
     images = sorted(folder.glob("door-*.jpg"))
     assert 1 <= len(images) <= 3
