@@ -15,7 +15,10 @@ import shutil
 import sys
 from pathlib import Path
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (the floor): tomli, a base dependency there
+    import tomli as tomllib
 
 __all__ = ["REPO", "package_dirs", "package_tree"]
 
