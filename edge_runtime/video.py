@@ -379,8 +379,9 @@ class _AvReader:
     def __init__(self, spec: CameraSpec, open_timeout_s: float, read_timeout_s: float, stall_s: float | None = None):
         self.spec = spec
         self._av = av = _av(spec)
-        if spec.kind == "file" and not Path(spec.target).is_file():
-            raise CameraError(f"camera {spec.name}: no such file: {spec.shown}", reason="unreachable")
+        if spec.kind == "file" and not Path(spec.target).is_file():  # a FIFO would block the open: never opened
+            what = "not a regular file" if Path(spec.target).exists() else "no such file"
+            raise CameraError(f"camera {spec.name}: {what}: {spec.shown}", reason="unreachable")
         self._container = _open_container(av, spec, open_timeout_s, read_timeout_s)
         self._read_timeout_s = read_timeout_s
         self._stall_s = read_timeout_s if stall_s is None else stall_s

@@ -612,3 +612,15 @@ def test_a_read_that_reaches_its_deadline_on_a_frozen_camera_raises_and_returns_
     finally:
         reader.close()
         served.thaw()
+
+
+@pytest.mark.quick
+def test_a_fifo_planted_where_a_video_is_named_is_refused_without_being_opened(tmp_path: Path) -> None:
+    """Opening a FIFO would block until someone writes to it: it is refused by what it is, at once."""
+    import os
+
+    fifo = tmp_path / "clip.mp4"
+    os.mkfifo(fifo)
+    with pytest.raises(CameraError) as caught:
+        open_reader(parse_camera(str(fifo), 0), open_timeout_s=30, read_timeout_s=30)
+    assert caught.value.reason == "unreachable" and f"not a regular file: {fifo}" in str(caught.value)

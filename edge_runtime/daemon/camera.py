@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from edgeline.daemon.config import CameraConfig, camera_speed
-from edgeline.daemon.health import Metrics
+from edgeline.daemon.health import Metrics, percentiles
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.queueing import QueueClosed
 from edgeline.daemon.reconnect import Retry
@@ -60,20 +60,22 @@ Opener = Callable[..., FrameReader]
 Prep = Callable[[np.ndarray, Pixel], np.ndarray]
 
 
+def _said(exc: Exception) -> str:
+    """An exception as one line of the log: ours as it is (it names the camera), a library's with its type."""
+    return str(exc) if isinstance(exc, CameraError) else f"{type(exc).__name__}: {exc}"
+
+
 class _Recent:
-    """The last ``RECENT`` samples of one timing, in ms, and their percentiles."""
+    """The last ``RECENT`` samples of one timing, in seconds, and their percentiles (``health.percentiles``)."""
 
     def __init__(self) -> None:
         self.values: deque[float] = deque(maxlen=RECENT)
 
     def add(self, seconds: float) -> None:
-        self.values.append(max(0.0, seconds) * 1000.0)
+        self.values.append(max(0.0, seconds))
 
     def percentiles(self) -> tuple[float | None, float | None]:
-        if not self.values:
-            return None, None
-        p50, p99 = np.percentile(np.fromiter(self.values, np.float64, len(self.values)), [50, 99])
-        return round(float(p50), 3), round(float(p99), 3)
+        return percentiles(np.fromiter(self.values, np.float64, len(self.values)))
 
 
 class CameraFeed:
@@ -143,17 +145,11 @@ class CameraFeed:
                     self.spec, open_timeout_s=self.settings.open_timeout_s,
                     read_timeout_s=self.settings.read_timeout_s, stall_s=self.settings.stall_s,
                 )  # fmt: skip
-            except CameraError as exc:
-                if exc.reason in NEVER_WORKS or not self.live:
-                    self._fail(str(exc))
+            except Exception as exc:  # CameraError, or a library's own failure: tried again like a lost connection
+                if not self.live or (isinstance(exc, CameraError) and exc.reason in NEVER_WORKS):
+                    self._fail(_said(exc))
                     return None
-                self._lost(str(exc), retry, stopping)
-                continue
-            except Exception as exc:  # a library's own failure: said, and tried again like a lost connection
-                if not self.live:
-                    self._fail(f"{type(exc).__name__}: {exc}")
-                    return None
-                self._lost(f"{type(exc).__name__}: {exc}", retry, stopping)
+                self._lost(_said(exc), retry, stopping)
                 continue
             if stopping.is_set():
                 reader.close()
@@ -179,21 +175,14 @@ class CameraFeed:
             began = time.monotonic()
             try:
                 frame = reader.read()
-            except CameraError as exc:
+            except Exception as exc:  # CameraError (a timeout, a broken stream), or a library's own failure
                 self._note_corrupt(reader, corrupt_seen)
                 if not self.live:  # a replay that breaks: what decoded was answered; the rest cannot be
-                    self._fail(str(exc))
+                    self._fail(_said(exc))
                     return True
-                if exc.reason == "timeout":
+                if isinstance(exc, CameraError) and exc.reason == "timeout":
                     self.counts["stalls"] += 1
-                self._lost(str(exc), retry, stopping)
-                return stopping.is_set()
-            except Exception as exc:
-                self._note_corrupt(reader, corrupt_seen)
-                if not self.live:
-                    self._fail(f"{type(exc).__name__}: {exc}")
-                    return True
-                self._lost(f"{type(exc).__name__}: {exc}", retry, stopping)
+                self._lost(_said(exc), retry, stopping)
                 return stopping.is_set()
             corrupt_seen = self._note_corrupt(reader, corrupt_seen)
             now = time.monotonic()
@@ -220,7 +209,7 @@ class CameraFeed:
         return True
 
     def _note_corrupt(self, reader: FrameReader, seen: int) -> int:
-        corrupt = int(getattr(reader, "corrupt", 0))
+        corrupt = reader.corrupt
         if corrupt > seen:
             self.counts["corrupt"] += corrupt - seen
             self.dropped["corrupt"] += corrupt - seen
@@ -343,8 +332,7 @@ class CameraFeed:
     def status(self) -> dict[str, Any]:
         timings: dict[str, Any] = {}
         for stage, recent in self.timings.items():
-            p50, p99 = recent.percentiles()
-            timings[f"{stage}_ms"] = {"p50": p50, "p99": p99}
+            timings[f"{stage}_ms"] = dict(zip(("p50", "p99"), map(_ms, recent.percentiles()), strict=True))
         status: dict[str, Any] = {
             "state": self.state,
             "source": self.spec.shown,
@@ -454,6 +442,10 @@ class CameraSource(SourceBase):
         )  # fmt: skip
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 3)
+
+
 def _by_camera(feeds: Sequence[CameraFeed], key: str) -> Callable[[], dict[str, int]]:
     return lambda: {feed.name: int(feed.counts[key]) for feed in feeds}
 
@@ -462,12 +454,5 @@ def _quantiles(feeds: Sequence[CameraFeed]) -> dict[tuple[str, str, str], float 
     values: dict[tuple[str, str, str], float | None] = {}
     for feed in feeds:
         for stage, recent in feed.timings.items():
-            p50, p99 = recent.percentiles()
-            values[(feed.name, stage, "0.5")] = None if p50 is None else p50 / 1000.0
-            values[(feed.name, stage, "0.99")] = None if p99 is None else p99 / 1000.0
+            values[(feed.name, stage, "0.5")], values[(feed.name, stage, "0.99")] = recent.percentiles()
     return values
-
-
-def camera_names(texts: Sequence[str]) -> list[str]:
-    """The names ``--camera`` values get (for messages before the source is made)."""
-    return [parse_camera(text, index).name for index, text in enumerate(texts)]

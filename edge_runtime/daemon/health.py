@@ -31,7 +31,9 @@ from edgeline.lograte import Repeated
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector, CollectorRegistry
 
-__all__ = ["LATENCY_BUCKETS", "LATENCY_WINDOW", "STAGES", "Metrics", "MetricsServer", "SystemdNotifier"]
+__all__ = [
+    "LATENCY_BUCKETS", "LATENCY_WINDOW", "STAGES", "Metrics", "MetricsServer", "SystemdNotifier", "percentiles",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 MAX_PROVIDERS_SAID = 1024
@@ -190,7 +192,7 @@ class Metrics:
     # -- readers -----------------------------------------------------------------------------------------------
     def latency_percentiles(self, stage: str) -> tuple[float | None, float | None]:
         """(p50, p99) in seconds over the last ``LATENCY_WINDOW`` samples of ``stage``; None before any."""
-        return _percentiles(self._window(stage))
+        return percentiles(self._window(stage))
 
     def _window(self, stage: str) -> np.ndarray:
         record = self._stages.get(stage)
@@ -213,7 +215,7 @@ class Metrics:
         latency: dict[str, dict[str, Any]] = {}
         for stage in STAGES:
             window = self._window(stage)
-            p50, p99 = _percentiles(window)
+            p50, p99 = percentiles(window)
             latency[stage] = {
                 "p50": None if p50 is None else round(p50 * 1000.0, 4),
                 "p99": None if p99 is None else round(p99 * 1000.0, 4),
@@ -372,7 +374,8 @@ def _claim(taken: set[str], metric: str, suffixes: tuple[str, ...]) -> bool:
     return True
 
 
-def _percentiles(samples: np.ndarray) -> tuple[float | None, float | None]:
+def percentiles(samples: np.ndarray) -> tuple[float | None, float | None]:
+    """(p50, p99) of ``samples``; None before any (the status message's, and each camera's)."""
     if not samples.size:
         return None, None
     p50, p99 = np.percentile(samples, [50, 99]).tolist()
