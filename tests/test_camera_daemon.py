@@ -117,7 +117,7 @@ def test_a_live_camera_keeps_the_latest_frame_and_counts_every_one_it_overwrites
     finally:
         stopping.set()
         thread.join(5)
-    assert not thread.is_alive()
+    assert not thread.is_alive() and wait_until(lambda: feed._ended)  # the reader put its last frame
     frames_in, dropped, answered = feed.counts["frames_in"], sum(feed.dropped.values()), feed.counts["answered"]
     queued_not_answered = len(consumer.messages)
     in_slot = 1 if feed._slot is not None else 0

@@ -194,7 +194,6 @@ class CameraFeed:
                 log.info("camera %s: %s ended after %d frames", self.name, self.spec.shown, self.counts["frames_in"])
                 return True
             self.timings["decode"].add(now - began)
-            self.counts["frames_in"] += 1
             self.height, self.width = frame.array.shape[:2]  # a size that changes mid-stream is followed
             retry.reset()
             if self.live:
@@ -211,13 +210,16 @@ class CameraFeed:
     def _note_corrupt(self, reader: FrameReader, seen: int) -> int:
         corrupt = reader.corrupt
         if corrupt > seen:
-            self.counts["corrupt"] += corrupt - seen
-            self.dropped["corrupt"] += corrupt - seen
+            with self._lock:  # a frame the decoder refused came in, and is dropped: frames in = answered + dropped
+                self.counts["frames_in"] += corrupt - seen
+                self.counts["corrupt"] += corrupt - seen
+                self.dropped["corrupt"] += corrupt - seen
             self.problems.happened(corrupt - seen, "undecodable frames skipped")
         return corrupt
 
     def _put_latest(self, frame: Frame) -> None:
-        with self._lock:
+        with self._lock:  # counted with the frame it overwrites: the status reads both at one moment
+            self.counts["frames_in"] += 1
             if self._slot is not None:
                 self.dropped["overwritten"] += 1
             self._slot = frame
@@ -230,6 +232,7 @@ class CameraFeed:
                 if stopping.is_set():
                     return False
                 self._lock.wait(0.2)
+            self.counts["frames_in"] += 1
             self._slot = frame
             self._lock.notify_all()
         return True
@@ -317,8 +320,8 @@ class CameraFeed:
         now = time.monotonic()
         with self._lock:
             self._in_flight -= 1
+            self.counts["answered"] += 1
             self._lock.notify_all()
-        self.counts["answered"] += 1
         self.timings["age"].add(now - frame.captured)
         for answer in answers:
             latency = answer.record.get("latency_ms")
@@ -330,6 +333,8 @@ class CameraFeed:
 
     # -- what the status and the metrics read ----------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        with self._lock:  # one moment: frames in = answered + dropped + the frames in the slot and in flight
+            counts, dropped = dict(self.counts), dict(self.dropped)
         timings: dict[str, Any] = {}
         for stage, recent in self.timings.items():
             timings[f"{stage}_ms"] = dict(zip(("p50", "p99"), map(_ms, recent.percentiles()), strict=True))
@@ -340,8 +345,8 @@ class CameraFeed:
             "stream": self.stream,
             "size": None if self.width is None else [self.width, self.height],
             "pixel": self.pixel,
-            **{key: int(value) for key, value in self.counts.items()},
-            "dropped": {reason: int(self.dropped[reason]) for reason in DROP_REASONS},
+            **{key: int(value) for key, value in counts.items()},
+            "dropped": {reason: int(dropped[reason]) for reason in DROP_REASONS},
             **timings,
         }
         if self.last_error is not None:
