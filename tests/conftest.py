@@ -63,6 +63,8 @@ collect_ignore = [
         ("test_backend_onnxruntime.py", "torch"),
         ("test_backend_qnn.py", "torch"),
         ("test_backend_qnn.py", "onnxruntime_qnn"),  # no wheel for macOS
+        ("test_imaging.py", "PIL"),  # Pillow: the export extra's (image folders)
+        ("test_export_preprocess.py", "PIL"),
     )
     if importlib.util.find_spec(needs) is None
 ]
