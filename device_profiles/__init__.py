@@ -11,7 +11,6 @@ path. This package imports nothing else of edgeline.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,13 +49,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'edgeline.device_profiles' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # once loaded, a plain attribute
-    return value
+    from edgeline.device_profiles.lazy import load_name  # the loader edgeline's own __getattr__ uses
+
+    return load_name(globals(), _HOMES, name)
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+    from edgeline.device_profiles.lazy import names
+
+    return names(globals(), _HOMES)

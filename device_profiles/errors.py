@@ -22,13 +22,15 @@ subclass that only one module raises lives beside it, named in brackets.
     ├── MqttStreamError        [edgeline.sim.mqtt_tap] bytes through the power-cut tap that are not MQTT
     ├── SceneError             [edgeline.sim.scene] a synthetic scene of a size, rate or count out of range
     └── ExportError            [edgeline.export.errors] export failed for a reason the user can act on
-        ├── ModelLoadError
-        ├── CalibrationError
-        ├── TraceError
-        ├── LoweringError
-        └── BudgetError
+        ├── ModelLoadError     MODEL could not be imported, called, or did not give a torch.nn.Module
+        ├── CalibrationError   sample files that do not match the model
+        ├── TraceError         torch.export, every target's first step, cannot capture the model (names its line)
+        ├── LoweringError      a backend could not convert the model (names the operator when it can)
+        └── BudgetError        no target met the profile's budgets
 
-``edgeline.errors`` re-exports the classes defined here; import them from there.
+``__all__`` below is the one list of the names defined here: ``edgeline.errors`` re-exports exactly those (import
+them from there), and ``tests/test_one_place.py`` holds every other table that names one of them (``edgeline``'s and
+``edgeline.device_profiles``' names loaded on first use) to it.
 Anything that is not an ``EdgelineError`` reaching the command line is a bug of ours.
 """
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from edgeline.device_profiles.errors import ProfileError
 from edgeline.device_profiles.schema import Profile
+from edgeline.device_profiles.toml import tomllib
 from edgeline.device_profiles.validation import describe_validation_error
 
 if TYPE_CHECKING:
@@ -23,11 +24,6 @@ if TYPE_CHECKING:
         from importlib.resources.abc import Traversable
     else:
         from importlib.abc import Traversable
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 __all__ = ["list_profiles", "load_profile", "profile_ids", "profile_json_schema"]
 

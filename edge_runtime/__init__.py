@@ -14,7 +14,6 @@ pydantic) on first use, and runtime backends load when a bundle asks for one, so
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -60,13 +59,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'edgeline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # once loaded, a plain attribute
-    return value
+    from edgeline.device_profiles.lazy import load_name  # here, not above: `import edgeline` imports nothing
+
+    return load_name(globals(), _HOMES, name)
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+    from edgeline.device_profiles.lazy import names
+
+    return names(globals(), _HOMES)

@@ -24,7 +24,8 @@ __all__ = ["build_parser", "main", "version"]
 
 COMMAND_MODULES: tuple[str, ...] = (
     "edgeline.export.cli",  # export
-    "edgeline.commands",  # infer, verify
+    "edgeline.commands",  # infer
+    "edgeline.verify",  # verify
     "edgeline.doctor",  # doctor
     "edgeline.updates.cli",  # keys, publish, rollout
     "edgeline.bundle_cli",  # bundle show

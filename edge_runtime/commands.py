@@ -1,7 +1,8 @@
-"""``edgeline infer`` and ``edgeline verify`` (whose checks are ``edgeline.verify``): run a bundle on this machine,
-torch-free for LiteRT bundles.
+"""``edgeline infer``: run a bundle on this machine, torch-free for LiteRT bundles; and what the commands that run a
+bundle share (``edgeline verify`` is ``edgeline.verify``): the runtime's own output kept off the terminal, the
+accelerator fallback said once.
 
-Registering the commands imports nothing heavy; numpy, pydantic and the runtimes load when a command runs.
+Registering the command imports nothing heavy; numpy, pydantic and the runtimes load when a command runs.
 """
 
 from __future__ import annotations
@@ -67,22 +68,6 @@ def register(subparsers: Any) -> None:
         "--show", type=bounded_int(0), default=5, metavar="N", help="samples to print without --json (default 5)"
     )
     infer.set_defaults(func=run_infer)
-
-    verify = subparsers.add_parser(
-        "verify",
-        help="check a bundle's integrity and run its golden self-test",
-        description="Verify sizes and hashes, run golden.npz through the runtime, and time the model here.",
-    )
-    verify.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory (written by `edgeline export`)")
-    verify.add_argument("--backend", choices=sorted(RUNTIME_BACKENDS), metavar="RUNTIME", help=RUNTIME_BACKEND_HELP)
-    verify.add_argument("--json", action="store_true", help="print the checks and their figures as one JSON document")
-    verify.set_defaults(func=_run_verify)
-
-
-def _run_verify(args: argparse.Namespace) -> int:
-    from edgeline.verify import run_verify
-
-    return run_verify(args)
 
 
 @dataclass

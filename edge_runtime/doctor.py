@@ -1,45 +1,55 @@
 """``edgeline doctor [BUNDLE]``: what this machine is and what it can run, and whether a bundle runs here.
 
-Two parts, both read from facts gathered once (``Facts``) and decided by pure functions tested with other machines'
-facts:
+The command prints what the library knows, from facts gathered once (``edgeline.device_facts``) and decided by pure
+functions tested with other machines' facts:
 
 - ``report(facts)``: the machine (architecture, CPU and its features, cores, memory, OS, whether an emulator runs
   it), the runtimes that import here with their versions, the accelerators present, the device profiles this
   machine is of the kind of (its figures may be held against their budgets) or can run bundles of, and the state
   directory: its file system (type, mount point), its free space and the outbox budget that leads to
   (``edgeline.disk``: the smaller of ``[outbox] max_bytes`` and a share of the file system).
-- ``verdict(manifest, files, facts)``: will this bundle run here, on which runtime and accelerator, with which
-  fallback, or why not. ``edgeline.model.load`` asks the same question before it opens a bundle, so ``run``,
-  ``verify`` and ``infer`` refuse what cannot run here (a Core ML model on Linux, a vela model with neither an
-  Ethos-U delegate nor a CPU copy, a QNN context binary for another SoC with no QDQ copy) with the verdict's reason,
-  exit code 2, before any model byte is parsed; a fallback is said once, loudly, by the session that takes it.
+- with BUNDLE, its verdict (``edgeline.verdicts``): will this bundle run here, on which runtime and accelerator,
+  with which fallback, or why not. ``edgeline.model.load`` asks the same question before it opens a bundle, so
+  ``run``, ``verify`` and ``infer`` refuse what cannot run here with the verdict's reason, exit code 2, before any
+  model byte is parsed.
 
-The verdict is a prediction from the bundle's manifest and files; the session that opens the model then does what
-it says (a test holds the two together on every bundle it has).
+The names of those library modules that this one showed before they were split out of it are imported from here
+too (``from edgeline.doctor import verdict`` keeps working); the library itself never imports this command.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
-import logging
-import os
-import platform
 import sys
-from collections.abc import Collection, Mapping
-from dataclasses import asdict, dataclass, field, replace
-from importlib import metadata
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeline.device_facts import (
+    RUNTIMES,
+    Facts,
+    RuntimeFacts,
+    StateFacts,
+    cpu_features,
+    gather,
+    has_openvino_device,
+    read_cpuinfo,
+    state_facts,
+)
 from edgeline.errors import BackendUnavailableError
+from edgeline.verdicts import (
+    TARGET_RUNTIMES,
+    Verdict,
+    bundle_verdict,
+    runnable_targets,
+    runtime_refusal,
+    verdict,
+    verdict_for,
+)
 
 if TYPE_CHECKING:
     from edgeline.device_profiles import Profile
-    from edgeline.machine import Machine
-    from edgeline.manifest import Manifest
 
 __all__ = [
     "RUNTIMES",
@@ -48,6 +58,8 @@ __all__ = [
     "RuntimeFacts",
     "StateFacts",
     "Verdict",
+    "bundle_verdict",
+    "camera_report",
     "cpu_features",
     "gather",
     "register",
@@ -55,190 +67,8 @@ __all__ = [
     "runtime_refusal",
     "state_facts",
     "verdict",
+    "verdict_for",
 ]
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RuntimeInfo:
-    package: str
-    module: str
-    install: str
-    """How to get it on a device."""
-
-
-RUNTIMES: dict[str, RuntimeInfo] = {
-    "litert": RuntimeInfo("ai-edge-litert", "ai_edge_litert.interpreter", "the base install (pip install edgeline)"),
-    "tflite-runtime": RuntimeInfo(
-        "tflite-runtime", "tflite_runtime.interpreter", "pip install tflite-runtime (2.14: Python <= 3.11, numpy < 2)"
-    ),
-    "onnxruntime": RuntimeInfo("onnxruntime", "onnxruntime", "pip install 'edgeline[onnx]'"),
-    "openvino": RuntimeInfo("openvino", "openvino", "pip install 'edgeline[openvino]'"),
-    "executorch": RuntimeInfo(
-        "executorch",
-        "executorch.runtime",
-        "edgeline doctor --install executorch (its C++ runtime, no torch)",
-    ),
-    "tflite-micro": RuntimeInfo(
-        "tflite-micro", "tflite_micro", "pip install 'edgeline[ethos-u]' (an x86-64 Linux wheel only)"
-    ),
-    "coreml": RuntimeInfo("coremltools", "coremltools", "macOS with pip install 'edgeline[coreml]'"),
-}
-"""The runtime backends (``edgeline.backends.RUNTIME_BACKENDS``) by the package and module they run on."""
-
-TARGET_RUNTIMES: dict[str, tuple[str, str | None]] = {
-    "litert": ("litert", None),
-    "executorch-xnnpack": ("executorch", None),
-    "executorch-coreml": ("executorch", "coreml"),
-    "onnxruntime": ("onnxruntime", None),
-    "qnn-htp": ("onnxruntime", "qnn-htp"),
-    "ethos-u": ("litert", "ethos-u"),
-    "tflite-micro": ("tflite-micro", None),
-    "coreml": ("coreml", "coreml"),
-    "openvino": ("openvino", None),
-    "openvino-gpu": ("openvino", "GPU"),
-    "openvino-npu": ("openvino", "NPU"),
-}
-"""A profile target's export backend -> the runtime backend its bundles name and the accelerator they ask for
-(None: the CPU; an onnxruntime target asks for the profile's first provider). The device side cannot import the
-exporters; a test holds this table to their ``runtime_backend``."""
-
-QNN_CONTEXT_SUFFIX = "_qnn.bin"
-"""The context binary a qnn-htp bundle's EP-context model points at (``model.onnx`` -> ``model_qnn.bin``)."""
-ETHOS_U_CPU_MODEL = "model_int8.tflite"  # edgeline.backends.ethos_u.CPU_MODEL, without importing the backend
-COREML_ACCELERATORS = frozenset({"neural-engine", "gpu", "coreml"})
-CPU_PROVIDER = "CPUExecutionProvider"
-
-
-@dataclass(frozen=True)
-class RuntimeFacts:
-    version: str | None
-    """The installed distribution's version, or None when it is not installed."""
-    imports: bool | None
-    """Whether its module imported (None: not tried, only looked for)."""
-    error: str | None = None
-    providers: tuple[str, ...] = ()
-    """onnxruntime's execution providers."""
-    devices: tuple[str, ...] = ()
-    """OpenVINO's devices (``Core().available_devices``: CPU, GPU, GPU.1, NPU): the plugins that found one."""
-    kind: str | None = None
-    """ExecuTorch: which runtime runs its programs, ``torch-free`` (its C++ runtime through edgeline's shim) or
-    ``python`` (its Python runtime, which imports torch)."""
-    location: str | None = None
-    """Where that runtime is (the torch-free one's directory, and how it was found)."""
-    delegates: tuple[str, ...] | None = None
-    """ExecuTorch: the delegates that runtime carries (registered when it was loaded, else its libraries); None: not
-    known without importing it."""
-    fallback: str | None = None
-    """ExecuTorch: the other runtime, when both are here (the Python runtime behind the torch-free one)."""
-
-
-@dataclass(frozen=True)
-class StateFacts:
-    """The daemon's state directory: the file system it is on and what the outbox may take of it."""
-
-    directory: str
-    mount_point: str | None
-    fs_type: str | None
-    device: str | None
-    total_bytes: int | None
-    free_bytes: int | None
-    max_bytes: int | None
-    """``[outbox] max_bytes``; None: the outbox is kept in memory (``[outbox] enabled = false``)."""
-    outboxes: Mapping[str, int] = field(default_factory=dict)
-    """The outboxes already there (``DIR/<bundle name>/outbox.sqlite``), by bundle name: the bytes their files take."""
-
-
-def state_facts(directory: Path, max_bytes: int | None) -> StateFacts:
-    """Measure the state directory's file system (it may not exist yet: its nearest ancestor is measured)."""
-    from edgeline.disk import file_system, files_bytes
-
-    found = file_system(directory)
-    outboxes: dict[str, int] = {}
-    try:
-        databases = sorted(directory.glob("*/outbox.sqlite"))
-    except OSError:
-        databases = []
-    for database in databases:
-        outboxes[database.parent.name] = files_bytes(database, Path(f"{database}-wal"))
-    return StateFacts(
-        directory=str(directory), mount_point=found.mount_point, fs_type=found.fs_type, device=found.device,
-        total_bytes=found.total_bytes, free_bytes=found.free_bytes, max_bytes=max_bytes, outboxes=outboxes,
-    )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Facts:
-    """What this machine says of itself. Gathered by ``gather``; tests build them for other machines."""
-
-    system: str
-    machine: Machine
-    runtimes: Mapping[str, RuntimeFacts]
-    ethos_u_delegate: str | None = None
-    """The Ethos-U external delegate's path, or None."""
-    ethos_u_missing: str = ""
-    qnn_missing: str | None = "not looked for"
-    """Why the QNN HTP provider cannot be used here, or None when it can."""
-    soc: str | None = None
-    """The SoC's name (``/sys/devices/soc0/machine`` on Qualcomm's Linux: ``QCS6490``), or None."""
-    cpu_count: int | None = None
-    memory_mb: tuple[int, int] | None = None
-    """(total, available) MiB, from /proc/meminfo."""
-    os_name: str = ""
-    kernel: str = ""
-    python: str = field(default_factory=platform.python_version)
-    state: StateFacts | None = None
-    """The daemon's state directory, when it was looked at."""
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _executorch_facts(*, try_import: bool) -> RuntimeFacts:
-    """The torch-free runtime when there is one (loaded, with ``try_import``: its shim built if need be), the Python
-    runtime's facts otherwise; each names the other when both are here."""
-    from edgeline.executorch_native import NativeRuntime, built_shim, compiler, runtimes
-
-    python = _runtime_facts("executorch", try_import=False, native=False)
-    python_there = python.version is not None and importlib.util.find_spec("torch") is not None
-    also = f"ExecuTorch's Python runtime {python.version} (imports torch)" if python_there else None
-    found = runtimes()
-    if not found:
-        if python.version is None:
-            return python
-        python = _runtime_facts("executorch", try_import=try_import, native=False)
-        return replace(python, kind="python", fallback=None)
-    runtime = found[0]
-    where = f"{runtime.root} ({runtime.origin})"
-    missing = runtime.missing()
-    if missing is None and built_shim(runtime) is None and compiler() is None:
-        missing = "a C++ compiler to build edgeline's shim (apt install g++, or set CXX)"
-    if missing is not None:
-        error = f"the torch-free runtime at {where} lacks {missing}"
-        return RuntimeFacts(runtime.version, False, error, kind="torch-free", location=where, fallback=also)
-    if not try_import:
-        delegates = tuple(runtime.delegate_libraries())
-        return RuntimeFacts(
-            runtime.version, None, kind="torch-free", location=where, delegates=delegates, fallback=also
-        )
-    try:
-        loaded = NativeRuntime.get()
-    except Exception as exc:  # a library that does not load (another architecture, a missing libstdc++) is a fact
-        return RuntimeFacts(runtime.version, False, f"{exc}", kind="torch-free", location=where, fallback=also)
-    return RuntimeFacts(
-        loaded.version, True, kind="torch-free", location=where, delegates=loaded.backends(), fallback=also
-    )
-
-
-def _openvino_has(runtime: RuntimeFacts, device: str) -> bool:
-    from edgeline.backends.openvino import has_device  # imports nothing of openvino's
-
-    return has_device(runtime.devices, device)
 
 
 def _openvino_device(facts: Facts, device: str) -> dict[str, Any]:
@@ -246,197 +76,9 @@ def _openvino_device(facts: Facts, device: str) -> dict[str, Any]:
     if runtime is None or not runtime.imports:
         return {"present": False, "detail": "openvino is not installed (pip install 'edgeline[openvino]')"}
     return {
-        "present": _openvino_has(runtime, device),
+        "present": has_openvino_device(runtime, device),
         "detail": "OpenVINO devices: " + (", ".join(runtime.devices) or "none"),
     }
-
-
-def _runtime_facts(backend: str, *, try_import: bool, native: bool = True) -> RuntimeFacts:
-    if backend == "executorch" and native:
-        return _executorch_facts(try_import=try_import)
-    info = RUNTIMES[backend]
-    version = _version(info.package)
-    found = version is not None or importlib.util.find_spec(info.module.partition(".")[0]) is not None
-    if not found:
-        return RuntimeFacts(version=None, imports=False, error=f"{info.package} is not installed")
-    if not try_import:
-        return RuntimeFacts(version=version, imports=None)
-    from edgeline.native_output import capture_native_output
-
-    logging.disable(logging.WARNING)  # coremltools, torchao and torch warn about their own setups on import
-    try:
-        with capture_native_output() as captured:
-            module = importlib.import_module(info.module)
-    except Exception as exc:  # an import can fail any way (a missing shared library, a numpy ABI mismatch)
-        return RuntimeFacts(version=version, imports=False, error=f"{type(exc).__name__}: {exc}")
-    finally:
-        logging.disable(logging.NOTSET)
-    if captured.text.strip():
-        log.debug("importing %s printed:\n%s", info.module, captured.text.strip())
-    providers: tuple[str, ...] = ()
-    if backend == "executorch":
-        registry = module.Runtime.get().backend_registry
-        return RuntimeFacts(version, True, kind="python", delegates=tuple(registry.registered_backend_names))
-    if backend == "openvino":
-        try:
-            devices = tuple(module.Core().available_devices)
-        except Exception as exc:  # a plugin that fails to load is reported, not raised
-            return RuntimeFacts(version=version, imports=False, error=f"Core().available_devices: {exc}")
-        return RuntimeFacts(version=version, imports=True, devices=devices)
-    if backend == "onnxruntime":
-        try:
-            providers = tuple(module.get_available_providers())
-        except Exception as exc:  # onnxruntime's errors derive from Exception only
-            return RuntimeFacts(version=version, imports=False, error=f"get_available_providers: {exc}")
-    return RuntimeFacts(version=version, imports=True, providers=providers)
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _meminfo() -> tuple[int, int] | None:
-    values: dict[str, int] = {}
-    for line in _read("/proc/meminfo").splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            values[key] = int(parts[0]) // 1024  # kB -> MiB
-    if "MemTotal" not in values:
-        return None
-    return values["MemTotal"], values.get("MemAvailable", values["MemTotal"])
-
-
-def _os_name() -> str:
-    for line in _read("/etc/os-release").splitlines():
-        if line.startswith("PRETTY_NAME="):
-            return line.partition("=")[2].strip().strip('"')
-    return f"{platform.system()} {platform.release()}".strip()
-
-
-def _soc() -> str | None:
-    name = _read("/sys/devices/soc0/machine").strip()
-    return name or None
-
-
-def gather(
-    backends: Collection[str] | None = None,
-    *,
-    try_import: bool = True,
-    qnn: bool = True,
-    state: StateFacts | None = None,
-) -> Facts:
-    """This machine's facts. ``backends``: the runtimes to look at (all by default); ``try_import``: import them
-    (what ``edgeline doctor`` reports) rather than only look for them (the check before a model is opened, which
-    imports its runtime right after); ``qnn``: ask onnxruntime-qnn for the HTP (it registers its provider library,
-    process-wide, so only when a bundle wants the HTP). onnxruntime is imported whenever it is wanted: its
-    providers are what it offers."""
-    from edgeline.machine import this_machine
-
-    wanted = list(RUNTIMES) if backends is None else [name for name in backends if name in RUNTIMES]
-    runtimes = {name: _runtime_facts(name, try_import=try_import or name == "onnxruntime") for name in wanted}
-    qnn_missing: str | None = "onnxruntime is not installed"
-    ort = runtimes.get("onnxruntime")
-    if not qnn:
-        qnn_missing = "not looked for"
-    elif ort is not None and ort.imports:
-        if importlib.util.find_spec("onnxruntime_qnn") is None:
-            qnn_missing = "onnxruntime-qnn is not installed (pip install 'edgeline[qnn]')"
-        else:
-            from edgeline.backends.onnxruntime import qnn_unavailable
-
-            qnn_missing = qnn_unavailable()
-    delegate, ethos_u_missing = _find_ethos_u_delegate()
-    cpus: int | None
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count()
-    return Facts(
-        system=platform.system(),
-        machine=this_machine(),
-        runtimes=runtimes,
-        ethos_u_delegate=delegate,
-        ethos_u_missing=ethos_u_missing,
-        qnn_missing=qnn_missing,
-        soc=_soc(),
-        cpu_count=cpus,
-        memory_mb=_meminfo(),
-        os_name=_os_name(),
-        kernel=platform.release(),
-        state=state,
-    )
-
-
-def _find_ethos_u_delegate() -> tuple[str | None, str]:
-    from edgeline.backends.ethos_u import find_delegate  # imports nothing heavy until a model is read
-
-    path, why = find_delegate()
-    return (str(path) if path is not None else None), why
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The machine
-
-
-ARM_FEATURES = {
-    "neon": "asimd",
-    "fp16": "asimdhp",
-    "dotprod": "asimddp",
-    "i8mm": "i8mm",
-    "bf16": "bf16",
-    "sve": "sve",
-    "sve2": "sve2",
-    "sme": "sme",
-}
-"""What profiles and people call an Arm feature -> its name in /proc/cpuinfo's ``Features``."""
-X86_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8")
-
-
-def cpu_features(machine: Machine, cpuinfo: str) -> dict[str, bool]:
-    """The features that decide which kernels a runtime may use: Arm's by their profile names, x86's by Linux's."""
-    if machine.arch == "aarch64":
-        listed: set[str] = set()
-        for line in cpuinfo.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip().lower() == "features":
-                listed.update(value.split())
-        return {name: flag in listed for name, flag in ARM_FEATURES.items()}
-    if machine.arch == "x86_64":
-        return {name: name in machine.flags for name in X86_FEATURES}
-    return {}
-
-
-def _profile_runs(profile: Profile, facts: Facts) -> list[str]:
-    """The targets of ``profile`` whose bundles run here (on their accelerator or with a fallback)."""
-    runs = []
-    for target in profile.targets:
-        backend, accelerator = TARGET_RUNTIMES.get(target.backend, (target.backend, None))
-        if target.backend == "onnxruntime" and profile.onnxruntime is not None:
-            first = profile.onnxruntime.providers[0]
-            accelerator = None if first == CPU_PROVIDER else first
-        runtime = facts.runtimes.get(backend)
-        if runtime is None or runtime.version is None or runtime.imports is False:
-            continue
-        if (backend == "coreml" or accelerator == "coreml") and facts.system != "Darwin":
-            continue
-        if accelerator == "qnn-htp" and facts.qnn_missing is not None:
-            continue  # an EP-context model runs only on the HTP (its QDQ copy is a fallback, not this target)
-        label = f"{target.backend} {target.precision.value}"
-        if accelerator == "ethos-u" and facts.ethos_u_delegate is None:
-            label += " (CPU fallback)"
-        elif backend == "openvino" and accelerator is not None:
-            if not _openvino_has(runtime, accelerator):
-                label += " (CPU fallback)"
-        elif accelerator is not None and accelerator.endswith("ExecutionProvider"):
-            ort = facts.runtimes["onnxruntime"]
-            if accelerator not in ort.providers:
-                label += " (CPU fallback)"
-        runs.append(label)
-    return runs
 
 
 def report(facts: Facts, profiles: list[Profile], cpuinfo: str = "") -> dict[str, Any]:
@@ -483,7 +125,7 @@ def report(facts: Facts, profiles: list[Profile], cpuinfo: str = "") -> dict[str
 
             if mismatch(device, replace(machine, emulated=None)) is None:
                 emulates.append(profile.id)
-        targets = _profile_runs(profile, facts)
+        targets = runnable_targets(profile, facts)
         if targets:
             runs[profile.id] = targets
     return {
@@ -541,238 +183,6 @@ def _state_report(state: StateFacts) -> dict[str, Any]:
             },
         },
     }
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# A bundle
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Will a bundle run here, and how."""
-
-    runs: bool
-    backend: str
-    model: str
-    """The bundle's file the runtime will open."""
-    accelerator: str | None
-    """What will run it (None: the CPU)."""
-    fallback: str | None
-    """Why it will not run on the accelerator it was built for, or None."""
-    reason: str
-    """Why it runs as it does, or why it cannot run here."""
-    emulated: str | None = None
-    """What emulates the accelerator or the machine here: its timings are not the device's."""
-    device: str | None = None
-    """Why this machine's figures are not the device's (``edgeline.machine.mismatch``), or None when they are."""
-    runtime: dict[str, str | None] = field(default_factory=dict)
-    cpu_instead: bool = False
-    """Open ``model`` on the CPU: a fallback the session cannot see for itself (a context binary for another SoC
-    would be handed to the HTP)."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def describe(self) -> list[str]:
-        on = self.accelerator or "the CPU"
-        first = (
-            f"runs here: {self.backend} opens {self.model} on {on}" if self.runs else f"cannot run here: {self.reason}"
-        )
-        lines = [first]
-        if self.runs:
-            lines.append(f"why: {self.reason}")
-        if self.fallback:
-            lines.append(f"FALLBACK: {self.fallback}")
-        if self.runtime:
-            needs = self.runtime.get("needs")
-            lines.append(
-                f"runtime: {self.runtime.get('package')} {self.runtime.get('version') or 'not installed'}"
-                + (f" (the bundle needs >= {needs})" if needs else "")
-            )
-        if self.emulated:
-            lines.append(f"emulated: {self.emulated}: timings here are not the device's")
-        lines.append(
-            "device: this machine is of the bundle's device kind: its budgets are checked here"
-            if self.device is None
-            else f"device: budgets not checked here: {self.device}"
-        )
-        return lines
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def _runtime_problem(info: RuntimeInfo, runtime: RuntimeFacts, needs: str | None) -> str | None:
-    if runtime.version is None and runtime.imports is not True:
-        return f"its runtime {info.package} is not installed here: {info.install}"
-    if runtime.imports is False:
-        return f"its runtime {info.package} does not import here ({runtime.error}): {info.install}"
-    if needs and runtime.version and _version_tuple(runtime.version) < _version_tuple(needs):
-        return f"it needs {info.package} >= {needs}; this machine has {runtime.version}"
-    return None
-
-
-def runtime_refusal(backend: str, package: str, min_version: str | None, *, try_import: bool = False) -> str | None:
-    """Why a bundle for runtime ``backend`` (needing ``package`` >= ``min_version``) cannot run on this machine, as
-    far as its runtime alone tells; None when it can. The rule ``verdict`` applies, for a signed update's metadata
-    before its archive is fetched."""
-    info = RUNTIMES.get(backend)
-    if info is None:
-        return f"unknown runtime backend {backend!r}; valid: {', '.join(sorted(RUNTIMES))}"
-    facts = gather([backend], try_import=try_import, qnn=False)
-    if backend == "coreml" and facts.system != "Darwin":
-        return f"Core ML runs on macOS only (this is {facts.system})"
-    if backend == "tflite-micro" and facts.machine.arch != "x86_64":
-        return "tflite-micro's Python wheel exists for x86-64 Linux only"
-    runtime = facts.runtimes.get(backend) or RuntimeFacts(None, None)
-    return _runtime_problem(info, runtime, min_version if package == info.package else None)
-
-
-def _refused(backend: str, model: str, reason: str, **extra: Any) -> Verdict:
-    return Verdict(runs=False, backend=backend, model=model, accelerator=None, fallback=None, reason=reason, **extra)
-
-
-def verdict(
-    manifest: Manifest,
-    files: Collection[str],
-    facts: Facts,
-    *,
-    backend: str | None = None,
-    profile: Profile | None = None,
-) -> Verdict:
-    """Whether the bundle of ``manifest`` (holding ``files``) runs on the machine of ``facts``, with ``backend``
-    instead of its own runtime if given. ``profile``: the bundle's profile where this install knows it (its QNN SoC)."""
-    from edgeline.machine import mismatch
-
-    name = backend or manifest.backend
-    model = manifest.model
-    machine = facts.machine
-    device = "the bundle does not name its device" if manifest.device is None else mismatch(manifest.device, machine)
-    info = RUNTIMES.get(name)
-    if info is None:
-        return _refused(name, model, f"unknown runtime backend {name!r}; valid: {', '.join(sorted(RUNTIMES))}")
-    runtime = facts.runtimes.get(name) or RuntimeFacts(version=None, imports=None)
-    needs = manifest.runtime.min_version if backend is None and manifest.runtime.package == info.package else None
-    described = {"package": info.package, "version": runtime.version, "needs": needs}
-    common: dict[str, Any] = {"runtime": described, "device": device, "emulated": machine.emulated}
-    accelerator = manifest.placement.accelerator if manifest.placement else None
-
-    if (name == "coreml" or accelerator in COREML_ACCELERATORS) and facts.system != "Darwin":
-        return _refused(name, model, f"Core ML runs on macOS only (this is {facts.system})", **common)
-    problem = _runtime_problem(info, runtime, needs)
-    if problem is not None:
-        return _refused(name, model, problem, **common)
-    if name == "tflite-micro" and machine.arch != "x86_64":
-        return _refused(name, model, "tflite-micro's Python wheel exists for x86-64 Linux only", **common)
-
-    if accelerator == "ethos-u":
-        if facts.ethos_u_delegate is not None:
-            why = f"the Ethos-U delegate {facts.ethos_u_delegate} runs the NPU's operators"
-            return Verdict(True, name, model, "ethos-u", None, why, **common)
-        missing = "the Python TFLite Micro has no Ethos-U driver" if name == "tflite-micro" else facts.ethos_u_missing
-        if ETHOS_U_CPU_MODEL in files and model != ETHOS_U_CPU_MODEL:
-            why = f"{missing}: the int8 model {ETHOS_U_CPU_MODEL} runs on the CPU instead (slower)"
-            return Verdict(True, name, ETHOS_U_CPU_MODEL, None, why, "vela's model needs the Ethos-U NPU", **common)
-        return _refused(
-            name, model, f"a vela model for the Ethos-U NPU, {missing}, and no {ETHOS_U_CPU_MODEL} "
-            "to run on the CPU", **common,
-        )  # fmt: skip
-    if accelerator == "qnn-htp" and name == "onnxruntime":
-        htp_missing = facts.qnn_missing
-        other_soc = htp_missing is None and profile and facts.soc and facts.soc.lower() not in profile.name.lower()
-        if other_soc:
-            assert profile is not None
-            soc = f"soc_model {profile.qnn.soc_model}, " if profile.qnn is not None else ""
-            htp_missing = f"the context binary is for {soc}{profile.name}; this SoC is {facts.soc}"
-        if htp_missing is None:
-            emulated = "the QNN HTP emulator (x86-64)" if machine.arch == "x86_64" else machine.emulated
-            common["emulated"] = emulated
-            return Verdict(True, name, model, "qnn-htp", None, "the QNN provider runs the context binary", **common)
-        stem = model.removesuffix(".onnx")
-        copy = f"{stem}.qdq.onnx"
-        if copy in files:
-            why = f"{htp_missing}; the QDQ model {copy} runs on the CPU provider instead"
-            common["cpu_instead"] = bool(other_soc)
-            return Verdict(True, name, copy, None, why, "the context binary runs only on Qualcomm's HTP", **common)
-        if any(path.endswith(QNN_CONTEXT_SUFFIX) for path in files):
-            return _refused(
-                name, model, f"a QNN context binary for Qualcomm's HTP ({htp_missing}), and the bundle keeps no QDQ "
-                f"copy ({copy}) for the CPU", **common,
-            )  # fmt: skip
-        return Verdict(True, name, model, None, htp_missing, "a QDQ model the CPU provider runs too", **common)
-    if accelerator is not None and accelerator.endswith("ExecutionProvider") and name == "onnxruntime":
-        providers = runtime.providers
-        if accelerator in providers:
-            return Verdict(True, name, model, accelerator, None, f"onnxruntime has {accelerator}", **common)
-        why = f"{accelerator} is not in this onnxruntime (it has {', '.join(providers) or 'no providers listed'})"
-        return Verdict(True, name, model, None, why, "the CPU provider runs any ONNX model", **common)
-    if name == "executorch":
-        return _executorch_verdict(model, accelerator, runtime, common)
-    if name == "openvino" and accelerator is not None:
-        if _openvino_has(runtime, accelerator):
-            return Verdict(True, name, model, accelerator, None, f"OpenVINO has its {accelerator} device", **common)
-        if runtime.imports:  # devices known: the plugin found none
-            has = ", ".join(runtime.devices) or "no device"
-            why = f"OpenVINO has no {accelerator} device here (it has {has})"
-            return Verdict(True, name, model, None, why, "the CPU plugin runs any IR", **common)
-    if accelerator is not None and accelerator not in COREML_ACCELERATORS:
-        return Verdict(
-            True, name, model, accelerator, None, f"{info.package} is installed; the accelerator {accelerator} is "
-            "not checked ahead (the runtime says at load)", **common,
-        )  # fmt: skip
-    on = "on macOS" if name == "coreml" else "on the CPU"
-    installed = f"{info.package} {runtime.version}" if runtime.version else info.package
-    return Verdict(True, name, model, accelerator, None, f"{installed} runs it {on}", **common)
-
-
-def _executorch_verdict(model: str, accelerator: str | None, runtime: RuntimeFacts, common: dict[str, Any]) -> Verdict:
-    """A .pte runs where the runtime that will open it carries the delegate it was lowered to."""
-    from edgeline.backends.executorch import DELEGATE_BACKENDS
-
-    needed = DELEGATE_BACKENDS.get(accelerator or "")
-    which = "the torch-free ExecuTorch runtime" if runtime.kind == "torch-free" else "ExecuTorch's Python runtime"
-    label = f"{which} {runtime.version or ''}".rstrip()
-    if needed is not None and runtime.delegates is not None and needed not in runtime.delegates:
-        has = ", ".join(runtime.delegates) or "none"
-        return _refused("executorch", model, f"the program is delegated to {needed}, which {label} lacks (it has: "
-                        f"{has})", **common)  # fmt: skip
-    why = label + (f" with its {needed} delegate" if needed else "") + " runs it"
-    if runtime.kind == "python":
-        why += " (it imports torch: `edgeline doctor --install executorch` gives the torch-free one)"
-    return Verdict(True, "executorch", model, accelerator, None, why, **common)
-
-
-def bundle_verdict(path: Path, *, backend: str | None = None, try_import: bool = True) -> Verdict:
-    """``verdict`` for the bundle at ``path`` on this machine (its integrity checked first)."""
-    from edgeline.bundle import read_bundle
-
-    bundle = read_bundle(path)
-    return verdict_for(bundle.manifest, backend=backend, try_import=try_import)
-
-
-def verdict_for(manifest: Manifest, *, backend: str | None = None, try_import: bool = False) -> Verdict:
-    """``verdict`` for a bundle already read, on this machine: the check ``edgeline.model.load`` makes first."""
-    name = backend or manifest.backend
-    wants_htp = manifest.placement is not None and manifest.placement.accelerator == "qnn-htp"
-    facts = gather([name], try_import=try_import, qnn=wants_htp)
-    profile = _known_profile(manifest.profile) if wants_htp else None
-    return verdict(manifest, {entry.path for entry in manifest.files}, facts, backend=backend, profile=profile)
-
-
-def _known_profile(profile_id: str) -> Profile | None:
-    from edgeline.device_profiles import ProfileError, load_profile
-
-    try:
-        return load_profile(profile_id)
-    except ProfileError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -837,7 +247,7 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"  {line}")
         return 0 if found.runs else 1
     facts = gather(state=_state_of(args))
-    document = report(facts, list_profiles(), _read("/proc/cpuinfo"))
+    document = report(facts, list_profiles(), read_cpuinfo())
     document["cameras"] = camera_report()
     if args.json:
         print(json.dumps(document, indent=2))

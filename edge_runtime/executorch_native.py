@@ -10,9 +10,12 @@ pulls torch, and its Python runtime imports it. edgeline uses the libraries alon
   no torch); else an executorch wheel installed here (a workstation with the export extra).
 - **The shim** (``executorch_shim.cpp``, a C ABI over Program/Method) is compiled with the host's C++ compiler
   (``$CXX``, else g++, c++ or clang++) against those headers and libraries, with the flags ExecuTorch's cmake
-  config names, at install or on first use, and cached by the hash of everything that went into it (next to the
-  libraries when that directory is writable, else in ``$XDG_CACHE_HOME/edgeline``). A missing compiler or library is
-  one line saying what and how to get it.
+  config names, at install, never at first use: by ``edgeline doctor --install executorch`` (``install``), or on a
+  workstation whose executorch wheel came with the export extra by ``scripts/setup.sh`` (``build_for_environment``).
+  It is kept under the hash of everything that went into it (next to the libraries when that directory is writable,
+  else in ``$XDG_CACHE_HOME/edgeline``). Loading a bundle where no shim was built for the runtime (or only one for an
+  older edgeline) is one line naming the remedy; a missing compiler or library is one line saying what and how to
+  get it.
 - **Running** (``NativeRuntime``, ``NativeProgram``): ctypes; the caller's contiguous numpy arrays are handed over
   by address (the runtime copies them into its planned memory once, as ExecuTorch does for any caller), the outputs
   copied once out of the method's memory (the next run overwrites it).
@@ -53,6 +56,7 @@ __all__ = [
     "NativeProgram",
     "NativeRuntime",
     "RuntimeDir",
+    "build_for_environment",
     "install",
     "install_dir",
     "runtimes",
@@ -67,7 +71,9 @@ ABI = 1
 SHIM_SOURCE = Path(__file__).with_name("executorch_shim.cpp")
 SHIM_NAME = "libedgeline_executorch.so"
 BUILD_TIMEOUT_S = 600.0
-"""Compiling the shim: about 2 s on an x86 core, tens of seconds on a Raspberry Pi."""
+"""Compiling the shim (at install): about 2 s on an x86 core, tens of seconds on a Raspberry Pi."""
+INSTALL_COMMAND = "edgeline doctor --install executorch"
+"""What builds the shim, named by every refusal of a runtime without one."""
 DOWNLOAD_TIMEOUT_S = 900.0
 
 RUNTIME_LIBRARIES = (
@@ -183,14 +189,17 @@ class RuntimeDir:
         found = re.search(r"""^__version__\s*=\s*["']([^"']{1,64})["']""", text, re.MULTILINE)
         return found.group(1) if found else None
 
-    def missing(self) -> str | None:
-        """What this directory lacks to build and run the shim, or None."""
+    def missing(self, *, shim: bool = True) -> str | None:
+        """What this directory lacks to run bundles through edgeline's shim (``shim=False``: to build the shim),
+        or None: a library or header (its path), or the shim built for it, with the remedy."""
         for name in RUNTIME_LIBRARIES:
             if not (self.lib / f"{name}.so").is_file():
                 return f"{self.lib / name}.so"
         header = self.root / "include" / "executorch" / "runtime" / "executor" / "program.h"
         if not header.is_file():
             return str(header)
+        if shim and built_shim(self) is None:
+            return _no_shim()
         return None
 
     def delegate_libraries(self) -> dict[str, Path]:
@@ -244,9 +253,6 @@ def _link_arguments(runtime: RuntimeDir) -> list[str]:
     return ["-Wl,--no-as-needed", *map(str, libraries), "-Wl,--as-needed", f"-Wl,-rpath,{runtime.lib}", "-ldl"]
 
 
-_REBUILT = " (the shim is built again when edgeline or the runtime changes)"
-
-
 def _shim_key(runtime: RuntimeDir) -> str:
     """What the shim is built from (its source, the flags, the runtime's libraries and version), not by what: a shim
     cross-compiled for this machine is found here as one compiled here."""
@@ -269,7 +275,8 @@ def _shim_dirs(runtime: RuntimeDir) -> list[Path]:
 
 
 def built_shim(runtime: RuntimeDir) -> Path | None:
-    """The shim already built for ``runtime``, or None."""
+    """The shim already built for ``runtime`` (by this edgeline's source and flags, against its libraries as they
+    are now), or None."""
     key = _shim_key(runtime)
     for directory in _shim_dirs(runtime):
         candidate = directory / key / SHIM_NAME
@@ -278,10 +285,20 @@ def built_shim(runtime: RuntimeDir) -> Path | None:
     return None
 
 
+def _no_shim() -> str:
+    """What a runtime without a built shim lacks, and the remedy: one clause (``compiler()`` is looked up)."""
+    if compiler() is None:
+        return (
+            "edgeline's shim, and this machine a C++ compiler to build edgeline's shim: apt install g++ (or set CXX), "
+            f"then run `{INSTALL_COMMAND}`"
+        )
+    return f"edgeline's shim, built for it at install: run `{INSTALL_COMMAND}`"
+
+
 def build_shim(runtime: RuntimeDir) -> Path:
-    """Compile the shim against ``runtime`` (or find it compiled); its path. BackendUnavailableError names what is
-    missing (a library, a header, a compiler) or the compiler's first error."""
-    missing = runtime.missing()
+    """Compile the shim against ``runtime`` (or find it compiled): at install only. Its path; BackendUnavailableError
+    names what is missing (a library, a header, a compiler) or the compiler's first error."""
+    missing = runtime.missing(shim=False)
     if missing is not None:
         raise BackendUnavailableError(f"the ExecuTorch runtime at {runtime.root} is incomplete: no {missing}")
     found = built_shim(runtime)
@@ -291,7 +308,6 @@ def build_shim(runtime: RuntimeDir) -> Path:
     if cxx is None:
         raise BackendUnavailableError(
             "building edgeline's ExecuTorch shim needs a C++17 compiler: install g++ (apt install g++) or set CXX"
-            f"{_REBUILT}"
         )
     key = _shim_key(runtime)
     errors: list[str] = []
@@ -336,9 +352,26 @@ def build_shim(runtime: RuntimeDir) -> Path:
         os.replace(partial, final)  # atomic: a concurrent builder's result is the same file
         return final
     raise BackendUnavailableError(
-        f"nowhere to build edgeline's ExecuTorch shim ({'; '.join(errors) or 'no writable directory'}){_REBUILT}: "
-        "run `edgeline doctor --install executorch` as the user who installed edgeline"
+        f"nowhere to build edgeline's ExecuTorch shim ({'; '.join(errors) or 'no writable directory'}): "
+        f"run `{INSTALL_COMMAND}` as the user who installed edgeline"
     )
+
+
+def build_for_environment(*, say: Callable[[str], None] = print) -> Path:
+    """Build the shim against the runtime this environment uses (``runtimes()[0]``) unless it is built; its path.
+    For a workstation, whose executorch wheel came with the export extra: its setup (``scripts/setup.sh``) runs this
+    after pip. A device gets its runtime and shim together from ``install``."""
+    found = runtimes()
+    if not found:
+        raise BackendUnavailableError(
+            f"no ExecuTorch C++ runtime here to build edgeline's shim against: run `{INSTALL_COMMAND}`"
+        )
+    runtime = found[0]
+    shim = built_shim(runtime)
+    if shim is None:
+        say(f"building edgeline's ExecuTorch shim against {runtime.root} ({runtime.origin})")
+        shim = build_shim(runtime)
+    return shim
 
 
 def _error_text(code: int, buffer: ctypes.Array[ctypes.c_char]) -> str:
@@ -415,8 +448,8 @@ class NativeRuntime:
 
     @classmethod
     def get(cls) -> NativeRuntime:
-        """The torch-free runtime of this environment, loaded once (built first if need be); BackendUnavailableError
-        says why there is none and how to get one."""
+        """The torch-free runtime of this environment, loaded once (never built here: its shim is built at
+        install); BackendUnavailableError says why there is none and how to get one, in one line."""
         with cls._lock:
             if cls._loaded is None:
                 cls._loaded = cls._find()
@@ -430,7 +463,13 @@ class NativeRuntime:
                 "no torch-free ExecuTorch runtime here: install one with `edgeline doctor --install executorch`"
             )
         runtime = found[0]  # the first is the one asked for: a broken one is reported, not skipped
-        return cls(runtime, build_shim(runtime))
+        missing = runtime.missing()
+        shim = built_shim(runtime) if missing is None else None
+        if shim is None:
+            raise BackendUnavailableError(
+                f"the torch-free ExecuTorch runtime at {runtime.root} ({runtime.origin}) lacks {missing or _no_shim()}"
+            )
+        return cls(runtime, shim)
 
     @property
     def version(self) -> str | None:
@@ -662,7 +701,7 @@ def install(
             _unpack_wheel(wheel, staging)
             shutil.rmtree(staging / "download", ignore_errors=True)
         staged = RuntimeDir(staging, "installed")
-        missing = staged.missing()
+        missing = staged.missing(shim=False)
         if missing is not None:
             raise BackendUnavailableError(f"the ExecuTorch runtime from {source or 'PyPI'} is incomplete: no {missing}")
         theirs, ours = _elf_machine(staged.lib / "libexecutorch.so"), _MACHINES.get(platform.machine().lower())

@@ -15,7 +15,7 @@ from edgeline.errors import BackendUnavailableError, BundleError, PayloadError
 from edgeline.manifest import Manifest, TensorSpec
 from edgeline.postprocess import Interpretation, interpret
 
-__all__ = ["Model", "load", "usable_threads"]
+__all__ = ["Model", "load", "open_bundle", "usable_threads"]
 
 Converter = Callable[[np.ndarray], np.ndarray]
 _F32 = np.dtype(np.float32)
@@ -331,12 +331,23 @@ def load(
 ) -> Model:
     """Verify the bundle at ``path`` and open it; ``backend`` overrides the manifest's runtime backend and
     ``model_file`` (a file the manifest lists) its model, as export does to measure a model it cannot run here."""
-    bundle = read_bundle(Path(path))
+    return open_bundle(read_bundle(Path(path)), backend=backend, threads=threads, model_file=model_file)
+
+
+def open_bundle(
+    bundle: Bundle,
+    *,
+    backend: str | None = None,
+    threads: int | None = None,
+    model_file: str | None = None,
+) -> Model:
+    """``load`` for a bundle read (and verified) already by ``edgeline.bundle.read_bundle``: the daemon reads its
+    bundle once and opens what it read, without parsing the manifest or hashing the files again."""
     manifest = bundle.manifest
     name = backend or manifest.backend
     model_path = bundle.model_path
     if model_file is None:  # what `edgeline doctor BUNDLE` answers; export opens a named file to measure it
-        from edgeline.doctor import verdict_for
+        from edgeline.verdicts import verdict_for
 
         verdict = verdict_for(manifest, backend=backend)
         if not verdict.runs and name in RUNTIME_BACKENDS:  # an unknown name: open_session lists the valid ones

@@ -5,6 +5,10 @@ for what was checked; a figure measured but not held against its budget says ``"
 Latency and memory budgets are the device's: they are checked only on a machine of the bundle's device kind
 (``edgeline.machine``), run by the bundle's runtime and not on an emulator. Elsewhere the figure is this machine's,
 shown as such, and the summary line names what was not checked.
+
+The checks a library may ask for too (the golden self-test, whether a figure measured here may be held against the
+device's budgets) are ``edgeline.bundle_checks``; this module is the command that runs and prints them. Registering
+it imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -15,109 +19,37 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgeline.commands import runtime_output, warn_accelerator_fallback
+from edgeline.backends import RUNTIME_BACKENDS
+from edgeline.bundle_checks import device_budget_refusal, golden_check
+from edgeline.commands import RUNTIME_BACKEND_HELP, runtime_output, warn_accelerator_fallback
 from edgeline.errors import BackendUnavailableError
-from edgeline.isa import instruction_set
-from edgeline.manifest import percent
 
 if TYPE_CHECKING:
     from edgeline.bundle import Bundle
     from edgeline.manifest import Manifest
     from edgeline.model import Model
 
-__all__ = ["device_budget_refusal", "golden_check", "run_verify"]
+__all__ = ["device_budget_refusal", "golden_check", "register", "run_verify"]
+"""``device_budget_refusal`` and ``golden_check`` live in ``edgeline.bundle_checks`` (imported from here too, as
+before)."""
+
+
+def register(subparsers: Any) -> None:
+    verify = subparsers.add_parser(
+        "verify",
+        help="check a bundle's integrity and run its golden self-test",
+        description="Verify sizes and hashes, run golden.npz through the runtime, and time the model here.",
+    )
+    verify.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory (written by `edgeline export`)")
+    verify.add_argument("--backend", choices=sorted(RUNTIME_BACKENDS), metavar="RUNTIME", help=RUNTIME_BACKEND_HELP)
+    verify.add_argument("--json", action="store_true", help="print the checks and their figures as one JSON document")
+    verify.set_defaults(func=run_verify)
 
 
 def _zeros(model: Model) -> list[Any]:
     import numpy as np
 
     return [np.zeros(spec.shape, dtype=np.float32) for spec in model.inputs]
-
-
-def golden_check(model: Model) -> dict[str, Any]:
-    import numpy as np
-
-    from edgeline.samples import read_golden
-
-    golden = model.manifest.golden
-    if golden is None:
-        return {"check": "golden", "ok": None, "samples": 0, "reason": "the bundle has no golden.npz"}
-    inputs, expected = read_golden(model.bundle.file(golden.path), golden, model.inputs, model.outputs)
-    if golden.reference == "float":
-        return _fidelity_check(model, inputs, expected, golden.samples)
-    worst = 0.0
-    mismatched = 0
-    for i in range(golden.samples):
-        outputs = model.predict(*(a[i : i + 1] for a in inputs))
-        ok = True
-        for j, (got, want) in enumerate(zip(outputs, expected, strict=True)):
-            want_i = want[i : i + 1].reshape(got.shape)
-            worst = max(worst, float(np.abs(got - want_i).max()))
-            ok &= bool(np.allclose(got, want_i, rtol=golden.rtol, atol=golden.atol[j]))
-        mismatched += not ok
-    return {
-        "check": "golden",
-        "ok": mismatched == 0,
-        "samples": golden.samples,
-        "mismatched_samples": mismatched,
-        "max_abs_error": worst,
-        "atol": list(golden.atol),
-        "rtol": golden.rtol,
-    }
-
-
-def _fidelity_check(model: Model, inputs: list[Any], expected: list[Any], samples: int) -> dict[str, Any]:
-    """The bundle against the float model's outputs in golden.npz (a bundle nothing at export could run), judged as
-    export judges a measured bundle: top-1 disagreement against max_accuracy_drop for a classifier, else the
-    cosine similarity against min_cosine; with neither, figures only."""
-    import numpy as np
-
-    worst, cosines, agree = 0.0, [], 0
-    for i in range(samples):
-        outputs = model.predict(*(a[i : i + 1] for a in inputs))
-        for got, want in zip(outputs, expected, strict=True):
-            want_i = np.asarray(want[i : i + 1], np.float64).reshape(got.shape)
-            worst = max(worst, float(np.abs(got - want_i).max()))
-            norms = float(np.linalg.norm(got) * np.linalg.norm(want_i))
-            cosines.append(float(np.dot(got.ravel(), want_i.ravel()) / norms) if norms else 1.0)
-        agree += int(np.argmax(outputs[0]) == np.argmax(expected[0][i]))
-    budgets = model.manifest.budgets
-    check: dict[str, Any] = {
-        "check": "fidelity",
-        "reference": "float",
-        "samples": samples,
-        "max_abs_error": worst,
-        "cosine_min": min(cosines),
-        "top1_agreement": None,
-        "ok": None,
-        "reason": "no budget applies (raw outputs, no min_cosine)",
-    }
-    if model.manifest.postprocess.kind == "classify":
-        check["top1_agreement"] = agree / samples
-        check["budget"] = f"top-1 disagreement <= {budgets.max_accuracy_drop:g}%"
-        check["ok"] = (1.0 - agree / samples) * 100.0 <= budgets.max_accuracy_drop
-        check["reason"] = None
-    elif budgets.min_cosine is not None:
-        check["budget"] = f"cosine >= {budgets.min_cosine:g}"
-        check["ok"] = check["cosine_min"] >= budgets.min_cosine
-        check["reason"] = None
-    return check
-
-
-def device_budget_refusal(model: Model, backend: str | None = None) -> str | None:
-    """Why a figure measured here cannot be held against the device's budgets, or None when it can: this machine is
-    of the bundle's device kind, runs the bundle's runtime (``backend``: a runtime asked for instead) and
-    emulates nothing."""
-    from edgeline.machine import mismatch, this_machine
-
-    manifest = model.manifest
-    if model.emulator is not None:
-        return f"measured on {model.emulator}, not on the device"
-    if backend is not None and backend != manifest.backend:
-        return f"run with {backend}, not with the bundle's runtime {manifest.backend}"
-    if manifest.device is None:
-        return "the bundle does not name its device (exported before manifests recorded it)"
-    return mismatch(manifest.device, this_machine())
 
 
 def _judged(check: dict[str, Any], figure: float | None, budget: float | None, what: str, refusal: str | None) -> None:
@@ -218,6 +150,8 @@ def _judgement(check: dict[str, Any], unit: str) -> str:
 
 def _describe(check: dict[str, Any]) -> str:
     """One line of text for a check."""
+    from edgeline.manifest import percent
+
     kind = check["check"]
     if kind == "integrity":
         return f"integrity: {check['files']} files ({check['bytes']} bytes) match their sizes and sha256"
@@ -309,6 +243,7 @@ def _load_measured(path: Path, bundle: Bundle, backend: str | None) -> tuple[Mod
 
 def run_verify(args: argparse.Namespace) -> int:
     from edgeline.bundle import read_bundle
+    from edgeline.isa import instruction_set
 
     bundle = read_bundle(args.bundle)
     manifest = bundle.manifest

@@ -135,10 +135,8 @@ def _preprocess(config: Path | None, text: str | None) -> dict[str, object] | No
 
     keys: dict[str, object] | None = None
     if config is not None:
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover
-            import tomli as tomllib
+        from edgeline.device_profiles.toml import tomllib
+
         try:
             document = tomllib.loads(config.read_text(encoding="utf-8"))
         except OSError as exc:

@@ -15,8 +15,16 @@ from typing import Any
 
 from edgeline.device_profiles import Precision, Target
 from edgeline.errors import EdgelineError
-from edgeline.export.backends import EXPORT_BACKENDS, ExportedModel, ExportRequest, get_exporter, operators_named_in
+from edgeline.export.backends import (
+    EXPORT_BACKENDS,
+    ExportedModel,
+    ExportRequest,
+    ExportTarget,
+    get_exporter,
+    operators_named_in,
+)
 from edgeline.export.errors import ExportError, LoweringError, TraceError
+from edgeline.export.graph import module_of_location, module_path
 from edgeline.export.loading import LoadedModel
 from edgeline.native_output import capture_native_output
 from edgeline.samples import SampleSet
@@ -57,17 +65,6 @@ def _source_line(stack_trace: str | None) -> str | None:
         if not any(part in path for part in ("site-packages", "dist-packages", "/torch/", "<")):
             return f"{path}:{line}: {code.strip()}"
     return None
-
-
-def module_path(node: Any) -> str | None:
-    """The path of the innermost module whose code made the torch.fx ``node`` (``features.2``), from torch.export's
-    ``nn_module_stack``; older torch wrote it ``L['self'].features[2]``."""
-    stack = (getattr(node, "meta", {}) or {}).get("nn_module_stack") or {}
-    if not stack:
-        return None
-    path, _ = list(stack.values())[-1]
-    path = re.sub(r"^L\['self'\]\.?", "", str(path))
-    return re.sub(r"\[(\d+)\]", r".\1", re.sub(r"\['([^']+)'\]", r".\1", path)).lstrip(".") or None
 
 
 def node_culprit(node: Any, operator: str | None = None) -> Culprit:
@@ -282,9 +279,18 @@ class MissingKernel:
 
 
 def on_micro_kernels(target: Target, profile: Any) -> bool:
-    """Whether TFLite Micro's kernels run this target's model here and on the device: ``tflite-micro``, and
-    ``ethos-u`` for a microcontroller (whose CPU part and int8 copy are TFLite Micro's; on Linux, LiteRT's)."""
-    return target.backend == "tflite-micro" or (target.backend == "ethos-u" and not getattr(profile, "daemon", None))
+    """Whether TFLite Micro's kernels run this target's model here and on the device (its class says:
+    ``ExportTarget.on_micro_kernels``); False for a target this install cannot load."""
+    found = _target_of(target.backend)
+    return found is not None and found.on_micro_kernels(profile)
+
+
+def _target_of(backend: str) -> ExportTarget | None:
+    """The class of ``backend``; None where this install cannot load it (its export fails on its own)."""
+    try:
+        return get_exporter(backend)
+    except EdgelineError:
+        return None
 
 
 def missing_kernel(
@@ -308,8 +314,6 @@ def missing_kernel(
 def _where_in_model(operator: str, staging: Path, module: Any, example: tuple[Any, ...]) -> str:
     import torch
     from ai_edge_litert.interpreter import Interpreter
-
-    from edgeline.export.layers import module_of_location
 
     for path in sorted(staging.glob("*.tflite")):
         interpreter = Interpreter(model_path=str(path))

@@ -1,12 +1,5 @@
-"""Export errors; the whole tree is drawn in ``edgeline.device_profiles.errors``.
-
-ExportError
-├── ModelLoadError      MODEL could not be imported, called, or did not give a torch.nn.Module
-├── CalibrationError    sample files that do not match the model
-├── TraceError          torch.export, every target's first step, cannot capture the model (names the model's line)
-├── LoweringError       a backend could not convert the model (names the operator when it can)
-└── BudgetError         no target met the profile's budgets
-"""
+"""Export errors: ``ExportError`` and its subclasses, drawn (with what each means) in the one tree, in
+``edgeline.device_profiles.errors``."""
 
 from __future__ import annotations
 

@@ -29,14 +29,13 @@ from edgeline.backends import open_session
 from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
 from edgeline.export.backends import (
-    ACCURACY_CONTROL,
     EXPORT_BACKENDS,
-    INT8_EDGES,
-    KEEPS_FLOAT,
     AccuracyControl,
     ExportedModel,
     ExportRequest,
+    ExportTarget,
     Verification,
+    get_exporter,
 )
 from edgeline.export.budgets import budget_violations, decisive_measure, fidelity_shortfall, fidelity_violations
 from edgeline.export.c_sources import write_c_sources
@@ -299,10 +298,13 @@ def _try_target(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
         and outcome.fidelity is not None
         and violations == fidelity_violations(shared.profile.budgets, outcome.fidelity)
     )
-    if missed_accuracy_only and target.backend in ACCURACY_CONTROL:
+    if not missed_accuracy_only:
+        return
+    exporter = get_exporter(target.backend)
+    if exporter.own_accuracy_control:
         _accuracy_control(target, outcome, shared)
-    elif missed_accuracy_only and target.backend in KEEPS_FLOAT and outcome.layers:
-        _keep_float(target, outcome, shared)
+    elif exporter.keeps_float and outcome.layers:
+        _keep_float(target, outcome, shared, exporter)
 
 
 def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -> None:
@@ -346,7 +348,7 @@ def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -
         outcome.reason = f"{first_reason}; NNCF's accuracy control kept {kept} in float: {outcome.reason}"
 
 
-def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None:
+def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared, exporter: ExportTarget) -> None:
     """Mixed precision by the accuracy budget, as NNCF's accuracy control does it: the layers ranked by the noise
     they add (``quantization.layers``); the top one's output tensor kept in float, which takes the layer and every
     layer that reads that tensor (they share its quantization); the fidelity measured again, and a group that did
@@ -370,11 +372,11 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
     for rank, layer in enumerate(worst_layers(outcome.layers, count=len(outcome.layers))[:MIXED_STEPS], 1):
         if layer.module.startswith(INPUT):  # the data itself: keeping it float means keeping its readers float
             lost = f"int8 keeps least of {layer.module} ({layer.channel_sqnr_db:.1f} dB SQNR in its worst channel)"
-            if target.backend in INT8_EDGES or not readers.get(layer.module):
+            if exporter.full_integer or not readers.get(layer.module):
                 advice = advice or (
                     f"; {lost}: its features span very different ranges; scale them alike before the model (a "
                     "microcontroller's model takes int8 input)"
-                    if target.backend in INT8_EDGES
+                    if exporter.full_integer
                     else f"; {lost}, and an operator outside every module reads it first: scale its features alike "
                     "before the model, or in a module"
                 )
@@ -397,7 +399,7 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared) -> None
                 module=name,
                 operator=operators.get(name) or type(modules[name]).__name__,
                 added_bytes=3 * weights[name],
-                precision="float16" if target.backend == "qnn-htp" else "float32",
+                precision=exporter.kept_float_precision,
                 reason=why
                 if name == layer.module
                 else f"computes in one kernel with {layer.module} (no tensor of its own)"
@@ -650,15 +652,19 @@ def _build(
 
 def _supported_by(profile: Profile) -> str:
     """The profile's targets whose runtime has every TFLite builtin kernel (LiteRT: ``litert``, and ``ethos-u`` on
-    Linux, whose CPU part LiteRT runs); the others' formats have their own operators, known only once tried."""
-    full = [
-        f"{t.backend} {t.precision.value}"
-        for t in profile.targets
-        if t.backend == "litert" or (t.backend == "ethos-u" and not on_micro_kernels(t, profile))
-    ]
+    Linux, whose CPU part LiteRT runs: ``ExportTarget.has_every_tflite_kernel``); the others' formats have their own
+    operators, known only once tried."""
+    full = [f"{t.backend} {t.precision.value}" for t in profile.targets if _has_every_tflite_kernel(t, profile)]
     return f"targets of {profile.id} whose runtime has it (LiteRT): {', '.join(full)}" if full else (
         f"no target of {profile.id} runs LiteRT, which has every TFLite kernel"
     )  # fmt: skip
+
+
+def _has_every_tflite_kernel(target: Target, profile: Profile) -> bool:
+    try:
+        return get_exporter(target.backend).has_every_tflite_kernel(profile)
+    except EdgelineError:  # a target this install cannot load: its own row says why
+        return False
 
 
 def _missing_reason(reason: str, missing: MissingKernel, profile: Profile) -> str:

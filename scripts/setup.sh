@@ -80,3 +80,28 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$venv/bin/python" -m pip install --quiet -e "$root[export,dev,camera]"
     echo "$want" > "$stamp"
 fi
+# ExecuTorch's torch-free runtime: the export extra's executorch wheel carries its C++ libraries, and edgeline's shim
+# over them is built here, at install, never at first use (a device gets both from `edgeline doctor --install
+# executorch`). Rebuilt when the shim's source or its builder changes, or pip ran again; a stamp of those and the
+# shim's path skips Python when nothing did.
+shim_stamp="$venv/.edgeline-executorch-shim"
+shim_want="$(cat "$root/edge_runtime/executorch_native.py" "$root/edge_runtime/executorch_shim.cpp" "$stamp" \
+    | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$shim_stamp" ] || [ "$(sed -n 1p "$shim_stamp")" != "$shim_want" ] \
+    || [ ! -f "$(sed -n 2p "$shim_stamp")" ]; then
+    if ! shim="$("$venv/bin/python" - <<'PY'
+import sys
+
+from edgeline.errors import EdgelineError
+from edgeline.executorch_native import build_for_environment
+
+try:
+    print(build_for_environment(say=lambda line: print(f"setup: {line}", file=sys.stderr)))
+except EdgelineError as exc:
+    sys.exit(f"setup: {exc}")
+PY
+)"; then
+        exit 2
+    fi
+    printf '%s\n%s\n' "$shim_want" "$shim" > "$shim_stamp"
+fi

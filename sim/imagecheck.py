@@ -135,9 +135,9 @@ def _extract(image: Path, inside: PurePosixPath, into: Path) -> Path | None:
 
 
 def _self_test(bundle: Path) -> bool | None:
+    from edgeline.bundle_checks import golden_check
     from edgeline.errors import BackendUnavailableError
     from edgeline.model import load
-    from edgeline.verify import golden_check
 
     try:
         model = load(bundle)

@@ -16,8 +16,8 @@ from typing import NoReturn
 from edgeline.daemon.messages import Message
 from edgeline.daemon.sources import SourceBase
 from edgeline.errors import EdgelineError
-from edgeline.sim.cli import add_sensor_arguments, make_sensors, publish_options
 from edgeline.sim.publisher import Pacing, fleet_messages
+from edgeline.sim.sensor_arguments import add_sensor_arguments, make_sensors, publish_options
 from edgeline.sim.sensors import Sensor
 
 __all__ = ["SimSource"]

@@ -197,10 +197,8 @@ def _mirror() -> str:
 
 
 def _base_requirements(tree: Path) -> list[str]:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # Python 3.10: the base install's tomli
-        import tomli as tomllib
+    from edgeline.device_profiles.toml import tomllib
+
     with open(tree / "pyproject.toml", "rb") as handle:
         project = tomllib.load(handle)["project"]
     return [str(requirement) for requirement in project["dependencies"]]

@@ -100,7 +100,7 @@ def _spec(bundle: Path) -> Any:
     return ct.models.MLModel(str(bundle / "model.mlpackage"), skip_model_load=True).get_spec()
 
 
-@pytest.mark.quick
+@pytest.mark.export
 def test_the_bundled_profile_rejects_a_package_mostly_in_float_weights(
     tiny_model_file: Path, sample_files: dict[str, Path], tmp_path: Path
 ) -> None:

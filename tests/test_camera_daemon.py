@@ -46,12 +46,18 @@ def bundle() -> Path:
     return colour_bundle()
 
 
+@pytest.fixture(scope="session")
+def fresh_colour_bundle() -> Path:
+    """The colour model exported now (once per content: tests/cache.py), in a fixture as the tiny bundles are."""
+    return export_colour()
+
+
 @pytest.mark.quick
 @pytest.mark.workstation  # compares with a fresh export
-def test_the_committed_camera_bundle_is_what_the_exporter_writes_today() -> None:
+def test_the_committed_camera_bundle_is_what_the_exporter_writes_today(fresh_colour_bundle: Path) -> None:
     from edgeline import read_bundle
 
-    fresh, committed = read_bundle(export_colour()).manifest, read_bundle(COMMITTED).manifest
+    fresh, committed = read_bundle(fresh_colour_bundle).manifest, read_bundle(COMMITTED).manifest
     stale = f"{COMMITTED} is stale: python -m tests.camera_bundle"
     assert (committed.image, committed.inputs, committed.postprocess) == (
         fresh.image, fresh.inputs, fresh.postprocess,

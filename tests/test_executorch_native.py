@@ -28,6 +28,7 @@ from edgeline.executorch_native import (
     EXECUTORCH_VERSION,
     RUNTIME_LIBRARIES,
     NativeRuntime,
+    compiler,
     install,
     runtimes,
 )
@@ -289,17 +290,26 @@ def test_a_wheel_for_another_machine_is_refused_before_it_replaces_anything(
     assert not (tmp_path / "executorch").exists()
 
 
-@pytest.mark.quick
-def test_no_compiler_and_no_shim_is_one_line_before_the_bundle_is_opened(tmp_path: Path) -> None:
-    """A runtime directory whose shim was never built, on a machine without a C++ compiler: `infer` refuses with
-    the reason and the remedy (exit code 2), before parsing the model."""
-    home = tmp_path / "executorch"
+def shimless_runtime(home: Path) -> Path:
+    """A copy of this environment's runtime (its libraries, headers and version) at ``home``, no shim built for it."""
     root = the_runtime()
     shutil.copytree(root / "include", home / "include")
     (home / "lib").mkdir()
     for library in (root / "lib").glob("libexecutorch*.so"):
         shutil.copy2(library, home / "lib" / library.name)
     shutil.copy2(root / "version.py", home / "version.py")
+    return home
+
+
+def built_anywhere(tmp_path: Path) -> list[Path]:
+    return sorted(tmp_path.rglob("libedgeline_executorch.so"))
+
+
+@pytest.mark.quick
+def test_no_compiler_and_no_shim_is_one_line_before_the_bundle_is_opened(tmp_path: Path) -> None:
+    """A runtime directory whose shim was never built, on a machine without a C++ compiler: `infer` refuses with
+    the reason and the remedy (exit code 2), before parsing the model."""
+    home = shimless_runtime(tmp_path / "executorch")
     env = {"EDGELINE_EXECUTORCH_HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": "no-such-c++"}
     bundle = COMMITTED_PTE_BUNDLES["tiny-pte-int8"]
     np.savez(tmp_path / "x.npz", image=np.load(bundle / "golden.npz")["input_0"])
@@ -308,6 +318,69 @@ def test_no_compiler_and_no_shim_is_one_line_before_the_bundle_is_opened(tmp_pat
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "a C++ compiler to build edgeline's shim" in errors[0], done.stderr
     assert "edgeline doctor --install executorch" in errors[0]
+
+
+@pytest.mark.quick
+def test_a_runtime_whose_shim_was_not_built_is_refused_in_one_line_and_nothing_is_compiled(tmp_path: Path) -> None:
+    """The shim is built at install, never at first use (it took up to 600 s on a Pi): a runtime without one, a
+    compiler at hand, is one line naming the remedy, from `infer` and from the library alike, and nothing is built."""
+    home = shimless_runtime(tmp_path / "executorch")
+    cxx = compiler()
+    assert cxx is not None, "no C++ compiler here: scripts/setup.sh installs g++"
+    env = {"EDGELINE_EXECUTORCH_HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": cxx}
+    bundle = COMMITTED_PTE_BUNDLES["tiny-pte-int8"]
+    np.savez(tmp_path / "x.npz", image=np.load(bundle / "golden.npz")["input_0"])
+    done = edgeline_cli("infer", str(bundle), "--input", str(tmp_path / "x.npz"), env=env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"{home} (EDGELINE_EXECUTORCH_HOME) lacks edgeline's shim" in errors[0], done.stderr
+    assert "run `edgeline doctor --install executorch`" in errors[0]
+    session = (
+        "from edgeline.errors import BackendUnavailableError\n"
+        "from edgeline.backends.executorch import NativeSession\n"
+        "try:\n"
+        f"    NativeSession(__import__('pathlib').Path({str(bundle / 'model.pte')!r}))\n"
+        "except BackendUnavailableError as exc:\n"
+        "    print(exc)\n"
+    )
+    said = subprocess.run([sys.executable, "-c", BLOCK_TORCH + session], capture_output=True, text=True, timeout=120,
+                          check=True, env={**os.environ, **env}).stdout  # fmt: skip
+    assert said == (
+        f"the torch-free ExecuTorch runtime at {home} (EDGELINE_EXECUTORCH_HOME) lacks edgeline's shim, built for it "
+        "at install: run `edgeline doctor --install executorch`\n"
+    )
+    assert built_anywhere(tmp_path) == [], "a shim was compiled at first use"
+
+
+@pytest.mark.integration
+def test_the_workstation_setup_builds_the_shim_once_and_a_fresh_process_runs_on_it(tmp_path: Path) -> None:
+    """scripts/setup.sh builds the shim against the executorch wheel the export extra brought (`build_for_environment`,
+    what it runs after pip): once; a second run finds it and says nothing; a process started afterwards runs a bundle
+    on it without building anything."""
+    home = shimless_runtime(tmp_path / "executorch")
+    env = {"EDGELINE_EXECUTORCH_HOME": str(home), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    setup = (
+        "import sys\n"
+        "from edgeline.executorch_native import build_for_environment\n"
+        "print(build_for_environment(say=lambda line: print(line, file=sys.stderr)))\n"
+    )
+    runs = [
+        subprocess.run([sys.executable, "-c", setup], capture_output=True, text=True, timeout=300, check=True,
+                       env={**os.environ, **env})
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0].stderr.startswith(f"building edgeline's ExecuTorch shim against {home} (EDGELINE_EXECUTORCH_HOME)")
+    assert runs[1].stderr == "" and runs[0].stdout == runs[1].stdout
+    (shim,) = built_anywhere(tmp_path)
+    assert Path(runs[0].stdout.strip()) == shim and shim.is_relative_to(home / "edgeline-shim")
+    built = shim.stat().st_mtime_ns
+    bundle = COMMITTED_PTE_BUNDLES["tiny-pte-fp32"]
+    np.savez(tmp_path / "x.npz", image=np.load(bundle / "golden.npz")["input_0"])
+    ran = edgeline_cli("infer", str(bundle), "--input", str(tmp_path / "x.npz"), "--json", env=env)
+    assert ran.returncode == 0, ran.stderr
+    outputs = np.array([json.loads(line)["outputs"][0][0] for line in ran.stdout.splitlines()], np.float32)
+    assert np.array_equal(outputs, np.load(PYTHON_RUNTIME_OUTPUTS)["tiny-pte-fp32/output_0"])
+    assert built_anywhere(tmp_path) == [shim] and shim.stat().st_mtime_ns == built
 
 
 # -- the workstation tier: the two runtimes side by side ----------------------------------------------------------

@@ -10,6 +10,14 @@ module level and class bodies, outside ``if TYPE_CHECKING:``.
 
 Not counted, by design: module names written as strings and imported on first use through a registry, the way a
 lower folder names a higher one (the CLI's ``COMMAND_MODULES``, the daemon's ``SOURCES``, the backend dicts).
+
+Besides the directions: the library never imports a command module (the commands print what the library knows), and
+product code has no import circle. A circle is read from the same imports (every time counts: a type-only or an
+on-call import still ties two modules together), as a strongly connected component of more than one module of the
+graph whose edges go from the importing module to the module of ours an import names: ``from edgeline.updates.policy
+import X`` is an edge to ``edgeline.updates.policy``, ``from edgeline.updates import X`` (a name of the package's
+``__init__``) an edge to the package ``edgeline.updates``. Importing a module also runs its packages' ``__init__``
+first, but that is no edge: a package's ``__init__`` is in a circle only when it imports, in turn, what imports it.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import ast
 import functools
 import sys
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -76,6 +85,26 @@ class Rule:
 TORCH = ("torch", "torchao", "torchvision", "executorch", "coremltools", "litert_torch")
 ALL_PACKAGES = tuple(PACKAGE_DIR)
 
+
+def _registered_commands() -> tuple[str, ...]:
+    """``edgeline.cli.COMMAND_MODULES``, read from the source (nothing is imported)."""
+    for node in ast.parse((ROOT / "edge_runtime" / "cli.py").read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            name, value = node.target.id, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+        else:
+            continue
+        if name == "COMMAND_MODULES" and value is not None:
+            modules = ast.literal_eval(value)
+            assert isinstance(modules, tuple) and all(isinstance(m, str) for m in modules), modules
+            return modules
+    raise AssertionError("edge_runtime/cli.py has no COMMAND_MODULES")
+
+
+COMMANDS = ("edgeline.cli", *_registered_commands())
+"""The command modules: the ``edgeline`` command and every module it registers a subcommand from (all folders)."""
+
 RULES = (
     Rule(
         "the library half of edgeline (bundle, manifest, model, backends and the rest outside daemon/ and updates/) "
@@ -121,6 +150,14 @@ RULES = (
         scope=("edgeline", "edgeline.device_profiles", "edgeline.sim", "edgeline.firmware_bridge"),
         but=("edgeline.backends",),
         forbidden=TORCH,
+    ),
+    Rule(
+        "the library never imports a command module (edgeline.cli and the modules of its COMMAND_MODULES): "
+        "commands print what the library knows and the library (load, run, update) asks the library, never a "
+        "command; a command may import another",
+        scope=ALL_PACKAGES,
+        but=COMMANDS,
+        forbidden=COMMANDS,
     ),
 )
 
@@ -271,6 +308,169 @@ def test_the_named_exceptions_still_exist() -> None:
             assert used <= times, f"{module}: {used - times} is not among its allowed times"
 
 
+# -- circles -------------------------------------------------------------------------------------------------------
+
+
+def modules_of_ours() -> frozenset[str]:
+    return frozenset(module_of(path) for path in package_files())
+
+
+def named_module(imported: str, modules: frozenset[str]) -> str | None:
+    """The module of ours an import names (``edgeline.updates.policy.X`` -> ``edgeline.updates.policy``,
+    ``edgeline.updates.X`` -> the package ``edgeline.updates``): the longest of ``modules`` it is within."""
+    parts = imported.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in modules:
+            return ".".join(parts[:end])
+    return None
+
+
+@dataclass(frozen=True)
+class Circle:
+    """Modules that import each other, through the imports that tie them (``path:line``)."""
+
+    modules: tuple[str, ...]
+    edges: tuple[tuple[str, Import], ...]
+    """(the module imported, the import), for every import from one module of the circle to another."""
+
+    def __str__(self) -> str:
+        return f"a circle of {', '.join(self.modules)}:" + "".join(
+            f"\n    {found.importer} -> {there}: {found}" for there, found in self.edges
+        )
+
+
+def strongly_connected(graph: Mapping[str, frozenset[str]]) -> list[frozenset[str]]:
+    """Tarjan's strongly connected components of ``graph`` (node -> the nodes it points to), without recursion."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[frozenset[str]] = []
+
+    def enter(node: str) -> Iterator[str]:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        return iter(sorted(graph.get(node, frozenset())))
+
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, enter(root))]
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    work.append((child, enter(child)))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                members = {stack.pop()}
+                while node not in members:
+                    members.add(stack.pop())
+                on_stack -= members
+                components.append(frozenset(members))
+    return components
+
+
+def circles(imports: tuple[Import, ...], modules: frozenset[str]) -> list[Circle]:
+    """The import circles among ``modules``: every strongly connected component of more than one module."""
+    edges: dict[str, list[tuple[str, Import]]] = defaultdict(list)
+    for found in imports:
+        there = named_module(found.imported, modules)
+        if there is not None and there != found.importer:
+            edges[found.importer].append((there, found))
+    graph = {module: frozenset(there for there, _ in edges[module]) for module in modules}
+    return [
+        Circle(
+            tuple(sorted(component)),
+            tuple(
+                (there, found) for module in sorted(component) for there, found in edges[module] if there in component
+            ),
+        )
+        for component in strongly_connected(graph)
+        if len(component) > 1
+    ]
+
+
+def test_product_code_has_no_import_circle() -> None:
+    found = circles(all_imports(), modules_of_ours())
+    if found:
+        pytest.fail("import circles in product code:\n" + "\n".join(map(str, found)), pytrace=False)
+
+
+def test_a_planted_circle_is_named_with_its_modules_and_the_file_and_line_of_each_import() -> None:
+    source = "import json\ndef f():\n    import edgeline.bundle"
+    planted = tuple(imports_of(source, "edge_runtime/errors.py", "edgeline.errors"))
+    assert not [c for c in circles(all_imports(), modules_of_ours()) if "edgeline.errors" in c.modules]
+    found = [c for c in circles(all_imports() + planted, modules_of_ours()) if "edgeline.errors" in c.modules]
+    assert len(found) == 1 and {"edgeline.errors", "edgeline.bundle"} <= set(found[0].modules), found
+    text = str(found[0])
+    assert "edgeline.errors -> edgeline.bundle: edge_runtime/errors.py:3: imports edgeline.bundle" in text, text
+    assert "edgeline.bundle -> edgeline.errors: edge_runtime/bundle.py:" in text, text
+
+
+def _sample_imports(sources: dict[str, str]) -> tuple[Import, ...]:
+    found: list[Import] = []
+    for module, source in sources.items():
+        found += imports_of(source, module.replace(".", "/") + ".py", module, is_package=module == "edgeline.updates")
+    return tuple(found)
+
+
+@pytest.mark.parametrize(
+    ("sources", "expected"),
+    [
+        # a module of a package importing its sibling runs the package's __init__ first: no edge to it
+        (
+            {
+                "edgeline.updates": "",
+                "edgeline.updates.agent": "from edgeline.updates.policy import X",
+                "edgeline.updates.policy": "import edgeline.updates.cage",
+            },
+            [],
+        ),
+        # the package's __init__ imports a module that imports a name of that __init__: truly circular
+        (
+            {
+                "edgeline.updates": "from .agent import Agent",
+                "edgeline.updates.agent": "from edgeline.updates import X",
+                "edgeline.updates.policy": "",
+            },
+            [("edgeline.updates", "edgeline.updates.agent")],
+        ),
+        # ``from package import module`` names the module, not the package's __init__
+        (
+            {
+                "edgeline.updates": "from .agent import Agent",
+                "edgeline.updates.agent": "def f():\n    from edgeline.updates import policy",
+                "edgeline.updates.policy": "",
+            },
+            [],
+        ),
+        # type-only and on-call imports count: three modules, one circle
+        (
+            {
+                "edgeline.updates": "",
+                "edgeline.updates.agent": "def f():\n    from . import policy",
+                "edgeline.updates.policy": "if TYPE_CHECKING:\n    from edgeline.updates.cage import Cage",
+                "edgeline.updates.cage": "import edgeline.updates.agent",
+            },
+            [("edgeline.updates.agent", "edgeline.updates.cage", "edgeline.updates.policy")],
+        ),
+    ],
+)
+def test_a_circle_is_a_strongly_connected_set_of_modules(
+    sources: dict[str, str], expected: list[tuple[str, ...]]
+) -> None:
+    assert [c.modules for c in circles(_sample_imports(sources), frozenset(sources))] == expected
+
+
 SAMPLE = """
 from __future__ import annotations
 import json
@@ -311,7 +511,7 @@ def test_the_reader_sees_imports_where_they_hide() -> None:
 @pytest.mark.parametrize(
     ("path", "source", "expected"),
     [
-        ("edge_runtime/model.py", "from edgeline.export import cli", "edge_runtime/ may import device_profiles/"),
+        ("edge_runtime/model.py", "from edgeline.export import pipeline", "edge_runtime/ may import device_profiles/"),
         ("edge_runtime/model.py", "def f():\n    import edgeline.daemon.codecs", "the library half of edgeline"),
         (
             "edge_runtime/updates/swap.py",
@@ -325,6 +525,16 @@ def test_the_reader_sees_imports_where_they_hide() -> None:
         ("sim/fleet.py", "from edgeline.export.reference import registry", "sim/ may import"),
         ("firmware_bridge/link.py", "import edgeline.sim.board", "firmware_bridge/ may import"),
         ("device_profiles/schema.py", "from edgeline.errors import EdgelineError", "nothing of ours"),
+        ("edge_runtime/model.py", "def f():\n    from edgeline.doctor import verdict_for", "never imports a command"),
+        ("edge_runtime/updates/policy.py", "from edgeline import doctor", "never imports a command"),
+        (
+            "edge_runtime/updates/agent.py",
+            "if TYPE_CHECKING:\n    from edgeline.verify import golden_check",
+            "never imports a command",
+        ),
+        ("edge_runtime/manifest.py", "def f():\n    from edgeline.cli import main", "never imports a command"),
+        ("sim/source.py", "from edgeline.sim.cli import make_sensors", "never imports a command"),
+        ("export/pipeline.py", "from edgeline.export.reference.cli import register", "never imports a command"),
     ],
 )
 def test_a_wrong_import_is_named_with_its_file_line_and_rule(path: str, source: str, expected: str) -> None:
@@ -344,6 +554,10 @@ def test_a_wrong_import_is_named_with_its_file_line_and_rule(path: str, source: 
         ("edge_runtime/backends/executorch.py", "def f():\n    import torch"),
         ("sim/board.py", "from edgeline.firmware_bridge.protocol import Frame"),
         ("export/pipeline.py", "import torch\nfrom edgeline.model import load"),
+        ("edge_runtime/verify.py", "from edgeline.commands import runtime_output"),
+        ("edge_runtime/completion.py", "def f():\n    from edgeline.cli import build_parser"),
+        ("edge_runtime/model.py", "def f():\n    from edgeline.verdicts import verdict_for"),
+        ("edge_runtime/updates/agent.py", "def f():\n    from edgeline.bundle_checks import golden_check"),
     ],
 )
 def test_what_the_document_allows_passes(path: str, source: str) -> None:

@@ -1,7 +1,8 @@
 """The arithmetic and the bookkeeping behind ``quantization.layers``, without a conversion: SQNR, cosine and the
 worst channel against numpy's own computation, the layout search, litert-torch's tensor names read back as module
-paths, the ranking, and the layer groups mixed precision keeps float together. The figures measured on real
-bundles are checked in tests/test_mixed_precision.py."""
+paths, the ranking, and the layer groups mixed precision keeps float together; and what the layer report asks an
+export target's class. The figures measured on real bundles are checked in tests/test_mixed_precision.py. A test
+that reads a tiny network's torch.export graph is in the export tier (``tests/tiers.py``), the others are quick."""
 
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ from edgeline.export.layers import (
 )
 from edgeline.manifest import LayerFidelity, worst_layers
 from edgeline.samples import SampleSet
-
-pytestmark = pytest.mark.quick
 
 
 def _network() -> Any:
@@ -55,6 +54,7 @@ def _network() -> Any:
     return Net().eval()
 
 
+@pytest.mark.quick
 def test_sqnr_cosine_and_the_worst_channel_agree_with_numpy_over_several_samples() -> None:
     rng = np.random.default_rng(0)
     references = [rng.standard_normal((1, 3, 4, 4)) * np.array([1.0, 10.0, 0.1])[None, :, None, None] for _ in range(5)]
@@ -77,6 +77,7 @@ def test_sqnr_cosine_and_the_worst_channel_agree_with_numpy_over_several_samples
     assert min(channel) == pytest.approx(channel[2])  # the 0.1-scaled channel: the same noise hurts it most
 
 
+@pytest.mark.quick
 def test_an_exact_layer_has_no_sqnr_and_a_dead_channel_is_not_the_worst() -> None:
     exact = _Sums()
     exact.add(np.ones((1, 2, 3)), np.ones((1, 2, 3)))
@@ -88,6 +89,7 @@ def test_an_exact_layer_has_no_sqnr_and_a_dead_channel_is_not_the_worst() -> Non
     assert dead.channel_sqnr_db() == pytest.approx(10 * np.log10(np.sum(reference[0, 0] ** 2) / (6 * 0.01**2)))
 
 
+@pytest.mark.quick
 def test_the_layout_search_finds_channels_last_and_settles_square_shapes_by_agreement() -> None:
     rng = np.random.default_rng(1)
     nchw = rng.standard_normal((1, 8, 4, 4)).astype(np.float32)
@@ -100,6 +102,7 @@ def test_the_layout_search_finds_channels_last_and_settles_square_shapes_by_agre
     assert _layout(nchw, (1, 7), nchw.reshape(1, -1)[:, :7]) is None
 
 
+@pytest.mark.quick
 def test_litert_torch_locations_read_back_as_module_paths() -> None:
     net = _network()
     root = f"{type(net).__module__}.{type(net).__qualname__}"
@@ -115,6 +118,7 @@ def test_litert_torch_locations_read_back_as_module_paths() -> None:
     assert module_of_location(root, net) == ""  # the model's own forward
 
 
+@pytest.mark.quick
 def test_the_noise_a_layer_adds_ranks_the_layer_that_lost_accuracy_first() -> None:
     def layer(name: str, relative_noise: float) -> Any:
         from edgeline.export.layers import _Layer
@@ -137,6 +141,7 @@ def test_the_noise_a_layer_adds_ranks_the_layer_that_lost_accuracy_first() -> No
     assert [entry.module for entry in worst_layers(ranked)] == ["b", "a"]
 
 
+@pytest.mark.quick
 def test_a_layer_fused_into_another_is_kept_with_it() -> None:
     readers = {"conv1": ("act1",), "act1": ("mix",), "mix": ("act2",), "shared": ("act1", "other")}
     assert fused_into("act1", readers, measured={"act1", "act2"}) == ("conv1",)
@@ -144,6 +149,7 @@ def test_a_layer_fused_into_another_is_kept_with_it() -> None:
     assert fused_into("act1", readers, measured={"act1", "conv1"}) == ()  # conv1 has a tensor of its own
 
 
+@pytest.mark.export
 def test_a_runtime_without_intermediate_tensors_and_a_model_without_layers_say_why() -> None:
     samples = SampleSet([np.zeros((2, 1, 6, 6), np.float32)], None, "zeros")
     report = measure_layers(_network(), samples, "coreml", "coreml", None, ("x",))  # type: ignore[arg-type]
@@ -157,6 +163,7 @@ def test_a_runtime_without_intermediate_tensors_and_a_model_without_layers_say_w
     assert fields["layers"] == () and fields["layers_unknown"] == report.unknown
 
 
+@pytest.mark.export
 def test_each_module_s_multiply_accumulates_are_counted_as_by_hand() -> None:
     """A 3x3 convolution of 4 channels into 4 on 6x6 (padding 1): 4*6*6 outputs of 4*3*3 each; the linear head 3
     outputs of 144 each; a block holds its convolution's and its ReLU's (one per element)."""
@@ -169,6 +176,7 @@ def test_each_module_s_multiply_accumulates_are_counted_as_by_hand() -> None:
     assert total >= per_module["stem"] + per_module["blocks"] + per_module["head"]
 
 
+@pytest.mark.quick
 def test_a_kept_layer_s_share_off_the_accelerator_is_said_only_when_it_left() -> None:
     from edgeline.export.pipeline import _off_accelerator
     from edgeline.manifest import KeptFloat, Placement
@@ -185,6 +193,7 @@ def test_a_kept_layer_s_share_off_the_accelerator_is_said_only_when_it_left() ->
     assert _off_accelerator(kept, cpu, cpu, macs)[0].accelerator_macs_share is None
 
 
+@pytest.mark.export
 def test_a_batch_norm_folded_into_the_layer_before_it_owns_that_layer_s_tensor() -> None:
     """A converter folds a BatchNorm into the convolution before it: the tensor named after the convolution holds
     the normalisation's output, so it is compared with that (unless the normalisation has a tensor of its own)."""
@@ -215,6 +224,7 @@ def test_a_batch_norm_folded_into_the_layer_before_it_owns_that_layer_s_tensor()
     assert _folded_norms(program, leaves, {"conv", "bn", "act"}) == {}  # bn has a tensor of its own
 
 
+@pytest.mark.export
 def test_an_input_is_kept_float_through_the_layers_that_read_it_directly() -> None:
     """Keeping a model input float means keeping its readers float; an operator outside every module that reads it
     first (a division in forward) would quantize it anyway, so then there are none."""
@@ -238,3 +248,129 @@ def test_an_input_is_kept_float_through_the_layers_that_read_it_directly() -> No
     torch.manual_seed(0)
     scaled = Scaled().eval()
     assert input_readers(scaled, export_program(scaled, arrays), ("image",)) == {"input image": ()}
+
+
+# --- an export target is one class: what the layer report and the pipeline ask it ----------------------------------
+
+
+def _register(monkeypatch: pytest.MonkeyPatch, name: str, target: type) -> None:
+    """Registers ``target`` as the export target ``name`` the way every target is: one entry "module:Class" in
+    ``EXPORT_BACKENDS`` (the class lives in this test module for the test's time)."""
+    import sys
+
+    from edgeline.export.backends import EXPORT_BACKENDS
+
+    monkeypatch.setattr(sys.modules[__name__], target.__name__, target, raising=False)
+    monkeypatch.setitem(EXPORT_BACKENDS, name, f"{__name__}:{target.__name__}")
+
+
+@pytest.mark.export
+def test_the_layer_report_reads_a_model_through_its_target_s_own_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target registered in one place, whose class brings its reader, is measured: nothing else names it. Its
+    toy deployed model is the float model with every layer's output 1% too large: 40 dB SQNR, cosine 1."""
+    from edgeline.export.backends import ExportTarget
+    from edgeline.export.layer_probes import LayerProbe, LayerReading
+    from edgeline.export.layers import float_layers
+
+    class OnePercentOff(LayerProbe):
+        def __init__(self, reading: LayerReading) -> None:
+            self.module = reading.module
+            self.measured_with = "the float model, every layer 1% off"
+            self.inputs_quantized = [None]
+            self.order = reading.float_run.order
+
+        def shapes(self) -> dict[str, tuple[int, ...]]:
+            return self._shapes
+
+        def run(self, arrays: Any) -> dict[str, np.ndarray]:
+            outputs = float_layers(self.module, arrays).outputs
+            self._shapes = {name: value.shape for name, value in outputs.items()}
+            return {name: value * 1.01 for name, value in outputs.items()}
+
+    class ToyTarget(ExportTarget):
+        name = "toy"
+        runtime_backend = "litert"
+
+        def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
+            return OnePercentOff(reading)
+
+    _register(monkeypatch, "toy", ToyTarget)
+    samples = SampleSet([np.random.default_rng(0).standard_normal((3, 1, 6, 6)).astype(np.float32)], None, "noise")
+    report = measure_layers(_network(), samples, "toy", "litert", None, ("x",))  # type: ignore[arg-type]
+    assert report.unknown is None and report.samples == 3
+    assert report.measured_with is not None and report.measured_with.startswith("the float model, every layer 1% off")
+    assert [layer.module for layer in report.layers] == [
+        "stem",
+        "blocks.0.my_conv",
+        "blocks.0.act",
+        "blocks.1.my_conv",
+        "blocks.1.act",
+        "head",
+    ]
+    assert all(layer.sqnr_db == pytest.approx(40.0, abs=0.01) for layer in report.layers)
+    assert all(layer.cosine == pytest.approx(1.0) for layer in report.layers)
+
+
+@pytest.mark.quick
+def test_what_a_target_can_do_is_read_from_its_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capability name sets of ``edgeline.export.backends`` and the micro-kernel question are the classes'
+    answers: a new target declaring them is in the sets, with nothing else edited; the built-in targets' are as
+    they always were."""
+    from edgeline.device_profiles import Precision, Target
+    from edgeline.export import backends
+    from edgeline.export.backends.litert import LiteRTExporter
+    from edgeline.export.conversion import on_micro_kernels
+
+    class ToyMicroTarget(LiteRTExporter):
+        name = "toy-micro"
+        full_integer = True
+
+        def on_micro_kernels(self, profile: Any) -> bool:
+            return True
+
+    _register(monkeypatch, "toy-micro", ToyMicroTarget)
+    edges, keeps, control = backends.INT8_EDGES, backends.KEEPS_FLOAT, backends.ACCURACY_CONTROL
+    assert edges == {"tflite-micro", "ethos-u", "toy-micro"}
+    assert keeps == {"litert", "onnxruntime", "executorch-xnnpack", "tflite-micro", "ethos-u", "qnn-htp", "toy-micro"}
+    assert control == {"openvino", "openvino-gpu", "openvino-npu"}
+    int8 = Precision.INT8_STATIC
+    assert on_micro_kernels(Target(backend="toy-micro", precision=int8, threads=1), None)
+    assert not on_micro_kernels(Target(backend="litert", precision=int8, threads=1), None)
+
+
+@pytest.mark.quick
+def test_the_export_package_imports_in_no_circle() -> None:
+    """Every import inside ``edgeline.export`` (module level, in a function, or for type checking only), drawn from
+    the sources: no module reaches itself. The layer report, conversion and the XNNPACK target once did."""
+    import ast
+    from pathlib import Path
+
+    import edgeline.export
+
+    root = Path(edgeline.export.__file__).resolve().parent
+    names = {
+        ".".join(("edgeline.export", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): path
+        for path in root.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {other for other in found if other in names and other != name}
+    circles = []
+    for start in sorted(graph):  # a path back to ``start``, by a bounded walk over at most every module once
+        seen, pending = set(), [(start, (start,))]
+        while pending:
+            current, trail = pending.pop()
+            for other in sorted(graph[current]):
+                if other == start:
+                    circles.append(" -> ".join((*trail, start)))
+                elif other not in seen:
+                    seen.add(other)
+                    pending.append((other, (*trail, other)))
+    assert circles == []

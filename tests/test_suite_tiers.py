@@ -3,8 +3,11 @@ converts a model, and every test is bounded in time by its tier. Run on small su
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tests.conftest import HAVE_TORCH
 from tests.tiers import TIERS, TIMEOUT_S
 
 pytestmark = pytest.mark.quick
@@ -91,3 +94,49 @@ def test_markers_select_exactly_their_tier(suite: pytest.Pytester) -> None:
     )
     result = suite.runpytest_inprocess("-m", "quick")
     result.assert_outcomes(passed=1, deselected=2)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is absent (the device tier), and with it every conversion")
+def test_a_quick_test_whose_body_converts_a_model_fails_naming_it_and_an_export_test_may(
+    suite: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = """
+import pytest
+import torch
+
+
+@pytest.fixture
+def shared_bundle():
+    return torch.export.export(torch.nn.Flatten(), (torch.zeros(1, 2, 2),))  # a fixture may: made once, shared
+
+
+def convert():
+    torch.export.export(torch.nn.ReLU(), (torch.zeros(2),))
+
+
+@pytest.mark.quick
+def test_cheap_in_name_only():
+    convert()
+
+
+@pytest.mark.quick
+def test_cheap(shared_bundle):
+    assert shared_bundle is not None
+
+
+@pytest.mark.export
+def test_dear():
+    assert torch.export.export.__name__ == "export"  # handed back after the quick tests, and not watched here
+    convert()
+"""
+    suite.makepyfile(test_eight=body)
+    # In a process of its own: this test's body is watched too (it is quick), and the inner suite converts.
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    result = suite.runpytest_subprocess("-p", "no:xdist", timeout=100)
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_eight.py::test_cheap_in_name_only: marked quick but converts a model"
+            " (torch.export.export of ReLU, 1 time(s))*"
+        ]
+    )

@@ -250,6 +250,26 @@ def started_on(daemon: UpdatingDaemon, start: int) -> int:
     return int(versions[start - 1])
 
 
+def fed_until_logged(
+    daemon: UpdatingDaemon, publisher: DurablePublisher, topic: str, needle: str
+) -> list[tuple[str, bytes]]:
+    """Inputs published 30 at a time until ``needle`` is logged (at most 40 batches, a second's wait after each): a
+    trial that ends on a count of inputs gets them however late a restart under load took up the swap, rather than
+    only the stream the test started before it."""
+    sent: list[tuple[str, bytes]] = []
+    for batch in range(40):
+        if needle in daemon.log_text():
+            return sent
+        more = inputs(topic, 30, prefix=f"fed{batch}-")
+        publisher.publish_all(more, 60.0)
+        sent += more
+        deadline = time.monotonic() + 1.0
+        while needle not in daemon.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    daemon.wait_logged(needle)  # fails naming the log
+    return sent
+
+
 @pytest.mark.parametrize("step", list(STEP_LOGS))
 def test_sigkill_after_each_step_of_a_swap_restarts_on_one_committed_version(
     step: str, daemon: UpdatingDaemon, repo: UpdateRepo, durable_broker: Broker, publisher: DurablePublisher,
@@ -268,7 +288,7 @@ def test_sigkill_after_each_step_of_a_swap_restarts_on_one_committed_version(
     assert started_on(daemon, 2) == expected, f"killed at {step}: committed {committed}"
     # the swap is taken up again and completes; every input is answered (at least once: a kill may redeliver)
     if step != "committed":
-        daemon.wait_logged("v2 committed")
+        messages += fed_until_logged(daemon, publisher, f"{unique_topic}/sensors/cam0/image", "v2 committed")
     sender.join(TIMEOUT_S)
     assert not missing_answers(answers, {json.loads(p)["id"] for _, p in messages}), daemon.log_text()[-3000:]
     assert daemon.update_state()["committed"]["version"] == 2

@@ -16,11 +16,17 @@ Markers never override each other: ``-m quick`` selects exactly the tests marked
 to ``device`` and ``workstation`` (which install a test needs); all are registered in pyproject.toml.
 
 This plugin refuses to run a collection in which a test has no tier or two, or is marked quick while it asks for a
-fixture that starts a broker or converts a model; each tier also bounds its tests' time (pytest-timeout), unless a
+fixture that starts a broker or converts a model; fails a quick test whose body converts a model all the same
+(``torch.export.export``, where every exporter of ours starts, is watched while a quick test runs; the session's
+shared tiny bundles are made in fixtures, before); each tier also bounds its tests' time (pytest-timeout), unless a
 test sets its own ``timeout``.
 """
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -94,3 +100,33 @@ START_ORDER = ("export", "integration", "quick", "emulated", "vm")
 conversions first, while every core is free for them; the emulated and VM tiers last, so the emulated installs and
 the VM image that scripts/test.sh starts building at once are ready when they come (their tests wait for
 the builds' locks otherwise)."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    """A quick test's body that converts a model fails, naming what it traced: its cost is the export tier's.
+    ``torch.export.export`` is where every exporter of ours starts (export/conversion.py); it is watched, and called
+    through, only while a quick test's body runs and only where torch is imported (not in the device tier)."""
+    export = sys.modules.get("torch.export")
+    if export is None or item.get_closest_marker("quick") is None:
+        return (yield)
+    original = export.export
+    traced: list[str] = []
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        traced.append(type(args[0]).__name__ if args else "a module")
+        return original(*args, **kwargs)
+
+    export.export = watched
+    try:
+        result = yield
+    finally:
+        export.export = original
+    if traced:
+        what = ", ".join(sorted(set(traced)))
+        pytest.fail(
+            f"{item.nodeid}: marked quick but converts a model (torch.export.export of {what}, {len(traced)} time(s)):"
+            " mark it export, or use a session's shared bundle",
+            pytrace=False,
+        )
+    return result

@@ -1,19 +1,24 @@
 """Building a daemon: everything ``edgeline run`` opens and checks before it starts, in one place.
 
+    assemble        every part, built ready and handed its neighbours (``Assembled``): what the daemon runs
     build_parts     the update state (the committed version may be newer than the bundle given), the model, the
                     codec and window checks, the names (state directory, instance, client id, topics), the metrics,
                     the processor, the queue, the broker connection and its sink, the source, the update client
-    attach_updates  the update thread's agent and the worker's swap, around the processor
+    attach_updates  the update thread's agent, which makes the worker's swap around the processor
     open_outbox     at start: the outbox on disk, or in memory
 
-The daemon (``edgeline.daemon.service``) only wires what these return, so every refusal (a codec that does not fit
-the bundle, a window that does not fill the input, a topic that would answer itself, a missing trusted root) is an
-``EdgelineError`` raised here, before anything runs.
+The bundle is read once (its manifest parsed, its files hashed): the update state, the compiled-model cache and the
+model are given what was read. The daemon (``edgeline.daemon.service``) takes what ``assemble`` returns and only
+starts and stops it, so every refusal (a codec that does not fit the bundle, a window that does not fill the input,
+a topic that would answer itself, a missing trusted root) is an ``EdgelineError`` raised here, before anything runs.
+What is held only while the daemon runs (the state directory's lock, the outbox, the source's port or file, the
+broker's connection) is opened at start, in the order it always was.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,22 +28,31 @@ import numpy as np
 
 from edgeline.daemon.codecs import example_payload, get_codec
 from edgeline.daemon.config import DaemonConfig, OutboxConfig, UpdatesConfig
+from edgeline.daemon.delivery import Delivery
 from edgeline.daemon.guards import check_topics, check_window
-from edgeline.daemon.health import Metrics
-from edgeline.daemon.messages import Message
+from edgeline.daemon.health import Metrics, SystemdNotifier
+from edgeline.daemon.intake import Intake, IntakeGate
+from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.mqtt import AnswerFormat, MqttConnection, MqttSink, MqttSource
+from edgeline.daemon.network import NetworkTick, flow_level
 from edgeline.daemon.outbox import MemoryOutbox, Outbox, OutboxInterface
 from edgeline.daemon.processor import Processor
 from edgeline.daemon.queueing import BoundedQueue, DropPolicy
+from edgeline.daemon.reporting import Reporter
+from edgeline.daemon.silence import SilenceWatch
+from edgeline.daemon.sinks import Sinks
 from edgeline.daemon.sources import Source, make_source
 from edgeline.daemon.state import StateLock, default_state_dir, instance_id
+from edgeline.daemon.supervisor import Supervisor
 from edgeline.daemon.topics import TopicFilter, render_topic
+from edgeline.daemon.worker import Worker
 from edgeline.errors import EdgelineError
 from edgeline.machine import this_machine
-from edgeline.model import Model, load
+from edgeline.model import Model, open_bundle
 from edgeline.video import Pixel
 
 if TYPE_CHECKING:
+    from edgeline.bundle import Bundle
     from edgeline.imaging import FramePrep
     from edgeline.manifest import Manifest
     from edgeline.updates.agent import UpdateAgent
@@ -49,7 +63,8 @@ if TYPE_CHECKING:
     from edgeline.updates.swap import Swap
 
 __all__ = [
-    "ANSWER_FORMATS", "DaemonParts", "UpdatePlan", "accelerator_of", "attach_updates", "build_parts", "open_outbox",
+    "ANSWER_FORMATS", "Assembled", "DaemonParts", "UpdatePlan", "accelerator_of", "assemble", "attach_updates",
+    "build_parts", "open_outbox",
 ]  # fmt: skip
 
 log = logging.getLogger("edgeline.daemon")
@@ -117,15 +132,9 @@ OPENVINO_CACHE = "openvino-cache"
 """The folder of the state directory where OpenVINO keeps the models it compiled (``CACHE_DIR``)."""
 
 
-def _cache_compiled_models(bundle: Path, config: DaemonConfig, backend: str | None) -> None:
+def _cache_compiled_models(manifest: Manifest, config: DaemonConfig, backend: str | None) -> None:
     """An OpenVINO bundle's compiled model is cached in the state directory, so a restart loads it rather than
-    compiling again (seconds on a GPU or NPU). A manifest that does not read is ``load``'s to report."""
-    from edgeline.bundle import read_manifest
-
-    try:
-        manifest = read_manifest(bundle)
-    except EdgelineError:
-        return
+    compiling again (seconds on a GPU or NPU): from the manifest read already."""
     if (backend or manifest.backend) == "openvino":
         from edgeline.backends.openvino import set_cache_dir
 
@@ -142,11 +151,15 @@ def build_parts(
 ) -> DaemonParts:
     """Open and check everything ``config`` names for ``bundle``; ``source`` replaces the configured one (tests),
     ``waiting`` tells the connection's reconnection line how many answers wait in the outbox."""
-    start_on, lock, kept = bundle, None, None
+    from edgeline.bundle import read_bundle
+
+    lock, kept = None, None
     if config.updates.enabled:  # the committed version may be newer than the bundle given
-        start_on, lock, kept = _update_state(bundle, config)
-    _cache_compiled_models(start_on, config, backend)
-    model = load(start_on, backend=backend)
+        start_on, lock, kept = _update_state(Path(bundle), config)
+    else:
+        start_on = read_bundle(bundle)  # the one read of the bundle: its manifest and files, passed on from here
+    _cache_compiled_models(start_on.manifest, config, backend)
+    model = open_bundle(start_on, backend=backend)
     name = model.name
     codec = get_codec(config.input.codec)
     if codec.name == "raw" and model.manifest.preprocess is not None:
@@ -207,24 +220,25 @@ def build_parts(
         status_topic=render_topic(config.health.status_topic, device="", name=name, instance=instance),
         expected_payload=example_payload(codec.name, model.inputs, window),
         lock=lock,
-        updates=_update_plan(config, *kept, start_on, backend) if kept is not None else None,
+        updates=_update_plan(config, *kept, start_on.path, backend) if kept is not None else None,
     )
 
 
-def _update_state(bundle: Path, config: DaemonConfig) -> tuple[Path, StateLock, tuple[Store, State]]:
-    """The bundle to start on, and the state directory's lock, taken before the update state is read or written."""
+def _update_state(bundle: Path, config: DaemonConfig) -> tuple[Bundle, StateLock, tuple[Store, State]]:
+    """The bundle to start on (as read), and the state directory's lock, taken before the update state is read or
+    written."""
     from edgeline.bundle import read_bundle
-    from edgeline.updates.agent import starting_bundle
+    from edgeline.updates.agent import starting_on
     from edgeline.updates.store import Store
 
     root = config.updates.trusted_root
     if root is not None and not root.is_file():  # said before the model is opened
         raise EdgelineError(f"--trusted-root {root}: no such file (the root.json of `edgeline keys generate`)")
-    given = read_bundle(bundle).manifest
-    state_dir = (config.daemon.state_dir or default_state_dir()) / given.name
+    given = read_bundle(bundle)
+    state_dir = (config.daemon.state_dir or default_state_dir()) / given.manifest.name
     lock = StateLock(state_dir)
     store = Store(state_dir / "updates", given=Path(bundle))
-    start_on, state = starting_bundle(store, bundle, given.version)
+    start_on, state = starting_on(store, given)
     return start_on, lock, (store, state)
 
 
@@ -318,19 +332,18 @@ def attach_updates(
     on_event: Callable[[], None],
     reserve_bytes: Callable[[], int],
 ) -> tuple[UpdateAgent, Swap]:
-    """The update thread's agent and the swap the worker polls between two batches (no I/O: the client is open)."""
+    """The update thread's agent and the swap the worker polls between two batches, which the agent makes around the
+    processor (no I/O: the client is open)."""
     from edgeline.updates.agent import UpdateAgent
-    from edgeline.updates.swap import Swap
 
     updater = UpdateAgent(
         client=plan.client, store=plan.store, state=plan.state, running=processor.model, running_bundle=plan.bundle,
         device=device, interval_s=config.updates.check_interval_s, backend=plan.backend,
         max_batch=config.queue.max_batch, on_event=lambda event: on_event(), reserve_bytes=reserve_bytes,
-        cage=_cage(config.updates),
+        cage=_cage(config.updates), worker=processor,
     )  # fmt: skip
-    swap = Swap(updater, processor)
-    updater.swap = swap
-    return updater, swap
+    assert updater.swap is not None
+    return updater, updater.swap
 
 
 def _cage(updates: UpdatesConfig) -> Callable[[Manifest, TargetFacts], CageLimits] | None:
@@ -364,3 +377,135 @@ def open_outbox(box: OutboxConfig, state_dir: Path) -> OutboxInterface:
     if outbox.depth:
         log.info("%d answers left by the last run wait in the outbox", outbox.depth)
     return outbox
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """A daemon's parts, built ready and handed their neighbours, none running: what the daemon
+    (``edgeline.daemon.service``) takes. Nothing here is changed afterwards to wire it to another part.
+
+        parts: Intake (source → queue) · Worker (queue → Processor → Sinks) · Sinks (→ Delivery, stdout, the
+        source's way back) · Delivery (outbox, committer) and NetworkTick (the MQTT loop's turn, the gate's level),
+        with a broker · Reporter (status, watchdog) · the update agent and its swap, with updates
+    """
+
+    parts: DaemonParts
+    supervisor: Supervisor
+    stopping: threading.Event
+    notifier: SystemdNotifier
+    silence: SilenceWatch | None
+    intake: Intake
+    sinks: Sinks
+    delivery: Delivery | None
+    """The broker's side of the answers; its outbox opens at start, under the state directory's lock."""
+    network: NetworkTick | None
+    updater: UpdateAgent | None
+    swap: Swap | None
+    reporter: Reporter
+    worker: Worker
+
+
+def assemble(
+    bundle: Path,
+    config: DaemonConfig,
+    *,
+    backend: str | None = None,
+    echo: Callable[[Answer], None] | None = None,
+    notifier: SystemdNotifier | None = None,
+    source: Source | None = None,
+) -> Assembled:
+    """Open and check everything (``build_parts``), then build each running part with what it needs, in the order
+    of their needs: delivery, intake (and its gate), sinks, network tick, update agent, reporter, worker."""
+    delivery: Delivery | None = None
+
+    def waiting() -> int:  # the connection's reconnection line: answers waiting in the outbox (built just below)
+        return delivery.outbox.depth if delivery is not None and delivery.opened else 0
+
+    parts = build_parts(bundle, config, backend=backend, source=source, waiting=waiting)
+    processor, metrics, connection = parts.processor, parts.metrics, parts.connection
+    supervisor, stopping = Supervisor(), threading.Event()
+    box = config.outbox
+    if connection is not None:
+        assert parts.sink is not None
+        state_dir = parts.state_dir
+        delivery = Delivery(
+            None, connection, parts.sink, metrics, max_queued=config.broker.max_queued,
+            commit_interval_s=box.commit_interval_s, stopping=stopping, fail=supervisor.fail,
+            open_outbox=lambda: open_outbox(box, state_dir),
+        )  # fmt: skip
+    gate = None
+    if delivery is not None and parts.queue.policy is DropPolicy.BLOCK:  # a source that can wait: read no faster
+        gate = _gate_for(delivery, box.max_answers, metrics)  # than answers leave
+    silence_s = config.input.silence_warning_s
+    silence = SilenceWatch(parts.filters, silence_s) if parts.source.subscribed and silence_s > 0 else None
+    intake = Intake(
+        parts.queue,
+        refuse=processor.refuse,
+        metrics=metrics,
+        stopping=stopping,
+        on_network_thread=(lambda: connection.on_network_thread) if connection is not None else lambda: False,
+        heard=silence.heard if silence is not None else None,
+        gate=gate,
+    )
+    if intake.gate is not None:
+        parts.source.attach_gate(intake.gate.open)
+    sinks = Sinks(echo=echo, intake=intake, metrics=metrics, connection=connection, stopping=stopping,
+                  delivery=delivery)  # fmt: skip
+    network = None
+    if connection is not None and delivery is not None:
+        network = NetworkTick(
+            connection, delivery, intake, sinks, availability_topic=parts.availability_topic, stopping=stopping
+        )
+        connection.on_tick(network.tick)
+    updater, swap = None, None
+    if parts.updates is not None:
+
+        def status_changed() -> None:  # an update's step: the status message at once (the reporter, built below)
+            reporter.publish_status()
+
+        updater, swap = attach_updates(
+            parts.updates, processor, device=parts.instance, config=config, on_event=status_changed,
+            reserve_bytes=lambda: outbox_room(box, delivery),
+        )  # fmt: skip
+    notifier = notifier or SystemdNotifier()
+    reporter = Reporter(
+        health=config.health, metrics=metrics, queue=parts.queue, processor=processor, intake=intake, sinks=sinks,
+        source=parts.source, connection=connection, updater=updater, client_id=parts.client_id,
+        status_topic=parts.status_topic, notifier=notifier, supervisor=supervisor, stopping=stopping, network=network,
+    )  # fmt: skip
+    worker = Worker(
+        parts.queue, processor, sinks, metrics,
+        max_batch=config.queue.max_batch, progress=supervisor.progress, swap=swap,
+    )  # fmt: skip
+    return Assembled(
+        parts=parts, supervisor=supervisor, stopping=stopping, notifier=notifier, silence=silence, intake=intake,
+        sinks=sinks, delivery=delivery, network=network, updater=updater, swap=swap, reporter=reporter, worker=worker,
+    )  # fmt: skip
+
+
+def _gate_for(delivery: Delivery, max_answers: int, metrics: Metrics) -> Callable[[Intake], IntakeGate]:
+    """The intake gate of an intake: its level is the inputs taken there and not answered yet, and the answers the
+    broker does not have; its byte mark follows the outbox's budget (``Delivery``: the outbox is open by the time a
+    source submits)."""
+
+    def gate(intake: Intake) -> IntakeGate:
+        return IntakeGate(
+            lambda: flow_level(delivery, intake),
+            max_answers=max_answers,
+            max_bytes=lambda: delivery.outbox.bytes_cap,
+            disk_full=lambda: delivery.disk_full,
+            metrics=metrics,
+        )
+
+    return gate
+
+
+def outbox_room(box: OutboxConfig, delivery: Delivery | None) -> int:
+    """The bytes the durable outbox may still grow into on the state directory's disk (its budget less what its
+    files take): what an update leaves free there (0 for an outbox in memory; the whole budget before it opens)."""
+    if not box.enabled:
+        return 0
+    if delivery is None or not delivery.opened:
+        return box.max_bytes
+    outbox = delivery.outbox
+    return max(0, outbox.budget - outbox.disk_bytes)

@@ -328,7 +328,7 @@ class CameraFeed:
             if isinstance(latency, int | float):
                 self.timings["inference"].add(latency / 1000.0)
             if self.snapshots is not None and not answer.is_error:
-                self.snapshots(self, frame, answer)
+                self.snapshots(self.name, frame, answer)
                 break
 
     # -- what the status and the metrics read ----------------------------------------------------------------

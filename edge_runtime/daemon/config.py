@@ -33,7 +33,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -41,15 +40,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edgeline.daemon.topics import SENSOR_SUBSCRIPTION, TopicFilter, validate_template
+from edgeline.device_profiles.toml import tomllib
 from edgeline.device_profiles.validation import describe_validation_error
 from edgeline.errors import EdgelineError
 from edgeline.manifest import Window
 from edgeline.updates.policy import DOWNLOAD_TIMEOUT_S
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 __all__ = ["DEFAULT_QOS", "BrokerAddress", "BrokerConfig", "DaemonConfig", "load_config"]
 

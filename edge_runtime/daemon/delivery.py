@@ -45,8 +45,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from edgeline.daemon.health import Metrics
-from edgeline.daemon.mqtt import MqttConnection, MqttSink
+from edgeline.daemon.mqtt import MqttSink
 from edgeline.daemon.outbox import CHECK_EVERY_S, DiskFull, OutboxClosed, OutboxInterface, OutboxLost, Pending, row_size
+from edgeline.daemon.transport import Transport
 from edgeline.lograte import Repeated
 
 __all__ = ["COMMIT_BACKLOG", "Delivery"]
@@ -79,12 +80,19 @@ def _counted(rows: list[Row]) -> int:
 
 
 class Delivery:
-    """Owns the outbox, the committer thread and the network thread's side of the answers (see the module)."""
+    """Owns the outbox, the committer thread and the network thread's side of the answers (see the module).
+
+    ``connection`` is any ``Transport`` (``edgeline.daemon.transport``): the broker's ``MqttConnection``, or an
+    in-memory one in a test. The outbox is given open, or opened by ``open`` (``open_outbox``): the daemon builds
+    its delivery path ready before it starts, and opens the outbox at start, under the state directory's lock."""
+
+    outbox: OutboxInterface
+    """Where answers wait for the broker: there once ``opened``."""
 
     def __init__(
         self,
-        outbox: OutboxInterface,
-        connection: MqttConnection,
+        outbox: OutboxInterface | None,
+        connection: Transport,
         sink: MqttSink,
         metrics: Metrics,
         *,
@@ -92,8 +100,11 @@ class Delivery:
         commit_interval_s: float,
         stopping: threading.Event,
         fail: Callable[[str], None] = lambda reason: None,
+        open_outbox: Callable[[], OutboxInterface] | None = None,
     ):
-        self.outbox = outbox
+        if (outbox is None) == (open_outbox is None):
+            raise ValueError("Delivery takes an open outbox or open_outbox, one of them")
+        self._open_outbox = open_outbox
         self.connection = connection
         self.sink = sink
         self.metrics = metrics
@@ -103,7 +114,8 @@ class Delivery:
         self.fail = fail
         """Ends the process (the supervisor's): an outbox that cannot be read any more."""
         self.refused_log = Repeated(log, "answers the broker refused (not retried)")
-        self.durable = outbox.durable
+        self.opened = False
+        self.durable = False
         self._commits: queue.Queue[tuple[list[Row], Acks] | None] = queue.Queue(COMMIT_BACKLOG)
         self._committer: threading.Thread | None = None
         self._acknowledged: deque[int] = deque()
@@ -112,7 +124,7 @@ class Delivery:
         """Network thread: committed answers waiting for room in the in-flight window, oldest first."""
         self._handed = 0
         """Network thread: the highest outbox seq taken into ``_ready``."""
-        self._spilled = outbox.depth > 0
+        self._spilled = False
         """Network thread: answers wait in the outbox that were never taken into ``_ready`` (it was full, or the
         last run left them): the tick reads them back, in order, as it empties."""
         self._drops_posted = 0
@@ -132,12 +144,31 @@ class Delivery:
         self.full_log = Repeated(log, "the disk is full", level=logging.ERROR)
         """A disk that fills and frees again and again (SQLite reuses its WAL in place) is said once, then summed."""
         self._drain_deadline = float("inf")
+        self.answer_size = 256
+        """Bytes of a recent answer as the outbox counts it (worker writes, any thread reads): the intake gate's
+        estimate for the inputs not answered yet."""
+        if outbox is not None:
+            self._take(outbox)
+
+    def open(self) -> None:
+        """At start (under the state directory's lock): open the outbox, once."""
+        if not self.opened:
+            assert self._open_outbox is not None
+            self._take(self._open_outbox())
+
+    def _take(self, outbox: OutboxInterface) -> None:
+        self.outbox = outbox
+        self.durable = outbox.durable
+        self._spilled = outbox.depth > 0  # answers the last run left: the tick reads them back
+        self.opened = True
 
     # -- worker ------------------------------------------------------------------------------------------------
     def add(self, rows: list[Row], acks: Acks) -> None:
         """The answers of a batch of inputs; ``acks`` run on the network thread once the answers are stored."""
         self._given += len(rows)
         self._given_bytes += _counted(rows)
+        if rows:
+            self.answer_size = row_size(rows[-1][0], rows[-1][1])  # as the outbox counts it
         if self.durable:
             self._commits.put((rows, acks))  # blocks when COMMIT_BACKLOG batches wait: the disk holds us back
             return

@@ -133,15 +133,16 @@ class Intake:
         stopping: threading.Event,
         on_network_thread: Callable[[], bool] = lambda: False,
         heard: Callable[[str], None] | None = None,
+        gate: Callable[[Intake], IntakeGate] | None = None,
     ):
+        """``gate`` makes the intake gate from this intake (its level counts the inputs taken here and not answered
+        yet): given for a source that can wait, publishing to the broker; None: no gate."""
         self.queue = queue
         self.refuse = refuse
         self.metrics = metrics
         self.stopping = stopping
         self.on_network_thread = on_network_thread
         self.heard = heard
-        self.gate: IntakeGate | None = None
-        """Set by the daemon once delivery exists, for a source that can wait (block policy) and a broker."""
         self.held: deque[Message] = deque()
         """Network thread: MQTT inputs held unacknowledged while the gate is shut or the queue is full."""
         self.max_held = MAX_HELD
@@ -154,6 +155,8 @@ class Intake:
         """Inputs answered (the worker, through ``answered``)."""
         self._evicted: list[tuple[Message, list[Answer]]] = []
         self._evicted_lock = threading.Lock()
+        self.gate: IntakeGate | None = gate(self) if gate is not None else None
+        """For a source that can wait (block policy) publishing to the broker; None otherwise."""
 
     @property
     def pending(self) -> int:

@@ -5,7 +5,8 @@
                      certificates and host name, user name and password, capped exponential back-off with jitter,
                      resubscription on every connect, manual acknowledgement of inputs, PUBACK callbacks
     MqttSource       subscriptions → ``Message`` values whose ``ack`` sends the input's PUBACK
-    MqttSink         answers → publishes whose ``on_done`` fires on the broker's PUBACK (or its refusal)
+    MqttSink         answers → publishes whose ``on_done`` fires on the broker's PUBACK (or its refusal), over any
+                     ``Transport`` (``edgeline.daemon.transport``: the connection is one)
 
 paho's objects (``MQTTMessage``, reason codes, properties) are converted here into our own values; nothing past
 this module imports paho.
@@ -33,7 +34,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from edgeline.daemon.paho_lean import in_flight, lean_client_or_stock, raw_topic
 from edgeline.daemon.reconnect import SHORT_LIVED_S, Backoff, Lost
 from edgeline.daemon.sources import SourceBase
 from edgeline.daemon.topics import TopicFilter
+from edgeline.daemon.transport import AnswerFormat, PublishDone, Transport
 from edgeline.errors import EdgelineError
 from edgeline.lograte import Repeated
 
@@ -57,17 +58,7 @@ LOOP_TICK_S = 0.2
 
 DEVICE_CACHE = 10_000
 
-PublishDone = Callable[[bool, str | None], None]
-"""Called once per publish: (accepted by the broker, the reason when not)."""
 OnMessage = Callable[[str, bytes, "Callable[[], None] | None", "Reply | None"], None]
-
-
-@dataclass(frozen=True)
-class AnswerFormat:
-    """What an answer's payload is, said in MQTT 5's Content Type and Payload Format Indicator."""
-
-    content_type: str
-    utf8: bool
 
 
 @functools.cache
@@ -781,9 +772,10 @@ class MqttSource(SourceBase):
 
 
 class MqttSink:
-    """Answers to the broker. With an outbox, ``done`` removes the answer from it on PUBACK."""
+    """Answers to the broker, over a ``Transport`` (the ``MqttConnection``, or a test's in-memory one). With an
+    outbox, ``done`` removes the answer from it on PUBACK."""
 
-    def __init__(self, connection: MqttConnection, qos: int, form: AnswerFormat | None = None):
+    def __init__(self, connection: Transport, qos: int, form: AnswerFormat | None = None):
         self.connection = connection
         self.qos = qos
         self.form = form

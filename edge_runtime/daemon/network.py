@@ -19,13 +19,20 @@ from edgeline.daemon.mqtt import MqttConnection
 from edgeline.daemon.sinks import Sinks
 from edgeline.lograte import Repeated
 
-__all__ = ["NetworkTick"]
+__all__ = ["NetworkTick", "flow_level"]
 
 log = logging.getLogger("edgeline.daemon")
 
 
+def flow_level(delivery: Delivery, intake: Intake) -> tuple[int, int]:
+    """The intake gate's level: inputs taken and not answered yet, and the answers the broker does not have."""
+    answers, size = delivery.level()
+    inputs = intake.pending
+    return answers + inputs, size + inputs * delivery.answer_size
+
+
 class NetworkTick:
-    """Made at start, with a broker: what the daemon does on the network thread between its reads and writes."""
+    """With a broker: what the daemon does on the network thread between its reads and writes."""
 
     def __init__(
         self,
@@ -71,7 +78,5 @@ class NetworkTick:
         self.delivery.tick()
 
     def level(self) -> tuple[int, int]:
-        """The intake gate's level: inputs taken and not answered yet, and the answers the broker does not have."""
-        answers, size = self.delivery.level()
-        inputs = self.intake.pending
-        return answers + inputs, size + inputs * self.sinks.answer_size
+        """The intake gate's level (``flow_level``)."""
+        return flow_level(self.delivery, self.intake)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeline.daemon.config import HealthConfig
 from edgeline.daemon.health import Metrics, SystemdNotifier
-from edgeline.daemon.intake import Intake
+from edgeline.daemon.intake import Intake, IntakeGate
 from edgeline.daemon.messages import Message
 from edgeline.daemon.mqtt import MqttConnection
 from edgeline.daemon.network import NetworkTick
@@ -38,8 +38,8 @@ Reading = dict[str, float | int | bool | None]
 
 
 class Reporter:
-    """The status thread and the readings behind the status message (see the module). ``network`` is set at start,
-    with a broker; the readings of the outbox and the gate appear with it."""
+    """The status thread and the readings behind the status message (see the module). ``network``: with a broker;
+    the readings of the outbox and the gate appear once the daemon has started and opened its outbox."""
 
     def __init__(
         self,
@@ -58,6 +58,7 @@ class Reporter:
         notifier: SystemdNotifier,
         supervisor: Supervisor,
         stopping: threading.Event,
+        network: NetworkTick | None = None,
     ):
         self.health = health
         self.metrics = metrics
@@ -73,7 +74,7 @@ class Reporter:
         self.notifier = notifier
         self.supervisor = supervisor
         self.stopping = stopping
-        self.network: NetworkTick | None = None
+        self._network = network
         metrics.gauges(self.gauges)
         metrics.counters(self.counters)
         source.register_metrics(metrics)
@@ -81,6 +82,16 @@ class Reporter:
             metrics.counters(updater.counters)
             metrics.gauges(updater.gauges)
             metrics.labelled_counters("update_refused", "reason", "Updates refused, by reason.", updater.refusal_counts)
+
+    @property
+    def network(self) -> NetworkTick | None:
+        """The network thread's side, once its outbox is open (at start); None before, or without a broker."""
+        network = self._network
+        return network if network is not None and network.delivery.opened else None
+
+    def _gate(self) -> IntakeGate | None:
+        """The intake gate, read from start on (it is made with the delivery path, whose outbox opens at start)."""
+        return self.intake.gate if self.network is not None else None
 
     def gauges(self) -> Reading:
         stats = self.queue.stats()
@@ -95,7 +106,7 @@ class Reporter:
         if self.connection is not None:
             gauges["connected"] = self.connection.connected.is_set()
             gauges["in_flight"] = self.connection.in_flight
-        gate = self.intake.gate
+        gate = self._gate()
         if gate is not None:
             gauges["intake_paused"] = gate.is_shut
             gauges["intake_held"] = len(self.intake.held)
@@ -127,7 +138,7 @@ class Reporter:
                 outbox_expired=box.expired, outbox_overflowed=box.overflowed, outbox_corrupt=box.corrupt,
                 outbox_replaced=box.replaced,
             )  # fmt: skip
-        gate = self.intake.gate
+        gate = self._gate()
         if gate is not None:
             counters["intake_paused_seconds"] = int(gate.paused_seconds())
         counters["inputs_redelivered"] = self.intake.shed_total
@@ -177,7 +188,7 @@ class Reporter:
             delivery = self.network.delivery
             found += [self.network.shed_log, delivery.refused_log]
             found += [delivery.outbox.overflow_log, delivery.outbox.expiry_log, delivery.full_log]
-        gate = self.intake.gate
+        gate = self._gate()
         if gate is not None:
             found.append(gate.pauses)
         return found

@@ -10,10 +10,11 @@
     "online" on every connection, "offline" as last will and at a clean stop; a supervisor owns every thread
     (see ``edgeline.daemon.supervisor``)
 
-Where each part lives (this module only wires them and owns start, stop and the signals):
+Where each part lives (this module only starts and stops them and owns the signals):
 
-    assembly.py   opening and checking: the model, the update state, names and topics, processor, queue,
-                  connection, source (``build_parts``); the outbox at start (``open_outbox``)
+    assembly.py   opening, checking and building every part ready (``assemble``): the model, the update state,
+                  names and topics, processor, queue, connection, source, delivery, the update agent; the outbox
+                  opens at start (``open_outbox``)
     intake.py     source thread (or network thread) → queue, through the intake gate
     worker.py     worker thread: queue → Processor → Sinks, the update swap between two batches
     sinks.py      the answers: to the delivery path (outbox, broker), stdout, the source's way back; then the acks
@@ -37,33 +38,23 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from edgeline.daemon.assembly import accelerator_of, attach_updates, build_parts, open_outbox
+from edgeline.daemon.assembly import Assembled, accelerator_of, assemble, outbox_room
 from edgeline.daemon.config import DaemonConfig
 from edgeline.daemon.delivery import Delivery
 from edgeline.daemon.health import MetricsServer, SystemdNotifier
-from edgeline.daemon.intake import Intake, IntakeGate
+from edgeline.daemon.intake import IntakeGate
 from edgeline.daemon.messages import Answer
 from edgeline.daemon.mqtt import MqttConnection
-from edgeline.daemon.network import NetworkTick
 from edgeline.daemon.outbox import OutboxInterface
-from edgeline.daemon.queueing import DropPolicy, QueueClosed
-from edgeline.daemon.reporting import Reporter
-from edgeline.daemon.silence import SilenceWatch
-from edgeline.daemon.sinks import Sinks
+from edgeline.daemon.queueing import QueueClosed
 from edgeline.daemon.sources import Source
 from edgeline.daemon.state import StateLock
-from edgeline.daemon.supervisor import Supervisor
-from edgeline.daemon.worker import Worker
 from edgeline.errors import EdgelineError
 from edgeline.model import Model
 
-if TYPE_CHECKING:
-    from edgeline.updates.agent import UpdateAgent
-    from edgeline.updates.swap import Swap
-
-__all__ = ["EXIT_FAILED", "Daemon"]
+__all__ = ["EXIT_FAILED", "Daemon", "Service"]
 
 log = logging.getLogger("edgeline.daemon")
 EXIT_FAILED = 1
@@ -71,70 +62,39 @@ EXIT_FAILED = 1
 Spawn = Callable[[str, Callable[[], None]], threading.Thread]
 
 
-class Daemon:
-    """The composition root: ``edgeline.daemon.assembly`` opens the parts, this class wires them and owns their
-    threads' lifecycle (``start``, ``stop``, ``run_until_signalled``).
+class Service:
+    """The composition root: it takes the parts ``edgeline.daemon.assembly.assemble`` built ready and owns their
+    threads' lifecycle (``start``, ``stop``, ``run_until_signalled``). Its constructor does no I/O: ``start`` opens
+    what is held only while running (the source, the state directory's lock, the outbox, the broker's connection)
+    and starts the threads.
 
         parts: Intake (source → queue) · Worker (queue → Processor → Sinks) · Sinks (→ Delivery, stdout, the
         source's way back) · NetworkTick (the MQTT loop's turn, the gate's level) · Reporter (status, watchdog)
     """
 
-    def __init__(
-        self,
-        bundle: Path,
-        config: DaemonConfig,
-        *,
-        backend: str | None = None,
-        echo: Callable[[Answer], None] | None = None,
-        notifier: SystemdNotifier | None = None,
-        source: Source | None = None,
-    ):
-        parts = build_parts(bundle, config, backend=backend, source=source, waiting=self._outbox_depth)
-        self.config = config
+    def __init__(self, assembled: Assembled):
+        parts = assembled.parts
+        self.config: DaemonConfig = parts.config
         self.processor, self.queue, self.metrics = parts.processor, parts.queue, parts.metrics
         self.source, self.connection, self.sink = parts.source, parts.connection, parts.sink
         self.state_dir, self.instance, self.filters = parts.state_dir, parts.instance, parts.filters
         self.client_id, self.expected_payload = parts.client_id, parts.expected_payload
         self.availability_topic, self.status_topic = parts.availability_topic, parts.status_topic
         self._lock: StateLock | None = parts.lock
-        self.supervisor = Supervisor()
-        self.stopping = threading.Event()
+        self.supervisor, self.stopping = assembled.supervisor, assembled.stopping
         self.source_done = threading.Event()
-        self.notifier = notifier or SystemdNotifier()
-        silence_s = config.input.silence_warning_s
-        self.silence = SilenceWatch(self.filters, silence_s) if self.source.subscribed and silence_s > 0 else None
-        connection = self.connection
-        self.intake = Intake(
-            self.queue,
-            refuse=self.processor.refuse,
-            metrics=self.metrics,
-            stopping=self.stopping,
-            on_network_thread=(lambda: connection.on_network_thread) if connection is not None else lambda: False,
-            heard=self.silence.heard if self.silence is not None else None,
+        self.notifier = assembled.notifier
+        self.silence = assembled.silence
+        self.intake, self.sinks, self.reporter, self.worker = (
+            assembled.intake,
+            assembled.sinks,
+            assembled.reporter,
+            assembled.worker,
         )
-        self.sinks = Sinks(
-            echo=echo, intake=self.intake, metrics=self.metrics, connection=connection, stopping=self.stopping
-        )
-        self.delivery: Delivery | None = None
-        """The broker's side of the answers (outbox, committer): made at start, with a broker."""
-        self.network: NetworkTick | None = None
-        self.updater: UpdateAgent | None = None
-        self.swap: Swap | None = None
-        if parts.updates is not None:
-            self.updater, self.swap = attach_updates(
-                parts.updates, self.processor, device=self.instance, config=config,
-                on_event=lambda: self.reporter.publish_status(), reserve_bytes=self._outbox_room,
-            )  # fmt: skip
-        self.reporter = Reporter(
-            health=config.health, metrics=self.metrics, queue=self.queue, processor=self.processor,
-            intake=self.intake, sinks=self.sinks, source=self.source, connection=connection, updater=self.updater,
-            client_id=self.client_id, status_topic=self.status_topic, notifier=self.notifier,
-            supervisor=self.supervisor, stopping=self.stopping,
-        )  # fmt: skip
-        self.worker = Worker(
-            self.queue, self.processor, self.sinks, self.metrics,
-            max_batch=config.queue.max_batch, progress=self.supervisor.progress, swap=self.swap,
-        )  # fmt: skip
+        self.network = assembled.network
+        self._delivery = assembled.delivery
+        """The broker's side of the answers (outbox, committer): its outbox opens at start, with a broker."""
+        self.updater, self.swap = assembled.updater, assembled.swap
         self._metrics_server: MetricsServer | None = None
         self._worker_thread: threading.Thread | None = None
         self._source_failed = False
@@ -151,6 +111,13 @@ class Daemon:
     def echo(self) -> Callable[[Answer], None] | None:
         """Answers to stdout; None without, or once the reader of stdout went away."""
         return self.sinks.echo
+
+    @property
+    def delivery(self) -> Delivery | None:
+        """The broker's side of the answers (outbox, committer), from ``start`` on; None before, or without a
+        broker."""
+        delivery = self._delivery
+        return delivery if delivery is not None and delivery.opened else None
 
     @property
     def gate(self) -> IntakeGate | None:
@@ -171,19 +138,9 @@ class Daemon:
         """The status message's body (``edgeline.daemon.reporting``)."""
         return self.reporter.status()
 
-    def _outbox_depth(self) -> int:
-        return self.delivery.outbox.depth if self.delivery is not None else 0
-
     def _outbox_room(self) -> int:
-        """The bytes the durable outbox may still grow into on the state directory's disk (its budget less what its
-        files take): what an update leaves free there (0 for an outbox in memory)."""
-        box = self.config.outbox
-        if not box.enabled:
-            return 0
-        outbox = self.outbox
-        if outbox is None:
-            return box.max_bytes
-        return max(0, outbox.budget - outbox.disk_bytes)
+        """The bytes the durable outbox may still grow into on the state directory's disk (``outbox_room``)."""
+        return outbox_room(self.config.outbox, self.delivery)
 
     @property
     def description(self) -> str:
@@ -240,7 +197,8 @@ class Daemon:
         self.source.open()
         spawn = self.supervisor.spawn
         if self.connection is not None:
-            self._start_broker(self.connection, spawn)
+            assert self._delivery is not None
+            self._start_broker(self.connection, self._delivery, spawn)
         if self.config.health.prometheus_port:
             health = self.config.health
             self._metrics_server = MetricsServer(self.metrics, health.prometheus_port, health.prometheus_host).start()
@@ -252,39 +210,11 @@ class Daemon:
             spawn("edgeline-updates", lambda: updater.run(self.stopping))
         self.notifier.notify("READY=1")
 
-    def _start_broker(self, connection: MqttConnection, spawn: Spawn) -> None:
-        """The outbox (under the state directory's lock), the delivery path, the network thread's tick, the intake
-        gate for a source that can wait; then connect."""
-        assert self.sink is not None
+    def _start_broker(self, connection: MqttConnection, delivery: Delivery, spawn: Spawn) -> None:
+        """The outbox (under the state directory's lock), then connect; then the committer."""
         if self._lock is None:
             self._lock = StateLock(self.state_dir)
-        box = self.config.outbox
-        delivery = Delivery(
-            open_outbox(box, self.state_dir),
-            connection,
-            self.sink,
-            self.metrics,
-            max_queued=self.config.broker.max_queued,
-            commit_interval_s=box.commit_interval_s,
-            stopping=self.stopping,
-            fail=self.supervisor.fail,
-        )
-        self.delivery = self.sinks.delivery = delivery
-        network = NetworkTick(
-            connection, delivery, self.intake, self.sinks, availability_topic=self.availability_topic,
-            stopping=self.stopping,
-        )  # fmt: skip
-        self.network = self.reporter.network = network
-        if self.queue.policy is DropPolicy.BLOCK:  # a source that can wait: read no faster than answers leave
-            self.intake.gate = IntakeGate(
-                network.level,
-                max_answers=box.max_answers,
-                max_bytes=lambda: delivery.outbox.bytes_cap,
-                disk_full=lambda: delivery.disk_full,
-                metrics=self.metrics,
-            )
-            self.source.attach_gate(self.intake.gate.open)
-        connection.on_tick(network.tick)
+        delivery.open()
         connection.start(lambda target: spawn("edgeline-mqtt", target))
         delivery.start(spawn)
 
@@ -358,3 +288,21 @@ class Daemon:
         if self._source_failed:
             return EXIT_FAILED
         return 0
+
+
+class Daemon(Service):
+    """``edgeline run``'s daemon for ``bundle`` and ``config``: the parts assembled
+    (``edgeline.daemon.assembly.assemble``: the model opened, every refusal raised) and handed to ``Service``.
+    ``source`` replaces the configured one; ``echo`` takes the answers for stdout."""
+
+    def __init__(
+        self,
+        bundle: Path,
+        config: DaemonConfig,
+        *,
+        backend: str | None = None,
+        echo: Callable[[Answer], None] | None = None,
+        notifier: SystemdNotifier | None = None,
+        source: Source | None = None,
+    ):
+        super().__init__(assemble(bundle, config, backend=backend, echo=echo, notifier=notifier, source=source))

@@ -22,8 +22,7 @@ from edgeline.daemon.delivery import Delivery
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.intake import Intake
 from edgeline.daemon.messages import Answer, Message
-from edgeline.daemon.mqtt import MqttConnection
-from edgeline.daemon.outbox import row_size
+from edgeline.daemon.transport import Transport
 from edgeline.lograte import Repeated
 
 __all__ = ["Sinks"]
@@ -32,7 +31,9 @@ log = logging.getLogger("edgeline.daemon")
 
 
 class Sinks:
-    """The worker's side of the answers (see the module). ``delivery`` is set at start, with a broker."""
+    """The worker's side of the answers (see the module). ``delivery``: the broker's side, with a broker; its
+    ``connection`` (a ``Transport``: ``edgeline.daemon.transport``) runs the inputs' acknowledgements on its
+    thread."""
 
     def __init__(
         self,
@@ -40,8 +41,9 @@ class Sinks:
         echo: Callable[[Answer], None] | None,
         intake: Intake,
         metrics: Metrics,
-        connection: MqttConnection | None,
+        connection: Transport | None,
         stopping: threading.Event,
+        delivery: Delivery | None = None,
     ):
         self.echo = echo
         """Answers to stdout; set to None when the reader of stdout goes away."""
@@ -49,12 +51,14 @@ class Sinks:
         self.metrics = metrics
         self.connection = connection
         self.stopping = stopping
-        self.delivery: Delivery | None = None
+        self.delivery = delivery
         self.unpublishable_log = Repeated(log, "answers without a topic (their device cannot form one), not sent")
-        self.answer_size = 256
-        """Bytes of a recent answer as the outbox counts it (worker writes, any thread reads): the intake gate's
-        estimate for the inputs not answered yet."""
         self._echo_lock = threading.Lock()
+
+    @property
+    def answer_size(self) -> int:
+        """Bytes of a recent answer as the outbox counts it (``Delivery.answer_size``; 256 without a broker)."""
+        return self.delivery.answer_size if self.delivery is not None else 256
 
     def answer_evicted(self) -> None:
         """The inputs drop-oldest gave up, answered "dropped" (worker thread)."""
@@ -91,8 +95,6 @@ class Sinks:
                 self.metrics.observe("publish", max(0.0, time.time() - now))
                 self.metrics.observe("total", max(0.0, time.time() - message.received))
         self.intake.answered(len(pairs))
-        if to_broker:
-            self.answer_size = row_size(to_broker[-1][0], to_broker[-1][1])  # as the outbox counts it
         if acks and self.connection is not None:
             self.connection.call_soon(lambda: _call_each(acks))
         else:

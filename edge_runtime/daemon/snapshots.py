@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -38,9 +38,6 @@ from edgeline.durable import ensure_directory, remove_file, write_atomically
 from edgeline.errors import EdgelineError
 from edgeline.lograte import Repeated
 from edgeline.video import Frame
-
-if TYPE_CHECKING:
-    from edgeline.daemon.camera import CameraFeed
 
 __all__ = ["Snapshots", "encode_jpeg", "parse_condition"]
 
@@ -129,7 +126,7 @@ class Snapshots:
         self.counts = {"snapshots": 0, "snapshots_skipped": 0, "snapshots_failed": 0}
         self._last: dict[str, float] = {}
         self._last_periodic: dict[str, float] = {}
-        self._work: queue.Queue[tuple[CameraFeed, Frame, dict[str, Any]] | None] = queue.Queue(maxsize=1)
+        self._work: queue.Queue[tuple[str, Frame, dict[str, Any]] | None] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
         self.failures = Repeated(log, "snapshots failed")
 
@@ -172,12 +169,12 @@ class Snapshots:
             self._last_periodic[camera] = now
         return True
 
-    def __call__(self, feed: CameraFeed, frame: Frame, answer: Answer) -> None:
+    def __call__(self, camera: str, frame: Frame, answer: Answer) -> None:
         """The worker thread, for every answered frame: cheap unless a snapshot is due."""
-        if not self.wanted(feed.name, answer.record, time.monotonic()):
+        if not self.wanted(camera, answer.record, time.monotonic()):
             return
         try:
-            self._work.put_nowait((feed, frame, dict(answer.record)))
+            self._work.put_nowait((camera, frame, dict(answer.record)))
         except queue.Full:
             self.counts["snapshots_skipped"] += 1
 
@@ -186,25 +183,25 @@ class Snapshots:
             item = self._work.get()
             if item is None:
                 return
-            feed, frame, record = item
+            camera, frame, record = item
             try:
-                self._take(feed, frame, record)
+                self._take(camera, frame, record)
                 self.counts["snapshots"] += 1
             except Exception as exc:  # a full disk, a planted link: said, counted, the cameras go on
                 self.counts["snapshots_failed"] += 1
-                self.failures.happened(1, f"camera {feed.name}: {type(exc).__name__}: {exc}")
+                self.failures.happened(1, f"camera {camera}: {type(exc).__name__}: {exc}")
 
-    def _take(self, feed: CameraFeed, frame: Frame, record: dict[str, Any]) -> None:
+    def _take(self, camera: str, frame: Frame, record: dict[str, Any]) -> None:
         jpeg = encode_jpeg(_annotated(frame, record), frame.pixel)
         if self.directory is not None:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             label = re.sub(r"[^A-Za-z0-9._-]", "_", str(record.get("label", "")))[:40]
-            stem = f"{feed.name}-{stamp}-{frame.index:08d}" + (f"-{label}" if label else "")
+            stem = f"{camera}-{stamp}-{frame.index:08d}" + (f"-{label}" if label else "")
             write_atomically(self.directory / f"{stem}.jpg", jpeg)
             write_atomically(self.directory / f"{stem}.json", json.dumps(record, default=str).encode())
             self._prune()
         if self.publish is not None and self.settings.snapshot_topic is not None:
-            self.publish(feed.name, self.settings.snapshot_topic, jpeg)
+            self.publish(camera, self.settings.snapshot_topic, jpeg)
 
     def _prune(self) -> None:
         """The oldest snapshots removed past ``snapshot_max_files`` or ``snapshot_max_bytes``."""

@@ -30,15 +30,16 @@ from edgeline.errors import REFUSAL_REASONS, BackendUnavailableError, EdgelineEr
 from edgeline.lograte import Repeated
 from edgeline.updates.policy import Room, TargetFacts, precheck, room_refusal
 from edgeline.updates.store import MAX_TRIAL_ATTEMPTS, Installed, State, Store
-from edgeline.updates.swap import Swap
+from edgeline.updates.swap import Swap, Worker
 
 if TYPE_CHECKING:
+    from edgeline.bundle import Bundle
     from edgeline.manifest import Manifest
     from edgeline.model import Model
     from edgeline.updates.cage import CageLimits
     from edgeline.updates.client import UpdateClient
 
-__all__ = ["PERSISTED_REASONS", "Event", "UpdateAgent", "starting_bundle"]
+__all__ = ["PERSISTED_REASONS", "Event", "UpdateAgent", "starting_bundle", "starting_on"]
 
 log = logging.getLogger("edgeline.updates")
 
@@ -74,6 +75,19 @@ def starting_bundle(store: Store, given: Path, given_version: int) -> tuple[Path
     the one given. Whatever the state directory holds, this never raises (``Store.load`` sets a bad state file
     aside). A trial the last process did not finish counted one attempt against its version (``note_trying``);
     the agent refuses a version that used up its attempts when it starts (``refuse_died_in_trial``)."""
+    committed, state = _committed_to_start_on(store, given, given_version)
+    return (committed.path if committed is not None else given), state
+
+
+def starting_on(store: Store, given: Bundle) -> tuple[Bundle, State]:
+    """``starting_bundle`` for a bundle read already: the bundle to start on as read (and verified) here, so that
+    the daemon opens it without reading its manifest and hashing its files again."""
+    committed, state = _committed_to_start_on(store, given.path, given.manifest.version)
+    return (committed if committed is not None else given), state
+
+
+def _committed_to_start_on(store: Store, given: Path, given_version: int) -> tuple[Bundle | None, State]:
+    """The committed version as read, when it is newer than the one given and whole; and the update state."""
     from edgeline.bundle import read_bundle
 
     state = store.load()
@@ -84,13 +98,13 @@ def starting_bundle(store: Store, given: Path, given_version: int) -> tuple[Path
     if committed is not None and committed.version > given_version:
         path = store.resolve(committed)
         try:
-            read_bundle(path)
+            bundle = read_bundle(path)
         except EdgelineError as exc:
             log.error("the committed v%d cannot be opened (%s): starting on %s", committed.version, exc, given)
-            return given, state
+            return None, state
         log.info("starting on the committed v%d (%s) rather than v%d given", committed.version, path, given_version)
-        return path, state
-    return given, state
+        return bundle, state
+    return None, state
 
 
 class UpdateAgent:
@@ -111,7 +125,10 @@ class UpdateAgent:
         on_event: Callable[[Event], None] = lambda event: None,
         reserve_bytes: Callable[[], int] = lambda: 0,
         cage: Callable[[Manifest, TargetFacts], CageLimits] | None = None,
+        worker: Worker | None = None,
     ):
+        """``worker``: what a new version is swapped into between two batches (the daemon's ``Processor``); the
+        agent makes its ``Swap`` around it. Without one, ``swap`` stays None until a test gives it one."""
         self.client = client
         self.store = store
         self.state = state
@@ -131,7 +148,6 @@ class UpdateAgent:
         self.last_cage: dict[str, Any] | None = None
         self.running_version = running.version
         self.running_bundle = running_bundle
-        self.swap: Swap | None = None
         self.counts: Counter[str] = Counter()
         self.refusals: Counter[str] = Counter({reason: 0 for reason in REFUSAL_REASONS})
         self.last: Event | None = None
@@ -140,6 +156,8 @@ class UpdateAgent:
         self._said = Repeated(log, "", every_s=math.inf, remember=SAID_MEMORY)
         """Each message (or key) is said once, and counted every time: ``_say``."""
         self._lock = threading.Lock()
+        self.swap: Swap | None = Swap(self, worker) if worker is not None else None
+        """The hand-over to the worker: made here, last, once the agent it reports to is whole."""
 
     # -- the update thread ---------------------------------------------------------------------------------------
     def run(self, stopping: threading.Event) -> None:
@@ -287,7 +305,7 @@ class UpdateAgent:
 
     def _self_test(self, model: Model, version: int) -> None:
         """The golden self-test in this process (``[updates] cage = false``)."""
-        from edgeline.verify import golden_check
+        from edgeline.bundle_checks import golden_check
 
         try:
             golden = golden_check(model)
@@ -397,7 +415,7 @@ class UpdateAgent:
         self.refusals[reason] += 1
 
     def latency_budget(self, model: Model) -> float | None:
-        from edgeline.verify import device_budget_refusal
+        from edgeline.bundle_checks import device_budget_refusal
 
         budget = model.manifest.budgets.max_latency_ms
         if budget is None or device_budget_refusal(model, self.backend) is not None:
@@ -405,7 +423,7 @@ class UpdateAgent:
         return budget
 
     def latency_note(self, model: Model) -> str:
-        from edgeline.verify import device_budget_refusal
+        from edgeline.bundle_checks import device_budget_refusal
 
         if model.manifest.budgets.max_latency_ms is None:
             return " (the profile sets no latency budget)"

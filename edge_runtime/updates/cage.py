@@ -341,9 +341,9 @@ def _lower(limit: int, value: int) -> None:
 
 
 def _test(bundle: str, backend: str | None, max_batch: int) -> dict[str, Any]:
+    from edgeline.bundle_checks import golden_check
     from edgeline.errors import BackendUnavailableError, EdgelineError
     from edgeline.model import load
-    from edgeline.verify import golden_check
 
     try:
         model = load(bundle, backend=backend)
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     verdict_fd = os.dup(1)  # the verdict's own descriptor: what a runtime prints goes to stderr, not into it
     os.dup2(2, 1)
-    for module in ("numpy", "edgeline.model", "edgeline.verify"):  # loaded before the cap: the cap is the version's
+    for module in ("numpy", "edgeline.model", "edgeline.bundle_checks"):  # loaded before the cap: the version's
         importlib.import_module(module)
 
     start = proc_fields("/proc/self/status").get("VmData", 0)

@@ -180,7 +180,7 @@ def precheck(facts: TargetFacts, *, name: str, profile: str, inputs_of_running: 
             reason="incompatible",
             version=facts.version,
         )
-    from edgeline.doctor import runtime_refusal
+    from edgeline.verdicts import runtime_refusal
 
     problem = runtime_refusal(facts.backend, facts.runtime.package, facts.runtime.min_version)
     if problem is not None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,11 +69,7 @@ class Fleet(_Frozen):
 
 
 def load_fleet(path: Path) -> Fleet:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - exercised on Python 3.10 only
-        import tomli as tomllib
-
+    from edgeline.device_profiles.toml import tomllib
     from edgeline.device_profiles.validation import describe_validation_error
 
     try:

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -22,9 +22,8 @@ from edgeline.updates.trial import Trial, agree
 
 if TYPE_CHECKING:
     from edgeline.model import Model
-    from edgeline.updates.agent import UpdateAgent
 
-__all__ = ["Swap", "TrialRunner", "Worker"]
+__all__ = ["Swap", "SwapOwner", "TrialRunner", "Worker"]
 
 
 class TrialRunner:
@@ -94,6 +93,27 @@ class Worker(Protocol):
     def shadow(self, runner: TrialRunner | None) -> None: ...
 
 
+class SwapOwner(Protocol):
+    """What the swap reports to, on the worker thread: the update agent (``edgeline.updates.agent``), which makes
+    its swap itself. A protocol, so that this module never imports the agent (the agent imports it)."""
+
+    last_trial: dict[str, Any] | None
+
+    def latency_budget(self, model: Model) -> float | None: ...
+
+    def latency_note(self, model: Model) -> str: ...
+
+    def set_running(self, model: Model) -> None: ...
+
+    def commit(self, version: int, bundle: Path, previous: Model) -> None: ...
+
+    def reverted(self, from_version: int, to: Installed) -> None: ...
+
+    def refuse_version(self, version: int, reason: str, message: str) -> None: ...
+
+    def event(self, step: str, version: int | None, message: str, *, reason: str | None = None) -> None: ...
+
+
 @dataclass
 class _Proposal:
     model: Model
@@ -105,7 +125,7 @@ class Swap:
     """The hand-over between the update thread (``propose``, ``revert``) and the worker (``poll``, between two
     batches: the only place the processor's model changes)."""
 
-    def __init__(self, agent: UpdateAgent, processor: Worker):
+    def __init__(self, agent: SwapOwner, processor: Worker):
         self.agent = agent
         self.processor = processor
         self._lock = threading.Lock()

@@ -1,7 +1,10 @@
-"""Export backends: one module each, found by name, imported on first use.
+"""Export targets: one class each (an ``ExportTarget``), registered in ``EXPORT_BACKENDS``, imported on first use.
 
-An exporter takes a float torch module, batch-1 example inputs, a precision and calibration samples,
-and writes model file(s) into a directory. Everything else (bundle, fidelity, budgets) is shared.
+A target's class declares what it takes and what it can do (its name, the precisions it exports, the runtime
+backend that runs its bundles, whether it can keep layers float, ...) and implements its parts: ``export`` takes a
+float torch module, batch-1 example inputs, a precision and calibration samples, and writes model file(s) into a
+directory, with the placement read from the converted model; ``layer_probe`` reads the deployed model layer by
+layer. Everything else (bundle, fidelity, budgets, mixed precision) is shared and asks the class, never the name.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from edgeline.export.errors import ExportError
 from edgeline.registry import resolve
@@ -19,6 +22,7 @@ if TYPE_CHECKING:  # the registry is read by `edgeline export --help` (choices o
     import numpy as np
 
     from edgeline.device_profiles import Precision, Profile
+    from edgeline.export.layer_probes import LayerProbe, LayerReading
     from edgeline.manifest import Estimates, KeptFloat, Placement, Rewrite, RuntimeRequirement, TensorSpec
 
 __all__ = [
@@ -28,14 +32,16 @@ __all__ = [
     "KEEPS_FLOAT",
     "AccuracyControl",
     "ExportRequest",
+    "ExportTarget",
     "ExportedModel",
     "Exporter",
     "Verification",
+    "export_target",
     "get_exporter",
     "operators_named_in",
 ]
 
-EXPORT_BACKENDS: dict[str, str] = {
+EXPORT_BACKENDS: dict[str, str] = {  # the one place a target is registered: its name -> its ExportTarget class
     "executorch-xnnpack": "edgeline.export.backends.executorch_xnnpack:XnnpackExporter",
     "litert": "edgeline.export.backends.litert:LiteRTExporter",
     "onnxruntime": "edgeline.export.backends.onnxruntime:OnnxRuntimeExporter",
@@ -50,26 +56,10 @@ EXPORT_BACKENDS: dict[str, str] = {
 }
 
 
-INT8_EDGES = frozenset({"tflite-micro", "ethos-u"})
-"""The exporters whose int8-static model takes and gives int8 whatever is kept float (full-integer: what TFLite
-Micro's firmware and vela take)."""
-
-KEEPS_FLOAT = frozenset({"litert", "onnxruntime", "executorch-xnnpack", "tflite-micro", "ethos-u", "qnn-htp"})
-ACCURACY_CONTROL = frozenset({"openvino", "openvino-gpu", "openvino-npu"})
-"""The exporters whose int8-static model, when it misses the accuracy budget, is made again by their quantizer's own
-accuracy control (NNCF's ``quantize_with_accuracy_control``, ``ExportRequest.accuracy_control``) rather than by
-edgeline's mixed precision; what it reverted to float comes back as ``ExportedModel.kept_float``."""
-"""The exporters that honour ``ExportRequest.keep_float`` in int8-static, through their quantizer's public means:
-the LiteRT quantizer's per-operator annotation (also for the int8 models of TFLite Micro, whose float kernels run
-the kept layers, and of the Ethos-U, whose CPU runs them), ONNX Runtime's ``nodes_to_exclude`` (also QNN's QDQ
-configuration: the HTP computes float operators in fp16, so its kept layers are float16, not float32; its CPU
-fallback stays off), the XNNPACK quantizer's filter function. Not Core ML (not measured off macOS, so no fidelity
-to hold to a budget)."""
-
-
 @dataclass(frozen=True)
 class AccuracyControl:
-    """What an exporter's own accuracy control needs from the pipeline (``ACCURACY_CONTROL``): the validation samples,
+    """What an exporter's own accuracy control needs from the pipeline (``ExportTarget.own_accuracy_control``): the
+    validation samples,
     a score of a model's outputs on some of them (higher better; the float model's is the reference), and the
     largest drop of that score allowed."""
 
@@ -90,10 +80,11 @@ class ExportRequest:
     input_names: tuple[str, ...]
     profile: Profile | None = None  # the device's profile: its accelerator section (coreml, qnn, ethos_u, ...)
     keep_float: tuple[str, ...] = ()
-    """Module paths (``features.2``) to leave in float in an int8-static model: mixed precision, for the exporters
-    in ``KEEPS_FLOAT``."""
+    """Module paths (``features.2``) to leave in float in an int8-static model: mixed precision, for the targets
+    that declare ``keeps_float``."""
     accuracy_control: AccuracyControl | None = None
-    """For the exporters in ``ACCURACY_CONTROL``: make int8-static with their quantizer's accuracy control."""
+    """For the targets that declare ``own_accuracy_control``: make int8-static with their quantizer's accuracy
+    control."""
 
     def profile_section(self, name: str, backend: str, needs: str) -> Any:
         """The profile's ``[name]`` section, which ``backend`` cannot export without (``needs`` says what it takes
@@ -151,17 +142,81 @@ class ExportedModel:
     ``quantization.activation_ranges``)."""
 
 
-class Exporter(Protocol):
+class ExportTarget:
+    """One export target: subclass it, declare its capabilities, implement ``export`` (and ``layer_probe`` when
+    edgeline can read its model's layers), and register it in ``EXPORT_BACKENDS``. Everything else asks the class.
+
+    The capabilities, read by the pipeline, mixed precision and the per-layer report:
+    """
+
     name: str
-    runtime_backend: str  # the runtime registry name of what it writes (edgeline.backends.RUNTIME_BACKENDS)
+    """Its registry name, the profiles' ``backend`` (``litert``)."""
+    runtime_backend: str
+    """The runtime backend that runs its bundles (``edgeline.backends.RUNTIME_BACKENDS``; ``ExportedModel`` may name
+    another for one bundle, e.g. a microcontroller's)."""
     precisions: tuple[Precision, ...]
+    """The precisions it exports; any other is refused, listing these."""
+    keeps_float: bool = False
+    """Whether it honours ``ExportRequest.keep_float`` in int8-static, through its quantizer's public means (mixed
+    precision by the accuracy budget). Not Core ML (not measured off macOS, so no fidelity to hold to a budget)."""
+    kept_float_precision: str = "float32"
+    """The precision its kept layers compute in (the manifest's ``kept_float[].precision``)."""
+    own_accuracy_control: bool = False
+    """Whether its int8-static model, when it misses the accuracy budget, is made again by its quantizer's own
+    accuracy control (``ExportRequest.accuracy_control``) rather than by edgeline's mixed precision; what it reverted
+    to float comes back as ``ExportedModel.kept_float``."""
+    full_integer: bool = False
+    """Whether its int8-static model takes and gives int8 whatever is kept float (what TFLite Micro's firmware and
+    vela take): an input int8 loses cannot be kept float."""
 
-    def export(self, request: ExportRequest) -> ExportedModel: ...
+    def export(self, request: ExportRequest) -> ExportedModel:
+        """Convert ``request.module`` into ``request.out_dir``: the model file(s), its placement, its runtime."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement export()")
+
+    def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
+        """The reader of its deployed model's intermediate tensors (``edgeline.export.layer_probes``); None: edgeline
+        reads none of them here, and the manifest says so."""
+        return None
+
+    def on_micro_kernels(self, profile: Profile | None) -> bool:
+        """Whether TFLite Micro's kernels run its model here and on the device of ``profile``: a kernel TFLite Micro
+        lacks then fails every such target alike."""
+        return False
+
+    def has_every_tflite_kernel(self, profile: Profile | None) -> bool:
+        """Whether its model runs on LiteRT, which has every TFLite builtin kernel, on the device of ``profile``: where
+        a model needing a kernel TFLite Micro lacks can go."""
+        return False
 
 
-def get_exporter(name: str) -> Exporter:
-    exporter: Exporter = resolve(EXPORT_BACKENDS, name, "export backend", ExportError)()
-    return exporter
+Exporter = ExportTarget
+"""The name this class had as a protocol."""
+
+
+def export_target(name: str) -> type[ExportTarget]:
+    """The class registered as ``name``; an ``ExportError`` listing the valid names when none is."""
+    target: type[ExportTarget] = resolve(EXPORT_BACKENDS, name, "export backend", ExportError)
+    return target
+
+
+def get_exporter(name: str) -> ExportTarget:
+    return export_target(name)()
+
+
+_CAPABILITY_SETS = {
+    "INT8_EDGES": "full_integer",
+    "KEEPS_FLOAT": "keeps_float",
+    "ACCURACY_CONTROL": "own_accuracy_control",
+}
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    """The names of the targets with one capability, as this module listed them before the classes declared them:
+    ``INT8_EDGES`` (``full_integer``), ``KEEPS_FLOAT``, ``ACCURACY_CONTROL`` (``own_accuracy_control``)."""
+    capability = _CAPABILITY_SETS.get(name)
+    if capability is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return frozenset(target for target in EXPORT_BACKENDS if getattr(export_target(target), capability))
 
 
 _OPERATOR = re.compile(r"\b(aten(?:::|\.)[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?|tfl\.[a-z0-9_]+)")

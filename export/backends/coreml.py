@@ -18,7 +18,7 @@ from typing import Any
 from edgeline.backends.coreml import COMPUTE_UNITS_KEY, accelerator_for
 from edgeline.device_profiles import Precision
 from edgeline.device_profiles.schema import CoreML
-from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.errors import ExportError
 from edgeline.manifest import Dtype, Placement, RuntimeRequirement, TensorSpec
 
@@ -278,7 +278,7 @@ def _int8_weights(mlmodel: Any) -> Any:
     return linear_quantize_weights(mlmodel, OptimizationConfig(global_config=config))
 
 
-class CoreMLExporter:
+class CoreMLExporter(ExportTarget):
     name = "coreml"
     runtime_backend = "coreml"
     precisions = (Precision.FP16, Precision.INT8_WEIGHTS)

@@ -23,11 +23,12 @@ from importlib.metadata import version
 from pathlib import Path
 
 from edgeline.backends.ethos_u import CPU_MODEL, ETHOS_U, operator_names
-from edgeline.device_profiles import Precision
+from edgeline.device_profiles import Precision, Profile
 from edgeline.device_profiles.schema import EthosU
-from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.backends.litert import tool_versions, write_tflite
 from edgeline.export.errors import ExportError
+from edgeline.export.layer_probes import LayerProbe, LayerReading, litert_layers
 from edgeline.export.placement import TFLITE_CONVERSIONS, placement_of, tflite_records
 from edgeline.manifest import Estimates, Placement, RuntimeRequirement
 
@@ -194,13 +195,27 @@ def _placement(int8_model: Path, compiled: Path, layers: dict[tuple[str, str], t
     return placement_of(records, Precision.INT8_STATIC, accelerator=ETHOS_U)
 
 
-class EthosUExporter:
+class EthosUExporter(ExportTarget):
     name = "ethos-u"
     runtime_backend = "litert"
     """On a Linux device (an i.MX 93, running edgeline's daemon): LiteRT with the Ethos-U external delegate. A
     microcontroller profile (``daemon = false``) gets ``tflite-micro``: its firmware runs TFLite Micro with the
     Ethos-U driver."""
     precisions = (Precision.INT8_STATIC,)
+    keeps_float = True  # the LiteRT quantizer's annotation: the CPU runs the kept layers
+    full_integer = True
+
+    def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
+        """Its int8 model (the one vela compiled) on LiteRT's interpreter."""
+        return litert_layers(reading)
+
+    def on_micro_kernels(self, profile: Profile | None) -> bool:
+        """On a microcontroller (a profile without a daemon) its CPU part and int8 copy are TFLite Micro's; on
+        Linux, LiteRT's."""
+        return not getattr(profile, "daemon", None)
+
+    def has_every_tflite_kernel(self, profile: Profile | None) -> bool:
+        return not self.on_micro_kernels(profile)
 
     def export(self, request: ExportRequest) -> ExportedModel:
         if request.precision not in self.precisions:

@@ -13,7 +13,7 @@ from typing import Any
 from edgeline.backends.executorch import program_specs
 from edgeline.device_profiles import Precision
 from edgeline.device_profiles.schema import CoreML
-from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.errors import ExportError
 from edgeline.export.placement import executorch_placement
 from edgeline.manifest import RuntimeRequirement
@@ -37,7 +37,7 @@ def _compile_specs(settings: CoreML, precision: Precision) -> list[Any]:
     )
 
 
-class ExecuTorchCoreMLExporter:
+class ExecuTorchCoreMLExporter(ExportTarget):
     name = "executorch-coreml"
     runtime_backend = "executorch"
     precisions = (Precision.FP16, Precision.FP32)

@@ -6,9 +6,10 @@ from importlib.metadata import version
 from typing import Any
 
 from edgeline.device_profiles import Precision
-from edgeline.export.backends import ExportedModel, ExportRequest
-from edgeline.export.conversion import module_path
+from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget
 from edgeline.export.errors import ExportError
+from edgeline.export.graph import module_path
+from edgeline.export.layer_probes import LayerProbe, LayerReading, pt2e_layers
 from edgeline.export.placement import executorch_placement
 from edgeline.manifest import RuntimeRequirement
 
@@ -54,10 +55,25 @@ def quantized_module(
     return convert_pt2e(prepared)
 
 
-class XnnpackExporter:
+class XnnpackExporter(ExportTarget):
     name = "executorch-xnnpack"
     runtime_backend = "executorch"
     precisions = (Precision.FP32, Precision.INT8_DYNAMIC, Precision.INT8_STATIC)
+    keeps_float = True  # the XNNPACK quantizer's filter function
+
+    def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
+        """The PT2E graph the ``.pte`` was lowered from, quantized again on the calibration samples (the same
+        graph: the quantizer is deterministic), read with torchao's numeric debugger; none without them."""
+        if reading.calibration is None:
+            return None
+        import torch
+
+        calibration = reading.calibration
+        tensors = [tuple(torch.from_numpy(a) for a in calibration.sample(i)) for i in range(len(calibration))]
+        converted = quantized_module(
+            reading.module, tensors[0], tensors, dynamic=reading.dynamic, keep_float=reading.keep_float
+        )
+        return pt2e_layers(reading, converted)
 
     def export(self, request: ExportRequest) -> ExportedModel:
         import torch

@@ -8,9 +8,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from edgeline.device_profiles import Precision
-from edgeline.export.backends import ExportedModel, ExportRequest
+from edgeline.device_profiles import Precision, Profile
+from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget
 from edgeline.export.errors import ExportError
+from edgeline.export.layer_probes import LayerProbe, LayerReading, litert_layers
 from edgeline.export.placement import tflite_placement
 from edgeline.manifest import Rewrite, RuntimeRequirement
 
@@ -73,10 +74,17 @@ def _input_names_in_forward_order(path: str) -> tuple[str, ...]:
     return tuple(by_index[detail["index"]] for _, detail in sorted(signature.items(), key=position))
 
 
-class LiteRTExporter:
+class LiteRTExporter(ExportTarget):
     name = "litert"
     runtime_backend = "litert"
     precisions = (Precision.FP32, Precision.FP16, Precision.INT8_DYNAMIC, Precision.INT8_STATIC)
+    keeps_float = True  # the LiteRT quantizer's per-operator annotation
+
+    def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
+        return litert_layers(reading)
+
+    def has_every_tflite_kernel(self, profile: Profile | None) -> bool:
+        return True
 
     def export(self, request: ExportRequest) -> ExportedModel:
         if request.precision not in self.precisions:

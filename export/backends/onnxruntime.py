@@ -17,8 +17,9 @@ import numpy as np
 
 from edgeline.backends.onnxruntime import CPU, import_onnxruntime
 from edgeline.device_profiles import Precision, Profile
-from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.errors import ExportError
+from edgeline.export.layer_probes import LayerProbe, LayerReading, onnx_layers
 from edgeline.manifest import Placement, RuntimeRequirement
 
 __all__ = [
@@ -257,10 +258,14 @@ def _node_macs(node: Any, ins: list[tuple[int, ...] | None], out: tuple[int, ...
     return elements
 
 
-class OnnxRuntimeExporter:
+class OnnxRuntimeExporter(ExportTarget):
     name = "onnxruntime"
     runtime_backend = "onnxruntime"
     precisions = (Precision.FP32, Precision.INT8_STATIC)
+    keeps_float = True  # ONNX Runtime's nodes_to_exclude
+
+    def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
+        return onnx_layers(reading)
 
     def export(self, request: ExportRequest) -> ExportedModel:
         import tempfile

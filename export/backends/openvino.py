@@ -42,9 +42,10 @@ import numpy as np
 
 from edgeline.backends.openvino import CPU, PRECISION_KEY, has_device, import_openvino
 from edgeline.device_profiles import Precision
-from edgeline.export.backends import AccuracyControl, ExportedModel, ExportRequest, Verification
-from edgeline.export.conversion import module_path
+from edgeline.export.backends import AccuracyControl, ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.errors import ExportError
+from edgeline.export.graph import module_path
+from edgeline.export.layer_probes import LayerProbe, LayerReading, openvino_layers
 from edgeline.manifest import KeptFloat, Placement, RuntimeRequirement
 
 __all__ = [
@@ -185,11 +186,16 @@ def int8_operators(model: Any) -> set[str]:
     return found
 
 
-class OpenVINOExporter:
+class OpenVINOExporter(ExportTarget):
     name = "openvino"
     runtime_backend = "openvino"
     device = CPU
     precisions: tuple[Precision, ...] = (Precision.FP32, Precision.FP16, Precision.INT8_STATIC)
+    own_accuracy_control = True  # NNCF's quantize_with_accuracy_control
+
+    def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
+        """The IR with each layer's output added to its outputs, on the CPU plugin in f32 (whatever device runs it)."""
+        return openvino_layers(reading)
 
     def export(self, request: ExportRequest) -> ExportedModel:
         if request.precision not in self.precisions:

@@ -29,7 +29,7 @@ from edgeline.backends.onnxruntime import (
 )
 from edgeline.device_profiles import Precision
 from edgeline.device_profiles.schema import Qnn
-from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.backends.onnxruntime import (
     CONVERSIONS,
     calibration_reader,
@@ -40,6 +40,7 @@ from edgeline.export.backends.onnxruntime import (
     torch_to_onnx,
 )
 from edgeline.export.errors import ExportError, LoweringError
+from edgeline.export.layer_probes import LayerProbe, LayerReading, onnx_layers
 from edgeline.manifest import Placement, RuntimeRequirement
 
 __all__ = ["QnnHtpExporter", "refused_operators"]
@@ -129,10 +130,17 @@ def _measured_with(qnn: Qnn) -> str:
     )
 
 
-class QnnHtpExporter:
+class QnnHtpExporter(ExportTarget):
     name = "qnn-htp"
     runtime_backend = "onnxruntime"
     precisions = (Precision.INT8_STATIC,)
+    keeps_float = True  # the QDQ configuration's nodes_to_exclude; its CPU fallback stays off
+    kept_float_precision = "float16"  # the HTP computes float operators in fp16
+
+    def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
+        """The QDQ model beside the context binary, on onnxruntime's CPU provider: the HTP emulator runs the binary
+        as one node."""
+        return onnx_layers(reading, reading.model_path.with_name(QDQ_FILE), qnn=True)
 
     def export(self, request: ExportRequest) -> ExportedModel:
         if request.precision not in self.precisions:

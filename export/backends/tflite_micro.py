@@ -9,20 +9,30 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from edgeline.device_profiles import Precision
-from edgeline.export.backends import ExportedModel, ExportRequest, Verification
+from edgeline.device_profiles import Precision, Profile
+from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.backends.litert import MODEL_FILE, tool_versions, write_tflite
 from edgeline.export.errors import ExportError
+from edgeline.export.layer_probes import LayerProbe, LayerReading, litert_layers
 from edgeline.export.placement import tflite_placement
 from edgeline.manifest import RuntimeRequirement
 
 __all__ = ["TFLiteMicroExporter"]
 
 
-class TFLiteMicroExporter:
+class TFLiteMicroExporter(ExportTarget):
     name = "tflite-micro"
     runtime_backend = "tflite-micro"
     precisions = (Precision.INT8_STATIC,)
+    keeps_float = True  # the LiteRT quantizer's annotation: TFLite Micro's float kernels run the kept layers
+    full_integer = True
+
+    def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
+        """Its int8 model on LiteRT's interpreter: the microcontroller's TFLite Micro kernels compute the same."""
+        return litert_layers(reading)
+
+    def on_micro_kernels(self, profile: Profile | None) -> bool:
+        return True
 
     def export(self, request: ExportRequest) -> ExportedModel:
         if request.precision not in self.precisions:
