@@ -78,7 +78,7 @@ def _memory(manifest: Manifest) -> dict[str, Any]:
 
 def describe_bundle(bundle: Bundle) -> dict[str, Any]:
     """The facts ``bundle show`` prints, as plain data (numbers as numbers)."""
-    from edgeline.backends import BASE_INSTALL_BACKENDS
+    from edgeline.backends import RUNTIME_BACKENDS, runtime_backend
     from edgeline.bundle import MANIFEST_FILE, SIGNATURE_FILE
     from edgeline.daemon.codecs import example_payload, payload_fields
 
@@ -95,7 +95,7 @@ def describe_bundle(bundle: Bundle) -> dict[str, Any]:
         "created": manifest.created,
         "profile": manifest.profile,
         "backend": manifest.backend,
-        "base_install_runs_it": manifest.backend in BASE_INSTALL_BACKENDS,
+        "base_install_runs_it": manifest.backend in RUNTIME_BACKENDS and runtime_backend(manifest.backend).base_install,
         "precision": manifest.precision,
         "threads": manifest.threads,
         "runtime": manifest.runtime.model_dump(),

@@ -5,28 +5,29 @@ found or imported here with their versions (onnxruntime's providers, OpenVINO's 
 its delegates); the Ethos-U delegate and the QNN HTP; and, when it was looked at, the daemon's state directory
 (``StateFacts``: its file system and what the outbox may take of it). Tests build ``Facts`` for other machines.
 
-Whether a bundle runs on the machine of such facts is ``edgeline.verdicts``; ``edgeline doctor`` prints both.
+Each runtime backend's facts are its class's (``RuntimeBackend.probe``, ``edgeline.backends.base``, where the facts'
+types live, imported by every backend); the Ethos-U delegate and the QNN HTP are the machine's. Whether a bundle runs
+on the machine of such facts is ``edgeline.verdicts``; ``edgeline doctor`` prints both.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
 import platform
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
-from importlib import metadata
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from edgeline.backends.base import Facts, RuntimeFacts, RuntimeInfo, StateFacts
 
 if TYPE_CHECKING:
     from edgeline.machine import Machine
 
 __all__ = [
     "ARM_FEATURES",
-    "RUNTIMES",
+    "RUNTIMES",  # noqa: F822 - computed by __getattr__ on first use
     "X86_FEATURES",
     "Facts",
     "RuntimeFacts",
@@ -42,73 +43,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RuntimeInfo:
-    """A runtime backend's distribution, the module it runs on, and how a device gets it."""
+def __getattr__(name: str) -> dict[str, RuntimeInfo]:
+    """``RUNTIMES``: the runtime backends by the package and module they run on and how a device gets them, as this
+    module listed them before each backend's class declared it (``edgeline.backends.base.RuntimeBackend``)."""
+    if name != "RUNTIMES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from edgeline.backends import runtime_backends
 
-    package: str
-    module: str
-    install: str
-    """How to get it on a device."""
-
-
-RUNTIMES: dict[str, RuntimeInfo] = {
-    "litert": RuntimeInfo("ai-edge-litert", "ai_edge_litert.interpreter", "the base install (pip install edgeline)"),
-    "tflite-runtime": RuntimeInfo(
-        "tflite-runtime", "tflite_runtime.interpreter", "pip install tflite-runtime (2.14: Python <= 3.11, numpy < 2)"
-    ),
-    "onnxruntime": RuntimeInfo("onnxruntime", "onnxruntime", "pip install 'edgeline[onnx]'"),
-    "openvino": RuntimeInfo("openvino", "openvino", "pip install 'edgeline[openvino]'"),
-    "executorch": RuntimeInfo(
-        "executorch",
-        "executorch.runtime",
-        "edgeline doctor --install executorch (its C++ runtime, no torch)",
-    ),
-    "tflite-micro": RuntimeInfo(
-        "tflite-micro", "tflite_micro", "pip install 'edgeline[ethos-u]' (an x86-64 Linux wheel only)"
-    ),
-    "coreml": RuntimeInfo("coremltools", "coremltools", "macOS with pip install 'edgeline[coreml]'"),
-}
-"""The runtime backends (``edgeline.backends.RUNTIME_BACKENDS``) by the package and module they run on."""
-
-
-@dataclass(frozen=True)
-class RuntimeFacts:
-    version: str | None
-    """The installed distribution's version, or None when it is not installed."""
-    imports: bool | None
-    """Whether its module imported (None: not tried, only looked for)."""
-    error: str | None = None
-    providers: tuple[str, ...] = ()
-    """onnxruntime's execution providers."""
-    devices: tuple[str, ...] = ()
-    """OpenVINO's devices (``Core().available_devices``: CPU, GPU, GPU.1, NPU): the plugins that found one."""
-    kind: str | None = None
-    """ExecuTorch: which runtime runs its programs, ``torch-free`` (its C++ runtime through edgeline's shim) or
-    ``python`` (its Python runtime, which imports torch)."""
-    location: str | None = None
-    """Where that runtime is (the torch-free one's directory, and how it was found)."""
-    delegates: tuple[str, ...] | None = None
-    """ExecuTorch: the delegates that runtime carries (registered when it was loaded, else its libraries); None: not
-    known without importing it."""
-    fallback: str | None = None
-    """ExecuTorch: the other runtime, when both are here (the Python runtime behind the torch-free one)."""
-
-
-@dataclass(frozen=True)
-class StateFacts:
-    """The daemon's state directory: the file system it is on and what the outbox may take of it."""
-
-    directory: str
-    mount_point: str | None
-    fs_type: str | None
-    device: str | None
-    total_bytes: int | None
-    free_bytes: int | None
-    max_bytes: int | None
-    """``[outbox] max_bytes``; None: the outbox is kept in memory (``[outbox] enabled = false``)."""
-    outboxes: Mapping[str, int] = field(default_factory=dict)
-    """The outboxes already there (``DIR/<bundle name>/outbox.sqlite``), by bundle name: the bytes their files take."""
+    return {found: backend.info() for found, backend in runtime_backends().items()}
 
 
 def state_facts(directory: Path, max_bytes: int | None) -> StateFacts:
@@ -129,118 +71,11 @@ def state_facts(directory: Path, max_bytes: int | None) -> StateFacts:
     )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Facts:
-    """What this machine says of itself. Gathered by ``gather``; tests build them for other machines."""
-
-    system: str
-    machine: Machine
-    runtimes: Mapping[str, RuntimeFacts]
-    ethos_u_delegate: str | None = None
-    """The Ethos-U external delegate's path, or None."""
-    ethos_u_missing: str = ""
-    qnn_missing: str | None = "not looked for"
-    """Why the QNN HTP provider cannot be used here, or None when it can."""
-    soc: str | None = None
-    """The SoC's name (``/sys/devices/soc0/machine`` on Qualcomm's Linux: ``QCS6490``), or None."""
-    cpu_count: int | None = None
-    memory_mb: tuple[int, int] | None = None
-    """(total, available) MiB, from /proc/meminfo."""
-    os_name: str = ""
-    kernel: str = ""
-    python: str = field(default_factory=platform.python_version)
-    state: StateFacts | None = None
-    """The daemon's state directory, when it was looked at."""
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _executorch_facts(*, try_import: bool) -> RuntimeFacts:
-    """The torch-free runtime when there is one (loaded, with ``try_import``: its shim built if need be), the Python
-    runtime's facts otherwise; each names the other when both are here."""
-    from edgeline.executorch_native import NativeRuntime, built_shim, compiler, runtimes
-
-    python = _runtime_facts("executorch", try_import=False, native=False)
-    python_there = python.version is not None and importlib.util.find_spec("torch") is not None
-    also = f"ExecuTorch's Python runtime {python.version} (imports torch)" if python_there else None
-    found = runtimes()
-    if not found:
-        if python.version is None:
-            return python
-        python = _runtime_facts("executorch", try_import=try_import, native=False)
-        return replace(python, kind="python", fallback=None)
-    runtime = found[0]
-    where = f"{runtime.root} ({runtime.origin})"
-    missing = runtime.missing()
-    if missing is None and built_shim(runtime) is None and compiler() is None:
-        missing = "a C++ compiler to build edgeline's shim (apt install g++, or set CXX)"
-    if missing is not None:
-        error = f"the torch-free runtime at {where} lacks {missing}"
-        return RuntimeFacts(runtime.version, False, error, kind="torch-free", location=where, fallback=also)
-    if not try_import:
-        delegates = tuple(runtime.delegate_libraries())
-        return RuntimeFacts(
-            runtime.version, None, kind="torch-free", location=where, delegates=delegates, fallback=also
-        )
-    try:
-        loaded = NativeRuntime.get()
-    except Exception as exc:  # a library that does not load (another architecture, a missing libstdc++) is a fact
-        return RuntimeFacts(runtime.version, False, f"{exc}", kind="torch-free", location=where, fallback=also)
-    return RuntimeFacts(
-        loaded.version, True, kind="torch-free", location=where, delegates=loaded.backends(), fallback=also
-    )
-
-
 def has_openvino_device(runtime: RuntimeFacts, device: str) -> bool:
     """Whether OpenVINO found ``device`` (``GPU``, ``NPU``) among its devices here."""
     from edgeline.backends.openvino import has_device  # imports nothing of openvino's
 
     return has_device(runtime.devices, device)
-
-
-def _runtime_facts(backend: str, *, try_import: bool, native: bool = True) -> RuntimeFacts:
-    if backend == "executorch" and native:
-        return _executorch_facts(try_import=try_import)
-    info = RUNTIMES[backend]
-    version = _version(info.package)
-    found = version is not None or importlib.util.find_spec(info.module.partition(".")[0]) is not None
-    if not found:
-        return RuntimeFacts(version=None, imports=False, error=f"{info.package} is not installed")
-    if not try_import:
-        return RuntimeFacts(version=version, imports=None)
-    from edgeline.native_output import capture_native_output
-
-    logging.disable(logging.WARNING)  # coremltools, torchao and torch warn about their own setups on import
-    try:
-        with capture_native_output() as captured:
-            module = importlib.import_module(info.module)
-    except Exception as exc:  # an import can fail any way (a missing shared library, a numpy ABI mismatch)
-        return RuntimeFacts(version=version, imports=False, error=f"{type(exc).__name__}: {exc}")
-    finally:
-        logging.disable(logging.NOTSET)
-    if captured.text.strip():
-        log.debug("importing %s printed:\n%s", info.module, captured.text.strip())
-    providers: tuple[str, ...] = ()
-    if backend == "executorch":
-        registry = module.Runtime.get().backend_registry
-        return RuntimeFacts(version, True, kind="python", delegates=tuple(registry.registered_backend_names))
-    if backend == "openvino":
-        try:
-            devices = tuple(module.Core().available_devices)
-        except Exception as exc:  # a plugin that fails to load is reported, not raised
-            return RuntimeFacts(version=version, imports=False, error=f"Core().available_devices: {exc}")
-        return RuntimeFacts(version=version, imports=True, devices=devices)
-    if backend == "onnxruntime":
-        try:
-            providers = tuple(module.get_available_providers())
-        except Exception as exc:  # onnxruntime's errors derive from Exception only
-            return RuntimeFacts(version=version, imports=False, error=f"get_available_providers: {exc}")
-    return RuntimeFacts(version=version, imports=True, providers=providers)
 
 
 def _read(path: str) -> str:
@@ -286,10 +121,12 @@ def gather(
     imports its runtime right after); ``qnn``: ask onnxruntime-qnn for the HTP (it registers its provider library,
     process-wide, so only when a bundle wants the HTP). onnxruntime is imported whenever it is wanted: its
     providers are what it offers."""
+    from edgeline.backends import runtime_backends
     from edgeline.machine import this_machine
 
-    wanted = list(RUNTIMES) if backends is None else [name for name in backends if name in RUNTIMES]
-    runtimes = {name: _runtime_facts(name, try_import=try_import or name == "onnxruntime") for name in wanted}
+    known = runtime_backends()
+    wanted = list(known) if backends is None else [name for name in backends if name in known]
+    runtimes = {name: known[name].probe(try_import=try_import) for name in wanted}
     qnn_missing: str | None = "onnxruntime is not installed"
     ort = runtimes.get("onnxruntime")
     if not qnn:

@@ -26,20 +26,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgeline.backends import RUNTIME_BACKENDS, runtime_backends
 from edgeline.device_facts import (
-    RUNTIMES,
     Facts,
     RuntimeFacts,
     StateFacts,
     cpu_features,
     gather,
-    has_openvino_device,
     read_cpuinfo,
     state_facts,
 )
 from edgeline.errors import BackendUnavailableError
 from edgeline.verdicts import (
-    TARGET_RUNTIMES,
     Verdict,
     bundle_verdict,
     runnable_targets,
@@ -52,8 +50,8 @@ if TYPE_CHECKING:
     from edgeline.device_profiles import Profile
 
 __all__ = [
-    "RUNTIMES",
-    "TARGET_RUNTIMES",
+    "RUNTIMES",  # noqa: F822 - computed by __getattr__ on first use
+    "TARGET_RUNTIMES",  # noqa: F822 - computed by __getattr__ on first use
     "Facts",
     "RuntimeFacts",
     "StateFacts",
@@ -71,14 +69,18 @@ __all__ = [
 ]
 
 
-def _openvino_device(facts: Facts, device: str) -> dict[str, Any]:
-    runtime = facts.runtimes.get("openvino")
-    if runtime is None or not runtime.imports:
-        return {"present": False, "detail": "openvino is not installed (pip install 'edgeline[openvino]')"}
-    return {
-        "present": has_openvino_device(runtime, device),
-        "detail": "OpenVINO devices: " + (", ".join(runtime.devices) or "none"),
-    }
+def __getattr__(name: str) -> Any:
+    """``RUNTIMES`` and ``TARGET_RUNTIMES``, which this module showed before they were computed from the backends'
+    classes (``edgeline.device_facts``, ``edgeline.verdicts``)."""
+    if name == "RUNTIMES":
+        from edgeline import device_facts
+
+        return device_facts.RUNTIMES
+    if name == "TARGET_RUNTIMES":
+        from edgeline import verdicts
+
+        return verdicts.TARGET_RUNTIMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def report(facts: Facts, profiles: list[Profile], cpuinfo: str = "") -> dict[str, Any]:
@@ -88,33 +90,9 @@ def report(facts: Facts, profiles: list[Profile], cpuinfo: str = "") -> dict[str
     from edgeline.manifest import Device
 
     machine = facts.machine
-    ort = facts.runtimes.get("onnxruntime")
-    providers = ort.providers if ort is not None else ()
-    accelerators = {
-        "ethos-u": {
-            "present": facts.ethos_u_delegate is not None,
-            "detail": facts.ethos_u_delegate or facts.ethos_u_missing,
-        },
-        "qnn-htp": {
-            "present": facts.qnn_missing is None,
-            "detail": facts.qnn_missing
-            or ("the HTP emulator of the x86-64 wheel" if machine.arch == "x86_64" else "Qualcomm's HTP libraries"),
-        },
-        "cuda": {
-            "present": "CUDAExecutionProvider" in providers,
-            "detail": "onnxruntime providers: " + (", ".join(providers) or "onnxruntime not installed"),
-        },
-        "tensorrt": {
-            "present": "TensorrtExecutionProvider" in providers,
-            "detail": "onnxruntime providers: " + (", ".join(providers) or "onnxruntime not installed"),
-        },
-        "intel-gpu": _openvino_device(facts, "GPU"),
-        "intel-npu": _openvino_device(facts, "NPU"),
-        "coreml": {
-            "present": facts.system == "Darwin",
-            "detail": "macOS" if facts.system == "Darwin" else f"Core ML runs on macOS only (this is {facts.system})",
-        },
-    }
+    accelerators: dict[str, dict[str, Any]] = {}
+    for backend in runtime_backends().values():  # each backend's accelerators, in the registry's order
+        accelerators.update(backend.accelerators(facts))
     matches, emulates, runs = [], [], {}
     for profile in profiles:
         device = Device(arch=profile.cpu.arch, cpu=profile.cpu.name)
@@ -203,7 +181,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "bundle", metavar="BUNDLE", type=Path, nargs="?", help="a bundle directory (written by `edgeline export`)"
     )
-    parser.add_argument("--backend", metavar="RUNTIME", choices=sorted(RUNTIMES),
+    parser.add_argument("--backend", metavar="RUNTIME", choices=sorted(RUNTIME_BACKENDS),
                         help="ask about this runtime backend instead of the bundle's: %(choices)s")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
@@ -375,8 +353,9 @@ def _describe_report(document: dict[str, Any]) -> list[str]:
     if machine["soc"]:
         lines.append(f"soc:          {machine['soc']}")
     lines.append("runtimes:")
+    backends = runtime_backends()
     for name, runtime in document["runtimes"].items():
-        package = RUNTIMES[name].package
+        package = backends[name].package
         if runtime.get("kind") == "torch-free" and runtime["imports"] is not False:
             state = f"torch-free C++ runtime {runtime['version'] or '(version unknown)'} at {runtime['location']}"
             if runtime["delegates"] is not None:
@@ -393,7 +372,7 @@ def _describe_report(document: dict[str, Any]) -> list[str]:
                 state += f" (Python runtime, imports torch; delegates: {', '.join(runtime['delegates'] or ())}; the "
                 state += "torch-free one: edgeline doctor --install executorch)"
         elif runtime["version"] is None and runtime["imports"] is False:
-            state = f"not installed: {RUNTIMES[name].install}"
+            state = f"not installed: {backends[name].install}"
         else:
             state = f"{package} {runtime['version']} does not import: {runtime['error']}"
         lines.append(f"  {name:15} {state}")

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeline.backends import goes_into_firmware
 from edgeline.export.graph import export_node_modules, export_program, last_nodes, module_of_location
 from edgeline.manifest import Quantization
 from edgeline.quantization import dequantize, quantize
@@ -100,7 +101,7 @@ class LayerProbe:
 
 def litert_layers(reading: LayerReading) -> LayerProbe:
     """A LiteRT model's layers (litert, and the int8 model of tflite-micro and ethos-u)."""
-    micro = reading.runtime_backend == "tflite-micro"
+    micro = goes_into_firmware(reading.runtime_backend)
     return LiteRTProbe(
         reading.model_path, reading.module, reading.float_run, reading.input_names, microcontroller=micro
     )

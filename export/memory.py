@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from edgeline.backends import goes_into_firmware
 from edgeline.manifest import Memory
 
 __all__ = ["TIMEOUT_S", "measure_memory", "not_measured"]
@@ -64,7 +65,8 @@ def measure_memory(bundle: Path, backend: str, model_file: str | None, measured_
     unknown = {}
     if found["resident_mb"] is None:
         unknown["resident_mb"] = found["unmeasurable"]
-    if backend == "tflite-micro" and found["arena_bytes"] is None:
+    arena = goes_into_firmware(backend)  # its memory is TFLite Micro's tensor arena
+    if arena and found["arena_bytes"] is None:
         unknown["arena_bytes"] = "TFLite Micro's allocator did not report the arena it used"
     runtime = found.get("runtime")
     if runtime == "python":
@@ -77,7 +79,7 @@ def measure_memory(bundle: Path, backend: str, model_file: str | None, measured_
         measured_with=(
             f"{measured_on}: the tensor arena TFLite Micro's recording allocator reported, the model loaded and run "
             "once"
-            if backend == "tflite-micro"
+            if arena
             else f"{measured_on}: resident memory a fresh process gains loading the model and running it once"
         ),
         unknown=unknown,

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from edgeline import bundle as bundle_io
-from edgeline.backends import open_session
+from edgeline.backends import goes_into_firmware, open_session
 from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
 from edgeline.export.backends import (
@@ -624,7 +624,7 @@ def _build(
     fields = dict(fields, fidelity=fidelity, golden=manifest.golden, memory=memory)
     manifest = write_bundle(staging, exported, fields)
     firmware = None
-    if exported.runtime_backend == "tflite-micro":  # it goes into a microcontroller's firmware: as C sources too
+    if goes_into_firmware(exported.runtime_backend):  # a microcontroller's firmware takes it: as C sources too
         firmware = write_c_sources(staging, manifest, check.model_file or exported.model_file)
         exported = replace(exported, extra_files=(*exported.extra_files, firmware.sources))
         memory = firmware_memory(firmware)
@@ -697,8 +697,9 @@ def _memory(staging: Path, exported: ExportedModel, check: Verification, profile
     """What the bundle needs in memory, where this machine runs it as the device does: the bundle's model on its
     own runtime (a process's resident memory), or TFLite Micro for a microcontroller (its arena)."""
     host = f"{platform.machine()} ({platform.system()})"
-    if check.backend == "tflite-micro":
-        memory = measure_memory(staging, "tflite-micro", check.model_file, f"TFLite Micro on {host}")
+    if goes_into_firmware(check.backend):
+        assert check.backend is not None
+        memory = measure_memory(staging, check.backend, check.model_file, f"TFLite Micro on {host}")
         unknown = {k: v for k, v in memory.unknown.items() if k != "resident_mb"}
         unknown["resident_mb"] = "a microcontroller runs no process: its figure is the arena"
         return memory.model_copy(update={"resident_mb": None, "unknown": unknown})

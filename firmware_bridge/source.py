@@ -23,16 +23,17 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 import numpy as np
 import orjson
 
+from edgeline.daemon.config import SourceConfig
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.sources import SourceBase
-from edgeline.daemon.topics import SENSOR_TOPIC
+from edgeline.daemon.topics import SENSOR_TOPIC, TopicFilter
 from edgeline.firmware_bridge.link import Board, BoardLink, StreamSpec, input_id
 from edgeline.firmware_bridge.protocol import Frame
 from edgeline.lograte import Repeated, shown
@@ -67,7 +68,15 @@ def sample_payload(identity: str, sample: np.ndarray) -> bytes:
 
 class FramesSource(SourceBase):
     """Boards on one serial port (see the module); what its link counted and the board it talks to are the
-    daemon's ``counters`` and ``status``."""
+    daemon's ``counters`` and ``status``. Made by the serial source for ``protocol = "frames"``
+    (``edgeline.daemon.sources.SERIAL_PROTOCOLS``), which answers for it what the configuration asks."""
+
+    @classmethod
+    def from_config(
+        cls, settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int
+    ) -> FramesSource:
+        assert settings.url is not None  # the serial source's ``needs``
+        return cls(settings.url, baudrate=settings.baudrate, device=settings.device)
 
     def __init__(self, url: str, *, baudrate: int, device: str | None = None):
         self.link = BoardLink(url, self, baudrate=baudrate, downlink_frames=DOWNLINK_ROOM)

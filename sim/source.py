@@ -1,8 +1,8 @@
 """Simulated sensors as a daemon source: ``edgeline run BUNDLE --sim 'digits --count 10 --devices 3'``.
 
 The same sensors, messages and pacing as ``edgeline sim``, handed to the daemon in-process instead of through a
-broker. ``edgeline.daemon.sources`` registers this class by name and imports it only when a configuration asks
-for it, so the device side never loads it otherwise.
+broker. ``edgeline.daemon.config.SOURCES`` registers this class as ``"sim"`` by name and imports it only when a
+configuration asks for it, so the device side never loads it otherwise.
 """
 
 from __future__ import annotations
@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import shlex
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from edgeline.daemon.config import SourceConfig
 from edgeline.daemon.messages import Message
 from edgeline.daemon.sources import SourceBase
+from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
 from edgeline.sim.publisher import Pacing, fleet_messages
 from edgeline.sim.sensor_arguments import add_sensor_arguments, make_sensors, publish_options
@@ -29,7 +31,19 @@ class _Arguments(argparse.ArgumentParser):
 
 
 class SimSource(SourceBase):
+    needs = ("sim", "the arguments of `edgeline sim`, e.g. 'digits --count 10'")
     finite = True
+
+    @classmethod
+    def lossless(cls, settings: SourceConfig) -> bool:
+        return True  # a bounded simulation waits for the model, like a recording
+
+    @classmethod
+    def from_config(
+        cls, settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int
+    ) -> SimSource:
+        assert settings.sim is not None  # ``needs``
+        return cls(settings.sim, device=settings.device)
 
     def __init__(self, arguments: str, *, device: str | None = None):
         parser = _Arguments(prog="--sim", add_help=False)

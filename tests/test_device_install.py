@@ -139,23 +139,28 @@ def test_the_committed_bundle_is_valid_and_small(committed: Path, capsys: pytest
     assert sum(path.stat().st_size for path in committed.iterdir()) < 32 * 1024
 
 
-@pytest.mark.quick
-@pytest.mark.workstation  # compares with a fresh export
-@pytest.mark.parametrize(
-    ("fixture", "committed"),
-    [
-        ("built_litert_bundle", COMMITTED_BUNDLE),
-        ("sqrt_bundle", COMMITTED_SQRT_BUNDLE),
-        *(("fresh_bundles", bundle) for bundle in (*COMMITTED_PTE_BUNDLES.values(), *COMMITTED_OV_BUNDLES.values())),
-    ],
-    ids=lambda value: value.name if isinstance(value, Path) else None,
-)
-def test_the_committed_bundle_describes_what_the_exporter_writes_today(
-    fixture: str, committed: Path, request: pytest.FixtureRequest
-) -> None:
-    """Workstation tier: a fresh export of the same model; regenerate with `python -m tests.tiny_bundle NAME`."""
+FRESH_AND_COMMITTED = [
+    ("built_litert_bundle", COMMITTED_BUNDLE),
+    ("sqrt_bundle", COMMITTED_SQRT_BUNDLE),
+    *(("fresh_bundles", bundle) for bundle in (*COMMITTED_PTE_BUNDLES.values(), *COMMITTED_OV_BUNDLES.values())),
+]
+
+
+@pytest.fixture(params=FRESH_AND_COMMITTED, ids=lambda pair: f"{pair[0]}-{pair[1].name}")
+def fresh_and_committed(request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    """A fresh export of a committed bundle's model (made, or found in the test cache, while the test is set up:
+    a quick test's body converts nothing) and the committed bundle."""
+    fixture, committed = request.param
     found = request.getfixturevalue(fixture)
     exported: Path = found(committed.name) if fixture == "fresh_bundles" else found
+    return exported, committed
+
+
+@pytest.mark.quick
+@pytest.mark.workstation  # compares with a fresh export
+def test_the_committed_bundle_describes_what_the_exporter_writes_today(fresh_and_committed: tuple[Path, Path]) -> None:
+    """Workstation tier: a fresh export of the same model; regenerate with `python -m tests.tiny_bundle NAME`."""
+    exported, committed = fresh_and_committed
     if exported == committed:
         pytest.fail("this test needs the workstation tier (a fresh export); it has no `device` marker")
 

@@ -1,55 +1,44 @@
-"""Runtime backends: one module each, found by name, imported on first use.
+"""Runtime backends: one class each (a ``RuntimeBackend``, ``edgeline.backends.base``), registered in
+``RUNTIME_BACKENDS``, imported on first use.
 
-A backend opens a model file and runs model-native numpy arrays (already quantized where the model
-wants integers) in the order of the manifest's inputs, returning the outputs in manifest order.
-Quantization, validation and post-processing are the ``Model``'s job, shared by every backend.
+A backend's class declares what it runs on and implements its parts: its facts on a machine, whether a bundle runs
+there, and the session that opens a model file and runs model-native numpy arrays (already quantized where the model
+wants integers) in the order of the manifest's inputs, returning the outputs in manifest order. Quantization,
+validation and post-processing are the ``Model``'s job, shared by every backend. Every other module asks the class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from edgeline.backends.base import RuntimeBackend, Session
 from edgeline.errors import BundleError
 from edgeline.registry import resolve
 
-if TYPE_CHECKING:  # the registry is read by `--help` (choices of --backend): no numpy or pydantic for that
-    import numpy as np
+__all__ = [
+    "BASE_INSTALL_BACKENDS",
+    "RUNTIME_BACKENDS",
+    "RuntimeBackend",
+    "Session",
+    "SessionFactory",
+    "goes_into_firmware",
+    "open_session",
+    "runtime_backend",
+    "runtime_backends",
+]
 
-    from edgeline.manifest import TensorSpec
-
-__all__ = ["BASE_INSTALL_BACKENDS", "RUNTIME_BACKENDS", "Session", "SessionFactory", "open_session"]
-
-RUNTIME_BACKENDS: dict[str, str] = {
-    "litert": "edgeline.backends.litert:LiteRTSession",
-    "tflite-runtime": "edgeline.backends.litert:TFLiteRuntimeSession",
-    "executorch": "edgeline.backends.executorch:ExecuTorchSession",
-    "tflite-micro": "edgeline.backends.tflite_micro:TFLiteMicroSession",
-    "coreml": "edgeline.backends.coreml:CoreMLSession",
-    "onnxruntime": "edgeline.backends.onnxruntime:OnnxRuntimeSession",
-    "openvino": "edgeline.backends.openvino:OpenVINOSession",
+RUNTIME_BACKENDS: dict[str, str] = {  # the one place a runtime backend is registered: its name -> its class
+    "litert": "edgeline.backends.litert:LiteRTBackend",
+    "tflite-runtime": "edgeline.backends.litert:TFLiteRuntimeBackend",
+    "onnxruntime": "edgeline.backends.onnxruntime:OnnxRuntimeBackend",
+    "openvino": "edgeline.backends.openvino:OpenVINOBackend",
+    "executorch": "edgeline.backends.executorch:ExecuTorchBackend",
+    "tflite-micro": "edgeline.backends.tflite_micro:TFLiteMicroBackend",
+    "coreml": "edgeline.backends.coreml:CoreMLBackend",
 }
-BASE_INSTALL_BACKENDS: frozenset[str] = frozenset({"litert"})
-"""The runtime backends that ``pip install edgeline`` (no extras, what a device runs) can run: their runtime is a
-dependency of the base install and needs no torch. ``executorch`` needs its C++ runtime installed
-(``edgeline doctor --install executorch``, no torch) or the ``executorch`` extra (torch), ``tflite-runtime`` a package
-of its own, ``onnxruntime`` the ``onnx`` extra and ``openvino`` the ``openvino`` extra (both torch-free). A device
-profile's first target must export for one of these, unless the profile is for an accelerator whose extra it names."""
-
-
-class Session(Protocol):
-    """An opened model, ready to run."""
-
-    accelerator: str | None
-    """What really runs the model here: the accelerator asked for, or None when the CPU runs it (a fallback when
-    an accelerator was asked for: the model says so loudly)."""
-
-    def input_specs(self) -> list[TensorSpec]: ...
-
-    def output_specs(self) -> list[TensorSpec]: ...
-
-    def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]: ...
+"""In the order ``edgeline doctor`` lists them (and their accelerators)."""
 
 
 class SessionFactory(Protocol):
@@ -58,6 +47,33 @@ class SessionFactory(Protocol):
     def __call__(
         self, model_path: Path, *, threads: int, input_names: Sequence[str] | None, accelerator: str | None = None
     ) -> Session: ...
+
+
+def runtime_backend(name: str) -> RuntimeBackend:
+    """The backend registered as ``name``; a ``BundleError`` listing the valid names when none is."""
+    backend: type[RuntimeBackend] = resolve(RUNTIME_BACKENDS, name, "runtime backend", BundleError)
+    return backend()
+
+
+def goes_into_firmware(name: str | None) -> bool:
+    """Whether the bundles of runtime backend ``name`` go into a microcontroller's firmware
+    (``RuntimeBackend.firmware``); an unknown name or None: no."""
+    return name in RUNTIME_BACKENDS and runtime_backend(name).firmware
+
+
+def runtime_backends() -> dict[str, RuntimeBackend]:
+    """Every registered backend, in the registry's order (each one's module imported)."""
+    return {name: runtime_backend(name) for name in RUNTIME_BACKENDS}
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    """``BASE_INSTALL_BACKENDS``: the runtime backends that ``pip install edgeline`` (no extras, what a device runs)
+    can run, as this module listed them before the classes declared it (``RuntimeBackend.base_install``). A device
+    profile's first target must export for one of these, unless the profile is for an accelerator whose extra it
+    names."""
+    if name != "BASE_INSTALL_BACKENDS":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return frozenset(found for found, backend in runtime_backends().items() if backend.base_install)
 
 
 def open_session(
@@ -69,9 +85,9 @@ def open_session(
     accelerator: str | None = None,
 ) -> Session:
     """Open ``model_path`` with the runtime backend called ``name``, on ``accelerator`` where it can."""
-    factory: SessionFactory = resolve(RUNTIME_BACKENDS, name, "runtime backend", BundleError)
-    if model_path.suffix not in factory.file_suffixes:
+    backend = runtime_backend(name)
+    if model_path.suffix not in backend.file_suffixes:
         raise BundleError(
-            f"runtime backend {name!r} runs {', '.join(factory.file_suffixes)} models, not {model_path.name}"
+            f"runtime backend {name!r} runs {', '.join(backend.file_suffixes)} models, not {model_path.name}"
         )
-    return factory(model_path, threads=threads, input_names=input_names, accelerator=accelerator)
+    return backend.open(model_path, threads=threads, input_names=input_names, accelerator=accelerator)

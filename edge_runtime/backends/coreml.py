@@ -11,18 +11,31 @@ import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeline.backends.base import Asked, RuntimeBackend, Verdict
 from edgeline.errors import BackendUnavailableError, BundleError
 from edgeline.manifest import Dtype, TensorSpec
 
-__all__ = ["COMPUTE_UNITS_KEY", "CoreMLSession", "accelerator_for", "unavailable_reason"]
+if TYPE_CHECKING:
+    from edgeline.backends.base import Facts
+
+__all__ = [
+    "ACCELERATORS",
+    "COMPUTE_UNITS_KEY",
+    "CoreMLBackend",
+    "CoreMLSession",
+    "accelerator_for",
+    "unavailable_reason",
+]
 
 COMPUTE_UNITS_KEY = "edgeline.compute_units"
 _COMPUTE_UNITS = ("ALL", "CPU_AND_NE", "CPU_AND_GPU", "CPU_ONLY")
 _ACCELERATORS = {"ALL": "neural-engine", "CPU_AND_NE": "neural-engine", "CPU_AND_GPU": "gpu"}
+ACCELERATORS = frozenset({"neural-engine", "gpu", "coreml"})
+"""What a bundle built for Core ML names as its accelerator (``coreml``: Core ML's own delegate in ExecuTorch)."""
 _DTYPES: dict[int, Dtype] = {65568: "float32", 65552: "float16", 131104: "int32"}  # ArrayFeatureType.ArrayDataType
 
 
@@ -50,8 +63,6 @@ def _specs(features: Any, model_path: Path) -> list[TensorSpec]:
 
 
 class CoreMLSession:
-    file_suffixes: ClassVar[tuple[str, ...]] = (".mlpackage",)
-
     def __init__(
         self,
         model_path: Path,
@@ -102,3 +113,32 @@ class CoreMLSession:
     def run(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         answer = self._model.predict({spec.name: array for spec, array in zip(self._inputs, inputs, strict=True)})
         return [np.asarray(answer[spec.name], dtype=spec.dtype).reshape(spec.shape) for spec in self._outputs]
+
+
+class CoreMLBackend(RuntimeBackend):
+    """Core ML, on Apple's OSes only: a bundle for it cannot run anywhere else, whatever is installed."""
+
+    name = "coreml"
+    package = "coremltools"
+    module = "coremltools"
+    install = "macOS with pip install 'edgeline[coreml]'"
+    file_suffixes = (".mlpackage",)
+    runs_on = "on macOS"
+
+    def refusal(self, accelerator: str | None, facts: Facts) -> str | None:
+        return None if facts.system == "Darwin" else f"Core ML runs on macOS only (this is {facts.system})"
+
+    def verdict(self, asked: Asked) -> Verdict | None:
+        version = asked.runtime.version
+        installed = f"{self.package} {version}" if version else self.package
+        return asked.runs(self.name, asked.model, asked.accelerator, None, f"{installed} runs it {self.runs_on}")
+
+    def accelerators(self, facts: Facts) -> dict[str, dict[str, Any]]:
+        on_macos = facts.system == "Darwin"
+        detail = "macOS" if on_macos else f"Core ML runs on macOS only (this is {facts.system})"
+        return {"coreml": {"present": on_macos, "detail": detail}}
+
+    def open(
+        self, model_path: Path, *, threads: int, input_names: Sequence[str] | None, accelerator: str | None
+    ) -> CoreMLSession:
+        return CoreMLSession(model_path, threads=threads, input_names=input_names, accelerator=accelerator)

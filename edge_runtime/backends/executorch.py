@@ -10,20 +10,25 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeline.backends.base import Asked, RuntimeBackend, RuntimeFacts, Verdict
+from edgeline.backends.coreml import ACCELERATORS as COREML_ACCELERATORS
 from edgeline.errors import BackendUnavailableError, BundleError
 from edgeline.manifest import TensorSpec
 
 if TYPE_CHECKING:
+    from edgeline.backends.base import Facts
     from edgeline.executorch_native import NativeProgram
 
 __all__ = [
     "DELEGATE_BACKENDS",
     "RUNTIME_CHOICE",
+    "ExecuTorchBackend",
     "ExecuTorchSession",
     "NativeSession",
     "PythonSession",
@@ -252,9 +257,9 @@ class PythonSession:
 
 
 class _Factory:
-    """``RUNTIME_BACKENDS["executorch"]``: the torch-free runtime when there is one, else the Python runtime."""
+    """What ``ExecuTorchBackend.open`` opens with: the torch-free runtime when there is one, else the Python
+    runtime."""
 
-    file_suffixes: ClassVar[tuple[str, ...]] = (".pte",)
     _fallback_said = False
 
     def __call__(
@@ -287,3 +292,83 @@ class _Factory:
 
 
 ExecuTorchSession = _Factory()
+
+
+class ExecuTorchBackend(RuntimeBackend):
+    """ExecuTorch programs: the torch-free C++ runtime when this machine has one, else ExecuTorch's Python runtime;
+    a program runs where the runtime that opens it carries the delegate it was lowered to."""
+
+    name = "executorch"
+    package = "executorch"
+    module = "executorch.runtime"
+    install = "edgeline doctor --install executorch (its C++ runtime, no torch)"
+    file_suffixes = (".pte",)
+
+    def probe(self, *, try_import: bool) -> RuntimeFacts:
+        """The torch-free runtime when there is one (loaded, with ``try_import``), the Python runtime's facts
+        otherwise; each names the other when both are here."""
+        import importlib.util
+
+        from edgeline.executorch_native import NativeRuntime, built_shim, compiler, runtimes
+
+        python = super().probe(try_import=False)
+        python_there = python.version is not None and importlib.util.find_spec("torch") is not None
+        also = f"ExecuTorch's Python runtime {python.version} (imports torch)" if python_there else None
+        found = runtimes()
+        if not found:
+            if python.version is None:
+                return python
+            python = super().probe(try_import=try_import)
+            return replace(python, kind="python", fallback=None)
+        runtime = found[0]
+        where = f"{runtime.root} ({runtime.origin})"
+        missing = runtime.missing()
+        if missing is None and built_shim(runtime) is None and compiler() is None:
+            missing = "a C++ compiler to build edgeline's shim (apt install g++, or set CXX)"
+        if missing is not None:
+            error = f"the torch-free runtime at {where} lacks {missing}"
+            return RuntimeFacts(runtime.version, False, error, kind="torch-free", location=where, fallback=also)
+        if not try_import:
+            delegates = tuple(runtime.delegate_libraries())
+            return RuntimeFacts(
+                runtime.version, None, kind="torch-free", location=where, delegates=delegates, fallback=also
+            )
+        try:
+            loaded = NativeRuntime.get()
+        except Exception as exc:  # a library that does not load (another architecture, a missing libstdc++) is a fact
+            return RuntimeFacts(runtime.version, False, f"{exc}", kind="torch-free", location=where, fallback=also)
+        return RuntimeFacts(
+            loaded.version, True, kind="torch-free", location=where, delegates=loaded.backends(), fallback=also
+        )
+
+    def imported(self, module: Any, version: str | None) -> RuntimeFacts:
+        registry = module.Runtime.get().backend_registry
+        return RuntimeFacts(version, True, kind="python", delegates=tuple(registry.registered_backend_names))
+
+    def refusal(self, accelerator: str | None, facts: Facts) -> str | None:
+        if accelerator in COREML_ACCELERATORS and facts.system != "Darwin":
+            return f"Core ML runs on macOS only (this is {facts.system})"
+        return None
+
+    def target_here(self, accelerator: str | None, facts: Facts) -> bool | None:
+        return self.refusal(accelerator, facts) is None or None
+
+    def verdict(self, asked: Asked) -> Verdict | None:
+        """A .pte runs where the runtime that will open it carries the delegate it was lowered to."""
+        runtime, accelerator = asked.runtime, asked.accelerator
+        needed = DELEGATE_BACKENDS.get(accelerator or "")
+        which = "the torch-free ExecuTorch runtime" if runtime.kind == "torch-free" else "ExecuTorch's Python runtime"
+        label = f"{which} {runtime.version or ''}".rstrip()
+        if needed is not None and runtime.delegates is not None and needed not in runtime.delegates:
+            has = ", ".join(runtime.delegates) or "none"
+            lacks = f"the program is delegated to {needed}, which {label} lacks (it has: {has})"
+            return asked.refused(self.name, lacks)
+        why = label + (f" with its {needed} delegate" if needed else "") + " runs it"
+        if runtime.kind == "python":
+            why += " (it imports torch: `edgeline doctor --install executorch` gives the torch-free one)"
+        return asked.runs(self.name, asked.model, accelerator, None, why)
+
+    def open(
+        self, model_path: Path, *, threads: int, input_names: Sequence[str] | None, accelerator: str | None
+    ) -> NativeSession | PythonSession:
+        return ExecuTorchSession(model_path, threads=threads, input_names=input_names, accelerator=accelerator)

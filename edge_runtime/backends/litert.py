@@ -1,20 +1,28 @@
-"""LiteRT (``ai-edge-litert``) and the legacy ``tflite-runtime``: the same interpreter API, two packages."""
+"""LiteRT (``ai-edge-litert``) and the legacy ``tflite-runtime``: the same interpreter API, two packages.
+
+Both run a vela model on an Arm Ethos-U NPU through its external delegate where the device has one, and the bundle's
+int8 copy on the CPU where it has none (``edgeline.backends.ethos_u``).
+"""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from edgeline.backends import ethos_u
+from edgeline.backends.base import Asked, RuntimeBackend, Verdict
 from edgeline.backends.ethos_u import ETHOS_U
 from edgeline.errors import BackendUnavailableError, BundleError
 from edgeline.manifest import Quantization, TensorSpec
 
-__all__ = ["LiteRTSession", "TFLiteRuntimeSession"]
+if TYPE_CHECKING:
+    from edgeline.backends.base import Facts
+
+__all__ = ["LiteRTBackend", "LiteRTSession", "TFLiteRuntimeBackend", "TFLiteRuntimeSession", "ethos_u_verdict"]
 
 
 def _spec(detail: dict[str, Any], name: str) -> TensorSpec:
@@ -34,7 +42,6 @@ class _InterpreterSession:
     package: ClassVar[str]
     module: ClassVar[str]
     extra: ClassVar[str]
-    file_suffixes: ClassVar[tuple[str, ...]] = (".tflite",)
 
     def __init__(
         self,
@@ -197,3 +204,62 @@ class TFLiteRuntimeSession(_InterpreterSession):
     package = "tflite-runtime"
     module = "tflite_runtime.interpreter"
     extra = "pip install tflite-runtime 'numpy<2' (the legacy package is built against numpy 1.x)"
+
+
+# -- the backends ---------------------------------------------------------------------------------------------------
+
+ETHOS_U_CPU_MODEL = ethos_u.CPU_MODEL
+"""The int8 model an Ethos-U bundle keeps for a CPU without the NPU's driver."""
+
+
+def ethos_u_verdict(name: str, asked: Asked, missing: str) -> Verdict:
+    """A bundle built for the Ethos-U NPU: on it through the external delegate where this machine has one, else its
+    int8 copy on the CPU (``missing`` says why), else refused. For every backend that reads LiteRT's flatbuffers."""
+    model, files, facts = asked.model, asked.files, asked.facts
+    if facts.ethos_u_delegate is not None:
+        why = f"the Ethos-U delegate {facts.ethos_u_delegate} runs the NPU's operators"
+        return asked.runs(name, model, ETHOS_U, None, why)
+    cpu_model = ETHOS_U_CPU_MODEL
+    if cpu_model in files and model != cpu_model:
+        why = f"{missing}: the int8 model {cpu_model} runs on the CPU instead (slower)"
+        return asked.runs(name, cpu_model, None, why, "vela's model needs the Ethos-U NPU")
+    return asked.refused(name, f"a vela model for the Ethos-U NPU, {missing}, and no {cpu_model} to run on the CPU")
+
+
+class _InterpreterBackend(RuntimeBackend):
+    file_suffixes = (".tflite",)
+    session: ClassVar[type[_InterpreterSession]]
+
+    def verdict(self, asked: Asked) -> Verdict | None:
+        if asked.accelerator == ETHOS_U:
+            return ethos_u_verdict(self.name, asked, asked.facts.ethos_u_missing)
+        return None
+
+    def target_here(self, accelerator: str | None, facts: Facts) -> bool | None:
+        return not (accelerator == ETHOS_U and facts.ethos_u_delegate is None)
+
+    def open(
+        self, model_path: Path, *, threads: int, input_names: Sequence[str] | None, accelerator: str | None
+    ) -> _InterpreterSession:
+        return self.session(model_path, threads=threads, input_names=input_names, accelerator=accelerator)
+
+
+class LiteRTBackend(_InterpreterBackend):
+    name = "litert"
+    package = "ai-edge-litert"
+    module = "ai_edge_litert.interpreter"
+    install = "the base install (pip install edgeline)"
+    base_install = True
+    session = LiteRTSession
+
+    def accelerators(self, facts: Facts) -> dict[str, dict[str, Any]]:
+        return {ETHOS_U: {"present": facts.ethos_u_delegate is not None,
+                          "detail": facts.ethos_u_delegate or facts.ethos_u_missing}}  # fmt: skip
+
+
+class TFLiteRuntimeBackend(_InterpreterBackend):
+    name = "tflite-runtime"
+    package = "tflite-runtime"
+    module = "tflite_runtime.interpreter"
+    install = "pip install tflite-runtime (2.14: Python <= 3.11, numpy < 2)"
+    session = TFLiteRuntimeSession

@@ -17,18 +17,24 @@ import functools
 import platform
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeline.backends.base import Asked, RuntimeBackend, RuntimeFacts, Verdict
 from edgeline.errors import BackendUnavailableError, BundleError
 from edgeline.manifest import TensorSpec
+
+if TYPE_CHECKING:
+    from edgeline.backends.base import Facts
 
 __all__ = [
     "CPU",
     "CPU_COPY_SUFFIX",
+    "QNN_CONTEXT_SUFFIX",
     "QNN_EP",
     "QNN_HTP",
+    "OnnxRuntimeBackend",
     "OnnxRuntimeSession",
     "cpu_copy_of",
     "import_onnxruntime",
@@ -43,6 +49,8 @@ QNN_EP = "QNNExecutionProvider"
 CPU_COPY_SUFFIX = ".qdq.onnx"
 """The QDQ model an EP-context bundle keeps for the CPU provider, beside the context model: ``model.onnx`` ->
 ``model.qdq.onnx``."""
+QNN_CONTEXT_SUFFIX = "_qnn.bin"
+"""The context binary a qnn-htp bundle's EP-context model points at (``model.onnx`` -> ``model_qnn.bin``)."""
 
 # What a GPU accelerator implies, in onnxruntime's order of preference (the CPU provider is always added last).
 _PROVIDER_CHAINS: dict[str, tuple[str, ...]] = {
@@ -140,8 +148,6 @@ def _spec(node_arg: Any, model_path: Path) -> TensorSpec:
 
 
 class OnnxRuntimeSession:
-    file_suffixes: ClassVar[tuple[str, ...]] = (".onnx",)
-
     def __init__(
         self,
         model_path: Path,
@@ -235,3 +241,88 @@ def _session(ort: Any, model_path: Path, options: Any, on: str, providers: list[
                 f"{on}; open it with accelerator {QNN_HTP!r} where onnxruntime-qnn is installed"
             ) from exc
         raise BundleError(f"{model_path}: onnxruntime could not open the model on {on}: {exc}") from exc
+
+
+def _providers_detail(providers: Sequence[str]) -> str:
+    return "onnxruntime providers: " + (", ".join(providers) or "onnxruntime not installed")
+
+
+class OnnxRuntimeBackend(RuntimeBackend):
+    """ONNX Runtime: its CPU provider runs any ONNX model; a GPU provider or Qualcomm's HTP where the bundle asks."""
+
+    name = "onnxruntime"
+    package = "onnxruntime"
+    module = "onnxruntime"
+    install = "pip install 'edgeline[onnx]'"
+    file_suffixes = (".onnx",)
+
+    def probe(self, *, try_import: bool) -> RuntimeFacts:
+        return super().probe(try_import=True)  # its providers are what it offers: always imported
+
+    def imported(self, module: Any, version: str | None) -> RuntimeFacts:
+        try:
+            providers = tuple(module.get_available_providers())
+        except Exception as exc:  # onnxruntime's errors derive from Exception only
+            return RuntimeFacts(version=version, imports=False, error=f"get_available_providers: {exc}")
+        return RuntimeFacts(version=version, imports=True, providers=providers)
+
+    def accelerators(self, facts: Facts) -> dict[str, dict[str, Any]]:
+        found = facts.runtimes.get(self.name)
+        providers = found.providers if found is not None else ()
+        on_x86 = facts.machine.arch == "x86_64"
+        return {
+            QNN_HTP: {
+                "present": facts.qnn_missing is None,
+                "detail": facts.qnn_missing
+                or ("the HTP emulator of the x86-64 wheel" if on_x86 else "Qualcomm's HTP libraries"),
+            },
+            "cuda": {"present": "CUDAExecutionProvider" in providers, "detail": _providers_detail(providers)},
+            "tensorrt": {"present": "TensorrtExecutionProvider" in providers, "detail": _providers_detail(providers)},
+        }
+
+    def target_here(self, accelerator: str | None, facts: Facts) -> bool | None:
+        if accelerator == QNN_HTP:  # an EP-context model runs only on the HTP (its QDQ copy is a fallback)
+            return True if facts.qnn_missing is None else None
+        if accelerator is not None and accelerator.endswith("ExecutionProvider"):
+            found = facts.runtimes.get(self.name)
+            return found is not None and accelerator in found.providers
+        return True
+
+    def verdict(self, asked: Asked) -> Verdict | None:
+        if asked.accelerator == QNN_HTP:
+            return self._htp_verdict(asked)
+        accelerator = asked.accelerator
+        if accelerator is None or not accelerator.endswith("ExecutionProvider"):
+            return None
+        providers = asked.runtime.providers
+        if accelerator in providers:
+            return asked.runs(self.name, asked.model, accelerator, None, f"onnxruntime has {accelerator}")
+        why = f"{accelerator} is not in this onnxruntime (it has {', '.join(providers) or 'no providers listed'})"
+        return asked.runs(self.name, asked.model, None, why, "the CPU provider runs any ONNX model")
+
+    def _htp_verdict(self, asked: Asked) -> Verdict:
+        """An EP-context model runs on the HTP it was compiled for; elsewhere the bundle's QDQ copy on the CPU."""
+        name, model, files, facts, profile = self.name, asked.model, asked.files, asked.facts, asked.profile
+        htp_missing = facts.qnn_missing
+        other_soc = htp_missing is None and profile and facts.soc and facts.soc.lower() not in profile.name.lower()
+        if other_soc:
+            assert profile is not None
+            soc = f"soc_model {profile.qnn.soc_model}, " if profile.qnn is not None else ""
+            htp_missing = f"the context binary is for {soc}{profile.name}; this SoC is {facts.soc}"
+        if htp_missing is None:
+            emulated = "the QNN HTP emulator (x86-64)" if facts.machine.arch == "x86_64" else facts.machine.emulated
+            return asked.runs(name, model, QNN_HTP, None, "the QNN provider runs the context binary", emulated=emulated)
+        copy = model.removesuffix(".onnx") + CPU_COPY_SUFFIX
+        if copy in files:
+            why = f"{htp_missing}; the QDQ model {copy} runs on the CPU provider instead"
+            return asked.runs(name, copy, None, why, "the context binary runs only on Qualcomm's HTP",
+                              cpu_instead=bool(other_soc))  # fmt: skip
+        if any(path.endswith(QNN_CONTEXT_SUFFIX) for path in files):
+            return asked.refused(name, f"a QNN context binary for Qualcomm's HTP ({htp_missing}), and the bundle keeps "
+                                 f"no QDQ copy ({copy}) for the CPU")  # fmt: skip
+        return asked.runs(name, model, None, htp_missing, "a QDQ model the CPU provider runs too")
+
+    def open(
+        self, model_path: Path, *, threads: int, input_names: Sequence[str] | None, accelerator: str | None
+    ) -> OnnxRuntimeSession:
+        return OnnxRuntimeSession(model_path, threads=threads, input_names=input_names, accelerator=accelerator)

@@ -30,12 +30,16 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgeline.backends.base import Asked, RuntimeBackend, RuntimeFacts, Verdict
 from edgeline.errors import BackendUnavailableError, BundleError
 from edgeline.manifest import TensorSpec
+
+if TYPE_CHECKING:
+    from edgeline.backends.base import Facts
 
 __all__ = [
     "CACHE_KEEP",
@@ -43,6 +47,7 @@ __all__ = [
     "DEVICES",
     "PRECISIONS",
     "PRECISION_KEY",
+    "OpenVINOBackend",
     "OpenVINOSession",
     "import_openvino",
     "set_cache_dir",
@@ -255,8 +260,6 @@ _said: set[tuple[Path, str]] = set()
 
 
 class OpenVINOSession:
-    file_suffixes: ClassVar[tuple[str, ...]] = (".xml",)
-
     def __init__(
         self,
         model_path: Path,
@@ -377,3 +380,56 @@ class OpenVINOSession:
             request.set_input_tensor(index, self._tensor(own, shared_memory=True))
         request.infer()
         return [np.array(request.get_output_tensor(j).data, copy=True) for j in range(len(self._outputs))]
+
+
+class OpenVINOBackend(RuntimeBackend):
+    """OpenVINO: the CPU plugin runs any IR; an Intel GPU or NPU where the bundle asks and the plugin finds one."""
+
+    name = "openvino"
+    package = "openvino"
+    module = "openvino"
+    install = "pip install 'edgeline[openvino]'"
+    file_suffixes = (".xml",)
+
+    def imported(self, module: Any, version: str | None) -> RuntimeFacts:
+        try:
+            devices = tuple(module.Core().available_devices)
+        except Exception as exc:  # a plugin that fails to load is reported, not raised
+            return RuntimeFacts(version=version, imports=False, error=f"Core().available_devices: {exc}")
+        return RuntimeFacts(version=version, imports=True, devices=devices)
+
+    def accelerators(self, facts: Facts) -> dict[str, dict[str, Any]]:
+        return {"intel-gpu": self._device(facts, "GPU"), "intel-npu": self._device(facts, "NPU")}
+
+    def _device(self, facts: Facts, device: str) -> dict[str, Any]:
+        runtime = facts.runtimes.get(self.name)
+        if runtime is None or not runtime.imports:
+            return {"present": False, "detail": f"openvino is not installed ({self.install})"}
+        return {
+            "present": has_device(runtime.devices, device),
+            "detail": "OpenVINO devices: " + (", ".join(runtime.devices) or "none"),
+        }
+
+    def target_here(self, accelerator: str | None, facts: Facts) -> bool | None:
+        runtime = facts.runtimes.get(self.name)
+        return accelerator is None or (runtime is not None and has_device(runtime.devices, accelerator))
+
+    def verdict(self, asked: Asked) -> Verdict | None:
+        accelerator, runtime = asked.accelerator, asked.runtime
+        if accelerator is None:
+            return None
+        if has_device(runtime.devices, accelerator):
+            return asked.runs(self.name, asked.model, accelerator, None, f"OpenVINO has its {accelerator} device")
+        if runtime.imports:  # devices known: the plugin found none
+            has = ", ".join(runtime.devices) or "no device"
+            why = f"OpenVINO has no {accelerator} device here (it has {has})"
+            return asked.runs(self.name, asked.model, None, why, "the CPU plugin runs any IR")
+        return None
+
+    def open(
+        self, model_path: Path, *, threads: int, input_names: Sequence[str] | None, accelerator: str | None
+    ) -> OpenVINOSession:
+        return OpenVINOSession(model_path, threads=threads, input_names=input_names, accelerator=accelerator)
+
+    def cache_compiled_models(self, directory: Path | None) -> None:
+        set_cache_dir(directory)

@@ -11,17 +11,21 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgeline.backends import ethos_u
-from edgeline.backends.litert import _spec
+from edgeline.backends.base import Asked, RuntimeBackend, Verdict
+from edgeline.backends.litert import _spec, ethos_u_verdict
 from edgeline.errors import BackendUnavailableError, BundleError
 from edgeline.manifest import TensorSpec
 from edgeline.native_output import capture_native_output
 
-__all__ = ["MAX_ARENA_BYTES", "MIN_ARENA_BYTES", "TFLiteMicroSession"]
+if TYPE_CHECKING:
+    from edgeline.backends.base import Facts
+
+__all__ = ["MAX_ARENA_BYTES", "MIN_ARENA_BYTES", "TFLiteMicroBackend", "TFLiteMicroSession"]
 
 MIN_ARENA_BYTES = 16 * 1024
 MAX_ARENA_BYTES = 64 * 1024 * 1024
@@ -60,8 +64,6 @@ def _details(model_path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any
 
 
 class TFLiteMicroSession:
-    file_suffixes: ClassVar[tuple[str, ...]] = (".tflite",)
-
     def __init__(
         self,
         model_path: Path,
@@ -145,3 +147,33 @@ class TFLiteMicroSession:
             self._interpreter.set_input(np.ascontiguousarray(array), position)
         self._interpreter.invoke()
         return [np.array(self._interpreter.get_output(j)) for j in range(len(self._outputs))]
+
+
+class TFLiteMicroBackend(RuntimeBackend):
+    """A microcontroller's interpreter, on this host: what export measures an MCU target's fidelity with, and what
+    the firmware of such a bundle links (``firmware``: its memory is a tensor arena)."""
+
+    name = "tflite-micro"
+    package = "tflite-micro"
+    module = "tflite_micro"
+    install = "pip install 'edgeline[ethos-u]' (an x86-64 Linux wheel only)"
+    file_suffixes = (".tflite",)
+    firmware = True
+
+    def refusal(self, accelerator: str | None, facts: Facts) -> str | None:
+        if facts.machine.arch != "x86_64":
+            return "tflite-micro's Python wheel exists for x86-64 Linux only"
+        return None
+
+    def verdict(self, asked: Asked) -> Verdict | None:
+        if asked.accelerator == ethos_u.ETHOS_U:
+            return ethos_u_verdict(self.name, asked, "the Python TFLite Micro has no Ethos-U driver")
+        return None
+
+    def target_here(self, accelerator: str | None, facts: Facts) -> bool | None:
+        return not (accelerator == ethos_u.ETHOS_U and facts.ethos_u_delegate is None)
+
+    def open(
+        self, model_path: Path, *, threads: int, input_names: Sequence[str] | None, accelerator: str | None
+    ) -> TFLiteMicroSession:
+        return TFLiteMicroSession(model_path, threads=threads, input_names=input_names, accelerator=accelerator)

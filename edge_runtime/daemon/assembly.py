@@ -133,12 +133,15 @@ OPENVINO_CACHE = "openvino-cache"
 
 
 def _cache_compiled_models(manifest: Manifest, config: DaemonConfig, backend: str | None) -> None:
-    """An OpenVINO bundle's compiled model is cached in the state directory, so a restart loads it rather than
-    compiling again (seconds on a GPU or NPU): from the manifest read already."""
-    if (backend or manifest.backend) == "openvino":
-        from edgeline.backends.openvino import set_cache_dir
+    """A backend that compiles models (OpenVINO) caches them in the state directory, so a restart loads them rather
+    than compiling again (seconds on a GPU or NPU): from the manifest read already. Its class says what it keeps
+    (``RuntimeBackend.cache_compiled_models``); an unknown name is left to the model's opening to refuse."""
+    from edgeline.backends import RUNTIME_BACKENDS, runtime_backend
 
-        set_cache_dir((config.daemon.state_dir or default_state_dir()) / manifest.name / OPENVINO_CACHE)
+    name = backend or manifest.backend
+    if name in RUNTIME_BACKENDS:
+        directory = (config.daemon.state_dir or default_state_dir()) / manifest.name / OPENVINO_CACHE
+        runtime_backend(name).cache_compiled_models(directory)
 
 
 def build_parts(

@@ -34,13 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from edgeline.daemon.config import CameraConfig, camera_speed
+from edgeline.daemon.config import CameraConfig, SourceConfig, camera_speed
 from edgeline.daemon.health import Metrics, percentiles
 from edgeline.daemon.messages import Answer, Message
 from edgeline.daemon.queueing import QueueClosed
 from edgeline.daemon.reconnect import Retry
 from edgeline.daemon.snapshots import Snapshots
 from edgeline.daemon.sources import SourceBase, Submit
+from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError, PayloadError
 from edgeline.lograte import Repeated
 from edgeline.video import CameraError, CameraSpec, Frame, FrameReader, Pixel, open_reader, parse_camera
@@ -355,7 +356,20 @@ class CameraFeed:
 
 
 class CameraSource(SourceBase):
-    """Every ``--camera`` of a daemon, as its one source (see the module)."""
+    """Every ``--camera`` of a daemon, as its one source (see the module). Its settings are the ``[camera]`` section
+    (``camera.sources`` is checked with it), not ``[source]``."""
+
+    @classmethod
+    def lossless(cls, settings: SourceConfig) -> bool:
+        """The block policy: the source keeps at most a few frames in the queue itself, a live camera drops what the
+        model cannot take (counted by reason), a file or image folder waits."""
+        return True
+
+    @classmethod
+    def from_config(cls, settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int) -> None:
+        """Made by the daemon (``edgeline.daemon.assembly``): each frame is made into the model's input by the
+        bundle's own pre-processing, which the daemon has opened."""
+        return None
 
     def __init__(
         self,

@@ -2,9 +2,10 @@
 
 [daemon]   state_dir (default: $STATE_DIRECTORY from systemd, else $XDG_STATE_HOME/edgeline or ~/.local/state/edgeline),
            instance (default: derived from the host name and the state directory), drain_timeout_s
-[source]   kind = "mqtt" | "serial" | "replay" | "sim" | "camera"; url, baudrate, protocol ("json-lines" | "frames":
-           the firmware bridge's framed protocol, boards named by their HELLO) (serial); path, speed (replay); sim (the
-           arguments of `edgeline sim`); device (the stream key of messages that carry no topic)
+[source]   kind = "mqtt" | "serial" | "replay" | "sim" | "camera" (a key of ``SOURCES``); url, baudrate, protocol
+           ("json-lines" | "frames": the firmware bridge's framed protocol, boards named by their HELLO) (serial);
+           path, speed (replay); sim (the arguments of `edgeline sim`); device (the stream key of messages that carry
+           no topic)
 [broker]   host, port, client_id (template with {name}, {instance}), keepalive_s, protocol ("5" or "3.1.1"),
            session_expiry_s (7 days; 300 s with a shared subscription), reconnect_max_s, connect_timeout_s,
            max_inflight, max_queued; TLS: tls_ca_file, tls_cert_file, tls_key_file, tls_insecure_skip_verify;
@@ -35,24 +36,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from edgeline.daemon.topics import SENSOR_SUBSCRIPTION, TopicFilter, validate_template
 from edgeline.device_profiles.toml import tomllib
 from edgeline.device_profiles.validation import describe_validation_error
 from edgeline.errors import EdgelineError
 from edgeline.manifest import Window
+from edgeline.registry import resolve
 from edgeline.updates.policy import DOWNLOAD_TIMEOUT_S
 
-__all__ = ["DEFAULT_QOS", "BrokerAddress", "BrokerConfig", "DaemonConfig", "load_config"]
+__all__ = ["DEFAULT_QOS", "SOURCES", "BrokerAddress", "BrokerConfig", "DaemonConfig", "load_config", "source_class"]
 
 CODEC_NAMES = ("json", "raw", "cbor", "msgpack")
-SOURCE_KINDS = ("mqtt", "serial", "replay", "sim", "camera")
-LOSSLESS_SOURCES = ("replay", "sim", "camera")
-"""Sources that wait rather than lose (the block policy). A camera source keeps at most a few frames in the queue
-itself: a live camera drops what the model cannot take (counted by reason), a file or image folder waits."""
+SOURCES: dict[str, str] = {
+    "mqtt": "edgeline.daemon.mqtt:MqttSource",
+    "serial": "edgeline.daemon.sources:SerialSource",
+    "replay": "edgeline.daemon.sources:ReplaySource",
+    "sim": "edgeline.sim.source:SimSource",
+    "camera": "edgeline.daemon.camera:CameraSource",
+}
+"""The one place a source is registered: ``[source] kind`` -> its class, as "module:Class", imported only when a
+configuration names that kind (``edgeline.registry``). The kinds the configuration accepts (and lists when refusing
+one) are these keys, in this order; what a kind needs, whether it loses nothing and how it is made are asked of its
+class (``edgeline.daemon.sources.SourceBase``). Strings, not classes: this module cannot import the sources (they
+import it), and ``edgeline.sim`` and the cameras are loaded only by a configuration that asks for them.
+docs/adding-an-input-source.md."""
 DEFAULT_PORT = 1883
 SESSION_EXPIRY_S = 7 * 86400
 SHARED_SESSION_EXPIRY_S = 300
@@ -100,8 +112,22 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def source_class(kind: str) -> Any:
+    """The class registered for ``kind`` in ``SOURCES`` (a ``edgeline.daemon.sources.SourceBase``; typed ``Any``
+    here, which cannot import it), imported on first use. One this install left out is a
+    ``BackendUnavailableError`` naming what is missing."""
+    return resolve(SOURCES, kind, "source", EdgelineError)
+
+
+def _one_of(choices: list[str]) -> str:
+    """``'a', 'b' or 'c'``: how pydantic words a ``Literal``'s choices (``describe_validation_error`` lists them)."""
+    quoted = [repr(choice) for choice in choices]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 class SourceConfig(_Section):
-    kind: Literal["mqtt", "serial", "replay", "sim", "camera"] = "mqtt"
+    kind: str = "mqtt"
+    """One of ``SOURCES`` (checked when validated, so a source registered later is a valid kind)."""
     url: str | None = None
     baudrate: int = Field(default=115200, ge=50, le=4_000_000)
     protocol: Literal["json-lines", "frames"] = "json-lines"
@@ -110,14 +136,21 @@ class SourceConfig(_Section):
     sim: str | None = None
     device: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[^/+#\s]+$")
 
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _registered(cls, kind: object) -> object:
+        if isinstance(kind, str) and kind in SOURCES:
+            return kind
+        # worded as pydantic words a Literal's refusal: the same line as when the kinds were a Literal
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": _one_of(list(SOURCES))})
+
     @model_validator(mode="after")
     def _complete(self) -> SourceConfig:
-        needs = {"serial": ("url", "a pyserial URL, e.g. /dev/ttyUSB0"), "replay": ("path", "a file, or - for stdin")}
-        needs["sim"] = ("sim", "the arguments of `edgeline sim`, e.g. 'digits --count 10'")
-        if self.protocol != "json-lines" and self.kind != "serial":
+        if self.protocol != "json-lines" and self.kind != "serial":  # source.protocol is the serial source's key
             raise ValueError(f"source.protocol = {self.protocol!r} applies to the serial source, not {self.kind}")
-        if self.kind in needs:
-            key, example = needs[self.kind]
+        needs: tuple[str, str] | None = source_class(self.kind).needs
+        if needs is not None:
+            key, example = needs
             if not getattr(self, key):
                 raise ValueError(f"the {self.kind} source needs source.{key}: {example}")
         return self
@@ -365,7 +398,9 @@ class UpdatesConfig(_Section):
 
 class DaemonConfig(_Section):
     daemon: DaemonSection = DaemonSection()
-    source: SourceConfig = SourceConfig()
+    source: SourceConfig = Field(default_factory=SourceConfig.model_construct)
+    """Default: MQTT with nothing else set, valid as it is; not validated, which would import the MQTT source's
+    module (paho) wherever a configuration without ``[source]`` is read (``edgeline doctor``)."""
     broker: BrokerConfig = BrokerConfig()
     input: InputConfig = InputConfig()
     output: OutputConfig = OutputConfig()
@@ -397,10 +432,10 @@ class DaemonConfig(_Section):
                 if self.camera.sources == ()
                 else f'camera.sources is set, but the source is {self.source.kind}: set source.kind = "camera"'
             )
-        if self.source.kind == "serial" and self.input.codec != "json":
+        json_only: str | None = None if self.input.codec == "json" else source_class(self.source.kind).json_only
+        if json_only is not None:
             raise ValueError(
-                f"input.codec = {self.input.codec!r}: the serial source hands the daemon JSON (its lines, or the "
-                "samples of its frames)"
+                f"input.codec = {self.input.codec!r}: the {self.source.kind} source hands the daemon JSON ({json_only})"
             )
         return self
 
@@ -413,12 +448,10 @@ class DaemonConfig(_Section):
     def queue_policy(self) -> str:
         if self.queue.policy is not None:
             return self.queue.policy
-        if (
-            self.source.kind in LOSSLESS_SOURCES
-            or (self.source.kind == "mqtt" and self.input.qos == 1)
-            or (self.source.kind == "serial" and self.source.protocol == "frames")
-        ):  # a board in reliable mode waits and resends: its backlog waits on the board
-            return "block"  # recordings and at-least-once inputs must lose nothing: the broker keeps the backlog
+        if source_class(self.source.kind).lossless(self.source) or (
+            self.source.kind == "mqtt" and self.input.qos == 1  # [input] qos: the broker keeps the backlog
+        ):
+            return "block"  # recordings and at-least-once inputs must lose nothing
         return "drop-oldest"
 
     def with_overrides(

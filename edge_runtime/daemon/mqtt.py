@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from edgeline.daemon.config import BrokerAddress, BrokerConfig
+from edgeline.daemon.config import BrokerAddress, BrokerConfig, SourceConfig
 from edgeline.daemon.messages import Message, Reply
 from edgeline.daemon.paho_lean import in_flight, lean_client_or_stock, raw_topic
 from edgeline.daemon.reconnect import SHORT_LIVED_S, Backoff, Lost
@@ -733,6 +733,11 @@ class MqttSource(SourceBase):
     """
 
     subscribed = True
+
+    @classmethod
+    def from_config(cls, settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int) -> None:
+        """Made by the daemon from its broker connection (``edgeline.daemon.assembly``), not from ``[source]``."""
+        return None
 
     def __init__(self, connection: MqttConnection, filters: Sequence[TopicFilter], qos: int):
         self.connection = connection

@@ -19,6 +19,22 @@ __all__ = ["register"]
 
 log = logging.getLogger(__name__)
 
+SOURCE_FLAGS = {"serial": ("serial", "url"), "replay": ("replay", "path"), "sim": ("sim", "sim")}
+"""A source's flag (its argparse dest, declared in the "sources other than MQTT" group) -> the ``[source] kind`` it
+selects and the ``[source]`` key its value sets. ``--camera`` sets the ``[camera]`` section instead. The flags are
+declared here rather than read from the source classes: ``edgeline run --help`` imports neither numpy nor pydantic."""
+SOURCE_SETTING_FLAGS = (
+    ("--baudrate", "baudrate", ("serial",)),
+    ("--serial-protocol", "serial_protocol", ("serial",)),
+    ("--speed", "speed", ("replay", "camera")),
+    ("--max-age-ms", "max_age_ms", ("camera",)),
+    ("--snapshot-every", "snapshot_every", ("camera",)),
+    ("--snapshot-when", "snapshot_when", ("camera",)),
+    ("--snapshot-topic", "snapshot_topic", ("camera",)),
+)
+"""A flag that sets one kind's setting (its name, its argparse dest) -> the kinds it applies to: given for another,
+it is refused rather than dropped without a word."""
+
 
 def register(subparsers: Any) -> None:
     run = subparsers.add_parser(
@@ -191,12 +207,9 @@ def run_daemon(args: argparse.Namespace) -> int:
         "device": args.device,
         "protocol": args.serial_protocol,
     }
-    if args.serial is not None:
-        source.update(kind="serial", url=args.serial)
-    elif args.replay is not None:
-        source.update(kind="replay", path=args.replay)
-    elif args.sim is not None:
-        source.update(kind="sim", sim=args.sim)
+    for dest, (kind, key) in SOURCE_FLAGS.items():  # one at a time: argparse's mutually exclusive group
+        if getattr(args, dest) is not None:
+            source.update({"kind": kind, key: getattr(args, dest)})
     camera = {
         "sources": tuple(args.camera) if args.camera else None, "speed": camera_speed_text,
         "max_age_ms": args.max_age_ms, "snapshot_every_s": args.snapshot_every,
@@ -218,17 +231,8 @@ def run_daemon(args: argparse.Namespace) -> int:
         camera=camera,
     )
     # A setting of another source would be dropped without a word: refuse it.
-    for flag, value, kind in (
-        ("--baudrate", args.baudrate, "serial"),
-        ("--serial-protocol", args.serial_protocol, "serial"),
-        ("--speed", args.speed, ("replay", "camera")),
-        ("--max-age-ms", args.max_age_ms, "camera"),
-        ("--snapshot-every", args.snapshot_every, "camera"),
-        ("--snapshot-when", args.snapshot_when, "camera"),
-        ("--snapshot-topic", args.snapshot_topic, "camera"),
-    ):
-        kinds = (kind,) if isinstance(kind, str) else kind
-        if value is not None and config.source.kind not in kinds:
+    for flag, dest, kinds in SOURCE_SETTING_FLAGS:
+        if getattr(args, dest) is not None and config.source.kind not in kinds:
             flags = ", ".join(f"--{k}" for k in kinds)
             raise EdgelineError(
                 f"{flag} applies to the {' or '.join(kinds)} source ({flags}); this run reads {config.source.kind}"

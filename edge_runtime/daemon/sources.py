@@ -6,18 +6,23 @@ so windowing, the queue policy, error answers and sinks are the same whatever th
     serial   JSON lines from a pyserial URL (/dev/ttyUSB0, /dev/pts/3, socket://host:port, rfc2217://...).
              Reopened with back-off when the port goes away (a USB sensor unplugged and plugged back).
              With ``protocol = "frames"``: the firmware bridge's framed protocol instead (``edgeline.firmware_bridge
-             .source``, registered here by name): boards named by their HELLO, answers sent back down.
+             .source``, named here by a string and imported only when asked for): boards named by their HELLO,
+             answers sent back down.
     replay   recorded messages from a file, or ``-`` for stdin, one per line, in any of these forms:
                {"topic": "sensors/pump/accel", "device": "pump", "t": 0.25, "payload": {...}}   (edgeline sim --out)
                {"topic": ..., "payload_base64": "..."}                                          (binary codecs)
                sensors/pump/accel {"id": 1, "data": [...]}                                      (mosquitto_sub -v)
                {"id": 1, "data": [...]}                                                         (a bare payload)
              Ends at the end of the file; ``speed`` > 0 replays at the recorded times (``t``) divided by it.
-    sim      simulated sensors in-process (``edgeline.sim.source``, registered here by name and imported only when
-             asked for).
+    sim      simulated sensors in-process (``edgeline.sim.source``).
+    mqtt     the daemon's subscriptions (``edgeline.daemon.mqtt``); camera: cameras and video
+             (``edgeline.daemon.camera``). Both are made by the daemon from parts of its own (``assembly``).
 
 Every source is a ``Source``; ``SourceBase`` gives the parts most sources do not have (counters, a status, topics
-subscribed to) their defaults, so the daemon asks every source the same questions instead of probing for them.
+subscribed to) their defaults, so the daemon asks every source the same questions instead of probing for them. A
+kind of source is one class, registered in one place (``edgeline.daemon.config.SOURCES``: kind -> "module:Class"),
+that declares what it needs (``needs``, ``json_only``, ``lossless``) and how it is made (``from_config``): the
+configuration and ``make_source`` ask the class, never a table of kinds (docs/adding-an-input-source.md).
 
 Lines are bounded: a line longer than the payload limit is skipped to its end and answered ``oversized``, never
 buffered whole.
@@ -32,11 +37,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, ClassVar, Protocol
 
 import orjson
 
-from edgeline.daemon.config import SourceConfig
+from edgeline.daemon.config import SOURCES, SourceConfig, source_class
 from edgeline.daemon.health import Metrics
 from edgeline.daemon.messages import Message
 from edgeline.daemon.reconnect import Retry
@@ -44,14 +49,24 @@ from edgeline.daemon.topics import TopicFilter
 from edgeline.errors import EdgelineError
 from edgeline.registry import resolve
 
-__all__ = ["LineFramer", "ReplaySource", "SerialSource", "Source", "SourceBase", "make_source", "parse_record"]
+__all__ = [
+    "SOURCES",
+    "LineFramer",
+    "ReplaySource",
+    "SerialSource",
+    "Source",
+    "SourceBase",
+    "make_source",
+    "parse_record",
+    "source_class",
+]
 
 log = logging.getLogger("edgeline.source")
 
 Submit = Callable[[Message], None]
-SOURCES = {"sim": "edgeline.sim.source:SimSource", "frames": "edgeline.firmware_bridge.source:FramesSource"}
-"""Sources from other folders (``edgeline.sim``, ``edgeline.firmware_bridge``), by name: imported only when a
-configuration asks for them."""
+SERIAL_PROTOCOLS = {"frames": "edgeline.firmware_bridge.source:FramesSource"}
+"""The serial source's ``protocol`` other than JSON lines -> the class that reads it (from ``edgeline.firmware_bridge``,
+imported only when a configuration asks for it)."""
 READ_CHUNK = 65536
 SERIAL_RETRY_FIRST_S = 1.0
 SERIAL_RETRY_MAX_S = 30.0
@@ -98,10 +113,38 @@ class Source(Protocol):
 
 
 class SourceBase:
-    """The defaults of ``Source``'s optional parts: a live source, not subscribed, nothing counted, no status."""
+    """A kind of source: what it declares (asked when a configuration is read, before anything is made), how it is
+    made, and the defaults of ``Source``'s optional parts: a live source, not subscribed, nothing counted, no status.
+    """
+
+    needs: ClassVar[tuple[str, str] | None] = None
+    """The ``[source]`` key this kind cannot do without and an example of its value, e.g. ``("path", "a file, or -
+    for stdin")``: a configuration without it is refused ("the replay source needs source.path: a file, ..."). None:
+    nothing."""
+    json_only: ClassVar[str | None] = None
+    """Why this source hands the daemon JSON whatever arrives (``[input] codec`` must then be json), e.g. ``"its
+    lines, or the samples of its frames"``; None: any codec."""
 
     finite = False
     subscribed = False
+
+    @classmethod
+    def lossless(cls, settings: SourceConfig) -> bool:
+        """Whether this source, so configured, waits rather than loses (a recording, a bounded simulation, a board
+        that resends): the queue's default policy is then ``block``, else ``drop-oldest``."""
+        return False
+
+    @classmethod
+    def from_config(
+        cls, settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int
+    ) -> Source | None:
+        """This source made from its settings (checked: what ``needs`` names is there), nothing opened yet (``open``
+        does that); ``filters``: the ``[input] subscribe`` filters, ``max_payload_bytes``: the longest input. None:
+        the daemon makes it from parts of its own (``edgeline.daemon.assembly``: MQTT, the cameras)."""
+        raise EdgelineError(
+            f"the {settings.kind} source ({cls.__module__}:{cls.__qualname__}) does not say how it is made: it needs "
+            "a from_config (docs/adding-an-input-source.md)"
+        )
 
     def counters(self) -> dict[str, int]:
         return {}
@@ -168,7 +211,29 @@ def _device_of(topic: str, filters: Sequence[TopicFilter]) -> str | None:
 
 
 class SerialSource(SourceBase):
-    """JSON lines from a serial port; the stream key is ``device`` (default: the port's name)."""
+    """JSON lines from a serial port; the stream key is ``device`` (default: the port's name). With ``protocol =
+    "frames"``, the firmware bridge's ``FramesSource`` reads the port instead."""
+
+    needs = ("url", "a pyserial URL, e.g. /dev/ttyUSB0")
+    json_only = "its lines, or the samples of its frames"
+
+    @classmethod
+    def lossless(cls, settings: SourceConfig) -> bool:
+        """Framed: a board in reliable mode waits and resends, its backlog waits on the board. JSON lines: a port
+        that is not read loses what it cannot hold anyway, so the newest lines are kept."""
+        return settings.protocol == "frames"
+
+    @classmethod
+    def from_config(
+        cls, settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int
+    ) -> Source | None:
+        assert settings.url is not None  # ``needs``
+        if settings.protocol != "json-lines":
+            framed: type[SourceBase] = resolve(SERIAL_PROTOCOLS, settings.protocol, "source", EdgelineError)
+            return framed.from_config(settings, filters=filters, max_payload_bytes=max_payload_bytes)
+        return cls(
+            settings.url, baudrate=settings.baudrate, device=settings.device, max_payload_bytes=max_payload_bytes
+        )
 
     def __init__(self, url: str, *, baudrate: int, device: str | None, max_payload_bytes: int):
         self.url = url
@@ -260,7 +325,22 @@ def parse_record(line: bytes, filters: Sequence[TopicFilter], default_device: st
 class ReplaySource(SourceBase):
     """Recorded messages from a file or stdin (``-``); see the module docstring for the line forms."""
 
+    needs = ("path", "a file, or - for stdin")
     finite = True
+
+    @classmethod
+    def lossless(cls, settings: SourceConfig) -> bool:
+        return True  # a recording waits for the model: every line is answered
+
+    @classmethod
+    def from_config(
+        cls, settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int
+    ) -> Source | None:
+        assert settings.path is not None  # ``needs``
+        return cls(
+            settings.path, filters=filters, device=settings.device, max_payload_bytes=max_payload_bytes,
+            speed=settings.speed,
+        )  # fmt: skip
 
     def __init__(
         self,
@@ -324,22 +404,7 @@ class ReplaySource(SourceBase):
 
 
 def make_source(settings: SourceConfig, *, filters: Sequence[TopicFilter], max_payload_bytes: int) -> Source | None:
-    """The configured source, or None for MQTT (the daemon's broker connection is that source)."""
-    device = settings.device
-    if settings.kind == "serial" and settings.url is not None and settings.protocol == "frames":
-        framed: Source = resolve(SOURCES, "frames", "source", EdgelineError)(
-            settings.url, baudrate=settings.baudrate, device=device
-        )
-        return framed
-    if settings.kind == "serial" and settings.url is not None:
-        return SerialSource(
-            settings.url, baudrate=settings.baudrate, device=device, max_payload_bytes=max_payload_bytes
-        )
-    if settings.kind == "replay" and settings.path is not None:
-        return ReplaySource(
-            settings.path, filters=filters, device=device, max_payload_bytes=max_payload_bytes, speed=settings.speed
-        )
-    if settings.kind in SOURCES and settings.sim is not None:
-        source: Source = resolve(SOURCES, settings.kind, "source", EdgelineError)(settings.sim, device=device)
-        return source
-    return None  # mqtt: the configuration has checked that every other kind has what it needs
+    """The configured source, made by the class ``SOURCES`` registers for its kind; None when the daemon makes it
+    from parts of its own (MQTT: its broker connection; the cameras: the bundle's pre-processing)."""
+    registered: type[SourceBase] = source_class(settings.kind)
+    return registered.from_config(settings, filters=filters, max_payload_bytes=max_payload_bytes)

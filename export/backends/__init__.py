@@ -154,6 +154,10 @@ class ExportTarget:
     runtime_backend: str
     """The runtime backend that runs its bundles (``edgeline.backends.RUNTIME_BACKENDS``; ``ExportedModel`` may name
     another for one bundle, e.g. a microcontroller's)."""
+    accelerator: str | None = None
+    """The accelerator its bundles ask their runtime backend for (their ``placement.accelerator``; None: the CPU).
+    ``runs_with`` says it for a profile, without torch: the device side asks it through the registry (``doctor``
+    listing which of a profile's targets run here)."""
     precisions: tuple[Precision, ...]
     """The precisions it exports; any other is refused, listing these."""
     keeps_float: bool = False
@@ -168,6 +172,10 @@ class ExportTarget:
     full_integer: bool = False
     """Whether its int8-static model takes and gives int8 whatever is kept float (what TFLite Micro's firmware and
     vela take): an input int8 loses cannot be kept float."""
+
+    def runs_with(self, profile: Profile | None) -> tuple[str, str | None]:
+        """The runtime backend and accelerator its bundles for ``profile`` name (None: any profile's)."""
+        return self.runtime_backend, self.accelerator
 
     def export(self, request: ExportRequest) -> ExportedModel:
         """Convert ``request.module`` into ``request.out_dir``: the model file(s), its placement, its runtime."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeline.backends.coreml import COMPUTE_UNITS_KEY, accelerator_for
-from edgeline.device_profiles import Precision
+from edgeline.device_profiles import Precision, Profile
 from edgeline.device_profiles.schema import CoreML
 from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.errors import ExportError
@@ -282,6 +282,11 @@ class CoreMLExporter(ExportTarget):
     name = "coreml"
     runtime_backend = "coreml"
     precisions = (Precision.FP16, Precision.INT8_WEIGHTS)
+
+    def runs_with(self, profile: Profile | None) -> tuple[str, str | None]:
+        """Core ML places each operation at load, within the compute units the profile asks for."""
+        section = profile.coreml if profile is not None else None
+        return self.runtime_backend, accelerator_for(section.compute_units) if section is not None else None
 
     def export(self, request: ExportRequest) -> ExportedModel:
         if request.precision not in self.precisions:

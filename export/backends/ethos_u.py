@@ -198,6 +198,7 @@ def _placement(int8_model: Path, compiled: Path, layers: dict[tuple[str, str], t
 class EthosUExporter(ExportTarget):
     name = "ethos-u"
     runtime_backend = "litert"
+    accelerator = ETHOS_U
     """On a Linux device (an i.MX 93, running edgeline's daemon): LiteRT with the Ethos-U external delegate. A
     microcontroller profile (``daemon = false``) gets ``tflite-micro``: its firmware runs TFLite Micro with the
     Ethos-U driver."""

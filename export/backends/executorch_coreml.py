@@ -40,6 +40,7 @@ def _compile_specs(settings: CoreML, precision: Precision) -> list[Any]:
 class ExecuTorchCoreMLExporter(ExportTarget):
     name = "executorch-coreml"
     runtime_backend = "executorch"
+    accelerator = "coreml"  # the ExecuTorch delegate its program is lowered to
     precisions = (Precision.FP16, Precision.FP32)
 
     def export(self, request: ExportRequest) -> ExportedModel:
@@ -54,7 +55,7 @@ class ExecuTorchCoreMLExporter(ExportTarget):
         partitioner = CoreMLPartitioner(compile_specs=_compile_specs(settings, request.precision))
         program = torch.export.export(request.module, request.example_inputs)
         edge = to_edge_transform_and_lower(program, partitioner=[partitioner])
-        placement = executorch_placement(edge.exported_program().graph_module, request.precision, "coreml")
+        placement = executorch_placement(edge.exported_program().graph_module, request.precision, self.accelerator)
         (request.out_dir / MODEL_FILE).write_bytes(edge.to_executorch().buffer)
         inputs, outputs = program_specs(request.out_dir / MODEL_FILE, request.input_names)  # read from the file
         return ExportedModel(

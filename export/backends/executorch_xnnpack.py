@@ -58,6 +58,7 @@ def quantized_module(
 class XnnpackExporter(ExportTarget):
     name = "executorch-xnnpack"
     runtime_backend = "executorch"
+    accelerator = "xnnpack"  # the ExecuTorch delegate its program is lowered to
     precisions = (Precision.FP32, Precision.INT8_DYNAMIC, Precision.INT8_STATIC)
     keeps_float = True  # the XNNPACK quantizer's filter function
 
@@ -88,7 +89,7 @@ class XnnpackExporter(ExportTarget):
             module = _quantized(request, dynamic=request.precision is Precision.INT8_DYNAMIC)
         program = torch.export.export(module, request.example_inputs)
         edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
-        placement = executorch_placement(edge.exported_program().graph_module, request.precision, "xnnpack")
+        placement = executorch_placement(edge.exported_program().graph_module, request.precision, self.accelerator)
         executorch_program = edge.to_executorch()
         (request.out_dir / MODEL_FILE).write_bytes(executorch_program.buffer)
         return ExportedModel(

@@ -264,6 +264,9 @@ class OnnxRuntimeExporter(ExportTarget):
     precisions = (Precision.FP32, Precision.INT8_STATIC)
     keeps_float = True  # ONNX Runtime's nodes_to_exclude
 
+    def runs_with(self, profile: Profile | None) -> tuple[str, str | None]:
+        return self.runtime_backend, profile_accelerator(profile)  # the profile's GPU provider, else the CPU's
+
     def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
         return onnx_layers(reading)
 

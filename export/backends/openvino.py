@@ -212,7 +212,7 @@ class OpenVINOExporter(ExportTarget):
         path = request.out_dir / MODEL_FILE
         ov.save_model(model, str(path), compress_to_fp16=request.precision is Precision.FP16)
         core = ov.Core()
-        accelerator = None if self.device == CPU else self.device
+        accelerator = self.accelerator
         here = accelerator is None or has_device(core.available_devices, accelerator)
         placement = openvino_placement(core, core.read_model(str(path)), request.precision, accelerator, here, hint)
         return ExportedModel(
@@ -490,6 +490,7 @@ class OpenVINOGpuExporter(OpenVINOExporter):
 
     name = "openvino-gpu"
     device = "GPU"
+    accelerator = "GPU"
 
 
 class OpenVINONpuExporter(OpenVINOExporter):
@@ -497,4 +498,5 @@ class OpenVINONpuExporter(OpenVINOExporter):
 
     name = "openvino-npu"
     device = "NPU"
+    accelerator = "NPU"
     precisions = (Precision.FP16, Precision.INT8_STATIC)

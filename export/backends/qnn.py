@@ -133,6 +133,7 @@ def _measured_with(qnn: Qnn) -> str:
 class QnnHtpExporter(ExportTarget):
     name = "qnn-htp"
     runtime_backend = "onnxruntime"
+    accelerator = QNN_HTP
     precisions = (Precision.INT8_STATIC,)
     keeps_float = True  # the QDQ configuration's nodes_to_exclude; its CPU fallback stays off
     kept_float_precision = "float16"  # the HTP computes float operators in fp16
