@@ -208,14 +208,19 @@ install_executorch() {  # VENV: ExecuTorch's torch-free runtime, installed as on
 
 mkdir -p "$base"
 exec 9>"$base/.lock"
-flock 9  # concurrent callers wait for one build
+flock 9  # concurrent callers wait for one build of what every install shares
 build_qemu
 build_rootfs
+flock -u 9
+# Each install has a lock of its own: a caller of the device install never waits for the tflite-runtime install that
+# scripts/test.sh builds beside the tests (minutes of emulated pip on a fresh clone).
+exec 8>"$base/.lock-$flavour"
+flock 8
 case "$flavour" in
     device) build_venv venv "$DEVICE_REQUIREMENTS"; install_executorch "$base/venv" ;;
     tflite) build_venv venv-tflite "$TFLITE_REQUIREMENTS" ;;
 esac
-flock -u 9
+flock -u 8
 venv="$base/$([ "$flavour" = device ] && echo venv || echo venv-tflite)"
 
 export QEMU_CPU="$cpu"

@@ -44,7 +44,9 @@ def _numbers(container: av.container.InputContainer, count: int) -> list[int | N
 
 
 def _read_stream(url: str, count: int = FRAMES, **open_args: object) -> list[int | None]:
-    with av.open(url, timeout=(5, 5), **open_args) as container:
+    """The barcodes of ``count`` frames of a stream; each open and each read bounded by 15 s (a loaded machine's
+    encoder can be seconds late with a key frame: the bound is for a hang, not a measure)."""
+    with av.open(url, timeout=(15, 15), **open_args) as container:
         return _numbers(container, count)
 
 
