@@ -60,11 +60,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from report import markdown_table, publish
 
+from edgeline.device_profiles.toml import tomllib
 from edgeline.sim.board import MAX_RATE_HZ, BoardOptions, PythonBoard, Uart
 from tests.mqtt_broker import Broker, Collector, running_broker
 
