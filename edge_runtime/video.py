@@ -405,6 +405,26 @@ class _AvReader:
         self._pending: deque[Any] = deque()
         self._packets: Iterator[Any] = self._container.demux(stream)
         self._ended = False
+        if not (self.width and self.height):
+            self._learn_size(open_timeout_s)
+
+    def _learn_size(self, open_timeout_s: float) -> None:
+        """RTP/JPEG names its size in each frame, not in its SDP, and RTSP is opened without probing: the first frame
+        is decoded now, within the open's deadline, and kept for the first ``read``."""
+        deadline = time.monotonic() + open_timeout_s
+        try:
+            while not self._pending and not self._ended:
+                if time.monotonic() > deadline:
+                    raise CameraError(f"camera {self.spec.name}: {self.spec.shown} opened but sent no frame within "
+                                      f"{open_timeout_s:g} s", reason="timeout")  # fmt: skip
+                self._next_packet()
+        except CameraError:
+            self.close()
+            raise
+        if self._pending:
+            first = self._pending[0]
+            self.width, self.height = int(first.width), int(first.height)
+            self.pixel = _pixel_of(first.format.name)
 
     def read(self) -> Frame | None:
         if self._closed:
