@@ -223,7 +223,10 @@ def decode(output: np.ndarray, head: Head, input_size: tuple[int, int]) -> Detec
         scores = rows[:, 4]
         if head.score_activation == "sigmoid":
             scores = _sigmoid(scores)
-        classes = np.rint(rows[:, 5]).astype(np.int64)
+        kinds = rows[:, 5]
+        valid = np.isfinite(kinds) & (np.abs(kinds) < 2**31)
+        scores = np.where(valid, scores, np.float32(np.nan))  # a row without a class is no detection
+        classes = np.rint(np.where(valid, kinds, 0)).astype(np.int64)
     else:
         rows = output[0].T if head.layout == "attributes-first" else output[0]
         boxes = _corners(rows[:, 0:4], head.box_format)
@@ -387,10 +390,12 @@ def mean_average_precision(
             matched = np.zeros((thresholds, mine.size), dtype=bool)
             if theirs.shape[0]:
                 ious = _box_iou(np.asarray(found.boxes)[mine].reshape(-1, 4), theirs)
+                best = ious.max(axis=1)
                 for t, threshold in enumerate(IOU_THRESHOLDS):
                     floor = min(float(threshold), 1 - 1e-10)
                     taken = np.zeros(theirs.shape[0], dtype=bool)
-                    for d in range(mine.size):  # best first: the free truth of highest IoU (COCO: the last of equals)
+                    for d in np.flatnonzero(best >= floor).tolist():  # best first; a box near no truth matches none
+                        # the free truth of highest IoU (COCO: the last of equals)
                         free = np.where(~taken & (ious[d] >= floor), ious[d], -1.0)
                         if free.max() < 0:
                             continue

@@ -40,6 +40,7 @@ __all__ = [
     "Geometry",
     "Pixel",
     "format_preprocess",
+    "frame_geometry",
     "image_preprocess",
     "parse_preprocess",
     "preprocess_table",
@@ -271,6 +272,26 @@ class _Plan:
     scratch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # float32: two rows' values, two columns'
 
 
+def frame_geometry(spec: ImagePreprocess, height: int, width: int) -> Geometry:
+    """How a frame of ``height`` x ``width`` maps into the input ``spec`` makes (see ``Geometry``): what
+    ``FramePrep.geometry`` says, without its tables (a detector's answer maps its boxes back with it)."""
+    (out_h, out_w), mode = spec.size, spec.resize
+    if mode == "squash":
+        return Geometry(height, width, out_h, out_w, out_w / width, out_h / height, 0.0, 0.0)
+    if mode == "center-crop":
+        ratio = max(out_h / height, out_w / width)
+        return Geometry(
+            height, width, out_h, out_w, ratio, ratio, (out_w - width * ratio) / 2, (out_h - height * ratio) / 2
+        )
+    ratio = min(out_h / height, out_w / width)
+    # the frame fills whole input pixels: its size rounded, the smaller half of the band on the left / top
+    new_h, new_w = max(1, min(out_h, round(height * ratio))), max(1, min(out_w, round(width * ratio)))
+    return Geometry(
+        height, width, out_h, out_w, new_w / width, new_h / height, float((out_w - new_w) // 2),
+        float((out_h - new_h) // 2),
+    )  # fmt: skip
+
+
 class FramePrep:
     """``spec`` applied to frames for an input of ``input_spec``: ``prep(frame, pixel)`` → float32 of the input's
     shape (before quantization, which ``edgeline.model`` applies per the input tensor)."""
@@ -305,21 +326,7 @@ class FramePrep:
 
     def geometry(self, height: int, width: int) -> Geometry:
         """How a frame of ``height`` x ``width`` maps into the input (see ``Geometry``)."""
-        out_h, out_w, mode = self._height, self._width, self.spec.resize
-        if mode == "squash":
-            return Geometry(height, width, out_h, out_w, out_w / width, out_h / height, 0.0, 0.0)
-        if mode == "center-crop":
-            ratio = max(out_h / height, out_w / width)
-            return Geometry(
-                height, width, out_h, out_w, ratio, ratio, (out_w - width * ratio) / 2, (out_h - height * ratio) / 2
-            )
-        ratio = min(out_h / height, out_w / width)
-        # the frame fills whole input pixels: its size rounded, the smaller half of the band on the left / top
-        new_h, new_w = max(1, min(out_h, round(height * ratio))), max(1, min(out_w, round(width * ratio)))
-        return Geometry(
-            height, width, out_h, out_w, new_w / width, new_h / height, float((out_w - new_w) // 2),
-            float((out_h - new_h) // 2),
-        )  # fmt: skip
+        return frame_geometry(self.spec, height, width)
 
     def _plan(self, height: int, width: int, pixel: str) -> _Plan:
         key = (height, width, pixel)

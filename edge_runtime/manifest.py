@@ -11,11 +11,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from edgeline.detection import IOU_THRESHOLD, MAX_DETECTIONS, PRE_NMS_TOP_K, SCORE_THRESHOLD, Head, check_output
 from edgeline.device_profiles.schema import Budgets
+from edgeline.errors import EdgelineError
 
 __all__ = [
     "SCHEMA_VERSION",
     "Budgets",
+    "Detection",
     "Device",
     "Estimates",
     "Fidelity",
@@ -105,10 +108,41 @@ class FileEntry(_Frozen):
         return path
 
 
-class Postprocess(_Frozen):
-    """How to read the outputs: ``classify`` (labels, softmax score), ``anomaly`` (score vs threshold)."""
+class Detection(_Frozen):
+    """A detector's output 0, read by ``edgeline.detection``: its head's layout (see ``Head``), the input size its
+    boxes are in (height, width), and the answers' defaults, which a run may override."""
 
-    kind: Literal["classify", "regress", "anomaly", "raw"] = "raw"
+    head: str = "custom"
+    """The ``--head`` it was exported with (``yolov8``, ``yolov5``, ``end2end``), or ``custom``: the fields say."""
+    layout: Literal["attributes-first", "boxes-first", "end2end"]
+    box_format: Literal["xywh", "xyxy", "yxyx"] = "xywh"
+    box_space: Literal["pixels", "normalised"] = "pixels"
+    objectness: bool = False
+    score_activation: Literal["none", "sigmoid"] = "none"
+    has_nms: bool = False
+    input_size: tuple[int, int]
+    score_threshold: float = Field(default=SCORE_THRESHOLD, ge=0, le=1, allow_inf_nan=False)
+    iou_threshold: float = Field(default=IOU_THRESHOLD, ge=0, le=1, allow_inf_nan=False)
+    max_detections: int = Field(default=MAX_DETECTIONS, ge=1, le=10_000)
+    pre_nms_top_k: int = Field(default=PRE_NMS_TOP_K, ge=1, le=1_000_000)
+
+    @field_validator("input_size")
+    @classmethod
+    def _input_size(cls, size: tuple[int, int]) -> tuple[int, int]:
+        if not all(1 <= side <= MAX_IMAGE_SIDE for side in size):
+            raise ValueError(f"(height, width) must be 1..{MAX_IMAGE_SIDE} each, got {list(size)}")
+        return size
+
+    def as_head(self) -> Head:
+        return Head(self.head, self.layout, self.box_format, self.box_space, self.objectness, self.score_activation,
+                    self.has_nms)  # fmt: skip
+
+
+class Postprocess(_Frozen):
+    """How to read the outputs: ``classify`` (labels, softmax score), ``anomaly`` (score vs threshold), ``detect``
+    (boxes, by ``detection``)."""
+
+    kind: Literal["classify", "regress", "anomaly", "detect", "raw"] = "raw"
     labels: tuple[str, ...] | None = None
     # classify: "softmax" when output 0 holds logits, "identity" when it already holds probabilities.
     score: Literal["softmax", "identity"] = "softmax"
@@ -116,11 +150,14 @@ class Postprocess(_Frozen):
     # or output 0 itself ("output"); flagged when score > threshold.
     anomaly_score: Literal["reconstruction", "output"] = "reconstruction"
     threshold: float | None = None
+    detection: Detection | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Postprocess:
         if self.kind == "anomaly" and self.threshold is None:
             raise ValueError("postprocess kind 'anomaly' needs a threshold")
+        if (self.kind == "detect") != (self.detection is not None):
+            raise ValueError("postprocess kind 'detect' needs 'detection', and only it has one")
         return self
 
 
@@ -567,6 +604,13 @@ class Manifest(_Frozen):
                 raise ValueError(
                     f"postprocess.labels has {len(self.postprocess.labels)} labels but output 0 has {classes} classes"
                 )
+        detection = self.postprocess.detection
+        if detection is not None:
+            labels = self.postprocess.labels
+            try:
+                check_output(detection.as_head(), self.outputs[0].shape, None if labels is None else len(labels))
+            except EdgelineError as exc:
+                raise ValueError(f"postprocess.detection: {exc}") from None
         if self.image is not None:
             spec = self.inputs[0]
             try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +12,7 @@ from edgeline.arrays import all_finite
 from edgeline.backends import RUNTIME_BACKENDS, Session, open_session
 from edgeline.bundle import Bundle, read_bundle
 from edgeline.errors import BackendUnavailableError, BundleError, PayloadError
+from edgeline.imaging import frame_geometry
 from edgeline.manifest import Manifest, TensorSpec
 from edgeline.postprocess import Interpretation, interpret
 
@@ -307,10 +308,23 @@ class Model:
         return answers
 
     def interpret(
-        self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray], *, top_k: int = 1
+        self,
+        inputs: Sequence[np.ndarray],
+        outputs: Sequence[np.ndarray],
+        *,
+        top_k: int = 1,
+        frame_size: tuple[int, int] | None = None,
+        overrides: Mapping[str, float] | None = None,
     ) -> Interpretation:
-        """Labels and scores (classifiers) or anomaly score and flag, from one sample's float outputs."""
-        return interpret(self.manifest.postprocess, inputs, outputs, top_k=top_k)
+        """Labels and scores (classifiers), anomaly score and flag, or boxes (detectors), from one sample's float
+        outputs. ``frame_size`` (height, width): the frame input 0 was made from by the manifest's ``image``, whose
+        coordinates a detector's boxes are given in (normalised); without it, the input's."""
+        geometry = None
+        if frame_size is not None and self.manifest.image is not None:
+            geometry = frame_geometry(self.manifest.image, *frame_size)
+        return interpret(
+            self.manifest.postprocess, inputs, outputs, top_k=top_k, geometry=geometry, overrides=overrides
+        )
 
 
 def usable_threads(wanted: int) -> int:

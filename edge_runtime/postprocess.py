@@ -1,16 +1,19 @@
-"""Reading model outputs as answers: labels and scores for classifiers, scores and flags for anomalies."""
+"""Reading model outputs as answers: labels and scores for classifiers, scores and flags for anomalies, boxes for
+detectors."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from edgeline.detection import detect
+from edgeline.imaging import Geometry
 from edgeline.manifest import Postprocess
 
-__all__ = ["Interpretation", "interpret", "softmax"]
+__all__ = ["BOX_DECIMALS", "Interpretation", "interpret", "softmax"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,9 @@ class Interpretation:
     top_k: tuple[tuple[str, float], ...] = ()
     anomaly_score: float | None = None
     anomaly: bool | None = None
+    detections: tuple[dict[str, Any], ...] | None = None
+    """A detector's: ``box`` [x1, y1, x2, y2] normalised to the frame (or the input), ``class_index``, ``label``,
+    ``score``, best first."""
 
     def as_dict(self) -> dict[str, Any]:
         """The fields that apply to this model kind, ready for JSON."""
@@ -31,6 +37,8 @@ class Interpretation:
                 out["top_k"] = [{"label": label, "score": score} for label, score in self.top_k]
         if self.anomaly_score is not None:
             out.update(anomaly_score=self.anomaly_score, anomaly=self.anomaly)
+        if self.detections is not None:
+            out["detections"] = list(self.detections)
         return out
 
 
@@ -41,10 +49,25 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return result
 
 
+BOX_DECIMALS = 5
+"""A detection's normalised coordinates are rounded to this many places: 0.04 pixels of a 4K frame's width."""
+
+
 def interpret(
-    post: Postprocess, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray], *, top_k: int = 1
+    post: Postprocess,
+    inputs: Sequence[np.ndarray],
+    outputs: Sequence[np.ndarray],
+    *,
+    top_k: int = 1,
+    geometry: Geometry | None = None,
+    overrides: Mapping[str, float] | None = None,
 ) -> Interpretation:
-    """Interpret one sample's float outputs (batch 1) according to the manifest's postprocess."""
+    """Interpret one sample's float outputs (batch 1) according to the manifest's postprocess. A detector's boxes
+    are mapped to the frame through ``geometry`` (where the frame landed in the input: letterbox undone), or
+    normalised to the input without one; ``overrides`` replaces its ``score_threshold``, ``iou_threshold``,
+    ``max_detections``."""
+    if post.kind == "detect":
+        return _detections(post, outputs, geometry, overrides or {})
     if post.kind == "classify":
         row = outputs[0].reshape(-1).astype(np.float64)
         labels = post.labels
@@ -81,3 +104,34 @@ def interpret(
             score = float(outputs[0].reshape(-1)[0])
         return Interpretation(anomaly_score=score, anomaly=score > post.threshold)
     return Interpretation()
+
+
+def _detections(
+    post: Postprocess, outputs: Sequence[np.ndarray], geometry: Geometry | None, overrides: Mapping[str, float]
+) -> Interpretation:
+    settings = post.detection
+    assert settings is not None  # the manifest's validator guarantees it
+    unknown = set(overrides) - {"score_threshold", "iou_threshold", "max_detections"}
+    if unknown:
+        raise ValueError(f"unknown detection override(s): {', '.join(sorted(unknown))}")
+    found = detect(
+        outputs[0],
+        settings.as_head(),
+        settings.input_size,
+        score_threshold=float(overrides.get("score_threshold", settings.score_threshold)),
+        iou_threshold=float(overrides.get("iou_threshold", settings.iou_threshold)),
+        max_detections=int(overrides.get("max_detections", settings.max_detections)),
+        pre_nms_top_k=settings.pre_nms_top_k,
+    )
+    if geometry is not None:
+        boxes = geometry.to_frame(found.boxes)
+    else:
+        height, width = settings.input_size
+        boxes = np.clip(found.boxes.astype(np.float64) / [width, height, width, height], 0.0, 1.0)
+    labels = post.labels
+    answers = []
+    for box, kind, score in zip(np.round(boxes, BOX_DECIMALS).tolist(), found.classes.tolist(),
+                                found.scores.tolist(), strict=True):  # fmt: skip
+        label = labels[kind] if labels is not None and 0 <= kind < len(labels) else str(kind)
+        answers.append({"box": box, "class_index": kind, "label": label, "score": score})
+    return Interpretation(detections=tuple(answers))

@@ -67,6 +67,8 @@ collect_ignore = [
         ("test_export_preprocess.py", "PIL"),
         ("test_detection_oracles.py", "pycocotools"),  # the oracles are the dev extra's and the export extra's
         ("test_detection_oracles.py", "onnx"),
+        ("test_detection_data.py", "PIL"),
+        ("test_shapes_reference.py", "torch"),
     )
     if importlib.util.find_spec(needs) is None
 ]

@@ -306,7 +306,8 @@ class CameraFeed:
             self._in_flight += 1
         message = Message(
             topic=f"camera/{self.name}", payload=b"", device=self.name, arrays=(array,), fields=fields,
-            captured=frame.captured, on_answers=lambda answers: self._answered(frame, answers),
+            captured=frame.captured, frame_size=(int(frame.array.shape[0]), int(frame.array.shape[1])),
+            on_answers=lambda answers: self._answered(frame, answers),
         )  # fmt: skip
         try:
             submit(message)

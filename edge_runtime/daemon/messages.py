@@ -54,6 +54,9 @@ class Message:
     so no JPEG or JSON round trip between a camera and the model. None: decode ``payload``."""
     fields: dict[str, Any] | None = None
     """Added to every answer of the message (a camera's name, frame number, stream, source timestamp)."""
+    frame_size: tuple[int, int] | None = None
+    """(height, width) of the camera frame ``arrays`` were made from: a detector's boxes are given in its
+    coordinates (the letterbox undone). None: in the input's."""
     captured: float | None = None
     """``time.monotonic()`` when the input was captured (a camera frame decoded): answers carry ``age_ms``,
     capture to answer."""

@@ -266,11 +266,12 @@ class Processor:
         for output in outputs:
             if not all_finite(output):
                 raise _ModelOutputError("the model's output holds NaN or Inf for this input")
-        interpreted = model.interpret(inputs, outputs, top_k=self.top_k).as_dict()
+        interpreted = model.interpret(inputs, outputs, top_k=self.top_k, frame_size=message.frame_size).as_dict()
         record = self._record(message, sequence, identity, model)
         if window is not None:
             record["window"] = window
-        record["outputs"] = [output.tolist() for output in outputs]
+        if "detections" not in interpreted:  # a detector's raw candidates (thousands) stay out of its answers
+            record["outputs"] = [output.tolist() for output in outputs]
         record.update(interpreted)
         record["latency_ms"] = round(seconds * 1000.0, 4)
         if batch > 1:
