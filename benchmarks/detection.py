@@ -132,8 +132,10 @@ def main() -> int:
         if name == "crowded":
             output[0, 4:] += 0.3
         kept = len(detect(output, head, size))
-        rows.append((name, "edgeline.detection.detect (decode, threshold, top 1000, NMS, cap 100)",
-                     median_ms(functools.partial(detect, output, head, size), args.repeats), f"{kept} kept"))  # fmt: skip
+        figures = median_ms(functools.partial(detect, output, head, size), args.repeats)
+        rows.append(
+            (name, "edgeline.detection.detect (decode, threshold, top 1000, NMS, cap 100)", figures, f"{kept} kept")
+        )
     output = yolov8_output(rng, 1.0)
     output[0, 4:] += 0.3
     rows_cx = output[0, :4].T
