@@ -76,6 +76,7 @@ class LayerReading:
     calibration: SampleSet | None = None
     dynamic: bool = False  # int8-dynamic
     keep_float: tuple[str, ...] = ()  # the modules mixed precision kept float
+    quantized_graph: Any = None  # the quantized graph the export lowered (ExportedModel.quantized_graph), if any
 
 
 class LayerProbe:
@@ -117,7 +118,12 @@ def onnx_layers(reading: LayerReading, model_path: Path | None = None, qnn: bool
 def openvino_layers(reading: LayerReading) -> LayerProbe:
     """An OpenVINO IR's layers, on the CPU plugin in f32."""
     return OpenVINOProbe(
-        reading.model_path, reading.module, reading.first_sample, reading.float_run, reading.input_names
+        reading.model_path,
+        reading.module,
+        reading.first_sample,
+        reading.float_run,
+        reading.input_names,
+        program=reading.program,
     )
 
 
@@ -371,11 +377,21 @@ class OpenVINOProbe(LayerProbe):
     (the value as the next operator reads it)."""
 
     def __init__(
-        self, path: Path, module: Any, arrays: Sequence[np.ndarray], run: FloatRun, input_names: Sequence[str]
+        self,
+        path: Path,
+        module: Any,
+        arrays: Sequence[np.ndarray],
+        run: FloatRun,
+        input_names: Sequence[str],
+        program: Any = None,
     ):
+        """``program``: torch.export's program of ``module`` on ``arrays`` when the caller has it (the layer report
+        traced it already: not traced again), else traced here."""
         import openvino as ov
 
-        program = export_program(module, arrays).run_decompositions()
+        if program is None:
+            program = export_program(module, arrays)
+        program = program.run_decompositions()  # a new program: the caller's is left as it was
         wanted = set(run.order)
         prefixes = {f"{node.name}/": name for name, node in last_nodes(program).items() if name in wanted}
         core = ov.Core()

@@ -339,11 +339,13 @@ def measure_layers(
     dynamic: bool = False,
     keep_float: tuple[str, ...] = (),
     labels: Sequence[str] = (),
+    quantized_graph: Any = None,
 ) -> LayerReport:
     """Per layer, SQNR and cosine of the deployed model's intermediate outputs against the float model's, on at
     most ``LAYER_SAMPLES`` samples. ``exporter`` made the bundle and ``backend`` runs its ``model_path``; the
     exporter's class reads it (``ExportTarget.layer_probe``, given ``calibration``, ``dynamic``: int8-dynamic, and
-    ``keep_float``: the modules mixed precision kept float). One that reads none (Core ML) says it was not
+    ``keep_float``: the modules mixed precision kept float; ``quantized_graph``: the graph the export lowered, when it
+    kept one, ``ExportedModel.quantized_graph``). One that reads none (Core ML) says it was not
     measured, as does a model that gives no layers: why, never a figure. Each input the model
     quantizes comes first (``input x``, named by ``labels``, forward()'s names, else ``input_names``): the data
     as the model reads it."""
@@ -374,6 +376,7 @@ def measure_layers(
                     calibration=calibration,
                     dynamic=dynamic,
                     keep_float=keep_float,
+                    quantized_graph=quantized_graph,
                 )
             )
         )

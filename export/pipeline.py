@@ -600,6 +600,7 @@ def _build(
                 dynamic=target.precision is Precision.INT8_DYNAMIC,
                 keep_float=tuple(k.module for k in kept),
                 labels=request.input_names,
+                quantized_graph=exported.quantized_graph,
             )
             if layers.measured_with is not None and 0 < len(outcome.ranking) < len(validation):
                 layers = replace(

@@ -26,18 +26,26 @@
 # - A program the emulated process starts (`sys.executable`, the `edgeline` entry point) runs emulated too: the
 #   device install's `python` is a shell script that starts qemu-aarch64, so no binfmt_misc registration is needed.
 #
-# Built on first use, from Debian's and PyPI's registries only, and cached under build/arm64 (stamps of what went
-# into each part; a lock for concurrent callers). Idempotent. About 5 minutes the first time (pip runs emulated).
+# Built on first use, from Debian's and PyPI's registries only, and cached (stamps of what went into each part;
+# locks for concurrent callers). Idempotent. The emulator, the userland and each install's dependencies (what the
+# emulated pip installs for edgeline's base install: minutes the first time, pip runs emulated) are kept by
+# content in $EDGELINE_ARM64_CACHE (default build/arm64), where they outlive a clone when it is set outside it
+# (CI's /var/cache/edgeline/arm64): `deps-NAME-KEY/`, keyed by pyproject.toml's [project] table (not its extras)
+# and build requirements, the requirements and the userland, shared by every clone that asks the same. Each
+# clone's own install (build/arm64/venv, venv-tflite) is edgeline installed from its tree by the emulated pip
+# (`pip install --no-deps -e .`) over those dependencies (a .pth adds their site-packages), plus ExecuTorch's
+# runtime for the device install: about a minute of CPU instead of about five.
 # EDGELINE_DEBIAN_MIRROR overrides the Debian mirror (default http://deb.debian.org).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 base="$root/build/arm64"
+cache="${EDGELINE_ARM64_CACHE:-$base}"
 mirror="${EDGELINE_DEBIAN_MIRROR:-http://deb.debian.org}"
 keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 QEMU_MIN_MAJOR=10
 ROOTFS_PACKAGES="python3.11 python3.11-venv libstdc++6 libgcc-s1 libgomp1 coreutils"
 DEVICE_REQUIREMENTS='"onnxruntime>=1.24.2"'
-INSTALL_LAYOUT=1  # bump when write_python or build_venv change what an install holds: the installs are rebuilt
+INSTALL_LAYOUT=2  # bump when write_python, build_deps or build_venv change what an install holds: rebuilt
 TFLITE_REQUIREMENTS='"tflite-runtime==2.14.0" "numpy>=1.24,<2"'
 
 usage() {
@@ -82,7 +90,7 @@ stamp_ok() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 # A private apt: its own sources, state and cache under build/arm64/apt/ARCH; the host's apt and dpkg are not touched.
 apt_private() {  # ARCH SUITES... -- APT-GET ARGS...
     local arch="$1"; shift
-    local dir="$base/apt/$arch" suites=()
+    local dir="$cache/apt/$arch" suites=()
     while [ "$1" != "--" ]; do suites+=("$1"); shift; done
     shift
     mkdir -p "$dir/lists/partial" "$dir/archives/partial"
@@ -107,24 +115,24 @@ apt_private() {  # ARCH SUITES... -- APT-GET ARGS...
 
 build_qemu() {
     local want="qemu-user bookworm-backports $mirror"
-    if ! stamp_ok "$base/qemu/.stamp" "$want" || [ ! -x "$base/qemu/qemu-aarch64" ]; then
+    if ! stamp_ok "$cache/qemu/.stamp" "$want" || [ ! -x "$cache/qemu/qemu-aarch64" ]; then
         [ -r "$keyring" ] || die "$keyring is missing (Debian's debian-archive-keyring package)"
         say "fetching qemu-user from Debian's bookworm-backports (first use)"
-        rm -rf "$base/qemu" "$base/apt/amd64/archives"
+        rm -rf "$cache/qemu" "$cache/apt/amd64/archives"
         run_logged "apt-get update (amd64, bookworm-backports)" apt_private amd64 bookworm-backports -- update
         run_logged "apt-get download qemu-user" apt_private amd64 bookworm-backports -- \
             install -y --download-only --no-install-recommends -t bookworm-backports qemu-user
         local deb
-        deb="$(ls "$base"/apt/amd64/archives/qemu-user_*.deb 2>/dev/null | head -n 1)"
+        deb="$(ls "$cache"/apt/amd64/archives/qemu-user_*.deb 2>/dev/null | head -n 1)"
         [ -n "$deb" ] || die "apt did not download qemu-user"
-        local unpack="$base/qemu.unpack"
-        rm -rf "$unpack" && mkdir -p "$unpack" "$base/qemu"
+        local unpack="$cache/qemu.unpack"
+        rm -rf "$unpack" && mkdir -p "$unpack" "$cache/qemu"
         dpkg -x "$deb" "$unpack"
-        cp "$unpack/usr/bin/qemu-aarch64" "$base/qemu/qemu-aarch64"
-        rm -rf "$unpack" "$base/apt/amd64/archives"
-        echo "$want" > "$base/qemu/.stamp"
+        cp "$unpack/usr/bin/qemu-aarch64" "$cache/qemu/qemu-aarch64"
+        rm -rf "$unpack" "$cache/apt/amd64/archives"
+        echo "$want" > "$cache/qemu/.stamp"
     fi
-    qemu="$base/qemu/qemu-aarch64"
+    qemu="$cache/qemu/qemu-aarch64"
     qemu_version="$("$qemu" --version | head -n 1)"
     local major
     major="$(echo "$qemu_version" | sed -n 's/^qemu-aarch64 version \([0-9]*\)\..*/\1/p')"
@@ -134,58 +142,96 @@ build_qemu() {
 
 build_rootfs() {
     local want="$ROOTFS_PACKAGES bookworm $mirror"
-    if stamp_ok "$base/rootfs/.stamp" "$want" && [ -x "$base/rootfs/usr/bin/python3.11" ]; then
+    if stamp_ok "$cache/rootfs/.stamp" "$want" && [ -x "$cache/rootfs/usr/bin/python3.11" ]; then
         return
     fi
     say "fetching Debian 12 arm64 packages for the userland (first use): $ROOTFS_PACKAGES"
-    rm -rf "$base/rootfs" "$base/apt/arm64/archives"
+    rm -rf "$cache/rootfs" "$cache/apt/arm64/archives"
     run_logged "apt-get update (arm64)" apt_private arm64 bookworm bookworm-updates bookworm-security -- update
     # An empty dpkg status: apt downloads every dependency, as for an empty system.
     run_logged "apt-get download (arm64)" apt_private arm64 bookworm bookworm-updates bookworm-security -- \
         install -y --download-only $ROOTFS_PACKAGES
-    mkdir -p "$base/rootfs"
+    mkdir -p "$cache/rootfs"
     local deb
-    for deb in "$base"/apt/arm64/archives/*.deb; do
-        dpkg -x "$deb" "$base/rootfs"
+    for deb in "$cache"/apt/arm64/archives/*.deb; do
+        dpkg -x "$deb" "$cache/rootfs"
     done
-    rm -rf "$base/apt/arm64/archives"
-    echo "$want" > "$base/rootfs/.stamp"
+    rm -rf "$cache/apt/arm64/archives"
+    echo "$want" > "$cache/rootfs/.stamp"
 }
 
 write_python() {  # VENV: its bin/python, a host shell script that starts the emulated interpreter
     local venv="$1"
     mkdir -p "$venv/bin" "$venv/lib/python3.11/site-packages"
-    printf 'home = %s\ninclude-system-site-packages = false\nversion = 3.11\n' "$base/rootfs/usr/bin" > "$venv/pyvenv.cfg"
+    printf 'home = %s\ninclude-system-site-packages = false\nversion = 3.11\n' "$cache/rootfs/usr/bin" > "$venv/pyvenv.cfg"
     cat > "$venv/bin/python" <<EOF
 #!/bin/sh
 # The emulated Python of this install (scripts/arm64.sh): qemu-aarch64 runs Debian's arm64 python3.11.
-export QEMU_LD_PREFIX="$base/rootfs"
+export QEMU_LD_PREFIX="$cache/rootfs"
 export QEMU_CPU="\${QEMU_CPU:-cortex-a72}"
 export EDGELINE_EMULATOR="qemu-user \$("$qemu" --version | sed -n '1s/^qemu-aarch64 version \([^ ]*\).*/\1/p') -cpu \$QEMU_CPU"
-exec "$qemu" -0 "\$0" "$base/rootfs/usr/bin/python3.11" "\$@"
+exec "$qemu" -0 "\$0" "$cache/rootfs/usr/bin/python3.11" "\$@"
 EOF
     chmod +x "$venv/bin/python"
     ln -sf python "$venv/bin/python3"
     ln -sf python "$venv/bin/python3.11"
 }
 
-build_venv() {  # NAME REQUIREMENTS
-    local venv="$base/$1" requirements="$2"
-    local want
-    # What the install depends on: pyproject's [project] tables (not its tool settings), and how it is laid out.
-    want="$({ sed -n '/^\[project/,/^\[tool/p' "$root/pyproject.toml"; echo "$INSTALL_LAYOUT"; } \
-        | sha256sum | cut -d' ' -f1) $root $requirements"
+pip_emulated() {  # VENV WHAT PIP-INSTALL-ARGS...: the emulated pip of VENV installs, quiet unless it fails
+    local venv="$1" what="$2"
+    shift 2
+    run_logged "$what" env QEMU_CPU=cortex-a72 "$venv/bin/python" -m pip install \
+        --disable-pip-version-check --no-input --retries 2 --timeout 60 "$@"
+}
+
+build_deps() {  # NAME REQUIREMENTS: sets $deps, the dependencies of edgeline's base install plus REQUIREMENTS as the
+    # emulated pip installs them, kept by content in the cache (a venv whose edgeline was installed, then removed:
+    # what pip picked for it stays)
+    local name="$1" requirements="$2" key building
+    # What edgeline's own build needs (pyproject's [build-system] requires, e.g. "setuptools>=77"), installed with
+    # them: each clone installs edgeline without an isolated build environment (no emulated pip fetching setuptools).
+    building="$(sed -n '/^\[build-system\]$/,/^\[/s/^requires = \[\(.*\)\]$/\1/p' "$root/pyproject.toml" \
+        | tr ',' ' ')"
+    # What they depend on: pyproject's [project] table (its dependencies; not the extras, scripts or tool settings),
+    # its build requirements, the requirements, the userland and how an install is laid out.
+    key="$({ sed -n '/^\[project\]$/,/^\[/p' "$root/pyproject.toml"; echo "$INSTALL_LAYOUT $requirements $building"
+        cat "$cache/rootfs/.stamp"; } | sha256sum | cut -c1-20)"
+    deps="$cache/deps-$name-$key"
+    if [ -f "$deps/.complete" ]; then
+        return
+    fi
+    exec 7>"$deps.lock"
+    flock 7  # another clone building the same: wait for it, then take it
+    if [ ! -f "$deps/.complete" ]; then
+        say "installing edgeline's dependencies into the emulated $name install ($deps; first use: minutes," \
+            "pip runs emulated)"
+        rm -rf "$deps"
+        write_python "$deps"
+        run_logged "ensurepip (emulated)" env QEMU_CPU=cortex-a72 "$deps/bin/python" -m ensurepip --default-pip
+        # shellcheck disable=SC2086  # the requirements are quoted words
+        eval "set -- $requirements $building"
+        pip_emulated "$deps" "pip install (emulated)" -e "$root" "$@"
+        run_logged "pip uninstall edgeline (emulated)" env QEMU_CPU=cortex-a72 "$deps/bin/python" -m pip uninstall \
+            --disable-pip-version-check --no-input -y edgeline
+        echo "$key" > "$deps/.complete"
+    fi
+    flock -u 7
+    exec 7>&-
+}
+
+build_venv() {  # NAME REQUIREMENTS: this clone's install, edgeline from this tree over the cached dependencies
+    local venv="$base/$1" want
+    build_deps "$1" "$2"
+    want="$deps $root $INSTALL_LAYOUT"
     if stamp_ok "$venv/.stamp" "$want" && [ -x "$venv/bin/python" ]; then
         return
     fi
-    say "installing edgeline's base install into the emulated $1 install ($venv; first use: minutes, pip runs emulated)"
+    say "installing edgeline from $root into the emulated $1 install ($venv) over the dependencies in $deps"
     rm -rf "$venv"
     write_python "$venv"
-    run_logged "ensurepip (emulated)" env QEMU_CPU=cortex-a72 "$venv/bin/python" -m ensurepip --default-pip
-    # shellcheck disable=SC2086  # the requirements are quoted words
-    eval "set -- $requirements"
-    run_logged "pip install (emulated)" env QEMU_CPU=cortex-a72 "$venv/bin/python" -m pip install \
-        --disable-pip-version-check --no-input --retries 2 --timeout 60 -e "$root" "$@"
+    printf "import site; site.addsitedir('%s')\n" "$deps/lib/python3.11/site-packages" \
+        > "$venv/lib/python3.11/site-packages/_edgeline_dependencies.pth"
+    pip_emulated "$venv" "pip install --no-deps -e (emulated)" --no-deps --no-build-isolation -e "$root"
     echo "$want" > "$venv/.stamp"
 }
 
@@ -206,8 +252,8 @@ install_executorch() {  # VENV: ExecuTorch's torch-free runtime, installed as on
     echo "$want" > "$venv/.executorch-stamp"
 }
 
-mkdir -p "$base"
-exec 9>"$base/.lock"
+mkdir -p "$base" "$cache"
+exec 9>"$cache/.lock"
 flock 9  # concurrent callers wait for one build of what every install shares
 build_qemu
 build_rootfs
@@ -224,7 +270,7 @@ flock -u 8
 venv="$base/$([ "$flavour" = device ] && echo venv || echo venv-tflite)"
 
 export QEMU_CPU="$cpu"
-export QEMU_LD_PREFIX="$base/rootfs"
+export QEMU_LD_PREFIX="$cache/rootfs"
 # Emulated, numpy's OpenBLAS worker thread spins for the whole life of the process, BLAS call or not, and takes a
 # second host core (benchmarks/results/emulated_infer.md). edgeline's inference makes no BLAS call: one thread.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
@@ -233,7 +279,7 @@ unset PYTHONHOME PYTHONPATH VIRTUAL_ENV
 export VIRTUAL_ENV="$venv"
 
 if [ "$info" = 1 ]; then
-    exec "$venv/bin/python" - "$qemu_version" "$cpu" "$base/rootfs" "$venv" <<'PY'
+    exec "$venv/bin/python" - "$qemu_version" "$cpu" "$cache/rootfs" "$venv" <<'PY'
 import json, platform, sys
 from importlib import metadata
 names = ("edgeline", "numpy", "ai-edge-litert", "onnxruntime", "tflite-runtime")
@@ -255,15 +301,17 @@ case "$command" in
     python|python3|python3.11) exec "$venv/bin/python" "$@" ;;
     pip|pip3) exec "$venv/bin/python" -m pip "$@" ;;
 esac
-if [ -f "$venv/bin/$command" ]; then
-    exec "$venv/bin/python" "$venv/bin/$command" "$@"  # another entry point of the install
-fi
+for entry in "$venv/bin/$command" "$deps/bin/$command"; do
+    if [ -f "$entry" ]; then
+        exec "$venv/bin/python" "$entry" "$@"  # another entry point of the install or of its dependencies
+    fi
+done
 for dir in usr/bin bin usr/sbin sbin; do
-    if [ -x "$base/rootfs/$dir/$command" ]; then
-        exec "$qemu" -0 "$command" "$base/rootfs/$dir/$command" "$@"
+    if [ -x "$cache/rootfs/$dir/$command" ]; then
+        exec "$qemu" -0 "$command" "$cache/rootfs/$dir/$command" "$@"
     fi
 done
 case "$command" in
     */*) [ -x "$command" ] && exec "$qemu" "$command" "$@" ;;
 esac
-die "no program '$command' in the emulated userland: edgeline, python, pip, or one of $base/rootfs/usr/bin"
+die "no program '$command' in the emulated userland: edgeline, python, pip, or one of $cache/rootfs/usr/bin"

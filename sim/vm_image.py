@@ -12,10 +12,12 @@ caller waits, then finds the result), written beside and renamed into place when
                    requirements of pyproject.toml, ``ROOTFS_LAYOUT``.
     image-KEY/     a copy of the rootfs with edgeline's wheel (built from this source tree) installed without its
                    dependencies, ``edgeline@.service`` copied from the installed package to /etc/systemd/system,
-                   ``/usr/local/bin/edgeline``, and the guest's side of ``vm.run`` (``GUEST_FILES``); then
-                   ``mke2fs -t ext4 -d`` into ``disk.img`` (``IMAGE_SIZE``, sparse), with ``vmlinuz`` and
-                   ``initrd.img`` from its /boot beside it. Key: the rootfs key and every file of the package
-                   folders and pyproject.toml (a source change costs a copy and an mke2fs, not a debootstrap).
+                   ``/usr/local/bin/edgeline``, and the guest's side of ``vm.run`` (``GUEST_FILES``); what a
+                   boot would load for nothing masked (``MASKED_UNITS``) or blacklisted, and an initrd holding
+                   what mounts the root (``update-initramfs``, ``MODULES=list``); then ``mke2fs -t ext4 -d`` into
+                   ``disk.img`` (``IMAGE_SIZE``, sparse), with ``vmlinuz`` and ``initrd.img`` from its /boot
+                   beside it. Key: the rootfs key and every file of the package folders and pyproject.toml (a
+                   source change costs a copy, an initrd and an mke2fs, not a debootstrap).
 
 Older layers are removed once a newer one is in place (a running VM keeps its open image). Building needs root
 (mmdebstrap's root mode keeps the owners mke2fs copies) and Debian's mmdebstrap, e2fsprogs and the project's Python
@@ -85,6 +87,14 @@ chroot "$root" /opt/edgeline/bin/python -m pip install --disable-pip-version-che
 rm -rf "$root/tmp/wheels" "$root/var/cache/apt/archives/"*.deb "$root/var/lib/apt/lists/"*_Packages
 """
 
+UNUSED_DRIVERS = (
+    "ahci", "libahci", "lpc_ich", "i2c_i801", "iTCO_wdt", "intel_pmc_bxt", "pcspkr", "psmouse", "serio_raw", "evdev",
+    "cfg80211", "qemu_fw_cfg", "kvm_intel", "kvm_amd", "kvm",
+)  # fmt: skip
+"""Drivers udev would load for the emulated machine's devices that it does not use (its disk is virtio; it has no
+SATA disk, display, keyboard, mouse, radio or hardware watchdog): blacklisted in the image, since under plain
+emulation each module costs seconds of every boot."""
+
 GUEST_FILES: dict[str, tuple[int, str]] = {
     "usr/local/lib/edgeline-vm/runner": (
         0o755,
@@ -138,8 +148,21 @@ exec sleep 600
 """,
     ),
     "etc/modules-load.d/edgeline-vm.conf": (0o644, "9p\n9pnet_virtio\n"),
+    "etc/modprobe.d/edgeline-vm.conf": (0o644, "".join(f"blacklist {name}\n" for name in UNUSED_DRIVERS)),
+    # The initrd holds what mounts the root (MODULES=list) rather than most of the kernel's drivers (MODULES=most:
+    # 36 MB, unpacked at every boot); update-initramfs runs when the image is made (``_build_image``).
+    "etc/initramfs-tools/conf.d/edgeline-vm.conf": (0o644, "MODULES=list\n"),
+    "etc/initramfs-tools/modules": (0o644, "virtio_pci\nvirtio_blk\next4\n"),
 }
 """The guest's side of ``vm.run``, written into the image (``vm.run`` documents the protocol)."""
+MASKED_UNITS = (
+    "getty-static.service", "systemd-binfmt.service", "proc-sys-fs-binfmt_misc.automount",
+    "sys-fs-fuse-connections.mount", "sys-kernel-config.mount", "modprobe@configfs.service", "modprobe@loop.service",
+    "modprobe@dm_mod.service", "modprobe@fuse.service", "modprobe@efi_pstore.service", "modprobe@drm.service",
+)  # fmt: skip
+"""Units masked in the image: gettys on virtual consoles it has none of, and the modules of file systems and devices
+nothing in it uses (binfmt_misc, FUSE, configfs, loop devices, device-mapper, EFI pstore, DRM): seconds each under
+plain emulation, at every boot. systemd, udev, networkd, journald and the project's unit run as on a device."""
 
 
 @dataclass(frozen=True)
@@ -376,10 +399,14 @@ def _build_image(rootfs: Path, target: Path, tree: Path, say: Callable[[str], No
     wants = staging / "etc/systemd/system/multi-user.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
     (wants / "edgeline-vm-command.service").symlink_to("/etc/systemd/system/edgeline-vm-command.service")
+    for unit in MASKED_UNITS:
+        (staging / "etc/systemd/system" / unit).symlink_to("/dev/null")
     kernels = sorted((staging / "boot").glob("vmlinuz-*"))
     if not kernels:
         raise EdgelineError(f"{staging}/boot has no kernel (linux-image-amd64 should have put one there)")
     release = kernels[-1].name.removeprefix("vmlinuz-")
+    say("update-initramfs (the modules that mount the root)")
+    _run("update-initramfs", _in_chroot(staging, "update-initramfs", "-u", "-k", release), timeout=600)
     shutil.copy2(kernels[-1], partial / "vmlinuz")
     shutil.copy2(staging / "boot" / f"initrd.img-{release}", partial / "initrd.img")
     version = _run(
@@ -439,7 +466,7 @@ def build_image(cache_dir: Path | None = None, *, say: Callable[[str], None] = s
     began = time.monotonic()
     requirements = _base_requirements(tree)
     rootfs_key = _digest(SUITE, _mirror(), PACKAGES, requirements, PYTHON_TAG, ROOTFS_LAYOUT, _ROOTFS_HOOK)
-    image_key = _digest(rootfs_key, _sources_digest(tree), GUEST_FILES, IMAGE_SIZE)
+    image_key = _digest(rootfs_key, _sources_digest(tree), GUEST_FILES, MASKED_UNITS, IMAGE_SIZE)
     image_dir = cache / f"image-{image_key}"
     with _locked(cache):
         if (image_dir / "info.json").is_file():

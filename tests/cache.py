@@ -110,19 +110,36 @@ def cached_reference(name: str, *, seed: int = 0) -> Prepared:
 
 def cached_export(model: str | Path, *args: str | Path) -> Path:
     """``edgeline export MODEL ARGS... --out DIR -q``, once for this code and these libraries: the bundle's
-    directory (named ``bundle``). ``model`` is a file or ``FILE:ATTRIBUTE``; a ``Path`` among ``args`` (a profile,
-    samples, labels) is keyed by its contents. Never modify what it returns."""
+    directory (named ``bundle``). ``model`` is a file, ``FILE:ATTRIBUTE``, or ``MODULE:ATTRIBUTE`` of a module inside
+    ``EXPORT_FOLDERS`` (e.g. ``edgeline.export.reference.resnet8:build``, whose source the key holds); a ``Path``
+    among ``args`` (a profile, samples, labels) is keyed by its contents. Never modify what it returns."""
     from edgeline.cli import main
 
     file, _, attribute = str(model).partition(":")
     if Path(file).suffix != ".py":
         file, attribute = str(model), ""
+    source: Path | str = Path(file)
+    if Path(file).suffix != ".py" and not Path(file).exists():
+        source = _export_module(str(model))
 
     def make(directory: Path) -> None:
         code = main(["export", str(model), *map(str, args), "--out", str(directory / "bundle"), "-q"])
         assert code == 0, f"edgeline export {model} {' '.join(map(str, args))} failed (exit {code})"
 
-    return cached("bundle", [Path(file), attribute, *args], make, folders=EXPORT_FOLDERS) / "bundle"
+    return cached("bundle", [source, attribute, *args], make, folders=EXPORT_FOLDERS) / "bundle"
+
+
+def _export_module(model: str) -> str:
+    """``MODULE:ATTRIBUTE`` as its key: the name, once the module is known to lie in ``EXPORT_FOLDERS`` (whose sources
+    the key holds). Another module's changes would not make its bundle again: refused."""
+    import importlib.util
+
+    module = model.partition(":")[0]
+    spec = importlib.util.find_spec(module)
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    if origin is None or not any(origin.is_relative_to(REPO / folder) for folder in EXPORT_FOLDERS):
+        raise ValueError(f"cached_export({model!r}): not a file, nor a module in {', '.join(EXPORT_FOLDERS)}")
+    return f"module {model}"
 
 
 EXPORT_FOLDERS = ("export", *sorted(LAYERS["export"]))

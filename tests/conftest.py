@@ -41,6 +41,14 @@ settings.register_profile(
 settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("EDGELINE_HYPOTHESIS", "edgeline"))
 
+# One OpenMP thread per test process, and for the processes tests start: the suite runs one process per core
+# (pytest-xdist), and torch's default of one intra-op thread per core puts two threads on each core, which then spend
+# their CPU waiting for each other in OpenMP's barriers. Measured here (tests/torch_threads.py): a whole `edgeline
+# export` of a small CNN took 25.9 s of CPU on two threads of the loaded machine, 11.4 s on one, with the same bytes
+# in every file of the bundle. Reference models still train on exactly two threads (export/reference/training.py),
+# so their weights do not depend on it. A caller's own setting wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 """False in the device tier: the base install, without the export extra."""
 if HAVE_TORCH:

@@ -7,7 +7,9 @@ The first call builds the emulated userland and the device install under build/a
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import socket
 import subprocess
 import threading
@@ -37,6 +39,43 @@ def info() -> dict[str, object]:
     assert done.returncode == 0, done.stderr
     found: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
     return found
+
+
+def copy_of_the_tree(to: Path) -> Path:
+    """The repository's files (git's list, as they are in the work tree): a clone of this tree elsewhere."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True, timeout=60)
+    for name in listed.stdout.decode().split("\0"):
+        source = REPO / name
+        if name and source.is_file():
+            (to / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, to / name)
+    return to
+
+
+def test_another_clone_takes_the_installs_dependencies_from_the_cache(tmp_path: Path) -> None:
+    """What the emulated pip installs for edgeline (minutes) is made once per content in EDGELINE_ARM64_CACHE:
+    another clone asking the same takes it, and installs only edgeline, from its own tree, over it. Shown with the
+    tflite-runtime install (the device install adds ExecuTorch's runtime, a minute more of emulated pip)."""
+    own = arm64("--tflite-runtime", "--info", timeout=BUILD_TIMEOUT)  # this tree's, made if missing
+    assert own.returncode == 0, own.stderr
+    packages = json.loads(own.stdout.strip().splitlines()[-1])["packages"]
+    cache = Path(os.environ.get("EDGELINE_ARM64_CACHE") or REPO / "build" / "arm64")
+    clone = copy_of_the_tree(tmp_path / "clone")
+    script = ["bash", str(clone / "scripts" / "arm64.sh"), "--tflite-runtime"]
+    env = {**os.environ, "EDGELINE_ARM64_CACHE": str(cache)}
+    done = subprocess.run([*script, "--info"], capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
+                          cwd=clone, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"installing edgeline from {clone} into the emulated venv-tflite install" in done.stderr, done.stderr
+    assert "installing edgeline's dependencies" not in done.stderr, done.stderr  # this tree's install made them
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["install"] == str(clone / "build" / "arm64" / "venv-tflite") and found["packages"] == packages
+    code = "import edgeline, numpy, tflite_runtime.interpreter; print(edgeline.__file__); print(numpy.__file__)"
+    where = subprocess.run([*script, "python", "-c", code], capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                           check=False, cwd=clone, env=env)  # fmt: skip
+    assert where.returncode == 0, where.stderr
+    edgeline, numpy = map(Path, where.stdout.split())
+    assert edgeline.is_relative_to(clone) and numpy.is_relative_to(cache), where.stdout
 
 
 def test_the_emulator_is_qemu_user_10_and_the_install_is_the_device_one(info: dict[str, object]) -> None:

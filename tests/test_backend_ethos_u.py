@@ -23,6 +23,7 @@ import pytest
 from edgeline.cli import main
 from edgeline.device_profiles import load_profile
 from edgeline.export.reference import CATALOGUE
+from tests.cache import cached_export
 
 pytestmark = pytest.mark.export
 
@@ -72,26 +73,31 @@ def manifest(bundle: Path) -> dict:
     return json.loads((bundle / "manifest.json").read_text())
 
 
+def _cached_export(model: str, profile: str, root: Path, shape: tuple[int, ...], *extra: str) -> Path:
+    """``_export``'s bundle, made once for this code and these samples (tests/cache.py); never modified here."""
+    calibration, validation = _samples(root, shape)
+    return cached_export(
+        model, "--profile", profile, "--calibration", calibration, "--validation", validation, *extra
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def u55_bundles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     made = {}
     for name in MODELS:
         root = tmp_path_factory.mktemp(f"u55-{name}")
-        code, out = _export(
+        made[name] = _cached_export(
             f"edgeline.export.reference.{name}:build", "ethos-u55-128", root, CATALOGUE[name].input_shape,
             "--backend", "ethos-u", "--precision", "int8-static",
         )  # fmt: skip
-        assert code == 0, f"{name}: ethos-u export for ethos-u55-128 failed"
-        made[name] = out
     return made
 
 
 @pytest.fixture(scope="module")
 def imx93_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("imx93")
-    code, out = _export("edgeline.export.reference.resnet8:build", "imx93", root, (3, 32, 32))
-    assert code == 0, "resnet8: export for imx93 failed"
-    return out
+    return _cached_export(
+        "edgeline.export.reference.resnet8:build", "imx93", tmp_path_factory.mktemp("imx93"), (3, 32, 32)
+    )
 
 
 def _vela_summary(bundle: Path, profile_id: str, tmp_path: Path) -> dict[str, str]:

@@ -72,6 +72,14 @@ def float_outputs(digits: dict[str, Any]) -> np.ndarray:
         return np.concatenate([module(torch.from_numpy(x[None])).numpy() for x in digits["x"]])
 
 
+@pytest.fixture(scope="module")
+def reference(digits: dict[str, Any]) -> np.ndarray:
+    """The float model's outputs on every held-out digit, one per call: computed once, read by each test."""
+    outputs = float_outputs(digits)
+    outputs.setflags(write=False)
+    return outputs
+
+
 def openvino_outputs(bundle: Path, images: np.ndarray, threads: int | None = 1) -> np.ndarray:
     """The IR through OpenVINO's own API, the CPU plugin in the precision the IR names (f32, or f16: a CPU with
     AVX512-FP16 computes it; one with AVX512-BF16 and no FP16 would compute bf16, and is asked for f32 as the session
@@ -107,12 +115,12 @@ def constants(bundle: Path) -> list[str]:
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8-static"])
 def test_the_manifest_s_fidelity_is_what_openvino_and_torch_give_apart(
-    precision: str, bundles: dict[str, Path], digits: dict[str, Any]
+    precision: str, bundles: dict[str, Path], digits: dict[str, Any], reference: np.ndarray
 ) -> None:
     bundle = bundles[precision]
     fidelity = manifest(bundle)["fidelity"]
     assert fidelity["status"] == "measured" and fidelity["samples"] == VALIDATION
-    reference = float_outputs(digits)[:VALIDATION]
+    reference = reference[:VALIDATION]
     found = openvino_outputs(bundle, digits["x"][:VALIDATION])
     labels = digits["labels"][:VALIDATION]
     # (the export measures in batches: computed in fp16, a batch's sums round apart from one sample's)
@@ -125,10 +133,10 @@ def test_the_manifest_s_fidelity_is_what_openvino_and_torch_give_apart(
 
 @pytest.mark.parametrize(("precision", "most_lost"), [("fp32", 0.0), ("fp16", 0.0), ("int8-static", 0.5)])
 def test_on_digits_the_export_never_saw_the_bundle_keeps_the_float_model_s_accuracy(
-    precision: str, most_lost: float, bundles: dict[str, Path], digits: dict[str, Any]
+    precision: str, most_lost: float, bundles: dict[str, Path], digits: dict[str, Any], reference: np.ndarray
 ) -> None:
     hidden, labels = digits["x"][VALIDATION:], digits["labels"][VALIDATION:]
-    reference = float_outputs(digits)[VALIDATION:]
+    reference = reference[VALIDATION:]
     deployed = edgeline.load(bundles[precision])
     found = np.concatenate([deployed.predict(x)[0] for x in hidden])
     assert np.array_equal(found, openvino_outputs(bundles[precision], hidden))  # edgeline adds nothing of its own
@@ -423,3 +431,37 @@ def test_a_model_of_two_inputs_takes_them_by_name_in_forward_s_order(precision: 
         # by name, in the order opposite to forward()'s: OpenVINO's own answer
         expected = compiled({"mask": mask[None], "image": image[None]})[compiled.output(0)]
         assert np.array_equal(got, expected)
+
+
+def test_the_layer_report_of_an_openvino_model_traces_the_float_model_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer report traces the float model with torch.export once and hands the program to the OpenVINO probe,
+    which ties the IR's operators to modules by its node names: a second trace of the same model on the same sample
+    is the same graph, made again for nothing. Each layer is still read (torch.export itself runs, only counted)."""
+    import torch
+
+    from edgeline.device_profiles import Precision
+    from edgeline.export.backends import ExportRequest, get_exporter
+    from edgeline.export.layers import measure_layers
+    from edgeline.samples import SampleSet
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 3)
+    ).eval()
+    images = np.random.default_rng(0).random((4, 1, 1, 8, 8), dtype=np.float32)
+    request = ExportRequest(module, (torch.from_numpy(images[0]),), [], Precision.FP32, tmp_path, ("x",))
+    exported = get_exporter("openvino").export(request)
+    traced = []
+    export = torch.export.export
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        traced.append(args[0])
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted)
+    samples = SampleSet([images[:, 0]], None, "random images")
+    report = measure_layers(module, samples, "openvino", "openvino", tmp_path / exported.model_file, ("x",))
+    assert report.unknown is None and [layer.module for layer in report.layers] == ["0", "1", "3"], report
+    assert len(traced) == 1 and traced[0] is module, f"the float model traced {len(traced)} times"

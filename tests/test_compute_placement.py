@@ -24,8 +24,10 @@ from edgeline.cli import main
 from edgeline.device_profiles import Precision, load_profile
 from edgeline.export.backends import ExportRequest, get_exporter
 from tests.cache import cached
+from tests.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.export
+
 
 MODELS = '''\
 from pathlib import Path
@@ -130,16 +132,20 @@ def workspace() -> Path:
         images = (digits.images / 16.0).astype(np.float32)[:, None]
         labels = digits.target.astype(np.int64)
         source = _models(root / "models.py")
-        for name in ("pooled_cnn", "mobilenet_v3_like"):
-            model = getattr(source, name)().train()
-            optimiser = torch.optim.Adam(model.parameters(), lr=0.01)
-            for _ in range(4):
-                for start in range(0, 1400, 64):
-                    x, y = torch.from_numpy(images[start : start + 64]), torch.from_numpy(labels[start : start + 64])
-                    optimiser.zero_grad()
-                    nn.functional.cross_entropy(model(x), y).backward()
-                    optimiser.step()
-            torch.save(model.state_dict(), root / f"{name}.pt")
+        # one thread: what batches this small want, and the same weights on any machine (the default, one thread
+        # per core, sums in another order on another count of cores: weights apart by up to 0.13 here)
+        with one_torch_thread():
+            for name in ("pooled_cnn", "mobilenet_v3_like"):
+                model = getattr(source, name)().train()
+                optimiser = torch.optim.Adam(model.parameters(), lr=0.01)
+                for _ in range(4):
+                    for start in range(0, 1400, 64):
+                        x = torch.from_numpy(images[start : start + 64])
+                        y = torch.from_numpy(labels[start : start + 64])
+                        optimiser.zero_grad()
+                        nn.functional.cross_entropy(model(x), y).backward()
+                        optimiser.step()
+                torch.save(model.state_dict(), root / f"{name}.pt")
         np.savez(root / "cal.npz", x=images[1400:1528])
         np.savez(root / "val.npz", x=images[1528:1728], labels=labels[1528:1728])
 

@@ -107,6 +107,9 @@ def test_a_process_run_as_a_kind_of_cpu_is_told_exactly_that_kind_s_features(kin
 
 def _export_as(kind: str | None, digits: Path, out: Path, backend: str, precision: str) -> dict[str, Any]:
     env = dict(os.environ) if kind is None else environment(kind)
+    # torch's part on one thread, as the test processes are the parallelism (tests/torch_threads.py): the same
+    # bundle for 8.3 s of CPU instead of 10.8 on a loaded machine. OpenVINO's plugin keeps its own threads.
+    env["OMP_NUM_THREADS"] = "1"
     command = [
         sys.executable, "-m", "edgeline.cli", "export", str(digits / "model.pt2"), "--profile", "x86-64",
         "--backend", backend, "--precision", precision, "--calibration", str(digits / "calibration.npz"),

@@ -135,3 +135,29 @@ def test_exporting_leaves_the_callers_logging_alone(
             "--precision", "fp32", "--out", str(tmp_path / "out")]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
     assert done.stdout.splitlines()[-1].split() == ["0", "0", str(logging.WARNING)], done.stderr[-2000:]
+
+
+def test_an_executorch_int8_export_quantizes_the_model_once(
+    tiny_model_file: Path, sample_files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer report reads the PT2E graph the .pte was lowered from: the export's own, not a second quantization
+    of the same model on the same calibration samples (a pass of the observed model over every sample)."""
+    from torchao.quantization.pt2e import quantize_pt2e
+
+    prepared: list[object] = []
+    real = quantize_pt2e.prepare_pt2e
+
+    def counted(*args: object, **kwargs: object) -> object:  # the real quantizer, counted
+        prepared.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantize_pt2e, "prepare_pt2e", counted)
+    out = tmp_path / "bundle"
+    args = ["export", f"{tiny_model_file}:model", "--profile", "x86-64",
+            "--calibration", str(sample_files["calibration"]), "--validation", str(sample_files["validation"]),
+            "--backend", "executorch-xnnpack", "--precision", "int8-static", "--out", str(out), "-q"]  # fmt: skip
+    assert main(args) == 0
+    quantization = manifest(out)["quantization"]
+    assert quantization["layers"]
+    assert "numeric debugger on the quantized graph the .pte was lowered from" in quantization["layers_measured_with"]
+    assert len(prepared) == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from tests.test_full_integer import TRAIN, _float_predictions, _predictions, _re
 __all__ = ["digits"]  # the fixture, shared with test_full_integer
 
 pytestmark = pytest.mark.export
+
 
 MODELS = '''\
 from pathlib import Path
@@ -121,30 +123,49 @@ def _agrees(module: Any, backend: str, path: Path, digits: tuple[np.ndarray, np.
     assert int8_accuracy >= float_accuracy - 0.02, (float_accuracy, int8_accuracy)
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_every_operator_of_an_int8_litert_model_is_int8_whatever_its_activation(
-    activation: str, models: Path, digits: tuple[np.ndarray, np.ndarray], tmp_path: Path
-) -> None:
+LitertExport = Callable[[str], tuple[Any, Any, Path]]
+
+
+@pytest.fixture(scope="module")
+def litert_int8(
+    models: Path, digits: tuple[np.ndarray, np.ndarray], tmp_path_factory: pytest.TempPathFactory
+) -> LitertExport:
+    """An activation's model converted by the LiteRT exporter at int8-static (the module, what the exporter returned,
+    its folder), once for this module's tests: the operator count and the SiLU test ask for the same conversion.
+    Never modified here."""
     from edgeline.export.backends.litert import LiteRTExporter
 
-    module = _module(models, activation)
-    exported = LiteRTExporter().export(_request(module, digits[0], tmp_path))
-    operators = _operators(tmp_path / exported.model_file)
+    made: dict[str, tuple[Any, Any, Path]] = {}
+
+    def export(activation: str) -> tuple[Any, Any, Path]:
+        if activation not in made:
+            out = tmp_path_factory.mktemp(f"litert-{activation}")
+            module = _module(models, activation)
+            made[activation] = (module, LiteRTExporter().export(_request(module, digits[0], out)), out)
+        return made[activation]
+
+    return export
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_every_operator_of_an_int8_litert_model_is_int8_whatever_its_activation(
+    activation: str, litert_int8: LitertExport, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    module, exported, out = litert_int8(activation)
+    operators = _operators(out / exported.model_file)
     floating = [op for op, quantized in operators if not quantized]
     assert not floating, f"{activation}: float operators {floating} in {operators}"
     assert exported.placement is not None
     assert exported.placement.quantized_ops == exported.placement.ops == len(operators)
     assert exported.rewrites == ()  # LiteRT has kernels for every one: nothing approximated
-    _agrees(module, "litert", tmp_path / exported.model_file, digits)
+    _agrees(module, "litert", out / exported.model_file, digits)
 
 
-def test_silu_is_written_as_the_sigmoid_and_multiplication_it_is(models: Path, tmp_path: Path, digits: Any) -> None:
+def test_silu_is_written_as_the_sigmoid_and_multiplication_it_is(litert_int8: LitertExport) -> None:
     """What the LiteRT model of ``nn.SiLU`` computes: LOGISTIC then MUL, in int8, twice per activation layer's
     tensor (never a float pair between a DEQUANTIZE and a QUANTIZE)."""
-    from edgeline.export.backends.litert import LiteRTExporter
-
-    LiteRTExporter().export(_request(_module(models, "silu"), digits[0], tmp_path))
-    operators = [op for op, _ in _operators(tmp_path / "model.tflite")]
+    _, exported, out = litert_int8("silu")
+    operators = [op for op, _ in _operators(out / exported.model_file)]
     assert operators.count("LOGISTIC") == 3 and operators.count("MUL") >= 3, operators
 
 

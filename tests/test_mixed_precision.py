@@ -11,6 +11,7 @@ by an independent computation: the bundle run on the held-out digits, its operat
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,21 +94,38 @@ def _float_accuracy(model: Path) -> float:
     return float(np.mean(found == labels[TRAIN:]))
 
 
-def _plain_int8_accuracy(model: Path, backend: str, out: Path) -> float:
-    """The same model through the same exporter with every layer int8, run on the held-out digits."""
-    import torch
+@pytest.fixture(scope="module")
+def plain_int8(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[str, Path]]:
+    """The model through a backend's exporter with every layer int8 (the converter alone, no measuring): the model
+    file and the runtime backend that runs it, converted once per backend for the tests that read it. Never modified
+    by its users."""
+    made: dict[str, tuple[str, Path]] = {}
 
+    def plain(backend: str) -> tuple[str, Path]:
+        if backend not in made:
+            import torch
+
+            from edgeline.export.backends import ExportRequest, get_exporter
+            from edgeline.export.loading import load_model
+
+            images, _ = digits()
+            calibration = [(torch.from_numpy(images[i : i + 1]),) for i in range(CALIBRATION)]
+            module = load_model(f"{model}:outlier").module
+            out = tmp_path_factory.mktemp(f"plain-{backend}")
+            request = ExportRequest(module, calibration[0], calibration, Precision.INT8_STATIC, out, ("x",))
+            exported = get_exporter(backend).export(request)
+            made[backend] = (exported.runtime_backend, out / exported.model_file)
+        return made[backend]
+
+    return plain
+
+
+def _plain_int8_accuracy(backend: str, plain_int8: Callable[[str], tuple[str, Path]]) -> float:
+    """The same model through the same exporter with every layer int8, run on the held-out digits."""
     from edgeline.backends import open_session
-    from edgeline.export.backends import ExportRequest, get_exporter
-    from edgeline.export.loading import load_model
 
     images, labels = digits()
-    calibration = [(torch.from_numpy(images[i : i + 1]),) for i in range(CALIBRATION)]
-    module = load_model(f"{model}:outlier").module
-    out.mkdir()
-    request = ExportRequest(module, calibration[0], calibration, Precision.INT8_STATIC, out, ("x",))
-    exported = get_exporter(backend).export(request)
-    session = open_session(exported.runtime_backend, out / exported.model_file)
+    session = open_session(*plain_int8(backend))
     (spec,), (output,) = session.input_specs(), session.output_specs()
     found = []
     for image in images[TRAIN:]:
@@ -137,7 +155,11 @@ def test_plain_int8_misses_the_budget_and_its_layer_report_names_the_outlier_ten
 
 @pytest.mark.parametrize(("exported", "backend"), [("litert_export", "litert"), ("onnx_export", "onnxruntime")])
 def test_mixed_precision_keeps_the_outlier_tensor_float_and_meets_the_budget(
-    exported: str, backend: str, model: Path, request: pytest.FixtureRequest, tmp_path: Path
+    exported: str,
+    backend: str,
+    model: Path,
+    request: pytest.FixtureRequest,
+    plain_int8: Callable[[str], tuple[str, Path]],
 ) -> None:
     from edgeline.bundle import read_bundle
 
@@ -157,11 +179,11 @@ def test_mixed_precision_keeps_the_outlier_tensor_float_and_meets_the_budget(
     float_accuracy = _float_accuracy(model)
     assert float_accuracy >= 0.9
     assert _held_out_accuracy(outcome.bundle) >= float_accuracy - 0.01
-    assert _plain_int8_accuracy(model, backend, tmp_path / "plain") < float_accuracy - 0.05
+    assert _plain_int8_accuracy(backend, plain_int8) < float_accuracy - 0.05
 
 
 def test_nncf_accuracy_control_reverts_the_layer_reading_the_outlier_tensor_and_meets_the_budget(
-    openvino_export: Any, model: Path, tmp_path: Path
+    openvino_export: Any, model: Path, plain_int8: Callable[[str], tuple[str, Path]]
 ) -> None:
     """OpenVINO's int8 misses the budget as plain int8; NNCF's accuracy control (ranked on the validation samples,
     judged by edgeline's accuracy budget) reverts the layer that reads the outlier tensor, which leaves that tensor
@@ -179,7 +201,7 @@ def test_nncf_accuracy_control_reverts_the_layer_reading_the_outlier_tensor_and_
     assert manifest.quantization.int8_missed == outcome.int8_missed
     float_accuracy = _float_accuracy(model)
     assert _held_out_accuracy(outcome.bundle) >= float_accuracy - 0.01
-    assert _plain_int8_accuracy(model, "openvino", tmp_path / "plain") < float_accuracy - 0.05
+    assert _plain_int8_accuracy("openvino", plain_int8) < float_accuracy - 0.05
 
 
 def test_every_layer_but_the_reverted_ones_stays_int8_in_the_openvino_model(openvino_export: Any) -> None:
@@ -631,7 +653,9 @@ def test_onnx_runtime_s_isolated_figure_is_the_layer_s_own_quantization_computed
     assert found["act4"].channel_sqnr_db is not None
 
 
-def test_the_layers_are_ranked_on_the_samples_plain_int8_does_worst_on(model: Path, tmp_path: Path) -> None:
+def test_the_layers_are_ranked_on_the_samples_plain_int8_does_worst_on(
+    model: Path, plain_int8: Callable[[str], tuple[str, Path]], tmp_path: Path
+) -> None:
     """NNCF's ranking subset: of 128 validation digits, the layers are measured on the 64 whose outputs plain int8
     moved furthest from the float model's (relative error), found here independently from the same exporter's
     plain int8 model; and the last layer's figures are the bundle's own outputs on exactly those."""
@@ -639,7 +663,6 @@ def test_the_layers_are_ranked_on_the_samples_plain_int8_does_worst_on(model: Pa
 
     from edgeline.backends import open_session
     from edgeline.bundle import read_bundle
-    from edgeline.export.backends import ExportRequest, get_exporter
     from edgeline.export.loading import load_model
     from edgeline.model import load
 
@@ -657,11 +680,9 @@ def test_the_layers_are_ranked_on_the_samples_plain_int8_does_worst_on(model: Pa
     module = load_model(f"{model}:outlier").module
     with torch.no_grad():
         reference = module(torch.from_numpy(held)).numpy().astype(np.float64)
-    calibration = [(torch.from_numpy(images[i : i + 1]),) for i in range(CALIBRATION)]
-    (tmp_path / "plain").mkdir()
-    request = ExportRequest(module, calibration[0], calibration, Precision.INT8_STATIC, tmp_path / "plain", ("x",))
-    exported = get_exporter("litert").export(request)
-    session = open_session("litert", tmp_path / "plain" / exported.model_file)
+    runtime, plain_model = plain_int8("litert")  # the same exporter's plain int8 model
+    assert runtime == "litert"
+    session = open_session(runtime, plain_model)
     (spec,), (output,) = session.input_specs(), session.output_specs()
     assert spec.quantization is not None and output.quantization is not None
     plain = np.concatenate(

@@ -15,6 +15,9 @@ the host stepping through them together over the shared folder (marks the guest 
 4. ``vm-reboot``: after the reboot the enabled unit starts by itself on the committed v2 (its state directory
    survived), and v2 answers.
 
+At the first boot the guest also records its modules and failed units: the image leaves out what a boot would load
+for nothing (``edgeline.sim.vm_image``: seconds a module under plain emulation), and no unit failed.
+
 The image is built once (``scripts/vm.sh build``: minutes cold, cached in build/vm); the run takes about a minute
 and a half, most of it the watchdog's 30 s and the reboot. Under pytest-xdist the run happens once per test run
 whichever worker gets these tests first: its facts are shared with the others through a file (``vm_run``).
@@ -117,6 +120,8 @@ case "$EDGELINE_VM_BOOT" in
     systemctl enable "$UNIT" || fail "systemctl enable"
     timeout 120 systemctl start "$UNIT" || fail "systemctl start"
     show | fact started
+    { echo "Modules=$(lsmod | awk 'NR > 1 {print $1}' | sort | tr '\n' ' ')"
+      echo "Failed=$(systemctl --failed --plain --no-legend | awk '{print $1}' | tr '\n' ' ')"; } | fact machine
     mark started
     within 200 committed || fail "v2 was never committed"
     cat "$STATE" | fact state
@@ -374,6 +379,22 @@ def test_the_unit_starts_and_the_daemon_answers_a_broker_on_the_host(vm_run: dic
     state = vm_run["facts"]["state"]
     assert state["committed"] == {"version": 2, "bundle": "bundles/v2"}, "the trial on the host's inputs committed v2"
     assert vm_run["availability"][:1] == ["online"], vm_run["availability"]
+
+
+UNUSED_MODULES = {
+    "ahci", "libata", "lpc_ich", "i2c_i801", "iTCO_wdt", "pcspkr", "psmouse", "evdev", "cfg80211", "qemu_fw_cfg",
+    "binfmt_misc", "fuse", "loop", "dm_mod", "configfs", "efi_pstore",
+}  # fmt: skip
+"""Drivers and file systems the machine has no use for (its disk is virtio; no display, input, radio, SATA disk,
+hardware watchdog, FUSE, loop or mapped device): each a module loaded at every boot, seconds under plain emulation."""
+
+
+def test_the_machine_boots_what_it_uses_and_nothing_fails(vm_run: dict[str, Any]) -> None:
+    machine = vm_run["facts"]["machine"]
+    modules = set(machine["Modules"].split())
+    assert {"virtio_blk", "virtio_net", "ext4", "9p"} <= modules, sorted(modules)
+    assert not modules & UNUSED_MODULES, f"loaded for nothing: {sorted(modules & UNUSED_MODULES)}"
+    assert machine["Failed"].split() == [], f"failed units: {machine['Failed']}"
 
 
 def test_the_watchdog_restarts_a_daemon_frozen_with_sigstop(vm_run: dict[str, Any]) -> None:

@@ -140,6 +140,10 @@ class ExportedModel:
     activation_ranges: str | None = None
     """How the int8 activation ranges were chosen, when the exporter chose (the manifest's
     ``quantization.activation_ranges``)."""
+    quantized_graph: Any = None
+    """The quantized torch graph the model file was lowered from, when the target's layer probe reads that graph
+    (ExecuTorch's PT2E): handed to it (``LayerReading.quantized_graph``) so that the layers are read from the very
+    graph the export made, not from a second quantization of the same model on the same samples."""
 
 
 class ExportTarget:

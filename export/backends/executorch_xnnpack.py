@@ -63,8 +63,11 @@ class XnnpackExporter(ExportTarget):
     keeps_float = True  # the XNNPACK quantizer's filter function
 
     def layer_probe(self, reading: LayerReading) -> LayerProbe | None:
-        """The PT2E graph the ``.pte`` was lowered from, quantized again on the calibration samples (the same
-        graph: the quantizer is deterministic), read with torchao's numeric debugger; none without them."""
+        """The PT2E graph the ``.pte`` was lowered from, read with torchao's numeric debugger: the export's own
+        (``reading.quantized_graph``), else quantized again on the calibration samples (the same graph: the quantizer
+        is deterministic); none without either."""
+        if reading.quantized_graph is not None:
+            return pt2e_layers(reading, reading.quantized_graph)
         if reading.calibration is None:
             return None
         import torch
@@ -84,10 +87,10 @@ class XnnpackExporter(ExportTarget):
         if request.precision not in self.precisions:
             valid = ", ".join(p.value for p in self.precisions)
             raise ExportError(f"executorch-xnnpack cannot export {request.precision.value}; valid: {valid}")
-        module = request.module
+        quantized = None
         if request.precision is not Precision.FP32:
-            module = _quantized(request, dynamic=request.precision is Precision.INT8_DYNAMIC)
-        program = torch.export.export(module, request.example_inputs)
+            quantized = _quantized(request, dynamic=request.precision is Precision.INT8_DYNAMIC)
+        program = torch.export.export(request.module if quantized is None else quantized, request.example_inputs)
         edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
         placement = executorch_placement(edge.exported_program().graph_module, request.precision, self.accelerator)
         executorch_program = edge.to_executorch()
@@ -99,4 +102,5 @@ class XnnpackExporter(ExportTarget):
             input_names=request.input_names,
             placement=placement,
             tool_versions={"executorch": version("executorch"), "torch": version("torch")},
+            quantized_graph=quantized,  # what the layer probe reads: the export's, not quantized a second time
         )

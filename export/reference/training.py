@@ -2,7 +2,7 @@
 
 Training is short and deterministic: a fixed number of Adam steps with a one-cycle learning rate, batches
 drawn from a seeded generator, initialisation under a seeded, forked RNG (the caller's global RNG state is
-left as it was), and at most two threads, restored afterwards.
+left as it was), and exactly two threads, restored afterwards.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @contextlib.contextmanager
 def limited_threads(threads: int = TRAINING_THREADS) -> Iterator[None]:
-    """Run the block with at most ``threads`` intra-op threads, then restore the caller's setting."""
+    """Run the block on exactly ``threads`` intra-op threads, then restore the caller's setting. Exactly, not at most:
+    a sum splits differently across threads, so the weights a seed trains are the same whatever the machine's or
+    the caller's thread count (the test suite runs its processes on one thread each)."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(min(threads, previous))
+    torch.set_num_threads(threads)
     try:
         yield
     finally:
