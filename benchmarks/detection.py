@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from edgeline.detection import HEADS, detect, nms  # noqa: E402
+from tests.test_detection_oracles import nms_session  # noqa: E402
 
 
 def median_ms(call: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -59,39 +60,6 @@ def yolov8_output(rng: np.random.Generator, hot: float) -> np.ndarray:
     chosen = rng.integers(0, classes, size=count)[hot_ones]
     scores[chosen, np.flatnonzero(hot_ones)] = rng.uniform(0.26, 1.0, int(hot_ones.sum()))
     return np.concatenate([picked.T, sizes.T, scores]).astype(np.float32)[None]
-
-
-def onnxruntime_nms(classes: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    import onnxruntime
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("NonMaxSuppression", ["boxes", "scores", "top", "iou", "floor"], ["selected"])],
-        "nms",
-        [
-            helper.make_tensor_value_info("boxes", TensorProto.FLOAT, [1, None, 4]),
-            helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, classes, None]),
-            helper.make_tensor_value_info("top", TensorProto.INT64, [1]),
-            helper.make_tensor_value_info("iou", TensorProto.FLOAT, [1]),
-            helper.make_tensor_value_info("floor", TensorProto.FLOAT, [1]),
-        ],
-        [helper.make_tensor_value_info("selected", TensorProto.INT64, [None, 3])],
-    )
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = 1
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    fixed = {
-        "top": np.asarray([100], np.int64),
-        "iou": np.asarray([0.45], np.float32),
-        "floor": np.asarray([0.25], np.float32),
-    }
-
-    def run(boxes: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        result: np.ndarray = session.run(None, {"boxes": boxes, "scores": scores, **fixed})[0]
-        return result
-
-    return run
 
 
 def reference_model_ms(repeats: int) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -148,11 +116,11 @@ def main() -> int:
                  median_ms(lambda: nms(boxes, best, classes, 0.45, 100), args.repeats), f"{kept} kept"))  # fmt: skip
     one_class = np.full_like(scores_table, -np.inf)
     one_class[classes, np.arange(len(classes))] = best  # each box scores for its best class only, as ours reads it
-    run = onnxruntime_nms(80)
-    boxes_yx = np.ascontiguousarray(boxes[None][:, :, [1, 0, 3, 2]])
-    selected = len(run(boxes_yx, one_class[None]))
+    run = functools.partial(nms_session(), np.ascontiguousarray(boxes[None][:, :, [1, 0, 3, 2]]), one_class[None],
+                            100, 0.45, 0.25)  # fmt: skip
+    selected = len(run())
     rows.append(("nms only", "onnxruntime NonMaxSuppression (1 thread), 8400 boxes, 80 classes, 100 per class",
-                 median_ms(lambda: run(boxes_yx, one_class[None]), args.repeats), f"{selected} kept"))  # fmt: skip
+                 median_ms(run, args.repeats), f"{selected} kept"))  # fmt: skip
     torch_ms, ort_ms = reference_model_ms(args.repeats)
     rows.append(("model", "shapes detector 96x96, float, torch (1 thread)", torch_ms, "for scale"))
     rows.append(("model", "shapes detector 96x96, float, onnxruntime (1 thread)", ort_ms, "for scale"))

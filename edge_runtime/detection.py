@@ -117,11 +117,11 @@ def head_from_config(config: Mapping[str, Any], where: str = "the export config"
                             f"known: head, {', '.join(sorted(known))}")  # fmt: skip
     base_name = config.get("head")
     if base_name is not None:
-        if base_name not in HEADS:
+        if not isinstance(base_name, str) or base_name not in HEADS:
             raise EdgelineError(f"{where}: unknown head {base_name!r}; known: {', '.join(HEADS)}")
         head = HEADS[base_name]
     elif "layout" in config:
-        head = Head("custom", config["layout"] if config["layout"] in LAYOUTS else "boxes-first")
+        head = Head("custom", "boxes-first")  # the layout is among the changes below
     else:
         raise EdgelineError(f"{where}: a detection head needs 'head' ({', '.join(HEADS)}) or a 'layout' "
                             f"({', '.join(LAYOUTS)})")  # fmt: skip
@@ -134,7 +134,7 @@ def head_from_config(config: Mapping[str, Any], where: str = "the export config"
             raise EdgelineError(f"{where}: {key} must be true or false, not {value!r}")
         changes[key] = value
     if changes:
-        head = replace(head, name=base_name if base_name and not changes else "custom", **changes)
+        head = replace(head, name="custom", **changes)
     if head.layout == "end2end" and not head.has_nms:
         raise EdgelineError(f"{where}: layout 'end2end' is a model that suppresses its own boxes: has_nms is true")
     return head

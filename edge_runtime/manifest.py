@@ -7,9 +7,9 @@ runtime reads it. See ``docs/bundle.md`` for the field-by-field contract.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from edgeline.detection import IOU_THRESHOLD, MAX_DETECTIONS, PRE_NMS_TOP_K, SCORE_THRESHOLD, Head, check_output
 from edgeline.device_profiles.schema import Budgets
@@ -108,6 +108,20 @@ class FileEntry(_Frozen):
         return path
 
 
+MAX_IMAGE_SIDE = 65535
+"""The largest image side a manifest may name (pixels): a sent bundle cannot make a device allocate without bound."""
+
+
+def _image_size(size: tuple[int, int]) -> tuple[int, int]:
+    if not all(1 <= side <= MAX_IMAGE_SIDE for side in size):
+        raise ValueError(f"(height, width) must be 1..{MAX_IMAGE_SIDE} each, got {list(size)}")
+    return size
+
+
+ImageSize = Annotated[tuple[int, int], AfterValidator(_image_size)]
+"""(height, width) of an image, each side 1..``MAX_IMAGE_SIDE``."""
+
+
 class Detection(_Frozen):
     """A detector's output 0, read by ``edgeline.detection``: its head's layout (see ``Head``), the input size its
     boxes are in (height, width), and the answers' defaults, which a run may override."""
@@ -120,18 +134,11 @@ class Detection(_Frozen):
     objectness: bool = False
     score_activation: Literal["none", "sigmoid"] = "none"
     has_nms: bool = False
-    input_size: tuple[int, int]
+    input_size: ImageSize
     score_threshold: float = Field(default=SCORE_THRESHOLD, ge=0, le=1, allow_inf_nan=False)
     iou_threshold: float = Field(default=IOU_THRESHOLD, ge=0, le=1, allow_inf_nan=False)
     max_detections: int = Field(default=MAX_DETECTIONS, ge=1, le=10_000)
     pre_nms_top_k: int = Field(default=PRE_NMS_TOP_K, ge=1, le=1_000_000)
-
-    @field_validator("input_size")
-    @classmethod
-    def _input_size(cls, size: tuple[int, int]) -> tuple[int, int]:
-        if not all(1 <= side <= MAX_IMAGE_SIDE for side in size):
-            raise ValueError(f"(height, width) must be 1..{MAX_IMAGE_SIDE} each, got {list(size)}")
-        return size
 
     def as_head(self) -> Head:
         return Head(self.head, self.layout, self.box_format, self.box_space, self.objectness, self.score_activation,
@@ -168,10 +175,6 @@ class Preprocess(_Frozen):
     offset: float = 0.0
 
 
-MAX_IMAGE_SIDE = 65535
-"""The largest image side a manifest may name (pixels): a sent bundle cannot make a device allocate without bound."""
-
-
 def image_axes(shape: tuple[int, ...], layout: Literal["nchw", "nhwc"]) -> tuple[int, int, int]:
     """(channels, height, width) of an image input of ``shape`` in ``layout``: (1, C, H, W) or (C, H, W) for
     ``nchw``, (1, H, W, C) or (H, W, C) for ``nhwc``. ``ValueError`` saying why when the shape is not an image's."""
@@ -197,7 +200,7 @@ class ImagePreprocess(_Frozen):
     centres; ``letterbox`` pads with ``pad``), normalised as ``(x * scale - mean) / std`` per channel, laid out as
     ``layout``. Quantization is the input tensor's, applied after."""
 
-    size: tuple[int, int]
+    size: ImageSize
     resize: Literal["letterbox", "squash", "center-crop"] = "letterbox"
     pad: int = Field(default=114, ge=0, le=255)
     color: Literal["rgb", "bgr", "gray"] = "rgb"
@@ -209,13 +212,6 @@ class ImagePreprocess(_Frozen):
     @property
     def channels(self) -> int:
         return 1 if self.color == "gray" else 3
-
-    @field_validator("size")
-    @classmethod
-    def _size_positive(cls, size: tuple[int, int]) -> tuple[int, int]:
-        if not all(1 <= side <= MAX_IMAGE_SIDE for side in size):
-            raise ValueError(f"(height, width) must be 1..{MAX_IMAGE_SIDE} each, got {list(size)}")
-        return size
 
     @model_validator(mode="after")
     def _per_channel(self) -> ImagePreprocess:

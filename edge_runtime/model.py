@@ -320,11 +320,10 @@ class Model:
         outputs. ``frame_size`` (height, width): the frame input 0 was made from by the manifest's ``image``, whose
         coordinates a detector's boxes are given in (normalised); without it, the input's."""
         geometry = None
-        if frame_size is not None and self.manifest.image is not None:
+        post = self.manifest.postprocess
+        if frame_size is not None and self.manifest.image is not None and post.kind == "detect":
             geometry = frame_geometry(self.manifest.image, *frame_size)
-        return interpret(
-            self.manifest.postprocess, inputs, outputs, top_k=top_k, geometry=geometry, overrides=overrides
-        )
+        return interpret(post, inputs, outputs, top_k=top_k, geometry=geometry, overrides=overrides)
 
 
 def usable_threads(wanted: int) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 
 from edgeline.errors import EdgelineError
 from edgeline.export.errors import CalibrationError
-from edgeline.export.images import MAX_IMAGE_SAMPLE_BYTES, MAX_IMAGES
+from edgeline.export.images import MAX_IMAGES, list_images, sample_buffer
 from edgeline.imaging import IMAGE_SUFFIXES, FramePrep, Geometry, read_image
 from edgeline.samples import SampleSet
 
@@ -84,12 +84,7 @@ def read_detection_dataset(path: Path, role: str, prep: FramePrep, labels: tuple
 
 def _read_yolo(root: Path, role: str, prep: FramePrep, labels: tuple[str, ...] | None) -> DetectionSet:
     images_dir, labels_dir = root / "images", root / "labels"
-    paths: list[Path] = []
-    for path in sorted(images_dir.rglob("*")):
-        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
-            paths.append(path)
-            if len(paths) > MAX_IMAGES:
-                raise CalibrationError(f"{role} dataset {root}: more than {MAX_IMAGES:,} images")
+    paths = list_images(images_dir, role)
     if not paths:
         raise CalibrationError(f"{role} dataset {root}: no images ({', '.join(IMAGE_SUFFIXES)}) under images/")
     truths = []
@@ -150,10 +145,13 @@ def _check_box(box: tuple[float, ...], kind: int, labels: tuple[str, ...] | None
 
 
 def _read_coco(path: Path, role: str, prep: FramePrep, labels: tuple[str, ...] | None) -> DetectionSet:
+    if not path.is_file():  # a FIFO would block the read
+        what = "not a regular file" if path.exists() else "no such file"
+        raise CalibrationError(f"{role} dataset {path}: {what}")
     try:
         size = path.stat().st_size
-    except OSError:
-        raise CalibrationError(f"{role} dataset {path}: no such file") from None
+    except OSError as exc:
+        raise CalibrationError(f"{role} dataset {path}: cannot be read ({exc.strerror})") from None
     if size > MAX_COCO_BYTES:
         raise CalibrationError(f"{role} dataset {path}: {size:,} bytes, more than {MAX_COCO_BYTES:,}")
     try:
@@ -164,6 +162,7 @@ def _read_coco(path: Path, role: str, prep: FramePrep, labels: tuple[str, ...] |
     if not isinstance(document, dict) or not all(isinstance(document.get(k), list) for k in ("images", "categories")):
         raise CalibrationError(f"{where}: not COCO JSON: it needs lists 'images', 'annotations' and 'categories'")
     categories = sorted(_items(document["categories"], ("id", "name"), where, "category"), key=lambda c: c["id"])
+    _unique([c["id"] for c in categories], where, "category")
     index_of = {c["id"]: i for i, c in enumerate(categories)}
     names = tuple(str(c["name"]) for c in categories)
     if labels is not None and labels != names:
@@ -173,6 +172,7 @@ def _read_coco(path: Path, role: str, prep: FramePrep, labels: tuple[str, ...] |
         raise CalibrationError(f"{where}: more than {MAX_IMAGES:,} images")
     if not images:
         raise CalibrationError(f"{where}: no images")
+    _unique([image["id"] for image in images], where, "image")
     by_image: dict[Any, list[tuple[tuple[float, ...], int]]] = {image["id"]: [] for image in images}
     sizes = {image["id"]: (image["width"], image["height"]) for image in images}
     for number, annotation in enumerate(_items(document.get("annotations", []), ("image_id", "category_id", "bbox"),
@@ -195,8 +195,9 @@ def _read_coco(path: Path, role: str, prep: FramePrep, labels: tuple[str, ...] |
         by_image[annotation["image_id"]].append((box, kind))
     paths = []
     for image in images:
-        name = Path(str(image["file_name"]))
-        if name.is_absolute() or ".." in name.parts:
+        text = str(image["file_name"])
+        name = Path(text)
+        if not text or "\x00" in text or name.is_absolute() or ".." in name.parts:
             raise CalibrationError(f"{where}: image file_name {str(name)!r} must be relative, inside {path.parent}")
         found = path.parent / name
         paths.append(found if found.exists() else path.parent / "images" / name)
@@ -215,9 +216,20 @@ def _items(value: object, keys: tuple[str, ...], where: str, what: str) -> list[
         if not isinstance(item, dict) or any(key not in item for key in keys):
             raise CalibrationError(f"{where}: {what} {number} needs {', '.join(keys)}")
         for key in ("width", "height"):
-            if key in keys and not (isinstance(item[key], int) and item[key] > 0):
+            if key in keys and not (type(item[key]) is int and item[key] > 0):
                 raise CalibrationError(f"{where}: {what} {number}: {key} must be a positive integer")
+        for key in ("id", "image_id", "category_id"):
+            if key in keys and type(item[key]) is not int:
+                raise CalibrationError(f"{where}: {what} {number}: {key} must be an integer, not {item[key]!r}")
     return value
+
+
+def _unique(ids: list[int], where: str, what: str) -> None:
+    seen: set[int] = set()
+    for number in ids:
+        if number in seen:
+            raise CalibrationError(f"{where}: two {what}s have id {number}")
+        seen.add(number)
 
 
 def _assemble(
@@ -230,15 +242,13 @@ def _assemble(
     *,
     sizes: list[tuple[int, int]] | None = None,
 ) -> DetectionSet:
-    shape = prep.input_spec.shape
-    per_sample = shape[1:] if len(shape) == 4 else shape
-    needed = len(paths) * math.prod(per_sample) * 4
-    if needed > MAX_IMAGE_SAMPLE_BYTES:
-        raise CalibrationError(f"{role} dataset {source}: {len(paths):,} images take {needed / 2**30:.1f} GiB as "
-                               f"float32 inputs, more than {MAX_IMAGE_SAMPLE_BYTES // 2**30} GiB")  # fmt: skip
-    inputs = np.empty((len(paths), *per_sample), dtype=np.float32)
+    inputs = sample_buffer(len(paths), prep, f"{role} dataset {source}")
+    per_sample = inputs.shape[1:]
     geometries = []
     for index, path in enumerate(paths):
+        if not path.is_file():  # a FIFO named by a COCO file would block the read
+            what = "not a regular file" if path.exists() else "no such file"
+            raise CalibrationError(f"{role} dataset {source}: image {path}: {what}")
         try:
             image = read_image(path)
         except EdgelineError as exc:

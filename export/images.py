@@ -23,7 +23,15 @@ from edgeline.imaging import IMAGE_SUFFIXES, FramePrep, image_preprocess, read_i
 from edgeline.manifest import ImagePreprocess, TensorSpec
 from edgeline.samples import SampleSet
 
-__all__ = ["MAX_IMAGES", "MAX_IMAGE_SAMPLE_BYTES", "image_input", "read_class_folders", "read_image_folder"]
+__all__ = [
+    "MAX_IMAGES",
+    "MAX_IMAGE_SAMPLE_BYTES",
+    "image_input",
+    "list_images",
+    "read_class_folders",
+    "read_image_folder",
+    "sample_buffer",
+]
 
 MAX_IMAGES = 100_000
 """The most image files a folder may hold (counted while it is listed)."""
@@ -62,7 +70,8 @@ def image_input(
         raise CalibrationError(f"{where}: {exc}") from exc
 
 
-def _images(folder: Path, role: str) -> list[Path]:
+def list_images(folder: Path, role: str) -> list[Path]:
+    """Every image file under ``folder``, recursively, in path order (at most ``MAX_IMAGES``)."""
     found: list[Path] = []
     for path in sorted(folder.rglob("*")):
         if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
@@ -72,16 +81,23 @@ def _images(folder: Path, role: str) -> list[Path]:
     return found
 
 
-def _read(paths: list[Path], prep: FramePrep, role: str, folder: Path) -> np.ndarray:
+def sample_buffer(count: int, prep: FramePrep, where: str) -> np.ndarray:
+    """An empty float32 array for ``count`` inputs of ``prep``'s shape, refused (before anything is read) when it
+    would take more than ``MAX_IMAGE_SAMPLE_BYTES``; ``where`` starts the error."""
     shape = prep.input_spec.shape
     per_sample = shape[1:] if len(shape) == 4 else shape
-    needed = len(paths) * math.prod(per_sample) * 4
+    needed = count * math.prod(per_sample) * 4
     if needed > MAX_IMAGE_SAMPLE_BYTES:
         raise CalibrationError(
-            f"{role} folder {folder}: {len(paths):,} images of input {list(shape)} take {needed / 2**30:.1f} GiB as "
+            f"{where}: {count:,} images of input {list(shape)} take {needed / 2**30:.1f} GiB as "
             f"float32, more than {MAX_IMAGE_SAMPLE_BYTES // 2**30} GiB; give a smaller folder"
         )
-    out = np.empty((len(paths), *per_sample), dtype=np.float32)
+    return np.empty((count, *per_sample), dtype=np.float32)
+
+
+def _read(paths: list[Path], prep: FramePrep, role: str, folder: Path) -> np.ndarray:
+    out = sample_buffer(len(paths), prep, f"{role} folder {folder}")
+    per_sample = out.shape[1:]
     for index, path in enumerate(paths):
         try:
             out[index] = prep(read_image(path)).reshape(per_sample)
@@ -96,7 +112,7 @@ def _no_images(folder: Path, role: str) -> CalibrationError:
 
 def read_image_folder(folder: Path, role: str, prep: FramePrep) -> SampleSet:
     """Every image under ``folder`` (recursively, in path order) as input 0; no labels."""
-    paths = _images(folder, role)
+    paths = list_images(folder, role)
     if not paths:
         raise _no_images(folder, role)
     return SampleSet([_read(paths, prep, role, folder)], None, str(folder))
@@ -127,7 +143,7 @@ def read_class_folders(
     paths: list[Path] = []
     indices: list[int] = []
     for name in classes:
-        found = _images(folder / name, role)
+        found = list_images(folder / name, role)
         if not found:
             raise _no_images(folder / name, role)
         paths += found

@@ -116,11 +116,9 @@ def cached_export(model: str | Path, *args: str | Path) -> Path:
     from edgeline.cli import main
 
     file, _, attribute = str(model).partition(":")
-    if Path(file).suffix != ".py":
-        file, attribute = str(model), ""
     source: Path | str = Path(file)
-    if Path(file).suffix != ".py" and not Path(file).exists():
-        source = _export_module(str(model))
+    if Path(file).suffix != ".py":  # a whole file (a .pt2), else a module's attribute
+        source, attribute = (Path(model), "") if Path(model).exists() else (_export_module(str(model)), "")
 
     def make(directory: Path) -> None:
         code = main(["export", str(model), *map(str, args), "--out", str(directory / "bundle"), "-q"])

@@ -147,6 +147,7 @@ def test_a_right_head_counts_the_classes() -> None:
     ("config", "expected"),
     [
         ({"head": "yolov9"}, "unknown head 'yolov9'; known: yolov8, yolov5, end2end"),
+        ({"head": ["yolov8"]}, "unknown head ['yolov8']; known: yolov8"),
         ({"box_format": "xyxy"}, "needs 'head' (yolov8, yolov5, end2end) or a 'layout'"),
         ({"layout": "columns"}, "layout = 'columns' is not one of attributes-first, boxes-first, end2end"),
         ({"head": "yolov8", "box_space": "percent"}, "box_space = 'percent' is not one of pixels, normalised"),

@@ -4,6 +4,7 @@ own coordinates and mapped through the letterbox exactly, every broken label nam
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -130,10 +131,16 @@ def test_a_broken_label_line_is_named_by_file_and_line(tmp_path: Path, line: str
         (lambda d: d["images"][0].update(file_name="../x.png"), "must be relative, inside"),
         (lambda d: d["images"][0].update(width=0), "image 0: width must be a positive integer"),
         (lambda d: d["images"][0].update(width=21), "image " + "{x}" + " is 20x20, the JSON says 21x20"),
+        (lambda d: d["images"][0].update(id=[1]), "image 0: id must be an integer, not [1]"),
+        (lambda d: d["annotations"][0].update(category_id={"a": 1}), "category_id must be an integer"),
+        (lambda d: d["images"].append(dict(d["images"][0])), "two images have id 1"),
+        (lambda d: d["images"][0].update(file_name="x\x00.png"), "must be relative, inside"),
+        (lambda d: d["images"][0].update(file_name="fifo.png"), "fifo.png: not a regular file"),
     ],
 )
 def test_a_broken_coco_file_is_named_with_what_is_wrong(tmp_path: Path, change, expected: str) -> None:  # type: ignore[no-untyped-def]
     paint(tmp_path / "x.png", 20, 20, [])
+    os.mkfifo(tmp_path / "fifo.png")
     document = {"images": [{"id": 1, "file_name": "x.png", "width": 20, "height": 20}],
                 "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [2, 2, 5, 5]}],
                 "categories": [{"id": 1, "name": "square"}]}  # fmt: skip
@@ -155,3 +162,9 @@ def test_a_label_file_planted_as_a_link_or_oversized_is_refused_unread(tmp_path:
         big.truncate(2 * 1024 * 1024)
     with pytest.raises(CalibrationError, match="2,097,152 bytes, more than 1,048,576"):
         read_detection_dataset(tmp_path, "validation", prep(), LABELS)
+
+
+def test_a_coco_file_that_is_a_fifo_is_refused_without_being_opened(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "d.json")
+    with pytest.raises(CalibrationError, match=r"d\.json: not a regular file"):
+        read_detection_dataset(tmp_path / "d.json", "validation", prep(), None)

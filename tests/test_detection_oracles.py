@@ -3,6 +3,8 @@ pycocotools' ``COCOeval``, each on seeded random cases (clustered boxes, so that
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -25,8 +27,13 @@ def clustered_boxes(rng: np.random.Generator, count: int, *, spread: float = 12.
     return boxes
 
 
-def onnxruntime_nms(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray, iou: float, classes_count: int):
-    """onnxruntime's selection: (class, box index) pairs in its order (by class, then score)."""
+NmsRun = Callable[[np.ndarray, np.ndarray, int, float, float], np.ndarray]
+
+
+def nms_session() -> NmsRun:
+    """onnxruntime's ``NonMaxSuppression`` on one thread: ``run(boxes, scores, per_class, iou, floor)`` with boxes
+    (1, N, 4) as y1, x1, y2, x2 (ONNX's ``center_point_box`` 0), scores (1, C, N), at most ``per_class`` kept per
+    class, scores at or under ``floor`` left out; returns (K, 3) batch, class, box (benchmarks/detection.py too)."""
     import onnx
     import onnxruntime
     from onnx import TensorProto, helper
@@ -45,16 +52,26 @@ def onnxruntime_nms(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray, 
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     onnx.checker.check_model(model)
-    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    def run(boxes: np.ndarray, scores: np.ndarray, per_class: int, iou: float, floor: float) -> np.ndarray:
+        selected: np.ndarray = session.run(None, {
+            "boxes": boxes, "scores": scores, "top": np.asarray([per_class], dtype=np.int64),
+            "iou": np.asarray([iou], dtype=np.float32), "floor": np.asarray([floor], dtype=np.float32),
+        })[0]  # fmt: skip
+        return selected
+
+    return run
+
+
+def onnxruntime_nms(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray, iou: float, classes_count: int):
+    """onnxruntime's selection: (class, box index) pairs in its order (by class, then score)."""
     table = np.full((1, classes_count, len(boxes)), -np.inf, dtype=np.float32)  # a box scores for its class only
     table[0, classes, np.arange(len(boxes))] = scores
-    (selected,) = session.run(None, {
-        "boxes": boxes[None, :, [1, 0, 3, 2]],  # ONNX's centre_point_box 0 is y1, x1, y2, x2
-        "scores": table,
-        "top": np.asarray([len(boxes)], dtype=np.int64),
-        "iou": np.asarray([iou], dtype=np.float32),
-        "floor": np.asarray([-1.0], dtype=np.float32),  # every real score passes, the -inf of other classes not
-    })  # fmt: skip
+    # every real score passes the floor, the -inf of other classes not
+    selected = nms_session()(np.ascontiguousarray(boxes[None, :, [1, 0, 3, 2]]), table, len(boxes), iou, -1.0)
     return [(int(c), int(b)) for _, c, b in selected]
 
 

@@ -270,8 +270,7 @@ class Processor:
         record = self._record(message, sequence, identity, model)
         if window is not None:
             record["window"] = window
-        if "detections" not in interpreted:  # a detector's raw candidates (thousands) stay out of its answers
-            record["outputs"] = [output.tolist() for output in outputs]
+        record["outputs"] = [output.tolist() for output in outputs]
         record.update(interpreted)
         record["latency_ms"] = round(seconds * 1000.0, 4)
         if batch > 1:
