@@ -109,6 +109,7 @@ def _describe(profile: Profile) -> list[str]:
         f"  max model size:     {_bytes(budgets.max_model_bytes)}",
         f"  max accuracy drop:  {budgets.max_accuracy_drop} percentage points",
         f"  min cosine:         {_or_none(budgets.min_cosine)} (used when there are no labels)",
+        f"  max mAP drop:       {budgets.max_map_drop} points of mAP@0.5 (detectors)",
         f"  max latency:        {_or_none(budgets.max_latency_ms, ' ms')} "
         "on the device (checked by on-device verification, not host timing)",
         f"  max memory:         {_or_none(budgets.max_memory_mb, ' MB')}",

@@ -78,6 +78,11 @@ class Budgets(_Frozen):
         default=None,
         description="Smallest accepted cosine similarity of outputs to the float model, used without labels.",
     )
+    max_map_drop: Annotated[float, Strict(), Field(ge=0, le=100)] = Field(
+        default=2.0,
+        description="A detector's largest accepted loss of mAP@0.5 against the float model, in points (of 100): "
+        "against the validation images' objects when labelled, else against the float model's own detections.",
+    )
     max_latency_ms: PositiveFloat | None = Field(
         default=None,
         description="Largest accepted latency per inference ON THE DEVICE, checked by on-device "

@@ -139,6 +139,9 @@ class Detection(_Frozen):
     iou_threshold: float = Field(default=IOU_THRESHOLD, ge=0, le=1, allow_inf_nan=False)
     max_detections: int = Field(default=MAX_DETECTIONS, ge=1, le=10_000)
     pre_nms_top_k: int = Field(default=PRE_NMS_TOP_K, ge=1, le=1_000_000)
+    box_scaling: str | None = Field(default=None, max_length=1000)
+    """What the export did about pixel boxes sharing output 0 with the scores (integer quantization gives a tensor
+    one scale): divided by the input size inside the model, or why they were not; None: nothing to do."""
 
     def as_head(self) -> Head:
         return Head(self.head, self.layout, self.box_format, self.box_space, self.objectness, self.score_activation,
@@ -285,6 +288,16 @@ class Fidelity(_Frozen):
     confusion: list[list[int]] | None = None
     confusion_float: list[list[int]] | None = None
     anomaly_agreement: float | None = None
+    map50: float | None = Field(default=None, ge=0, le=1)
+    """A detector's: COCO mAP@0.5 of the bundle's detections against the validation images' objects."""
+    map50_95: float | None = Field(default=None, ge=0, le=1)
+    """COCO mAP@0.5:0.95 of the same."""
+    map50_float: float | None = Field(default=None, ge=0, le=1)
+    map50_95_float: float | None = Field(default=None, ge=0, le=1)
+    """The float torch model's, on the same images through the same decoding and NMS."""
+    map50_agreement: float | None = Field(default=None, ge=0, le=1)
+    """mAP@0.5 of the bundle's detections against the float model's (those over the answers' score threshold) as
+    the objects: how closely it finds what the float model finds, labelled images or not."""
     measured_with: str | None = None
     instruction_set: str | None = Field(default=None, max_length=256, pattern=r"^[A-Za-z0-9_. -]*$")
     """The measuring machine's architecture and the CPU features its runtime chose kernels by (``edgeline.isa``):

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from edgeline.detection import detect
+from edgeline.detection import Detections, detect
 from edgeline.imaging import Geometry
 from edgeline.manifest import Postprocess
 
-__all__ = ["BOX_DECIMALS", "Interpretation", "interpret", "softmax"]
+__all__ = ["BOX_DECIMALS", "DETECTION_OVERRIDES", "Interpretation", "frame_detections", "interpret", "softmax"]
 
 
 @dataclass(frozen=True)
@@ -106,16 +106,23 @@ def interpret(
     return Interpretation()
 
 
-def _detections(
-    post: Postprocess, outputs: Sequence[np.ndarray], geometry: Geometry | None, overrides: Mapping[str, float]
-) -> Interpretation:
+DETECTION_OVERRIDES = ("score_threshold", "iou_threshold", "max_detections")
+
+
+def frame_detections(
+    post: Postprocess, output: np.ndarray, geometry: Geometry | None, overrides: Mapping[str, float] | None = None
+) -> Detections:
+    """A detector's output 0 decoded, thresholded and suppressed by the manifest's settings (``overrides`` over
+    them), its boxes x1, y1, x2, y2 normalised to the frame through ``geometry`` (the letterbox undone), or to the
+    input without one."""
     settings = post.detection
     assert settings is not None  # the manifest's validator guarantees it
-    unknown = set(overrides) - {"score_threshold", "iou_threshold", "max_detections"}
+    overrides = overrides or {}
+    unknown = set(overrides) - set(DETECTION_OVERRIDES)
     if unknown:
         raise ValueError(f"unknown detection override(s): {', '.join(sorted(unknown))}")
     found = detect(
-        outputs[0],
+        output,
         settings.as_head(),
         settings.input_size,
         score_threshold=float(overrides.get("score_threshold", settings.score_threshold)),
@@ -128,9 +135,16 @@ def _detections(
     else:
         height, width = settings.input_size
         boxes = np.clip(found.boxes.astype(np.float64) / [width, height, width, height], 0.0, 1.0)
+    return Detections(boxes, found.scores, found.classes)
+
+
+def _detections(
+    post: Postprocess, outputs: Sequence[np.ndarray], geometry: Geometry | None, overrides: Mapping[str, float]
+) -> Interpretation:
+    found = frame_detections(post, outputs[0], geometry, overrides)
     labels = post.labels
     answers = []
-    for box, kind, score in zip(np.round(boxes, BOX_DECIMALS).tolist(), found.classes.tolist(),
+    for box, kind, score in zip(np.round(found.boxes, BOX_DECIMALS).tolist(), found.classes.tolist(),
                                 found.scores.tolist(), strict=True):  # fmt: skip
         label = labels[kind] if labels is not None and 0 <= kind < len(labels) else str(kind)
         answers.append({"box": box, "class_index": kind, "label": label, "score": score})

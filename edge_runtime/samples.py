@@ -133,18 +133,42 @@ def _read_exactly(stream: Any, shape: tuple[int, ...], dtype: np.dtype[Any], whe
 
 
 class SampleSet:
-    """Samples matched to a model's inputs: ``inputs[i]`` has shape (N, *input_i.shape[1:])."""
+    """Samples matched to a model's inputs: ``inputs[i]`` has shape (N, *input_i.shape[1:]). A detector's images
+    also carry, per sample, where the image landed in the input (``geometries``: ``edgeline.imaging.Geometry``,
+    which maps boxes back to the image) and, when labelled, its objects (``truths``: (K, 4) boxes x1, y1, x2, y2
+    normalised to the image, (K,) class indices)."""
 
-    def __init__(self, inputs: list[np.ndarray], labels: np.ndarray | None, source: str):
+    def __init__(
+        self,
+        inputs: list[np.ndarray],
+        labels: np.ndarray | None,
+        source: str,
+        *,
+        geometries: Sequence[Any] | None = None,
+        truths: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    ):
         self.inputs = inputs
         self.labels = labels
         self.source = source
+        self.geometries = None if geometries is None else tuple(geometries)
+        self.truths = None if truths is None else tuple(truths)
 
     def __len__(self) -> int:
         return int(self.inputs[0].shape[0])
 
     def sample(self, index: int) -> list[np.ndarray]:
         return [array[index : index + 1] for array in self.inputs]
+
+    def subset(self, indices: Sequence[int]) -> SampleSet:
+        """The samples at ``indices``, in that order, with their labels, geometries and truths."""
+        chosen = np.asarray(indices, dtype=np.int64)
+        return SampleSet(
+            [array[chosen] for array in self.inputs],
+            None if self.labels is None else self.labels[chosen],
+            self.source,
+            geometries=None if self.geometries is None else [self.geometries[i] for i in indices],
+            truths=None if self.truths is None else [self.truths[i] for i in indices],
+        )
 
 
 def _as_samples(array: np.ndarray, spec: TensorSpec, where: str) -> np.ndarray:

@@ -47,10 +47,15 @@ def budget_violations(
 
 
 def _decisive(fidelity: Fidelity) -> tuple[str, float] | None:
-    """The most meaningful measure available, as how far it is from perfect: accuracy points lost against labels,
+    """The most meaningful measure available, as how far it is from perfect: a detector's mAP@0.5 points lost
+    against labels, else its mAP@0.5 against the float model's detections; accuracy points lost against labels,
     else disagreement with the float model's decisions in percent (top-1, anomaly flags), else (raw and regression
     outputs) one minus the minimum cosine. Cosine is not used for classifiers: on a few near-zero logits one
     quantization step can flip it without changing a single decision."""
+    if fidelity.map50 is not None and fidelity.map50_float is not None:
+        return "map", (fidelity.map50_float - fidelity.map50) * 100.0
+    if fidelity.map50_agreement is not None:
+        return "map-agreement", (1.0 - fidelity.map50_agreement) * 100.0
     if fidelity.accuracy is not None and fidelity.accuracy_float is not None:
         return "accuracy", (fidelity.accuracy_float - fidelity.accuracy) * 100.0
     if fidelity.top1_agreement is not None:
@@ -63,7 +68,8 @@ def _decisive(fidelity: Fidelity) -> tuple[str, float] | None:
 
 
 def decisive_measure(fidelity: Fidelity) -> str | None:
-    """What decides ``fidelity``'s budget: "accuracy", "top1", "anomaly" or "cosine" (``_decisive``); None: nothing."""
+    """What decides ``fidelity``'s budget: "map", "map-agreement", "accuracy", "top1", "anomaly" or "cosine"
+    (``_decisive``); None: nothing."""
     decisive = _decisive(fidelity) if fidelity.status == "measured" else None
     return None if decisive is None else decisive[0]
 
@@ -80,6 +86,11 @@ def fidelity_violations(budgets: Budgets, fidelity: Fidelity) -> list[str]:
     if decisive is None:
         return []
     kind, value = decisive
+    if kind == "map" and value > budgets.max_map_drop:
+        return [f"mAP@0.5 drop {value:.2f} points > budget {budgets.max_map_drop:g}"]
+    if kind == "map-agreement" and value > budgets.max_map_drop:
+        return [f"mAP@0.5 against the float model's detections {100 - value:.2f} misses {value:.2f} points > budget "
+                f"{budgets.max_map_drop:g}"]  # fmt: skip
     budget = budgets.max_accuracy_drop
     if kind == "accuracy" and value > budget:
         return [f"accuracy drop {value:.2f} points > budget {budget:g}"]

@@ -18,6 +18,10 @@ from edgeline.export.errors import require_export_extra
 __all__ = ["register"]
 
 
+HEAD_NAMES = ("end2end", "yolov5", "yolov8")
+"""``edgeline.detection.HEADS``' names (a test keeps them equal), here so that registering imports no numpy."""
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "export",
@@ -58,7 +62,9 @@ def register(subparsers: Any) -> None:
         "--config",
         type=Path,
         metavar="EXPORT.toml",
-        help="an export config file; its [preprocess] table takes the keys of --preprocess",
+        help="an export config file; its [preprocess] table takes the keys of --preprocess, its [detection] table "
+        "a detector's head (head, layout, box_format, box_space, objectness, score_activation, has_nms) and its "
+        "answers' score_threshold, iou_threshold and max_detections",
     )
     parser.add_argument(
         "--backend",
@@ -91,9 +97,19 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--task",
-        choices=["classify", "regress", "anomaly", "raw"],
+        choices=["classify", "regress", "anomaly", "detect", "raw"],
         metavar="TASK",
-        help="how to read the outputs: %(choices)s (default: classify when validation has labels)",
+        help="how to read the outputs: %(choices)s (default: classify when validation has labels; detect with "
+        "--head). A detector's calibration and validation are folders in the YOLO layout (images/, labels/*.txt) "
+        "or a COCO .json, or plain image folders",
+    )
+    parser.add_argument(
+        "--head",
+        choices=HEAD_NAMES,
+        metavar="HEAD",
+        help="a detector's output layout, one of %(choices)s: yolov8 ((1, 4+C, N), boxes cx, cy, w, h in input "
+        "pixels, no objectness), yolov5 ((1, N, 5+C), with objectness), end2end ((1, M, 6): x1, y1, x2, y2, "
+        "score, class, NMS in the model); any other by the keys of a --config [detection] table",
     )
     parser.add_argument("--labels", metavar="FILE", type=Path, help="class names, one per line")
     parser.add_argument(
@@ -126,36 +142,51 @@ def _read_labels(path: Path | None) -> tuple[str, ...] | None:
     return labels
 
 
-CONFIG_TABLES = ("preprocess",)
+CONFIG_TABLES = ("preprocess", "detection")
 
 
-def _preprocess(config: Path | None, text: str | None) -> dict[str, object] | None:
+def _config(config: Path | None) -> dict[str, dict[str, object]]:
+    """A config file's tables (``CONFIG_TABLES``), each checked to be a table; nothing without a file."""
+    if config is None:
+        return {}
+    from edgeline.device_profiles.toml import tomllib
+
+    try:
+        document = tomllib.loads(config.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise EdgelineError(f"--config {config}: {exc.strerror or exc}") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise EdgelineError(f"--config {config}: not valid TOML ({exc})") from exc
+    unknown = [key for key in document if key not in CONFIG_TABLES]
+    if unknown:
+        raise EdgelineError(
+            f"--config {config}: unknown key or table {unknown[0]!r}; valid: [{'], ['.join(CONFIG_TABLES)}]"
+        )
+    for name, table in document.items():
+        if not isinstance(table, dict):
+            raise EdgelineError(f"--config {config}: {name} must be a table ([{name}])")
+    return document
+
+
+def _preprocess(
+    config: Path | None, tables: dict[str, dict[str, object]], text: str | None
+) -> dict[str, object] | None:
     """The image pre-processing keys: a config file's [preprocess] table, with --preprocess's keys over it."""
     from edgeline.imaging import parse_preprocess, preprocess_table
 
     keys: dict[str, object] | None = None
-    if config is not None:
-        from edgeline.device_profiles.toml import tomllib
-
-        try:
-            document = tomllib.loads(config.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise EdgelineError(f"--config {config}: {exc.strerror or exc}") from exc
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise EdgelineError(f"--config {config}: not valid TOML ({exc})") from exc
-        unknown = [key for key in document if key not in CONFIG_TABLES]
-        if unknown:
-            raise EdgelineError(
-                f"--config {config}: unknown key or table {unknown[0]!r}; valid: [{'], ['.join(CONFIG_TABLES)}]"
-            )
-        table = document.get("preprocess")
-        if table is not None:
-            if not isinstance(table, dict):
-                raise EdgelineError(f"--config {config}: preprocess must be a table ([preprocess])")
-            keys = preprocess_table(table, f"--config {config} [preprocess]")
+    if "preprocess" in tables:
+        keys = preprocess_table(tables["preprocess"], f"--config {config} [preprocess]")
     if text is not None:
         keys = {**(keys or {}), **parse_preprocess(text)}
     return keys
+
+
+def _detection(tables: dict[str, dict[str, object]], head: str | None) -> dict[str, object] | None:
+    """A detector's keys: a config file's [detection] table, with --head over its ``head``."""
+    if head is None and "detection" not in tables:
+        return None
+    return {**tables.get("detection", {}), **({"head": head} if head is not None else {})}
 
 
 HASH_SEED = "0"
@@ -183,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
     from edgeline.export.progress import Progress
     from edgeline.export.report import format_report
 
+    tables = _config(args.config)
+    if (args.head is not None or "detection" in tables) and args.task not in (None, "detect"):
+        given = "--head" if args.head is not None else f"--config {args.config} [detection]"
+        raise EdgelineError(f"{given} describes a detector's output, but the task is {args.task}; use --task detect")
     options = ExportOptions(
         model=args.model,
         profile=args.profile,
@@ -193,13 +228,14 @@ def run(args: argparse.Namespace) -> int:
         out=args.out,
         name=args.name,
         force=args.force,
-        task=args.task,
+        task="detect" if args.head is not None or "detection" in tables else args.task,
         labels=_read_labels(args.labels),
         threshold=args.threshold,
         all_targets=args.all,
         version=args.version,
         mixed_precision=args.mixed_precision,
-        preprocess=_preprocess(args.config, args.preprocess),
+        preprocess=_preprocess(args.config, tables, args.preprocess),
+        detection=_detection(tables, args.head),
     )
     with Progress() as progress:
         report = run_export(options, progress)

@@ -260,7 +260,7 @@ def _assemble(
         inputs[index] = prep(image).reshape(per_sample)
         geometries.append(prep.geometry(height, width))
     return DetectionSet(
-        samples=SampleSet([inputs], None, str(source)),
+        samples=SampleSet([inputs], None, str(source), geometries=geometries, truths=truths),
         boxes=tuple(t[0] for t in truths),
         classes=tuple(t[1] for t in truths),
         geometries=tuple(geometries),

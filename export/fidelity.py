@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 
+from edgeline.detection import COCO_MAX_DETECTIONS, EVALUATION_SCORE_THRESHOLD, mean_average_precision
 from edgeline.export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
 from edgeline.export.progress import Progress
 from edgeline.isa import instruction_set
 from edgeline.manifest import Fidelity, Postprocess
 from edgeline.model import Model
-from edgeline.postprocess import interpret
+from edgeline.postprocess import frame_detections, interpret
 from edgeline.samples import SampleSet
 
 __all__ = ["FloatReference", "compare_outputs", "measure_fidelity", "run_float"]
@@ -107,6 +108,34 @@ def _same(batch: Outputs, single: Outputs, index: int) -> bool:
     return True
 
 
+def _detection_fields(
+    reference: Sequence[Sequence[np.ndarray]],
+    converted: Sequence[Sequence[np.ndarray]],
+    samples: SampleSet,
+    post: Postprocess,
+) -> dict[str, float | None]:
+    """A detector's mAP: both models' detections decoded and suppressed as the device does it, at COCO's
+    evaluation threshold (``EVALUATION_SCORE_THRESHOLD``, at most 100 per image), boxes in the image's normalised
+    coordinates; against the images' objects when labelled, and the bundle's against the float model's (over the
+    answers' score threshold) always."""
+    geometries = samples.geometries or [None] * len(samples)
+    evaluation = {"score_threshold": EVALUATION_SCORE_THRESHOLD, "max_detections": COCO_MAX_DETECTIONS}
+    float_found, bundle_found, float_kept = [], [], []
+    for index, geometry in enumerate(geometries):
+        float_found.append(frame_detections(post, reference[index][0], geometry, evaluation))
+        bundle_found.append(frame_detections(post, converted[index][0], geometry, evaluation))
+        float_kept.append(frame_detections(post, reference[index][0], geometry))
+    agreement = mean_average_precision(bundle_found, [(d.boxes, d.classes) for d in float_kept])
+    # (the float model finding nothing at all leaves nothing to agree with: not a measure then)
+    fields: dict[str, float | None] = {"map50_agreement": agreement.map50 if agreement.truths else None}
+    if samples.truths is not None:
+        bundle_map = mean_average_precision(bundle_found, samples.truths)
+        float_map = mean_average_precision(float_found, samples.truths)
+        fields.update(map50=bundle_map.map50, map50_95=bundle_map.map50_95, map50_float=float_map.map50,
+                      map50_95_float=float_map.map50_95)  # fmt: skip
+    return fields
+
+
 def _runtime_description(model: Model) -> str:
     package = model.manifest.runtime.package if model.backend == model.manifest.backend else model.backend
     try:
@@ -187,6 +216,8 @@ def compare_outputs(
         if labels is not None:
             truth = labels.astype(bool)
             fields.update(accuracy=accuracy(truth, conv_flags), accuracy_float=accuracy(truth, float_flags))
+    elif post.kind == "detect":
+        fields.update(_detection_fields(reference, converted, samples, post))
     return Fidelity(
         status="measured",
         reference=REFERENCE,

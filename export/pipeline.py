@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from pydantic import ValidationError
 
 from edgeline import bundle as bundle_io
 from edgeline.backends import goes_into_firmware, open_session
+from edgeline.detection import HEADS, check_output, head_from_config
 from edgeline.device_profiles import Precision, Profile, Target, load_profile
 from edgeline.errors import EdgelineError
 from edgeline.export.backends import (
@@ -37,9 +39,11 @@ from edgeline.export.backends import (
     Verification,
     get_exporter,
 )
+from edgeline.export.box_scaling import normalise_boxes
 from edgeline.export.budgets import budget_violations, decisive_measure, fidelity_shortfall, fidelity_violations
 from edgeline.export.c_sources import write_c_sources
 from edgeline.export.calibration import check_model_runs, load_model_samples
+from edgeline.export.colour_order import check_colour_order
 from edgeline.export.conversion import (
     MissingKernel,
     check_traceable,
@@ -49,6 +53,7 @@ from edgeline.export.conversion import (
     on_micro_kernels,
     target_error,
 )
+from edgeline.export.detection_data import is_detection_dataset, read_detection_dataset
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError
 from edgeline.export.fidelity import REFERENCE, FloatReference, compare_outputs, measure_fidelity, run_float
 from edgeline.export.images import image_input, read_class_folders, read_image_folder
@@ -70,6 +75,7 @@ from edgeline.export.report import ExportReport, TargetOutcome
 from edgeline.export.staging import write_bundle, write_float_golden, write_golden
 from edgeline.manifest import (
     NAME_PATTERN,
+    Detection,
     Device,
     Fidelity,
     Firmware,
@@ -89,7 +95,7 @@ from edgeline.timing import median_latency_ms
 
 __all__ = ["ExportOptions", "ExportReport", "TargetOutcome", "run_export"]
 
-Task = Literal["classify", "regress", "anomaly", "raw"]
+Task = Literal["classify", "regress", "anomaly", "detect", "raw"]
 ANOMALY_PERCENTILE = 99.0
 logger = logging.getLogger(__name__)
 
@@ -120,6 +126,9 @@ class ExportOptions:
     preprocess: Mapping[str, object] | None = None
     """``--preprocess`` / ``[preprocess]``: an image model's pre-processing keys (``edgeline.imaging``), written as
     the manifest's ``image``; None: the one the model's module declares, if any (the reference image models')."""
+    detection: Mapping[str, object] | None = None
+    """``--head`` over a config's ``[detection]`` table: a detector's head (``edgeline.detection.head_from_config``
+    keys) and its answers' ``score_threshold``, ``iou_threshold``, ``max_detections``; implies ``--task detect``."""
 
 
 def _targets(profile: Profile, backend: str | None, precision: Precision | None) -> list[Target]:
@@ -161,6 +170,8 @@ def _postprocess(
     if task is None:
         labelled = validation.labels is not None and np.issubdtype(validation.labels.dtype, np.integer)
         task = "classify" if (options.labels or labelled) and outputs[0].ndim == 2 and classes > 1 else "raw"
+    if task == "detect":
+        return _detect_postprocess(options, validation, outputs)
     if options.labels is not None and task != "classify":
         raise ExportError(f"--labels names classes, but the task is {task}; use --task classify or drop --labels")
     if options.threshold is not None and task != "anomaly":
@@ -195,6 +206,86 @@ def _postprocess(
     return Postprocess(kind=task)
 
 
+DETECTION_SETTINGS = ("score_threshold", "iou_threshold", "max_detections")
+"""The answers' defaults a ``[detection]`` table may set besides the head's keys."""
+
+
+def _detect_postprocess(options: ExportOptions, validation: SampleSet, outputs: list[np.ndarray]) -> Postprocess:
+    """A detector's ``postprocess``: its head checked against output 0's shape (one line saying what the shape says
+    when it does not fit), the class count against ``--labels`` and the validation objects' classes."""
+    where = "--head" if options.detection and set(options.detection) == {"head"} else "the detection head"
+    table = dict(options.detection or {})
+    if "head" not in table and "layout" not in table:
+        raise ExportError(
+            f"--task detect needs the output's layout: --head {' | '.join(HEADS)}, or a [detection] table in --config "
+            "with layout, box_format, box_space, objectness, score_activation, has_nms"
+        )
+    settings = {key: table.pop(key) for key in DETECTION_SETTINGS if key in table}
+    try:
+        head = head_from_config(table, where)
+        classes = check_output(head, outputs[0].shape, len(options.labels) if options.labels else None)
+    except EdgelineError as exc:
+        raise ExportError(str(exc)) from exc
+    if head.layout == "end2end" and not classes and options.labels is None:
+        raise ExportError("an end2end detector's output does not say how many classes it has: name them with --labels")
+    if validation.truths is not None and classes:
+        found = max((int(c.max()) for _, c in validation.truths if c.size), default=-1)
+        if found >= classes:
+            raise CalibrationError(
+                f"{validation.source}: an object of class {found}, but the model scores {classes} classes "
+                f"(0..{classes - 1})"
+            )
+    height, width = _input_size(validation)
+    try:
+        detection = Detection(**{f: getattr(head, f) for f in DETECTION_HEAD_FIELDS}, head=head.name,
+                              input_size=(height, width), **settings)  # fmt: skip
+    except ValidationError as exc:
+        raise ExportError(f"the [detection] table: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from exc
+    return Postprocess(kind="detect", labels=options.labels, detection=detection)
+
+
+DETECTION_HEAD_FIELDS = ("layout", "box_format", "box_space", "objectness", "score_activation", "has_nms")
+
+
+def _input_size(samples: SampleSet) -> tuple[int, int]:
+    """The (height, width) a detector's pixel boxes are in: its image input's, channels first (1 or 3) or last."""
+    shape = samples.inputs[0].shape[1:]
+    if len(shape) != 3:
+        raise ExportError(f"a detector takes an image (channels, height, width); its input is {list(shape)}")
+    return (int(shape[1]), int(shape[2])) if shape[0] in (1, 3) else (int(shape[0]), int(shape[1]))
+
+
+def _scale_boxes(
+    loaded: LoadedModel, post: Postprocess, calibration: SampleSet, progress: Progress
+) -> tuple[LoadedModel, Postprocess]:
+    """For integer targets, a detector whose pixel boxes share output 0 with its scores gets them divided by the
+    input size inside the model (``export.box_scaling``); the manifest's ``detection.box_scaling`` says so, or why
+    not. Every target of the export then takes the same model, so the float model's outputs compare with each."""
+    import torch
+
+    settings = post.detection
+    assert settings is not None
+    if settings.layout == "end2end" or settings.box_space != "pixels":
+        return loaded, post
+    progress("dividing the detector's pixel boxes by the input size before they meet the scores")
+    example = tuple(torch.from_numpy(a) for a in calibration.sample(0))
+    found = normalise_boxes(loaded.module, settings.as_head(), settings.input_size, example)
+    if isinstance(found, str):
+        note = (
+            f"left in pixels: {found}; integer quantization gives output 0 one scale for boxes and scores (the mAP "
+            "budget judges what that costs)"
+        )
+        return loaded, post.model_copy(update={"detection": settings.model_copy(update={"box_scaling": note})})
+    height, width = settings.input_size
+    note = (
+        f"divided by the input size ({width}x{height}) inside the model, before the concatenation that makes output "
+        f"0 ({found.inputs} of its inputs scaled): integer quantization gives a tensor one scale, and pixel boxes "
+        "would leave the scores a step of several tenths; decoding multiplies them back"
+    )
+    detection = settings.model_copy(update={"box_space": "normalised", "box_scaling": note})
+    return replace(loaded, module=found.module), post.model_copy(update={"detection": detection})
+
+
 def _samples(
     options: ExportOptions, loaded: LoadedModel
 ) -> tuple[SampleSet, SampleSet, ImagePreprocess | None, tuple[str, ...] | None]:
@@ -211,18 +302,35 @@ def _samples(
             f"{folders[0]} is a folder of images; image folders are read through the model's image pre-processing: "
             "give --preprocess KEY=VALUE,... (e.g. resize=letterbox,color=rgb) or a [preprocess] table"
         )
-    calibration = (
-        None if options.calibration.is_dir() else load_model_samples(options.calibration, "calibration", loaded, None)
-    )
+    detector = options.task == "detect" or options.detection is not None
+    datasets = [path for path in (options.calibration, options.validation)
+                if path is not None and detector and is_detection_dataset(path)]  # fmt: skip
+    if datasets and keys is None:
+        raise CalibrationError(
+            f"{datasets[0]} is a detection dataset; its images are read through the model's image pre-processing: "
+            "give --preprocess KEY=VALUE,... (e.g. resize=letterbox,color=rgb) or a [preprocess] table"
+        )
+    on_disk = options.calibration.is_dir() or options.calibration in datasets
+    calibration = None if on_disk else load_model_samples(options.calibration, "calibration", loaded, None)
     image = prep = None
     if keys is not None:
         image, prep = image_input(loaded, keys, calibration, "image pre-processing")
+    labels = options.labels
     if calibration is None:
         assert prep is not None
-        calibration = read_image_folder(options.calibration, "calibration", prep)
-    labels = options.labels
+        if options.calibration in datasets:  # its objects are not needed: a calibration reads the images
+            calibration = read_detection_dataset(options.calibration, "calibration", prep, labels).samples
+        else:
+            calibration = read_image_folder(options.calibration, "calibration", prep)
     if options.validation is None:
         return calibration, calibration, image, labels
+    if options.validation in datasets:
+        assert prep is not None
+        found = read_detection_dataset(options.validation, "validation", prep, labels)
+        return calibration, found.samples, image, labels or found.labels
+    if detector and options.validation.is_dir():  # images without their objects: judged against the float model
+        assert prep is not None
+        return calibration, read_image_folder(options.validation, "validation", prep), image, labels
     if options.validation.is_dir():
         assert prep is not None
         validation, classes = read_class_folders(options.validation, prep, options.labels)
@@ -319,7 +427,11 @@ def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -
     post = shared.common["postprocess"]
     # the score is the measure itself (points of accuracy or agreement, or the minimum cosine), its drop the budget's
     perfect, max_drop = (
-        (100.0, budgets.max_accuracy_drop) if measure != "cosine" else (1.0, 1.0 - (budgets.min_cosine or 0.0))
+        (1.0, 1.0 - (budgets.min_cosine or 0.0))
+        if measure == "cosine"
+        else (100.0, budgets.max_map_drop)
+        if measure.startswith("map")
+        else (100.0, budgets.max_accuracy_drop)
     )
 
     def score(indices: Sequence[int], outputs: Sequence[tuple[np.ndarray, ...]]) -> float:
@@ -329,7 +441,8 @@ def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -
         )
         return perfect - fidelity_shortfall(fidelity)  # NNCF divides by the float model's score: never 0
 
-    names = {"accuracy": "accuracy", "top1": "top-1 agreement", "anomaly": "anomaly agreement", "cosine": "cosine"}
+    names = {"accuracy": "accuracy", "top1": "top-1 agreement", "anomaly": "anomaly agreement", "cosine": "cosine",
+             "map": "mAP@0.5", "map-agreement": "mAP@0.5 against the float model"}  # fmt: skip
     control = AccuracyControl(
         samples=[tuple(validation.sample(i)) for i in range(len(validation))],
         score=score,
@@ -452,11 +565,7 @@ def _ranking_subset(errors: list[float]) -> tuple[int, ...]:
 
 
 def _subset(samples: SampleSet, indices: tuple[int, ...]) -> SampleSet:
-    if len(indices) == len(samples):
-        return samples
-    chosen = np.asarray(indices, dtype=np.int64)
-    labels = None if samples.labels is None else samples.labels[chosen]
-    return SampleSet([array[chosen] for array in samples.inputs], labels, samples.source)
+    return samples if len(indices) == len(samples) else samples.subset(indices)
 
 
 def _input_names(loaded: LoadedModel, calibration: SampleSet) -> tuple[str, ...]:
@@ -732,14 +841,18 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
     options = replace(options, labels=labels, labels_given=options.labels is not None)
     outputs = check_model_runs(loaded, calibration)
     post = _postprocess(options, loaded, calibration, validation, outputs)
+    if post.detection is not None and any(t.precision.integer for t in targets):
+        loaded, post = _scale_boxes(loaded, post, calibration, progress)
     progress("tracing the model with torch.export")
     check_traceable(loaded.module, tuple(torch.from_numpy(a) for a in calibration.sample(0)))
     role = "validation" if options.validation else "calibration"
     progress(f"running the float model on {len(validation)} {role} samples")
     reference = run_float(loaded.module, validation, progress)
+    check_colour_order(loaded.module, validation, reference, post, image)
     report = ExportReport(
-        name=name, profile=profile.id, out=out, validation=options.validation, budgets=profile.budgets
-    )
+        name=name, profile=profile.id, out=out, validation=options.validation, budgets=profile.budgets,
+        box_scaling=post.detection.box_scaling if post.detection is not None else None,
+    )  # fmt: skip
     report.outcomes = [TargetOutcome(t.backend, t.precision.value, t.threads) for t in targets]
     common: dict[str, Any] = {
         "name": name,
@@ -823,9 +936,10 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
             if worst
             else ""
         )
+        boxes = f"; the boxes were {report.box_scaling}" if (report.box_scaling or "").startswith("left") else ""
         raise BudgetError(
             f"{targets[0].backend} {targets[0].precision.value} misses the {profile.id} budgets: "
-            f"{report.outcomes[0].reason}{where}"
+            f"{report.outcomes[0].reason}{where}{boxes}"
         )
     return report
 

@@ -90,6 +90,8 @@ class ExportReport:
     validation: Path | None = None
     budgets: Budgets | None = None
     """The profile's: the table marks the share each share budget judged."""
+    box_scaling: str | None = None
+    """A detector's: what the export did about its pixel boxes beside its scores (``Detection.box_scaling``)."""
 
     @property
     def selected(self) -> TargetOutcome | None:
@@ -111,6 +113,7 @@ class ExportReport:
             "version": self.version,
             "targets": [o.as_dict() for o in self.outcomes],
             "next": self.next_command() if self.selected else None,
+            **({"box_scaling": self.box_scaling} if self.box_scaling is not None else {}),
         }
 
 
@@ -127,6 +130,10 @@ def fidelity_summary(outcome: TargetOutcome) -> str:
         return "-"
     if fid.status != "measured":
         return f"not measured: {fid.reason}"
+    if fid.map50 is not None and fid.map50_float is not None:
+        return f"mAP50 {fid.map50:.3f} (float {fid.map50_float:.3f})"
+    if fid.map50_agreement is not None:
+        return f"mAP50 vs float {fid.map50_agreement:.3f}"
     if fid.accuracy is not None and fid.accuracy_float is not None:
         return f"acc {percent(fid.accuracy)} (float {percent(fid.accuracy_float)})"
     if fid.top1_agreement is not None:
@@ -306,5 +313,13 @@ def format_report(report: ExportReport) -> str:
                 f"mean |error| {fid.mean_abs_error:.3g}, min cosine {fid.cosine_min:.4f} "
                 f"over {fid.samples} samples."
             )
+        if fid and fid.map50 is not None and fid.map50_95 is not None:
+            lines.append(
+                f"mAP@0.5 {fid.map50:.3f}, mAP@0.5:0.95 {fid.map50_95:.3f} (float model: {fid.map50_float:.3f}, "
+                f"{fid.map50_95_float:.3f}) on {fid.samples} validation images"
+            )
+        scaling = report.box_scaling
+        if scaling is not None:
+            lines.append(f"boxes: {scaling}")
         lines.append(f"next: {report.next_command()}")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from edgeline.device_profiles import Budgets, Precision
-from edgeline.export.budgets import budget_violations
+from edgeline.export.budgets import budget_violations, decisive_measure, fidelity_shortfall
 from edgeline.manifest import Fidelity, Placement
 
 pytestmark = pytest.mark.quick
@@ -44,6 +44,23 @@ def test_raw_outputs_decided_by_cosine() -> None:
     (reason,) = budget_violations(BUDGETS, 10, measured(cosine_min=0.98, max_abs_error=0.1))
     assert "minimum cosine similarity 0.9800 < budget 0.99" in reason
     assert budget_violations(BUDGETS, 10, measured(cosine_min=0.995)) == []
+
+
+def test_a_detector_is_decided_by_map_points_against_its_own_budget() -> None:
+    detector = measured(map50=0.95, map50_float=0.975, cosine_min=0.5, map50_agreement=0.9)
+    assert BUDGETS.max_map_drop == 2.0  # the default
+    (reason,) = budget_violations(BUDGETS, 10, detector)
+    assert reason == "mAP@0.5 drop 2.50 points > budget 2"  # not the cosine, not the agreement
+    assert budget_violations(BUDGETS.model_copy(update={"max_map_drop": 3.0}), 10, detector) == []
+    assert decisive_measure(detector) == "map" and fidelity_shortfall(detector) == pytest.approx(2.5)
+
+
+def test_an_unlabelled_detector_is_decided_by_its_map_against_the_float_model_s_detections() -> None:
+    detector = measured(map50_agreement=0.97, cosine_min=0.5)
+    (reason,) = budget_violations(BUDGETS, 10, detector)
+    assert "mAP@0.5 against the float model's detections 97.00 misses 3.00 points > budget 2" in reason
+    assert decisive_measure(detector) == "map-agreement"
+    assert budget_violations(BUDGETS, 10, measured(map50_agreement=0.99, cosine_min=0.5)) == []
 
 
 def test_not_measured_fidelity_checks_only_what_was_measured() -> None:

@@ -196,3 +196,9 @@ def test_nms_suppresses_only_over_the_threshold_and_only_within_a_class() -> Non
     assert nms(boxes, np.asarray([0.9, 0.8, 0.7]), np.asarray([0, 0, 0]), 0.3).tolist() == [0]
     with pytest.raises(ValueError, match="iou_threshold"):
         nms(boxes, np.ones(3), np.zeros(3), 1.5)
+
+
+def test_the_export_command_offers_exactly_the_heads_detection_knows() -> None:
+    from edgeline.export.cli import HEAD_NAMES  # kept apart so that registering the command imports no numpy
+
+    assert sorted(HEAD_NAMES) == sorted(HEADS)

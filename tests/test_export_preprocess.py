@@ -72,13 +72,22 @@ def test_the_manifest_carries_image_and_golden_inputs_are_frameprep_of_the_image
     assert "image:        24x24 rgb, letterbox (pad 0), (x * 0.003922 - 0) / 1, nchw" in capsys.readouterr().out
 
 
-def test_bgr_declared_for_an_rgb_trained_model_shows_the_colour_mistake(workspace: Path, tmp_path: Path) -> None:
+def test_bgr_declared_for_an_rgb_trained_model_is_refused_naming_the_colour_mistake(
+    workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "export.toml"
     config.write_text('[preprocess]\nresize = "squash"\nsize = [24, 24]\ncolor = "bgr"\n', encoding="utf-8")
-    manifest = _export(workspace, tmp_path / "bgr", "--config", str(config))
-    assert manifest["image"]["color"] == "bgr" and manifest["image"]["resize"] == "squash"
-    # red and blue swap places: only the green images are still right
-    assert manifest["fidelity"]["accuracy_float"] == pytest.approx(1 / 3)
+    code = main(
+        ["export", f"{workspace / 'colour.py'}:model", "--profile", "x86-64", "--backend", "onnxruntime",
+         "--precision", "fp32", "--calibration", str(workspace / "calibration"),
+         "--validation", str(workspace / "validation"), "--out", str(tmp_path / "bgr"), "--config", str(config)]
+    )  # fmt: skip
+    assert code != 0 and not (tmp_path / "bgr").exists()
+    err = capsys.readouterr().err
+    # red and blue swap places: only the green images are still right (a third), and all of them in RGB
+    assert "accuracy 33.3 with the images in bgr order and 100.0 in rgb" in err, err
+    said = [line for line in err.splitlines() if "error:" in line]  # (the progress lines go to stderr too)
+    assert "--preprocess color=rgb" in err and "Traceback" not in err and len(said) == 1, err
 
 
 def test_an_image_folder_without_a_preprocessing_is_refused(

@@ -285,3 +285,20 @@ def test_read_image_gives_rgb_and_refuses_what_is_not_an_image(tmp_path: Path) -
     (tmp_path / "cut.png").write_bytes((tmp_path / "a.png").read_bytes()[:40])
     with pytest.raises(EdgelineError, match=r"cut\.png"):
         read_image(tmp_path / "cut.png")
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_the_other_colour_order_s_inputs_are_made_exactly_from_the_declared_one_s(layout: str) -> None:
+    """What the export's colour-order check feeds the float model: the inputs the same pictures make in the other
+    order, with a per-channel normalisation undone and redone (edgeline.export.colour_order)."""
+    from edgeline.export.colour_order import swapped_channels
+
+    rng = np.random.default_rng(3)
+    picture = rng.integers(0, 256, (30, 50, 3), dtype=np.uint8)
+    keys = {"size": (24, 24), "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225), "layout": layout}
+    shape = (1, 3, 24, 24) if layout == "nchw" else (1, 24, 24, 3)
+    spec = TensorSpec(name="image", dtype="float32", shape=shape)
+    rgb = ImagePreprocess.model_validate(keys)
+    declared = FramePrep(rgb, spec)(picture)
+    other = FramePrep(rgb, spec)(np.ascontiguousarray(picture[..., ::-1]))
+    np.testing.assert_allclose(swapped_channels(declared, rgb), other, atol=1e-5)
