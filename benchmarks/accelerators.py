@@ -89,7 +89,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from edgeline.device_profiles import load_profile
-    from edgeline.export.reference import REFERENCE_MODELS, prepare
+    from edgeline.export.reference import CATALOGUE, REFERENCE_MODELS, prepare
     from edgeline.export.report import TargetOutcome
 
     work = args.work or Path(tempfile.mkdtemp(prefix="edgeline-accel-"))
@@ -98,7 +98,8 @@ def main() -> int:
     header = ("model", "profile", "target", "status", "size", "fidelity", "accel.", "quant.", "memory",
               "latency / estimate", "notes")  # fmt: skip
     table = [header]
-    for name in args.models or sorted(REFERENCE_MODELS):
+    # (the detector's per-target figures are benchmarks/detection.py's)
+    for name in args.models or sorted(n for n in REFERENCE_MODELS if CATALOGUE[n].task != "detect"):
         print(f"[{name}] preparing", file=sys.stderr, flush=True)
         ref = prepare(name, work / name)
         for profile_id, backend, precision in rows:

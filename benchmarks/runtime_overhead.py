@@ -90,14 +90,15 @@ def main() -> int:
 
     from edgeline import load
     from edgeline.export.pipeline import ExportOptions, run_export
-    from edgeline.export.reference import REFERENCE_MODELS, prepare
+    from edgeline.export.reference import CATALOGUE, REFERENCE_MODELS, prepare
     from edgeline.native_output import capture_native_output
     from edgeline.samples import read_npz
 
     torch.set_num_threads(1)
     work = args.work or Path(tempfile.mkdtemp(prefix="edgeline-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    names = args.models or sorted(REFERENCE_MODELS)
+    # (the detector's runtime figures are benchmarks/detection.py's: its samples are images, not an .npz)
+    names = args.models or sorted(n for n in REFERENCE_MODELS if CATALOGUE[n].task != "detect")
     profile = work / "bench.toml"
     profile.write_text(
         'id = "bench"\nname = "benchmark"\ndescription = "open budgets"\nmemory_mb = 4096\nos = "any"\n'

@@ -1,6 +1,6 @@
-"""``edgeline infer``: run a bundle on this machine, torch-free for LiteRT bundles; and what the commands that run a
-bundle share (``edgeline verify`` is ``edgeline.verify``): the runtime's own output kept off the terminal, the
-accelerator fallback said once.
+"""``edgeline infer``: run a bundle on this machine, torch-free for LiteRT bundles (on image files:
+``edgeline.image_infer``); and what the commands that run a bundle share (``edgeline verify`` is ``edgeline.verify``):
+the runtime's own output kept off the terminal, the accelerator fallback said once.
 
 Registering the command imports nothing heavy; numpy, pydantic and the runtimes load when a command runs.
 """
@@ -25,9 +25,10 @@ from edgeline.backends import RUNTIME_BACKENDS
 from edgeline.errors import EdgelineError, PayloadError
 
 if TYPE_CHECKING:
+    from edgeline.image_infer import ImageSet
     from edgeline.model import Model
 
-__all__ = ["infer_payloads", "register", "runtime_output", "warn_accelerator_fallback"]
+__all__ = ["answer_summary", "infer_payloads", "register", "runtime_output", "warn_accelerator_fallback"]
 
 PAYLOAD_SUFFIXES = (".json", ".jsonl")
 INFER_DEVICE = "infer"
@@ -41,7 +42,7 @@ RUNTIME_BACKEND_HELP = "runtime backend to run the model with instead of the man
 def register(subparsers: Any) -> None:
     infer = subparsers.add_parser(
         "infer",
-        help="run a bundle on samples from an .npz file, or on the daemon's payloads (.json, .jsonl)",
+        help="run a bundle on samples from an .npz file, on the daemon's payloads (.json, .jsonl), or on images",
         description="Run a bundle on one or many samples.",
     )
     infer.add_argument("bundle", metavar="BUNDLE", type=Path, help="bundle directory (written by `edgeline export`)")
@@ -49,11 +50,13 @@ def register(subparsers: Any) -> None:
         "--input",
         required=True,
         type=Path,
-        metavar="FILE",
+        metavar="FILE|DIR|GLOB",
         help="X.npz: one array per model input (first axis = samples, or one sample), optional `labels`; "
-        "or payloads as `edgeline run` takes them (json codec): X.json holds one message, X.jsonl one per line",
+        "or payloads as `edgeline run` takes them (json codec): X.json holds one message, X.jsonl one per line; "
+        "or images (PNG, JPEG, ...) for a bundle with an image pre-processing: a file, a folder (its images, "
+        "recursively) or a quoted glob pattern ('shots/**/*.jpg')",
     )
-    infer.add_argument("--json", action="store_true", help="print JSON lines: one object per sample")
+    infer.add_argument("--json", action="store_true", help="print JSON lines: one object per sample or image")
     infer.add_argument("--backend", choices=sorted(RUNTIME_BACKENDS), metavar="RUNTIME", help=RUNTIME_BACKEND_HELP)
     infer.add_argument(
         "--threads",
@@ -65,9 +68,50 @@ def register(subparsers: Any) -> None:
         "--top-k", type=bounded_int(1), default=1, metavar="K", help="classes to report per sample (classifiers)"
     )
     infer.add_argument(
-        "--show", type=bounded_int(0), default=5, metavar="N", help="samples to print without --json (default 5)"
+        "--show",
+        type=bounded_int(0),
+        default=5,
+        metavar="N",
+        help="samples or images to print without --json (default 5)",
     )
+    infer.add_argument(
+        "--annotate",
+        type=Path,
+        metavar="OUTDIR",
+        help="images: write a copy of each with its answer drawn (boxes, labels, scores) to OUTDIR (made if missing; "
+        "a folder's sub-folders mirrored)",
+    )
+    detection = infer.add_argument_group("detectors (instead of the manifest's settings)")
+    detection.add_argument(
+        "--score-threshold", type=_fraction, metavar="S", help="lowest score of a detection kept: 0 to 1"
+    )
+    detection.add_argument(
+        "--iou-threshold",
+        type=_fraction,
+        metavar="T",
+        help="NMS suppresses a box overlapping a better one more: 0 to 1",
+    )
+    detection.add_argument("--max-detections", type=bounded_int(1), metavar="N", help="most detections per input")
     infer.set_defaults(func=run_infer)
+
+
+DETECTION_OVERRIDES = ("score_threshold", "iou_threshold", "max_detections")
+"""The flags of ``infer`` that replace a detector's manifest settings (``edgeline.postprocess.interpret``)."""
+
+
+def _fraction(text: str) -> float:
+    """An argparse ``type``: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text} is out of range; valid: 0 to 1")
+    return value
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, float]:
+    return {key: getattr(args, key) for key in DETECTION_OVERRIDES if getattr(args, key, None) is not None}
 
 
 @dataclass
@@ -110,6 +154,10 @@ def _check_infer_flags(args: argparse.Namespace, model: Model) -> None:
     cpus = usable_threads(args.threads) if args.threads is not None else None
     if cpus is not None and cpus < args.threads:
         raise EdgelineError(f"--threads {args.threads}: this process may use {cpus} CPUs here; valid: 1 to {cpus}")
+    kind = model.manifest.postprocess.kind
+    given = [f"--{key.replace('_', '-')}" for key in _overrides(args)]
+    if given and kind != "detect":
+        raise EdgelineError(f"{', '.join(given)}: for detectors; {model.name} is a {kind} model")
     if args.top_k == 1:
         return
     if model.manifest.postprocess.kind != "classify":
@@ -125,7 +173,7 @@ ANSWER_FIELDS = ("label", "class_index", "score", "top_k", "anomaly_score", "ano
 """What ``Interpretation.as_dict`` gives, in an infer result or a daemon's answer record."""
 
 
-def _summary(answer: dict[str, Any], output_shapes: list[list[int]]) -> str:
+def answer_summary(answer: dict[str, Any], output_shapes: list[list[int]]) -> str:
     """One text line of an answer: its interpretation, or the output shapes of a model that has none."""
     fields = ", ".join(
         f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
@@ -145,7 +193,19 @@ def run_infer(args: argparse.Namespace) -> int:
         model = load(args.bundle, backend=args.backend, threads=args.threads)
     warn_accelerator_fallback(model)
     _check_infer_flags(args, model)
+    from edgeline.image_infer import resolve_images
+
+    images = resolve_images(args.input)
+    if images is not None:
+        return _infer_images(args, model, images)
+    if args.annotate is not None:
+        raise EdgelineError(f"--annotate draws on images; --input {args.input} is not an image, folder or pattern")
     if args.input.suffix in PAYLOAD_SUFFIXES:
+        if _overrides(args):
+            raise EdgelineError(
+                f"--input {args.input}: payloads are answered as `edgeline run` answers them, with the manifest's "
+                "detection settings; the threshold flags apply to images and .npz samples"
+            )
         return infer_payloads(model, args.input, top_k=args.top_k, as_json=args.json, show=args.show)
     samples = sample_set(read_npz(args.input, "input"), model.inputs, str(args.input))
     post = model.manifest.postprocess
@@ -157,7 +217,7 @@ def run_infer(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         outputs = model.predict(*inputs)
         latencies.append(time.perf_counter() - start)
-        answer = model.interpret(inputs, outputs, top_k=args.top_k).as_dict()
+        answer = model.interpret(inputs, outputs, top_k=args.top_k, overrides=_overrides(args) or None).as_dict()
         expected = None if labels is None else labels[index].item()
         if post.kind == "classify" and expected is not None:
             correct += int(answer["class_index"] == expected)
@@ -169,22 +229,13 @@ def run_infer(args: argparse.Namespace) -> int:
                 record["expected"] = expected
             print(json.dumps(record))
         elif index < args.show:
-            summary = _summary(answer, [list(output.shape) for output in outputs])
+            summary = answer_summary(answer, [list(output.shape) for output in outputs])
             print(f"sample {index}: {summary}" + ("" if expected is None else f" (expected {expected})"))
     if args.json:
         return 0
     if len(samples) > args.show:
         print(f"... {len(samples) - args.show} more samples")
-    from edgeline.machine import this_machine
-
-    median = statistics.median(latencies) * 1000
-    emulated = model.emulator or this_machine().emulated
-    backend = f"{model.backend} {model.runtime} runtime" if model.runtime else model.backend
-    print(
-        f"{len(samples)} samples through {model.name} v{model.version} ({backend}, "
-        f"{model.manifest.precision}), median {median:.3f} ms per sample on this machine"
-        + (f" (emulated: {emulated}: not the device's speed)" if emulated else "")
-    )
+    print(f"{len(samples)} samples through {_timing(model, latencies, 'sample')}")
     fidelity = model.manifest.fidelity
     if labels is not None and post.kind in ("classify", "anomaly"):
         line = f"accuracy: bundle {correct / len(samples) * 100:.2f}%"
@@ -195,6 +246,42 @@ def run_infer(args: argparse.Namespace) -> int:
             )
         print(line)
     return 0
+
+
+def _timing(model: Model, latencies: list[float], unit: str) -> str:
+    """ "NAME vV (backend, precision), median X ms per UNIT on this machine", emulation said."""
+    from edgeline.machine import this_machine
+
+    emulated = model.emulator or this_machine().emulated
+    backend = f"{model.backend} {model.runtime} runtime" if model.runtime else model.backend
+    median = f", median {statistics.median(latencies) * 1000:.3f} ms per {unit} on this machine" if latencies else ""
+    return f"{model.name} v{model.version} ({backend}, {model.manifest.precision}){median}" + (
+        f" (emulated: {emulated}: not the device's speed)" if emulated else ""
+    )
+
+
+def _infer_images(args: argparse.Namespace, model: Model, images: ImageSet) -> int:
+    """Images through the bundle (``edgeline.image_infer``): exit code 1 when any failed."""
+    from edgeline.image_infer import infer_images
+
+    failed, latencies = infer_images(
+        model,
+        images,
+        top_k=args.top_k,
+        as_json=args.json,
+        show=args.show,
+        annotate=args.annotate,
+        overrides=_overrides(args) or None,
+        summary=answer_summary,
+    )
+    if not args.json:
+        count = len(images.images)
+        print(
+            f"{count} image{'' if count == 1 else 's'}" + (f" ({failed} failed)" if failed else "")
+            + f" through {_timing(model, latencies, 'image')}"
+            + (f"; annotated copies in {args.annotate}" if args.annotate is not None else "")
+        )  # fmt: skip
+    return 1 if failed else 0
 
 
 def _payloads(path: Path) -> list[tuple[int, bytes]]:
@@ -243,7 +330,7 @@ def infer_payloads(model: Model, path: Path, *, top_k: int = 1, as_json: bool = 
                 print(f"line {line} ({record['id']}): error {record['error']['code']}: {record['error']['message']}")
             else:
                 shapes = [list(np.shape(output)) for output in record["outputs"]]
-                print(f"line {line} ({record['id']}): {_summary(record, shapes)}")
+                print(f"line {line} ({record['id']}): {answer_summary(record, shapes)}")
     if not as_json:
         if printed > show:
             print(f"... {printed - show} more answers")

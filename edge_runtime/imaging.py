@@ -5,7 +5,8 @@
     image_preprocess(keys, input_spec)                              -> ImagePreprocess (the manifest's ``image``)
     FramePrep(spec, input_spec)(frame, pixel="rgb")                 -> float32 of input_spec.shape
     FramePrep.geometry(height, width).to_frame(boxes)               -> boxes in the frame, letterbox undone
-    read_image(path)                                                -> (H, W, 3) uint8 RGB (export only: Pillow)
+    list_images(folder, role)                                       -> the image files under a folder, in path order
+    read_image(path)                                                -> (H, W, 3) uint8 RGB (Pillow: export, infer)
 
 numpy only: the device imports this module. A frame is resized with precomputed gather indices and weights per
 source size (a camera's size can change at a reconnect; the tables of the last few sizes are kept), so a frame costs
@@ -34,6 +35,7 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "KEYS",
     "LAYOUTS",
+    "MAX_IMAGES",
     "PLAN_CACHE",
     "RESIZES",
     "FramePrep",
@@ -42,6 +44,7 @@ __all__ = [
     "format_preprocess",
     "frame_geometry",
     "image_preprocess",
+    "list_images",
     "parse_preprocess",
     "preprocess_table",
     "read_image",
@@ -64,6 +67,8 @@ KEYS: dict[str, str] = {
 """The keys of ``--preprocess`` and of an export config's ``[preprocess]``, with their valid values."""
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm")
 """The files an image folder is read for (case-insensitive), as torchvision's ImageFolder reads them."""
+MAX_IMAGES = 100_000
+"""The most image files a folder may hold (counted while it is listed)."""
 PLAN_CACHE = 4
 """Frame sizes whose resize tables are kept (least recently used dropped): one camera's sizes across reconnects."""
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R BT.601, R, G, B
@@ -450,14 +455,26 @@ class FramePrep:
         return resized if pixel == target else resized[:, :, ::-1]
 
 
+def list_images(folder: Path, role: str) -> list[Path]:
+    """Every image file under ``folder`` (``IMAGE_SUFFIXES``, regular files: a FIFO would block its read),
+    recursively, in path order; more than ``MAX_IMAGES`` is an ``EdgelineError`` starting with ``role``."""
+    found: list[Path] = []
+    for path in sorted(folder.rglob("*")):
+        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
+            found.append(path)
+            if len(found) > MAX_IMAGES:
+                raise EdgelineError(f"{role} folder {folder}: more than {MAX_IMAGES:,} images")
+    return found
+
+
 def read_image(path: str | Path) -> np.ndarray:
-    """An image file as (H, W, 3) uint8 RGB (export only: image folders; Pillow, the export extra's). EXIF
-    orientation is not applied, as torchvision's ImageFolder loader does not. ``EdgelineError`` for a file that is
-    not an image."""
+    """An image file as (H, W, 3) uint8 RGB (image folders at export, ``edgeline infer`` on images; Pillow, the
+    export and images extras'). EXIF orientation is not applied, as torchvision's ImageFolder loader does not.
+    ``EdgelineError`` for a file that is not an image."""
     try:
         from PIL import Image, UnidentifiedImageError
-    except ImportError as exc:  # pragma: no cover - the export extra has it
-        raise EdgelineError("reading images needs Pillow: pip install 'edgeline[export]'") from exc
+    except ImportError as exc:
+        raise EdgelineError("reading images needs Pillow: pip install 'edgeline[images]'") from exc
     path = Path(path)
     try:
         with Image.open(path) as image:

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeline import imaging
 from edgeline.errors import EdgelineError
 from edgeline.export.errors import CalibrationError
 from edgeline.export.loading import LoadedModel
-from edgeline.imaging import IMAGE_SUFFIXES, FramePrep, image_preprocess, read_image
+from edgeline.imaging import IMAGE_SUFFIXES, MAX_IMAGES, FramePrep, image_preprocess, read_image
 from edgeline.manifest import ImagePreprocess, TensorSpec
 from edgeline.samples import SampleSet
 
@@ -33,8 +34,6 @@ __all__ = [
     "sample_buffer",
 ]
 
-MAX_IMAGES = 100_000
-"""The most image files a folder may hold (counted while it is listed)."""
 MAX_IMAGE_SAMPLE_BYTES = 2 * 1024**3
 """The most the inputs made from one folder may take in memory (float32): checked before an image is read."""
 
@@ -71,14 +70,12 @@ def image_input(
 
 
 def list_images(folder: Path, role: str) -> list[Path]:
-    """Every image file under ``folder``, recursively, in path order (at most ``MAX_IMAGES``)."""
-    found: list[Path] = []
-    for path in sorted(folder.rglob("*")):
-        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
-            found.append(path)
-            if len(found) > MAX_IMAGES:
-                raise CalibrationError(f"{role} folder {folder}: more than {MAX_IMAGES:,} images")
-    return found
+    """Every image file under ``folder``, recursively, in path order (at most ``MAX_IMAGES``):
+    ``edgeline.imaging.list_images``, whose limit is a ``CalibrationError`` here."""
+    try:
+        return imaging.list_images(folder, role)
+    except EdgelineError as exc:
+        raise CalibrationError(str(exc)) from exc
 
 
 def sample_buffer(count: int, prep: FramePrep, where: str) -> np.ndarray:

@@ -129,6 +129,9 @@ class ExportOptions:
     detection: Mapping[str, object] | None = None
     """``--head`` over a config's ``[detection]`` table: a detector's head (``edgeline.detection.head_from_config``
     keys) and its answers' ``score_threshold``, ``iou_threshold``, ``max_detections``; implies ``--task detect``."""
+    scale_boxes: bool = True
+    """False: the detector's boxes stay in pixels for integer targets, as a plain int8 export leaves them: for
+    comparisons (library only: no flag)."""
 
 
 def _targets(profile: Profile, backend: str | None, precision: Precision | None) -> list[Target]:
@@ -841,7 +844,7 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
     options = replace(options, labels=labels, labels_given=options.labels is not None)
     outputs = check_model_runs(loaded, calibration)
     post = _postprocess(options, loaded, calibration, validation, outputs)
-    if post.detection is not None and any(t.precision.integer for t in targets):
+    if options.scale_boxes and post.detection is not None and any(t.precision.integer for t in targets):
         loaded, post = _scale_boxes(loaded, post, calibration, progress)
     progress("tracing the model with torch.export")
     check_traceable(loaded.module, tuple(torch.from_numpy(a) for a in calibration.sample(0)))

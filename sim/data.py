@@ -9,6 +9,8 @@
     digits     digits            1x8x8 images of handwritten digits (the real scikit-learn set); 10 classes
 
 The shapes repeat ``edgeline.export.reference``'s catalogue (sim may not import ``export``); a test keeps them equal.
+The reference detector (``shapes``) is not here: its held-out data are images with boxes (``DIR/shapes/validation/``
+in the YOLO layout), which a camera feeds, not a sensor.
 """
 
 from __future__ import annotations

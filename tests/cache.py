@@ -52,14 +52,14 @@ kind of CPU (``edgeline.sim.cpu_kind``) makes its own entries."""
 
 @cache
 def code_fingerprint(folders: tuple[str, ...] | None = None) -> str:
-    """sha256 of the sources under ``folders`` (repository-relative; default: every package folder), of the
-    versions of ``LIBRARIES`` and of this CPU's instruction set."""
+    """sha256 of the sources under ``folders`` (repository-relative folders or files; default: every package folder),
+    of the versions of ``LIBRARIES`` and of this CPU's instruction set."""
     from edgeline.isa import instruction_set
 
     roots = [REPO / folder for folder in folders] if folders else sorted(set(package_dirs().values()))
     digest = hashlib.sha256()
     for root in roots:
-        for path in sorted(root.rglob("*")):
+        for path in [root] if root.is_file() else sorted(root.rglob("*")):
             if path.is_file() and path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts:
                 digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
     for name in LIBRARIES:
@@ -95,14 +95,25 @@ def _arrays_digest(path: Path) -> bytes:
     return digest.digest()
 
 
+DETECTION_SOURCES = (
+    "export/detection_data.py",
+    "export/images.py",
+    "edge_runtime/detection.py",
+    "edge_runtime/imaging.py",
+)
+"""Beyond ``export/reference``, what decides a prepared detector's files: what reads its images and measures the mAP
+its reference.json holds."""
+
+
 def cached_reference(name: str, *, seed: int = 0) -> Prepared:
     """Reference model ``name`` trained with ``seed`` (``edgeline reference prepare``), once for this code."""
-    from edgeline.export.reference import find_prepared, prepare
+    from edgeline.export.reference import CATALOGUE, find_prepared, prepare
 
     def train(directory: Path) -> None:
         prepare(name, directory / name, seed=seed)
 
-    entry = cached("reference", [name, seed], train, folders=("export/reference",))
+    detector = CATALOGUE[name].task == "detect"
+    entry = cached("reference", [name, seed], train, folders=("export/reference", *(DETECTION_SOURCES * detector)))
     prepared = find_prepared(name, entry / name, seed=seed)
     assert prepared is not None, f"the cached reference model {entry / name} is incomplete"
     return prepared

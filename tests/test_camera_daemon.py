@@ -170,6 +170,23 @@ def test_snapshots_are_taken_every_so_often_or_when_an_answer_says_so_never_clos
 
 
 @pytest.mark.quick
+def test_a_snapshot_draws_a_detector_s_boxes_in_the_frame_s_pixel_order_below_its_caption() -> None:
+    from edgeline.annotate import BAR_ROWS, class_colour
+    from edgeline.daemon.snapshots import _annotated
+    from edgeline.video import Frame
+
+    array = np.full((96, 160, 3), 70, dtype=np.uint8)
+    found = {"box": [0.5, 0.5, 0.75, 1.0], "class_index": 2, "label": "parcel", "score": 0.8}
+    drawn = _annotated(Frame(array, "bgr", 7, 0.0), {"camera": "door", "frame": 7, "detections": [found]})
+    red, green, blue = class_colour(2)
+    # columns 80..119, rows 48..95 of the 160x96 frame, one pixel wide, in BGR
+    for row, column in [(70, 80), (70, 119), (95, 100), (48, 100)]:
+        assert tuple(drawn[row, column]) == (blue, green, red), (row, column)
+    assert (drawn[49:95, 81:119] == 70).all() and (drawn[BAR_ROWS:, :80] == 70).all()
+    assert (drawn[:BAR_ROWS] == 0).mean() > 0.5 and (drawn[:BAR_ROWS] > 150).any()  # the caption's bar and text
+
+
+@pytest.mark.quick
 def test_a_finite_testsrc_is_a_replay_every_frame_once_in_order() -> None:
     settings = CameraConfig(sources=("clip=testsrc:?size=160x96&rate=30&frames=40",))
     source = CameraSource(settings, _prep, max_batch=4)

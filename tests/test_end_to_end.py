@@ -1,5 +1,7 @@
 """End to end, with real parts: every reference model x {executorch-xnnpack, litert} x {fp32, int8-static}
-is trained on its data, exported, verified and run through the device runtime.
+is trained on its data, exported, verified and run through the device runtime. The detector (``shapes``) is exported
+as ``edgeline reference prepare`` says (its head, labels and pre-processing, YOLO folders of images), judged by mAP
+and run on its held-out images.
 
 Slow (minutes on 2 cores) and part of the test command all the same.
 """
@@ -42,6 +44,7 @@ precision = "fp32"
 threads = 1
 [budgets]
 max_accuracy_drop = 100.0
+max_map_drop = 100.0
 """
 
 
@@ -66,6 +69,9 @@ def export_args(ref: Prepared, profile: str | Path, backend: str, precision: str
     ]  # fmt: skip
     if ref.task == "classify":
         args += ["--labels", str(ref.labels_path)]
+    elif ref.task == "detect":
+        assert ref.head is not None and ref.image is not None
+        args += ["--task", ref.task, "--head", ref.head, "--labels", str(ref.labels_path), "--preprocess", ref.image]
     else:
         args += ["--task", ref.task]
     return args
@@ -99,6 +105,9 @@ def test_reference_model_exports_verifies_and_runs(
     assert manifest["backend"] == {"litert": "litert", "executorch-xnnpack": "executorch"}[backend]
     fidelity = manifest["fidelity"]
     assert fidelity["status"] == "measured"
+    if ref.task == "detect":
+        _check_detector(ref, out, fidelity, precision, capsys)
+        return
     assert fidelity["samples"] == len(read_npz(ref.validation_path)["x"])
     if precision == "fp32":
         assert fidelity["max_abs_error"] < 1e-3
@@ -124,6 +133,44 @@ def test_reference_model_exports_verifies_and_runs(
         assert {r["label"] for r in records} <= set(ref.labels)
     else:
         assert all(isinstance(r["anomaly"], bool) for r in records)
+
+
+def _check_detector(
+    ref: Prepared, out: Path, fidelity: dict, precision: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A detector's bundle: mAP measured against its held-out images' objects, the float model's the one
+    reference.json holds; verified; and ``edgeline infer`` on the images answers boxes that find the objects."""
+    from edgeline.detection import Detections, mean_average_precision
+    from edgeline.export.detection_data import read_detection_dataset
+    from edgeline.imaging import FramePrep, image_preprocess, parse_preprocess
+    from edgeline.manifest import TensorSpec
+
+    assert ref.image is not None and ref.float_map50 is not None
+    spec = TensorSpec(name="images", dtype="float32", shape=(1, *ref.input_shape))
+    prep = FramePrep(image_preprocess(parse_preprocess(ref.image), spec), spec)
+    held_out = read_detection_dataset(ref.validation_path, "validation", prep, ref.labels)
+    assert fidelity["samples"] == len(held_out) >= 300
+    assert fidelity["map50_float"] == pytest.approx(ref.float_map50, abs=1e-3)
+    # fp32 keeps the float model's boxes; int8 within the issue's 0.02 of mAP@0.5
+    assert fidelity["map50"] >= fidelity["map50_float"] - (0.002 if precision == "fp32" else 0.02), fidelity
+    assert fidelity["map50_agreement"] >= (0.99 if precision == "fp32" else 0.9), fidelity
+    if precision == "fp32":
+        assert fidelity["cosine_min"] > 0.9999
+
+    assert main(["verify", str(out)]) == 0
+    records = infer_json(out, ref.validation_path, capsys)
+    assert [Path(r["image"]).name for r in records] == [path.name for path in held_out.paths]
+    found = []
+    for record in records:
+        detections = record["detections"]
+        assert {d["label"] for d in detections} <= set(ref.labels)
+        boxes = np.array([d["box"] for d in detections], dtype=np.float64).reshape(-1, 4)
+        scores = np.array([d["score"] for d in detections], dtype=np.float32)
+        found.append(Detections(boxes, scores, np.array([d["class_index"] for d in detections], dtype=np.int64)))
+    # the answers (over the score threshold, boxes normalised to the image) find the objects nearly as well as the
+    # evaluation, which keeps every candidate
+    answered = mean_average_precision(found, held_out.truths)
+    assert answered.map50 >= fidelity["map50"] - 0.05, (answered, fidelity)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

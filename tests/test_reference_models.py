@@ -28,7 +28,9 @@ from edgeline.export.reference.data import CALIBRATION_SIZE, Dataset, bilinear_r
 from edgeline.export.reference.training import accuracy
 from tests.cache import cached_reference
 
-NAMES = ("digits", "resnet8", "ds_cnn", "vww", "autoencoder")
+NAMES = ("digits", "resnet8", "ds_cnn", "vww", "autoencoder", "shapes")
+ARRAY_NAMES = tuple(name for name in NAMES if CATALOGUE[name].task != "detect")
+"""Models whose data are arrays (``Dataset``); a detector's are images with boxes (tests/test_shapes_reference.py)."""
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -54,7 +56,7 @@ def prepared_digits() -> Prepared:
 
 
 @pytest.mark.quick
-def test_registry_lists_all_five() -> None:
+def test_registry_lists_all_six() -> None:
     assert tuple(REFERENCE_MODELS) == NAMES
     assert REFERENCE_MODELS["digits"] == "edgeline.export.reference.digits"
     assert set(CATALOGUE) == set(NAMES)
@@ -94,8 +96,13 @@ def test_module_matches_catalogue_and_exports_batch_one(name: str) -> None:
     example = torch.rand(1, *module.INPUT_SHAPE)
     with torch.no_grad():
         output = model(example)
-    expected = (1, len(module.LABELS)) if module.TASK == "classify" else (1, *module.INPUT_SHAPE)
-    assert tuple(output.shape) == expected
+    if module.TASK == "detect":  # the layout its head names, one score per label
+        from edgeline.detection import HEADS, check_output
+
+        assert check_output(HEADS[module.HEAD], tuple(output.shape), len(module.LABELS)) == len(module.LABELS)
+    else:
+        expected = (1, len(module.LABELS)) if module.TASK == "classify" else (1, *module.INPUT_SHAPE)
+        assert tuple(output.shape) == expected
     exported = torch.export.export(model, (example,)).module()
     with torch.no_grad():
         torch.testing.assert_close(exported(example), output)
@@ -113,7 +120,7 @@ def test_build_is_seeded_and_leaves_the_global_rng_alone() -> None:
 
 
 @pytest.mark.export
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ARRAY_NAMES)
 def test_make_data_gives_frozen_arrays_of_the_declared_shape(name: str) -> None:
     module = load_reference(name)
     data = module.make_data(seed=0)
@@ -308,6 +315,45 @@ def test_export_command_of_an_anomaly_model_names_task_and_threshold(tmp_path: P
         f"--calibration '{tmp_path}/my models/ae/calibration.npz' "
         f"--validation '{tmp_path}/my models/ae/validation.npz' --task anomaly --threshold 0.0125"
     )
+
+
+@pytest.mark.quick
+def test_a_detector_s_export_command_names_task_head_labels_and_preprocess(tmp_path: Path) -> None:
+    from edgeline.export.reference import shapes
+
+    directory = tmp_path / "my models" / "shapes"
+    prepared = Prepared(
+        "shapes", "detect", shapes.LABELS, (3, 96, 96), None, None, 0, directory,
+        image=shapes.IMAGE_PREPROCESS, head="yolov8", float_map50=0.97, float_map50_95=0.71,
+    )  # fmt: skip
+    assert prepared.files == tuple(
+        directory / name for name in ("model.pt2", "calibration", "validation", "labels.txt", "reference.json")
+    )
+    assert prepared.export_command("rpi4") == (
+        f"edgeline export '{directory}/model.pt2' --profile rpi4 --calibration '{directory}/calibration' "
+        f"--validation '{directory}/validation' --task detect --head yolov8 --labels '{directory}/labels.txt' "
+        f"--preprocess {shapes.IMAGE_PREPROCESS}"
+    )
+    document = prepared.to_json()
+    assert document["float_accuracy"] is None and document["float_map50"] == 0.97 and document["head"] == "yolov8"
+    assert Prepared.from_json(json.loads(json.dumps(document)), directory) == prepared
+
+
+@pytest.mark.quick
+def test_reference_list_shows_the_detector(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run_cli(["reference", "list"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("shapes ")]
+    assert line.split()[:4] == ["shapes", "detect", "3x96x96", "4"]
+    assert line.endswith("synthetic: shapes on textured backgrounds")
+    assert _run_cli(["reference", "list", "--json"]) == 0
+    entries = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
+    assert entries["shapes"] == {
+        "name": "shapes",
+        "task": "detect",
+        "input_shape": [3, 96, 96],
+        "label_count": 4,
+        "data": "synthetic: shapes on textured backgrounds",
+    }
 
 
 @pytest.mark.quick

@@ -275,16 +275,9 @@ class _FramePrepOfTheRunningVersion:
 
 
 def _frame_prep(model: Model) -> FramePrep:
-    from edgeline.imaging import FramePrep
+    from edgeline.image_infer import frame_prep
 
-    image = model.manifest.image
-    if image is None or len(model.inputs) != 1:
-        what = "takes several inputs" if image is not None else "does not say how a frame becomes its input"
-        raise EdgelineError(
-            f"--camera: the bundle {model.name} v{model.version} {what}; export an image model with --preprocess "
-            "(e.g. --preprocess resize=letterbox,color=rgb) so that its manifest carries the pre-processing"
-        )
-    return FramePrep(image, model.inputs[0])
+    return frame_prep(model, "--camera")
 
 
 def _camera_source(

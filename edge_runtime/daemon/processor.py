@@ -270,7 +270,9 @@ class Processor:
         record = self._record(message, sequence, identity, model)
         if window is not None:
             record["window"] = window
-        record["outputs"] = [output.tolist() for output in outputs]
+        if model.manifest.postprocess.kind != "detect":  # a detector's answer is its boxes; its raw candidates
+            # (YOLOv8 at 640: 8,400 x 84 floats) would make every answer megabytes
+            record["outputs"] = [output.tolist() for output in outputs]
         record.update(interpreted)
         record["latency_ms"] = round(seconds * 1000.0, 4)
         if batch > 1:

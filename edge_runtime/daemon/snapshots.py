@@ -9,8 +9,10 @@
 Files go to ``<state dir>/snapshots/<camera>-<UTC time>-<frame>-<label>.jpg`` with the answer beside it as
 ``.json``; the oldest are removed past either bound. They are written with ``edgeline.durable`` (a fresh file,
 renamed into place; nothing planted there is followed). The JPEG is the frame as the camera gave it, with the
-answer's top label and score drawn in a bar at its top (with Pillow where it is installed; without it the bar is
-plain and the label is in the file name and the ``.json``).
+answer drawn by ``edgeline.annotate`` (as ``edgeline infer --annotate`` draws it): a bar at its top with the camera,
+the frame and the top label and score (or the number of detections), and a detector's boxes, each with its label and
+score (the text with Pillow where it is installed; without it the bar and the labels' patches are plain, and the
+label is in the file name and the ``.json``).
 
 Encoding runs on a thread of its own, one snapshot at a time: a snapshot that comes while another is being
 written is skipped (counted ``snapshots_skipped``), so the worker that answers frames never waits on a JPEG.
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeline.annotate import annotate, answer_caption
 from edgeline.daemon.config import CameraConfig
 from edgeline.daemon.messages import Answer
 from edgeline.durable import ensure_directory, remove_file, write_atomically
@@ -44,7 +47,6 @@ __all__ = ["Snapshots", "encode_jpeg", "parse_condition"]
 log = logging.getLogger("edgeline.camera")
 
 SNAPSHOT_DIR = "snapshots"
-BAR_ROWS = 18
 Publish = Callable[[str, str, bytes], None]
 """(camera, topic, jpeg): publish one snapshot."""
 
@@ -85,33 +87,13 @@ def encode_jpeg(array: np.ndarray, pixel: str, quality: int = 5) -> bytes:
 
 
 def _annotated(frame: Frame, record: dict[str, Any]) -> np.ndarray:
-    """The frame with a bar at its top: the answer's label and score (text where Pillow is installed)."""
-    image = frame.array.copy()
-    rows = min(BAR_ROWS, image.shape[0])
-    image[:rows] = 0
-    text = _caption(record)
-    try:
-        from PIL import Image, ImageDraw
-    except ImportError:
-        return image
-    if image.ndim == 2 or (image.ndim == 3 and image.shape[2] == 1):
-        picture = Image.fromarray(image.reshape(image.shape[:2]), mode="L")
-        ImageDraw.Draw(picture).text((4, 3), text, fill=255)
-        return np.asarray(picture)
-    picture = Image.fromarray(image[:, :, ::-1] if frame.pixel == "bgr" else image, mode="RGB")
-    ImageDraw.Draw(picture).text((4, 3), text, fill=(255, 255, 0))
-    drawn = np.asarray(picture)
-    return drawn[:, :, ::-1] if frame.pixel == "bgr" else drawn
+    """The frame with the answer drawn: a bar at its top (camera, frame, answer) and a detector's boxes."""
+    return annotate(frame.array, record, pixel=frame.pixel, caption=_caption(record))
 
 
 def _caption(record: dict[str, Any]) -> str:
-    label, score = record.get("label"), record.get("score")
-    parts = [str(record.get("camera", "")), f"frame {record.get('frame', '')}"]
-    if label is not None:
-        parts.append(f"{label} {score:.2f}" if isinstance(score, int | float) else str(label))
-    elif record.get("anomaly_score") is not None:
-        parts.append(f"anomaly {record['anomaly_score']:.3g}")
-    return "  ".join(parts)[:120]
+    parts = [str(record.get("camera", "")), f"frame {record.get('frame', '')}", answer_caption(record)]
+    return "  ".join(part for part in parts if part)[:120]
 
 
 class Snapshots:

@@ -18,7 +18,7 @@ from edgeline.arguments import bounded_int
 from edgeline.errors import EdgelineError
 from edgeline.export.errors import require_export_extra
 from edgeline.export.progress import Progress
-from edgeline.export.reference.preparation import find_prepared, prepare
+from edgeline.export.reference.preparation import Prepared, find_prepared, prepare
 from edgeline.export.reference.registry import CATALOGUE, REFERENCE_MODELS, resolve_names
 
 __all__ = ["register"]
@@ -43,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "prepare",
         help="train reference models and write model.pt2, calibration and validation data",
         description="Train each named reference model and write DIR/NAME/{model.pt2, calibration.npz, "
-        "validation.npz, labels.txt, reference.json}. A model already prepared there with the same seed "
+        "validation.npz, labels.txt, reference.json} (a detector: calibration/ and validation/ folders of images "
+        "in the YOLO layout instead of the .npz files). A model already prepared there with the same seed "
         "is not trained again.",
     )
     prepare_parser.add_argument(
@@ -103,11 +104,8 @@ def _prepare(args: argparse.Namespace) -> int:
         command = prepared.export_command(DEFAULT_PROFILE)
         report.append({**prepared.to_json(), "directory": os.fspath(directory), "reused": reused, "export": command})
         if not args.json:
-            metric = "float accuracy"
-            if prepared.threshold is not None:
-                metric += f" (anomaly if score > {prepared.threshold:.4g})"
             note = "  (already prepared)" if reused else ""
-            print(f"{name}: {metric} {prepared.float_accuracy:.4f}  {directory}{note}", flush=True)
+            print(f"{name}: {_figures(prepared)}  {directory}{note}", flush=True)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -115,3 +113,13 @@ def _prepare(args: argparse.Namespace) -> int:
     for entry in report:
         print(f"  {entry['export']}")
     return 0
+
+
+def _figures(prepared: Prepared) -> str:
+    """What the float model scored on the held-out data, as one phrase."""
+    if prepared.float_map50 is not None and prepared.float_map50_95 is not None:
+        return f"float mAP@0.5 {prepared.float_map50:.4f}, mAP@0.5:0.95 {prepared.float_map50_95:.4f}"
+    metric = "float accuracy"
+    if prepared.threshold is not None:
+        metric += f" (anomaly if score > {prepared.threshold:.4g})"
+    return f"{metric} {prepared.float_accuracy:.4f}"

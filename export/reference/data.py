@@ -8,11 +8,16 @@ downloaded. Each reference module turns these pieces into its own :class:`Datase
     ds_cnn       synthetic MFCC-like features (documented in ``ds_cnn``)
     vww          real scikit-learn sample photos with real digit glyphs pasted in (documented in ``vww``)
     autoencoder  synthetic log-mel frames of a machine (documented in ``autoencoder``)
+    shapes       synthetic shapes on textured backgrounds, with their boxes (documented in ``shapes``): a
+                 :class:`DetectionDataset` of :class:`DetectionImages`, written in the YOLO layout by
+                 :func:`write_yolo`
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -20,11 +25,15 @@ __all__ = [
     "CALIBRATION_SIZE",
     "DIGITS_SPLIT_SEED",
     "Dataset",
+    "DetectionDataset",
+    "DetectionImages",
     "DigitsSplit",
     "bilinear_resize",
+    "calibration_indices",
     "calibration_subset",
     "load_digits_split",
     "rng_for",
+    "write_yolo",
 ]
 
 CALIBRATION_SIZE = 128
@@ -77,17 +86,86 @@ class Dataset:
         return tuple(self.train_x.shape[1:])
 
 
+@dataclass(frozen=True, eq=False)
+class DetectionImages:
+    """Images ``(N, H, W, 3)`` uint8 RGB and per image its objects: ``boxes`` ``(K, 4)`` x1, y1, x2, y2 in pixels,
+    ``classes`` ``(K,)`` int64. The arrays are read-only copies."""
+
+    images: np.ndarray
+    boxes: tuple[np.ndarray, ...]
+    classes: tuple[np.ndarray, ...]
+
+    def __post_init__(self) -> None:
+        images = _frozen(self.images, np.uint8)
+        if images.ndim != 4 or images.shape[3] != 3:
+            raise ValueError(f"images have shape {images.shape}, expected (N, H, W, 3)")
+        if not len(self.boxes) == len(self.classes) == len(images):
+            raise ValueError(f"{len(images)} images, {len(self.boxes)} box arrays, {len(self.classes)} class arrays")
+        boxes = tuple(_frozen(np.reshape(b, (-1, 4)), np.float32) for b in self.boxes)
+        classes = tuple(_frozen(np.reshape(c, (-1,)), np.int64) for c in self.classes)
+        for index, (b, c) in enumerate(zip(boxes, classes, strict=True)):
+            if len(b) != len(c):
+                raise ValueError(f"image {index}: {len(b)} boxes, {len(c)} classes")
+        object.__setattr__(self, "images", images)
+        object.__setattr__(self, "boxes", boxes)
+        object.__setattr__(self, "classes", classes)
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+    def subset(self, indices: Sequence[int]) -> DetectionImages:
+        """The images at ``indices``, in that order, with their objects."""
+        chosen = [int(index) for index in indices]
+        return DetectionImages(
+            self.images[chosen], tuple(self.boxes[i] for i in chosen), tuple(self.classes[i] for i in chosen)
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class DetectionDataset:
+    """The images a reference detector is trained, calibrated and validated with. ``calibration`` is
+    ``CALIBRATION_SIZE`` training images (:func:`calibration_indices`), ``validation`` held-out ones."""
+
+    train: DetectionImages
+    calibration: DetectionImages
+    validation: DetectionImages
+
+
+def write_yolo(data: DetectionImages, root: Path) -> None:
+    """``root/images/NNNN.png`` and ``root/labels/NNNN.txt`` (``class cx cy w h``, normalised to the image): the YOLO
+    layout (``edgeline.export.detection_data`` reads it back)."""
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "labels").mkdir(parents=True, exist_ok=True)
+    height, width = data.images.shape[1:3]
+    digits = max(4, len(str(len(data) - 1)))
+    for index in range(len(data)):
+        name = f"{index:0{digits}d}"
+        Image.fromarray(data.images[index]).save(root / "images" / f"{name}.png")
+        lines = [
+            f"{kind} {(x1 + x2) / 2 / width:.6f} {(y1 + y2) / 2 / height:.6f} "
+            f"{(x2 - x1) / width:.6f} {(y2 - y1) / height:.6f}\n"
+            for (x1, y1, x2, y2), kind in zip(data.boxes[index].tolist(), data.classes[index].tolist(), strict=True)
+        ]
+        (root / "labels" / f"{name}.txt").write_text("".join(lines), encoding="utf-8")
+
+
 def rng_for(seed: int, stream: str) -> np.random.Generator:
     """A generator for one named use of a seed, so adding a use never shifts the numbers of another."""
     return np.random.default_rng([seed, *stream.encode()])
 
 
+def calibration_indices(count: int, seed: int, size: int = CALIBRATION_SIZE) -> np.ndarray:
+    """Which ``size`` of ``count`` training samples calibrate: chosen without replacement, in their original order."""
+    if count < size:
+        raise ValueError(f"need at least {size} training samples for calibration, have {count}")
+    return np.sort(rng_for(seed, "calibration").choice(count, size=size, replace=False))
+
+
 def calibration_subset(train_x: np.ndarray, seed: int, size: int = CALIBRATION_SIZE) -> np.ndarray:
     """``size`` training samples, chosen without replacement and kept in their original order."""
-    if len(train_x) < size:
-        raise ValueError(f"need at least {size} training samples for calibration, have {len(train_x)}")
-    chosen = np.sort(rng_for(seed, "calibration").choice(len(train_x), size=size, replace=False))
-    return np.asarray(train_x[chosen], dtype=np.float32)
+    return np.asarray(train_x[calibration_indices(len(train_x), seed, size)], dtype=np.float32)
 
 
 def _interpolation_matrix(size_in: int, size_out: int) -> np.ndarray:

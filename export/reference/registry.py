@@ -13,15 +13,18 @@ from typing import TYPE_CHECKING, Protocol, cast
 from edgeline.errors import EdgelineError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import numpy as np
     from torch import nn
 
-    from edgeline.export.reference.data import Dataset
+    from edgeline.export.reference.data import Dataset, DetectionDataset, DetectionImages
 
 __all__ = [
     "CATALOGUE",
     "REFERENCE_MODELS",
     "AnomalyReferenceModule",
+    "DetectorReferenceModule",
     "ReferenceInfo",
     "ReferenceModule",
     "load_reference",
@@ -63,6 +66,14 @@ CATALOGUE: dict[str, ReferenceInfo] = {
         ReferenceInfo(
             "autoencoder", "edgeline.export.reference.autoencoder", "anomaly", (640,), 0, "synthetic machine log-mel"
         ),
+        ReferenceInfo(
+            "shapes",
+            "edgeline.export.reference.shapes",
+            "detect",
+            (3, 96, 96),
+            4,
+            "synthetic: shapes on textured backgrounds",
+        ),
     )
 }
 
@@ -71,7 +82,8 @@ REFERENCE_MODELS: dict[str, str] = {name: info.module for name, info in CATALOGU
 
 
 class ReferenceModule(Protocol):
-    """The interface every reference module has."""
+    """The interface every reference module has. A detector's (``TASK`` ``"detect"``) data are images with boxes,
+    not arrays: it is a :class:`DetectorReferenceModule`."""
 
     NAME: str
     TASK: str
@@ -95,6 +107,29 @@ class AnomalyReferenceModule(ReferenceModule, Protocol):
     def thresholded_accuracy(
         self, model: nn.Module, inputs: np.ndarray, labels: np.ndarray, threshold: float
     ) -> float: ...
+
+
+class DetectorReferenceModule(Protocol):
+    """A reference module whose ``TASK`` is ``"detect"``: :class:`ReferenceModule`'s names, with images and their
+    boxes as data, the output layout its ``HEAD`` names (``edgeline.detection.HEADS``) and the pre-processing its
+    images go through (``IMAGE_PREPROCESS``, ``--preprocess`` text)."""
+
+    NAME: str
+    TASK: str
+    LABELS: tuple[str, ...]
+    INPUT_SHAPE: tuple[int, ...]
+    HEAD: str
+    IMAGE_PREPROCESS: str
+
+    def build(self, seed: int = 0) -> nn.Module: ...
+
+    def make_data(self, seed: int = 0) -> DetectionDataset: ...
+
+    def train(self, model: nn.Module, data: DetectionDataset, *, seed: int = 0) -> nn.Module: ...
+
+    def model(self) -> nn.Module: ...
+
+    def write_yolo(self, data: DetectionImages, root: Path) -> None: ...
 
 
 def _unknown(name: str) -> EdgelineError:

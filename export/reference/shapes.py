@@ -16,22 +16,27 @@ int8 trap detection users fall into.
 Training: a cell is responsible for a box when its centre lies in the box's central part (and the cell holding
 the box's centre always is), the smaller box winning a cell two claim. Loss: binary cross-entropy of every cell's
 class scores (target 1 for a responsible cell's class), plus L1 on the four distances and 1 - GIoU for the
-responsible cells. Adam with a one-cycle rate, seeded batches, two threads (``edgeline.export.reference.training``).
+responsible cells. Adam with a one-cycle rate, seeded batches, one thread (``THREADS``;
+``edgeline.export.reference.training.limited_threads``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from edgeline.export.reference.data import rng_for
+from edgeline.export.reference.data import (
+    DetectionDataset,
+    DetectionImages,
+    calibration_indices,
+    rng_for,
+    write_yolo,
+)
 from edgeline.export.reference.training import limited_threads, seeded_build
 
 __all__ = [
+    "HEAD",
     "IMAGE_PREPROCESS",
     "INPUT_SHAPE",
     "LABELS",
@@ -40,9 +45,13 @@ __all__ = [
     "ShapeDetector",
     "ShapesData",
     "build",
+    "make_data",
     "make_images",
+    "model",
+    "to_inputs",
     "train",
     "train_detector",
+    "write_yolo",
 ]
 
 NAME = "shapes"
@@ -63,16 +72,8 @@ COLOURS = {"red": (210, 40, 40), "blue": (40, 60, 215), "green": (40, 190, 60)}
 CLASS_SHAPES = (("circle", "red"), ("circle", "blue"), ("square", "red"), ("triangle", "green"))
 
 
-@dataclass(frozen=True, eq=False)
-class ShapesData:
-    """Images (N, 96, 96, 3) uint8 RGB and per image its boxes ((K, 4) x1, y1, x2, y2 pixels) and classes."""
-
-    images: np.ndarray
-    boxes: tuple[np.ndarray, ...]
-    classes: tuple[np.ndarray, ...]
-
-    def __len__(self) -> int:
-        return int(self.images.shape[0])
+ShapesData = DetectionImages
+"""Images (N, 96, 96, 3) uint8 RGB and per image its boxes ((K, 4) x1, y1, x2, y2 pixels) and classes."""
 
 
 _Y, _X = np.mgrid[0:SIZE, 0:SIZE].astype(np.float32) + 0.5
@@ -154,7 +155,7 @@ def make_images(count: int, rng: np.random.Generator) -> ShapesData:
         images[index] = np.clip(image, 0, 255).astype(np.uint8)
         all_boxes.append(np.asarray(boxes, dtype=np.float32).reshape(-1, 4))
         all_classes.append(np.asarray(classes, dtype=np.int64))
-    return ShapesData(images, tuple(all_boxes), tuple(all_classes))
+    return DetectionImages(images, tuple(all_boxes), tuple(all_classes))
 
 
 def _block(in_channels: int, out_channels: int, stride: int) -> list[nn.Module]:
@@ -240,9 +241,10 @@ THREADS = 1
 (measured here beside other work: 33 ms of CPU a step on one thread, 760 ms on two)."""
 
 
-def train(model: nn.Module, data: ShapesData, *, seed: int = 0) -> nn.Module:
+def train(model: nn.Module, data: DetectionDataset, *, seed: int = 0) -> nn.Module:
+    """``STEPS`` Adam steps on ``data.train`` (about 35 s of one thread here)."""
     assert isinstance(model, ShapeDetector), f"shapes trains its own detector, not {type(model).__name__}"
-    return train_detector(model, data, steps=STEPS, seed=seed)
+    return train_detector(model, data.train, steps=STEPS, seed=seed)
 
 
 def train_detector(model: ShapeDetector, data: ShapesData, *, steps: int, batch_size: int = 32,
@@ -287,22 +289,15 @@ def train_detector(model: ShapeDetector, data: ShapesData, *, steps: int, batch_
     return model.eval()
 
 
-def make_data(seed: int = 0) -> tuple[ShapesData, ShapesData]:
-    """Training and held-out images (different streams of ``seed``)."""
-    return (make_images(TRAIN_IMAGES, rng_for(seed, "shapes-train")),
-            make_images(VALIDATION_IMAGES, rng_for(seed, "shapes-validation")))  # fmt: skip
+def make_data(seed: int = 0) -> DetectionDataset:
+    """Training and held-out images (different streams of ``seed``); calibration: ``CALIBRATION_SIZE`` of the
+    training images."""
+    train_images = make_images(TRAIN_IMAGES, rng_for(seed, "shapes-train"))
+    validation = make_images(VALIDATION_IMAGES, rng_for(seed, "shapes-validation"))
+    calibration = train_images.subset(calibration_indices(len(train_images), seed).tolist())
+    return DetectionDataset(train=train_images, calibration=calibration, validation=validation)
 
 
-def write_yolo(data: ShapesData, root: Path) -> None:
-    """``root/images/NNNN.png`` and ``root/labels/NNNN.txt`` (``class cx cy w h``, normalised): the YOLO layout."""
-    from PIL import Image
-
-    (root / "images").mkdir(parents=True, exist_ok=True)
-    (root / "labels").mkdir(parents=True, exist_ok=True)
-    for index in range(len(data)):
-        Image.fromarray(data.images[index]).save(root / "images" / f"{index:04d}.png")
-        lines = []
-        for (x1, y1, x2, y2), kind in zip(data.boxes[index], data.classes[index], strict=True):
-            lines.append(f"{kind} {(x1 + x2) / 2 / SIZE:.6f} {(y1 + y2) / 2 / SIZE:.6f} "
-                         f"{(x2 - x1) / SIZE:.6f} {(y2 - y1) / SIZE:.6f}\n")  # fmt: skip
-        (root / "labels" / f"{index:04d}.txt").write_text("".join(lines), encoding="utf-8")
+def model() -> nn.Module:
+    """The trained reference model (``edgeline export export/reference/shapes.py:model``)."""
+    return train(build(), make_data())
