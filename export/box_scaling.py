@@ -6,18 +6,20 @@ output tensor. Integer quantization gives a tensor one scale: 640 / 255 = 2.5 pe
 height *before* the concatenation puts all of it in [0, 1], one step 1/255 of the image for the boxes and of the
 scores both; the head then says ``box_space = "normalised"`` and decoding multiplies them back.
 
-``normalise_boxes`` finds the concatenation that makes output 0 in the model's own forward (``torch.fx``: a Python
-module's forward is traced symbolically, each child module called whole; a copy of the module, same class and
-module tree, computes the traced graph, so that the layer report and mixed precision name its layers as the
-original's; a ``.pt2`` program's module already is a graph), multiplies each of
-its inputs that holds box rows by a constant, and checks on a sample that the result is the original output with
-its box rows divided and nothing else changed. Where the output is not made that way, the model is left as it is
-and the reason returned: the mAP budget then judges what int8 does to it.
+``normalise_boxes`` finds the concatenation that makes output 0 (``torch.fx``: a copy of the model's own forward is
+traced symbolically, each child module called whole; where a child makes output 0, as a YOLO model's head module
+does, that child's forward is traced, and so on; the module whose forward makes it keeps its class, its place and
+its children, so that the layer report and mixed precision name every layer as the original's; a ``.pt2``
+program's module already is a flat graph), multiplies each of its inputs that holds box rows by a constant, and
+checks on a sample that the result is the original output with its box rows divided and nothing else changed.
+Where the output is not made that way, the model is left as it is and the reason returned: the mAP budget then
+judges what int8 does to it.
 """
 
 from __future__ import annotations
 
 import copy
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,11 @@ class BoxScaling:
     """How many of the concatenation's inputs were scaled."""
 
 
+MAX_DEPTH = 8
+"""How many modules deep the concatenation that makes output 0 is looked for (a YOLO model returns its head
+module's output; the head concatenates)."""
+
+
 def _cat_targets() -> tuple[Any, ...]:
     import torch
 
@@ -48,18 +55,86 @@ def normalise_boxes(module: Any, head: Head, input_size: tuple[int, int], exampl
     makes it, or why that cannot be done (a sentence)."""
     import torch
     from torch import fx
-    from torch.fx.passes.shape_prop import ShapeProp
 
     if head.layout == "end2end" or head.box_space != "pixels":
         return "the head's boxes are not in pixels beside its scores"
-    try:
-        graph_module = copy.deepcopy(module) if isinstance(module, fx.GraphModule) else _trace_own_forward(module)
-    except Exception as exc:  # control flow on values, an untraceable call: the model stays as it is
-        return f"torch.fx cannot trace the model ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-    graph = graph_module.graph
-    output = next(node for node in graph.nodes if node.op == "output")
+    rewritten = copy.deepcopy(module)
+    owner, owner_inputs = rewritten, example
+    for _ in range(MAX_DEPTH):
+        try:  # the owner's own forward, its children whole (a .pt2's module already is a flat graph)
+            graph_module = owner if isinstance(owner, fx.GraphModule) else _trace_own_forward(owner)
+        except Exception as exc:  # control flow on values, an untraceable call: the model stays as it is
+            return f"torch.fx cannot trace the model ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+        first = _output_maker(graph_module)
+        if isinstance(first, fx.Node) and first.op == "call_module" and not isinstance(owner, fx.GraphModule):
+            target = str(first.target)
+            owner = owner.get_submodule(target)  # that module returns output 0: look inside it
+            found = _inputs_of(owner, rewritten, example)
+            if found is None:
+                return f"the module {target} that makes output 0 takes keyword arguments"
+            owner_inputs = found
+            continue
+        break
+    else:
+        return f"output 0 is made more than {MAX_DEPTH} modules deep"
+    axis = 1 if head.layout == "attributes-first" else 2
+    height, width = input_size
+    per_row = [1 / width, 1 / height] * 2 if head.box_format in ("xywh", "xyxy") else [1 / height, 1 / width] * 2
+    scaled = _scale_concatenation(graph_module, first, owner_inputs, axis, per_row)
+    if isinstance(scaled, str):
+        return scaled
+    if graph_module is not owner:
+        # the owner keeps its class, its place and its children (torch.export and the converters name its layers
+        # as the original's: the layer report ties deployed tensors to torch layers by those names) and computes
+        # the rewritten graph, which reaches every child, parameter and buffer by the same attribute paths
+        for name, buffer in graph_module.named_buffers(recurse=False):
+            if name.startswith("edgeline_box_scale_"):
+                owner.register_buffer(name, buffer, persistent=False)
+        owner.forward = types.MethodType(type(graph_module).forward, owner)
+    with torch.no_grad():
+        before = _first(module(*example))
+        after = _first(rewritten(*example))
+    divisor = torch.ones(before.shape[axis])
+    divisor[:4] = torch.tensor([1 / f for f in per_row])
+    expected = before / (divisor.reshape(1, -1, 1) if axis == 1 else divisor.reshape(1, 1, -1))
+    if after.shape != before.shape or not torch.allclose(after, expected, rtol=1e-5, atol=1e-6):
+        return "the rewritten model's output is not the original's with its boxes divided (left as it was)"
+    return BoxScaling(rewritten, scaled)
+
+
+def _output_maker(graph_module: Any) -> Any:
+    """The node whose value is output 0 of ``graph_module``."""
+    output = next(node for node in graph_module.graph.nodes if node.op == "output")
     results = output.args[0]
-    first = results[0] if isinstance(results, tuple | list) else results
+    return results[0] if isinstance(results, tuple | list) else results
+
+
+def _inputs_of(owner: Any, root: Any, example: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The positional inputs ``owner`` (a module inside ``root``) takes when ``root`` runs on ``example``; None when
+    it takes keyword arguments, or never runs."""
+    import torch
+
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    handle = owner.register_forward_pre_hook(lambda _m, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            root(*example)
+    finally:
+        handle.remove()
+    if not seen or seen[-1][1]:
+        return None
+    return tuple(seen[-1][0])
+
+
+def _scale_concatenation(
+    graph_module: Any, first: Any, inputs: tuple[Any, ...], axis: int, per_row: list[float]
+) -> int | str:
+    """Multiply the box rows of ``first``, the concatenation that makes output 0 of ``graph_module``, by ``per_row``
+    (the graph recompiled): how many of its inputs were scaled, or why it cannot be done."""
+    import torch
+    from torch import fx
+    from torch.fx.passes.shape_prop import ShapeProp
+
     if not isinstance(first, fx.Node) or first.op != "call_function" or first.target not in _cat_targets():
         return "output 0 is not made by a concatenation (torch.cat) in the model's forward"
     parts: Any = first.args[0] if first.args else first.kwargs.get("tensors")
@@ -69,17 +144,15 @@ def normalise_boxes(module: Any, head: Head, input_size: tuple[int, int], exampl
         return "output 0's concatenation takes something other than a list of tensors"
     with torch.no_grad():
         try:
-            ShapeProp(graph_module).propagate(*example)
+            ShapeProp(graph_module).propagate(*inputs)
         except Exception as exc:
             return f"the traced model does not run on a sample ({type(exc).__name__})"
     shapes = [tuple(part.meta["tensor_meta"].shape) for part in parts]
-    axis = 1 if head.layout == "attributes-first" else 2
     if any(len(shape) != 3 for shape in shapes) or dim % 3 != axis:
         return f"output 0's concatenation joins along axis {dim}, not the attributes' axis {axis}"
-    height, width = input_size
-    per_row = [1 / width, 1 / height] * 2 if head.box_format in ("xywh", "xyxy") else [1 / height, 1 / width] * 2
-    scaled = 0
-    start = 0
+    if sum(shape[axis] for shape in shapes) < 5:
+        return "output 0 has no scores beside its boxes"
+    graph, scaled, start = graph_module.graph, 0, 0
     for index, (part, shape) in enumerate(zip(parts, shapes, strict=True)):
         rows = shape[axis]
         if start < 4:
@@ -95,20 +168,9 @@ def normalise_boxes(module: Any, head: Head, input_size: tuple[int, int], exampl
             first.replace_input_with(part, product)
             scaled += 1
         start += rows
-    if start < 5:
-        return f"output 0 has {start} attributes: no scores beside the boxes"
     graph.lint()
     graph_module.recompile()
-    rewritten = graph_module if isinstance(module, fx.GraphModule) else _same_tree(module, graph_module)
-    with torch.no_grad():
-        before = _first(module(*example))
-        after = _first(rewritten(*example))
-    divisor = torch.ones(before.shape[axis])
-    divisor[:4] = torch.tensor([1 / f for f in per_row])
-    expected = before / (divisor.reshape(1, -1, 1) if axis == 1 else divisor.reshape(1, 1, -1))
-    if after.shape != before.shape or not torch.allclose(after, expected, rtol=1e-5, atol=1e-6):
-        return "the rewritten model's output is not the original's with its boxes divided (left as it was)"
-    return BoxScaling(rewritten, scaled)
+    return scaled
 
 
 def _trace_own_forward(module: Any) -> Any:
@@ -121,21 +183,6 @@ def _trace_own_forward(module: Any) -> Any:
             return True
 
     return fx.GraphModule(module, OwnForward().trace(module))
-
-
-def _same_tree(module: Any, graph_module: Any) -> Any:
-    """A copy of ``module`` that computes ``graph_module``'s forward: the same class and module tree, so that
-    torch.export and the converters name its layers as they name the original's (the layer report ties a deployed
-    tensor to a torch layer by that name); the graph's code reaches every layer, parameter and buffer by the same
-    attribute paths, and the scales are buffers of the copy."""
-    import types
-
-    copied = copy.deepcopy(module)
-    for name, buffer in graph_module.named_buffers(recurse=False):
-        if name.startswith("edgeline_box_scale_"):
-            copied.register_buffer(name, buffer, persistent=False)
-    copied.forward = types.MethodType(type(graph_module).forward, copied)
-    return copied
 
 
 def _first(outputs: Any) -> Any:

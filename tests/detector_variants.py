@@ -12,7 +12,8 @@ model has that output layout:
 ``UPSCALED`` takes 384x384 images (the reference detector behind a 4x average pool) and gives its boxes in those
 pixels, 0 to 384: concatenated with scores of 0 to 1, one int8 scale (384 / 255 = 1.5 per step) leaves the scores
 nothing; ``UPSCALED_OPAQUE`` is the same model whose output is not the concatenation itself (a ``contiguous()``
-after it), which edgeline cannot rewrite.
+after it), which edgeline cannot rewrite. ``NESTED`` is the reference detector as a YOLO model is built: a backbone
+module and a head module whose forward makes the output (the concatenation is one module down).
 """
 
 from __future__ import annotations
@@ -97,6 +98,37 @@ def model():
     return End2End().eval()
 '''
 
+NESTED = '''
+class Head(nn.Module):
+    """The reference detector's head as a module of its own, as a YOLO model's last module is: it concatenates."""
+
+    def __init__(self, trained):
+        super().__init__()
+        self.distances, self.scores = trained.distances, trained.scores
+        self.register_buffer("centres", trained.centres, persistent=False)
+
+    def forward(self, features):
+        distances = torch.relu(self.distances(features).flatten(2)) * shapes.STRIDE
+        top_left = self.centres - distances[:, 0:2]
+        bottom_right = self.centres + distances[:, 2:4]
+        scores = torch.sigmoid(self.scores(features).flatten(2))
+        return torch.cat([(top_left + bottom_right) / 2, bottom_right - top_left, scores], dim=1)
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        trained = detector()
+        self.backbone, self.head = trained.features, Head(trained)
+
+    def forward(self, images):
+        return self.head(self.backbone(images))
+
+
+def model():
+    return Nested().eval()
+'''
+
 UPSCALED = """
 class Upscaled(nn.Module):
     def __init__(self):
@@ -113,7 +145,7 @@ def model():
 """
 
 HEADS = {"yolov8": "yolov8.py", "yolov5": "yolov5.py", "end2end": "end2end.py"}
-UPSCALED_FILE, UPSCALED_OPAQUE_FILE = "upscaled.py", "upscaled_opaque.py"
+UPSCALED_FILE, UPSCALED_OPAQUE_FILE, NESTED_FILE = "upscaled.py", "upscaled_opaque.py", "nested.py"
 
 
 def write_variants(folder: Path) -> None:
@@ -127,6 +159,7 @@ def write_variants(folder: Path) -> None:
         HEADS["end2end"]: small + END2END,
         UPSCALED_FILE: large + UPSCALED.format(output=direct),
         UPSCALED_OPAQUE_FILE: large + UPSCALED.format(output=f"{direct}.contiguous()"),
+        NESTED_FILE: small + NESTED,
     }
     for name, text in texts.items():
         (folder / name).write_text(text, encoding="utf-8")

@@ -25,7 +25,7 @@ from edgeline.imaging import FramePrep, read_image
 from edgeline.model import load
 from edgeline.postprocess import frame_detections
 from tests.cache import cached_reference
-from tests.detector_variants import HEADS, UPSCALED_FILE, UPSCALED_OPAQUE_FILE, write_variants
+from tests.detector_variants import HEADS, NESTED_FILE, UPSCALED_FILE, UPSCALED_OPAQUE_FILE, write_variants
 
 pytestmark = pytest.mark.export
 
@@ -140,6 +140,18 @@ def test_pixel_boxes_beside_scores_lose_int8_s_scores_unless_rewritten_and_the_m
     fidelity = rewritten["fidelity"]
     assert rewritten["postprocess"]["detection"]["box_space"] == "normalised"
     assert fidelity["map50"] >= fidelity["map50_float"] - 0.02, fidelity
+
+
+def test_a_head_module_that_makes_the_output_has_its_boxes_divided_inside_it(workspace: Path, tmp_path: Path) -> None:
+    """As a YOLO model is built (its last module, the head, concatenates), the concatenation is one module down:
+    rewritten there, every layer still named as the original's in the layer report."""
+    code, manifest = export(workspace, tmp_path / "nested", NESTED_FILE, "--head", "yolov8", "--no-mixed-precision")
+    assert code == 0 and manifest is not None
+    detection, fidelity = manifest["postprocess"]["detection"], manifest["fidelity"]
+    assert detection["box_space"] == "normalised" and detection["box_scaling"].startswith("divided"), detection
+    assert fidelity["map50"] >= fidelity["map50_float"] - 0.02, fidelity
+    layers = {layer["module"] for layer in manifest["quantization"]["layers"]}
+    assert {"backbone.2", "head.distances", "head.scores"} <= layers, layers
 
 
 def test_where_the_boxes_cannot_be_rewritten_int8_misses_the_map_budget_and_says_why(
