@@ -20,6 +20,7 @@ from edgeline.imaging import FramePrep, read_image
 from edgeline.model import load
 from edgeline.postprocess import frame_detections
 from tests.cache import cached_export, cached_reference
+from tests.camera_bundle import COMMITTED as COLOUR_BUNDLE
 
 pytestmark = pytest.mark.export
 
@@ -38,28 +39,49 @@ def _objects(label_file: Path) -> tuple[np.ndarray, np.ndarray]:
     return boxes, rows[:, 0].astype(np.int64)
 
 
-def test_a_detector_answers_every_frame_with_boxes_where_the_objects_are(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bundle() -> Path:
     prepared = cached_reference("shapes")
     words = shlex.split(prepared.export_command())[3:]  # after "edgeline export MODEL"
-    bundle = cached_export(prepared.model_path, *words, "--backend", "litert", "--precision", "int8-static")
-    manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
-    assert manifest["postprocess"]["detection"]["box_space"] == "normalised"  # int8: divided in the model
-    frames = tmp_path / "frames"
-    frames.mkdir()
+    return cached_export(prepared.model_path, *words, "--backend", "litert", "--precision", "int8-static")
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[np.ndarray, np.ndarray]]]:
+    """A folder of 160x96 frames, each a held-out picture pasted at x = 40, and each frame's objects."""
+    prepared = cached_reference("shapes")
+    folder = tmp_path_factory.mktemp("frames")
     pictures = sorted((prepared.validation_path / "images").iterdir())[:FRAMES]
     truths = []
     for index, picture in enumerate(pictures):
         canvas = np.full((HEIGHT, WIDTH, 3), 100, dtype=np.uint8)
         canvas[:, LEFT : LEFT + 96] = read_image(picture)
-        Image.fromarray(canvas).save(frames / f"{index:03d}.png")
+        Image.fromarray(canvas).save(folder / f"{index:03d}.png")
         truths.append(_objects(prepared.validation_path / "labels" / f"{picture.stem}.txt"))
-    done = subprocess.run(
+    return folder, truths
+
+
+def _run(bundle: Path, frames: Path, state: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "edgeline.cli", "run", str(bundle), "--camera", f"belt={frames}", "--state-dir",
-         str(tmp_path / "state")],
+         str(state), *flags],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
+
+
+def _answers(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_a_detector_answers_every_frame_with_boxes_where_the_objects_are(
+    bundle: Path, frames: tuple[Path, list[tuple[np.ndarray, np.ndarray]]], tmp_path: Path
+) -> None:
+    folder, truths = frames
+    manifest = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["postprocess"]["detection"]["box_space"] == "normalised"  # int8: divided in the model
+    done = _run(bundle, folder, tmp_path / "state")
     assert done.returncode == 0, done.stderr[-3000:]
-    answers: list[dict[str, Any]] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    answers = _answers(done)
     assert [a["frame"] for a in answers] == list(range(FRAMES)), done.stderr[-2000:]
     assert all("outputs" not in a for a in answers)  # the boxes are the answer, not 144 x 8 raw candidates
     found = []
@@ -78,7 +100,7 @@ def test_a_detector_answers_every_frame_with_boxes_where_the_objects_are(tmp_pat
     model = load(bundle)
     prep = FramePrep(model.manifest.image, model.inputs[0])  # type: ignore[arg-type]
     for index, answer in enumerate(found):
-        frame = read_image(frames / f"{index:03d}.png")
+        frame = read_image(folder / f"{index:03d}.png")
         expected = frame_detections(model.manifest.postprocess, model.predict(prep(frame))[0],
                                     prep.geometry(HEIGHT, WIDTH))  # fmt: skip
         assert np.array_equal(answer.classes, expected.classes), index
@@ -87,3 +109,22 @@ def test_a_detector_answers_every_frame_with_boxes_where_the_objects_are(tmp_pat
     # trained on, so not as well as on its own 96x96 images, but far from chance
     result = mean_average_precision(found, truths)
     assert result.map50 >= 0.5 and result.per_class, result
+
+
+def test_a_run_overrides_the_detector_s_thresholds_and_a_classifier_refuses_them(
+    bundle: Path, frames: tuple[Path, list[tuple[np.ndarray, np.ndarray]]], tmp_path: Path
+) -> None:
+    folder, _ = frames
+    done = _run(bundle, folder, tmp_path / "state", "--score-threshold", "0.8", "--max-detections", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = _answers(done)
+    assert len(answers) == FRAMES and all(len(a["detections"]) <= 1 for a in answers)
+    assert all(d["score"] > 0.8 for a in answers for d in a["detections"])
+    assert sum(len(a["detections"]) for a in answers) >= FRAMES // 2  # the confident ones are still there
+    refused = _run(COLOUR_BUNDLE, folder, tmp_path / "colour", "--score-threshold", "0.5")
+    errors = [line for line in refused.stderr.splitlines() if "error" in line.lower()]
+    assert refused.returncode != 0 and len(errors) == 1, refused.stderr[-2000:]
+    assert "--score-threshold ([detection] score_threshold): for detectors" in errors[0]
+    out_of_range = _run(bundle, folder, tmp_path / "range", "--iou-threshold", "1.5")
+    assert out_of_range.returncode != 0 and "iou_threshold" in out_of_range.stderr, out_of_range.stderr[-2000:]
+    assert "Traceback" not in refused.stderr + out_of_range.stderr

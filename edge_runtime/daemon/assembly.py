@@ -173,6 +173,10 @@ def build_parts(
         )
     window = config.window if config.window is not None else model.manifest.window
     check_window(window, model.inputs)
+    overrides = config.detection.overrides
+    if overrides and model.manifest.postprocess.kind != "detect":
+        given = ", ".join(f"--{key.replace('_', '-')} ([detection] {key})" for key in overrides)
+        raise EdgelineError(f"{given}: for detectors; {name} is a {model.manifest.postprocess.kind} model")
     state_dir = (config.daemon.state_dir or default_state_dir()) / name
     instance = config.daemon.instance or instance_id(state_dir)
     filters = [TopicFilter(pattern) for pattern in config.input.subscribe]
@@ -196,6 +200,7 @@ def build_parts(
         max_streams=config.input.max_streams,
         result_codec=get_codec("json") if codec.name == "raw" else None,
         instance=instance,
+        detection_overrides=overrides,
     )
     connection, sink = None, None
     if config.uses_broker:

@@ -324,6 +324,19 @@ class OutputConfig(_Section):
         return _answer_template(template)
 
 
+class DetectionConfig(_Section):
+    """A detector's answers: the manifest's thresholds replaced for this daemon (``edgeline.postprocess``'s
+    overrides); unset, the bundle's own."""
+
+    score_threshold: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    iou_threshold: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    max_detections: int | None = Field(default=None, ge=1, le=10_000)
+
+    @property
+    def overrides(self) -> dict[str, float]:
+        return {key: value for key, value in self.model_dump().items() if value is not None}
+
+
 class QueueConfig(_Section):
     capacity: int = Field(default=1024, ge=1, le=1_000_000)
     policy: Literal["drop-oldest", "block"] | None = None
@@ -409,6 +422,7 @@ class DaemonConfig(_Section):
     health: HealthConfig = HealthConfig()
     updates: UpdatesConfig = UpdatesConfig()
     camera: CameraConfig = CameraConfig()
+    detection: DetectionConfig = DetectionConfig()
     window: Window | None = None
 
     @model_validator(mode="before")
@@ -470,6 +484,7 @@ class DaemonConfig(_Section):
         check_interval_s: float | None = None,
         download_timeout_s: float | None = None,
         camera: dict[str, object] | None = None,
+        detection: dict[str, object] | None = None,
     ) -> DaemonConfig:
         """The command line wins over the file; the result is validated like the file.
 
@@ -512,6 +527,8 @@ class DaemonConfig(_Section):
             data["updates"]["check_interval_s"] = check_interval_s
         if download_timeout_s is not None:
             data["updates"]["download_timeout_s"] = download_timeout_s
+        if detection:
+            data["detection"].update({key: value for key, value in detection.items() if value is not None})
         return _validate(data, "command line")
 
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,6 +71,7 @@ class Processor:
         result_codec: Codec | None = None,
         instance: str = "",
         top_k: int = 1,
+        detection_overrides: Mapping[str, float] | None = None,
     ):
         self.model = model
         self.codec = codec
@@ -88,6 +89,8 @@ class Processor:
         self._sequence_lock = threading.Lock()  # drops are answered on the network thread
         self.instance = instance
         self.top_k = top_k
+        self.detection_overrides = dict(detection_overrides or {})
+        """A detector's thresholds for this daemon, over the manifest's (``[detection]``, ``--score-threshold``...)."""
         self.shadow: Shadow | None = None
         """A trial (``edgeline.updates.trial``): the previous version runs beside ``model`` on every input. Set
         and cleared on the worker thread only, between two batches."""
@@ -266,7 +269,9 @@ class Processor:
         for output in outputs:
             if not all_finite(output):
                 raise _ModelOutputError("the model's output holds NaN or Inf for this input")
-        interpreted = model.interpret(inputs, outputs, top_k=self.top_k, frame_size=message.frame_size).as_dict()
+        interpreted = model.interpret(
+            inputs, outputs, top_k=self.top_k, frame_size=message.frame_size, overrides=self.detection_overrides
+        ).as_dict()
         record = self._record(message, sequence, identity, model)
         if window is not None:
             record["window"] = window
