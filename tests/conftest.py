@@ -77,6 +77,9 @@ collect_ignore = [
         ("test_detection_oracles.py", "onnx"),
         ("test_detection_data.py", "PIL"),
         ("test_shapes_reference.py", "torch"),
+        ("test_detection_export.py", "torch"),
+        ("test_detection_daemon.py", "torch"),
+        ("test_infer_images.py", "PIL"),  # the images extra's
     )
     if importlib.util.find_spec(needs) is None
 ]
