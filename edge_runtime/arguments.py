@@ -107,3 +107,34 @@ def bounded_int(low: int, high: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+DETECTION_FLAGS = ("score_threshold", "iou_threshold", "max_detections")
+"""A detector's settings a run may replace (``edgeline.postprocess.DETECTION_OVERRIDES``, kept equal by a test;
+here so that registering the commands imports no numpy)."""
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text} is out of range; valid: 0 to 1")
+    return value
+
+
+def add_detection_arguments(parser: Any, title: str) -> None:
+    """``--score-threshold``, ``--iou-threshold``, ``--max-detections`` (``DETECTION_FLAGS``), in a group ``title``."""
+    group = parser.add_argument_group(title)
+    group.add_argument("--score-threshold", type=fraction, metavar="S", help="lowest score of a detection kept: 0 to 1")
+    group.add_argument(
+        "--iou-threshold", type=fraction, metavar="T", help="NMS suppresses a box overlapping a better one more: 0 to 1"
+    )
+    group.add_argument("--max-detections", type=bounded_int(1, 10_000), metavar="N", help="most detections per input")
+
+
+def detection_overrides(args: argparse.Namespace) -> dict[str, float]:
+    """The detection flags given (``add_detection_arguments``), by their settings' names."""
+    return {key: getattr(args, key) for key in DETECTION_FLAGS if getattr(args, key, None) is not None}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgeline.arguments import bounded_int
+from edgeline.arguments import add_detection_arguments, bounded_int, detection_overrides
 from edgeline.backends import RUNTIME_BACKENDS
 from edgeline.errors import EdgelineError, PayloadError
 
@@ -81,37 +81,8 @@ def register(subparsers: Any) -> None:
         help="images: write a copy of each with its answer drawn (boxes, labels, scores) to OUTDIR (made if missing; "
         "a folder's sub-folders mirrored)",
     )
-    detection = infer.add_argument_group("detectors (instead of the manifest's settings)")
-    detection.add_argument(
-        "--score-threshold", type=_fraction, metavar="S", help="lowest score of a detection kept: 0 to 1"
-    )
-    detection.add_argument(
-        "--iou-threshold",
-        type=_fraction,
-        metavar="T",
-        help="NMS suppresses a box overlapping a better one more: 0 to 1",
-    )
-    detection.add_argument("--max-detections", type=bounded_int(1), metavar="N", help="most detections per input")
+    add_detection_arguments(infer, "detectors (instead of the manifest's settings)")
     infer.set_defaults(func=run_infer)
-
-
-DETECTION_OVERRIDES = ("score_threshold", "iou_threshold", "max_detections")
-"""The flags of ``infer`` that replace a detector's manifest settings (``edgeline.postprocess.interpret``)."""
-
-
-def _fraction(text: str) -> float:
-    """An argparse ``type``: a number from 0 to 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"{text} is out of range; valid: 0 to 1")
-    return value
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, float]:
-    return {key: getattr(args, key) for key in DETECTION_OVERRIDES if getattr(args, key, None) is not None}
 
 
 @dataclass
@@ -155,7 +126,7 @@ def _check_infer_flags(args: argparse.Namespace, model: Model) -> None:
     if cpus is not None and cpus < args.threads:
         raise EdgelineError(f"--threads {args.threads}: this process may use {cpus} CPUs here; valid: 1 to {cpus}")
     kind = model.manifest.postprocess.kind
-    given = [f"--{key.replace('_', '-')}" for key in _overrides(args)]
+    given = [f"--{key.replace('_', '-')}" for key in detection_overrides(args)]
     if given and kind != "detect":
         raise EdgelineError(f"{', '.join(given)}: for detectors; {model.name} is a {kind} model")
     if args.top_k == 1:
@@ -201,7 +172,7 @@ def run_infer(args: argparse.Namespace) -> int:
     if args.annotate is not None:
         raise EdgelineError(f"--annotate draws on images; --input {args.input} is not an image, folder or pattern")
     if args.input.suffix in PAYLOAD_SUFFIXES:
-        if _overrides(args):
+        if detection_overrides(args):
             raise EdgelineError(
                 f"--input {args.input}: payloads are answered as `edgeline run` answers them, with the manifest's "
                 "detection settings; the threshold flags apply to images and .npz samples"
@@ -217,7 +188,9 @@ def run_infer(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         outputs = model.predict(*inputs)
         latencies.append(time.perf_counter() - start)
-        answer = model.interpret(inputs, outputs, top_k=args.top_k, overrides=_overrides(args) or None).as_dict()
+        answer = model.interpret(
+            inputs, outputs, top_k=args.top_k, overrides=detection_overrides(args) or None
+        ).as_dict()
         expected = None if labels is None else labels[index].item()
         if post.kind == "classify" and expected is not None:
             correct += int(answer["class_index"] == expected)
@@ -271,7 +244,7 @@ def _infer_images(args: argparse.Namespace, model: Model, images: ImageSet) -> i
         as_json=args.json,
         show=args.show,
         annotate=args.annotate,
-        overrides=_overrides(args) or None,
+        overrides=detection_overrides(args) or None,
         summary=answer_summary,
     )
     if not args.json:

@@ -202,3 +202,10 @@ def test_the_export_command_offers_exactly_the_heads_detection_knows() -> None:
     from edgeline.export.cli import HEAD_NAMES  # kept apart so that registering the command imports no numpy
 
     assert sorted(HEAD_NAMES) == sorted(HEADS)
+
+
+def test_the_run_flags_name_exactly_the_settings_an_answer_may_override() -> None:
+    from edgeline.arguments import DETECTION_FLAGS  # kept apart so that registering the commands imports no numpy
+    from edgeline.postprocess import DETECTION_OVERRIDES
+
+    assert DETECTION_FLAGS == DETECTION_OVERRIDES

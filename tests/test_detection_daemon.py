@@ -126,5 +126,7 @@ def test_a_run_overrides_the_detector_s_thresholds_and_a_classifier_refuses_them
     assert refused.returncode != 0 and len(errors) == 1, refused.stderr[-2000:]
     assert "--score-threshold ([detection] score_threshold): for detectors" in errors[0]
     out_of_range = _run(bundle, folder, tmp_path / "range", "--iou-threshold", "1.5")
-    assert out_of_range.returncode != 0 and "iou_threshold" in out_of_range.stderr, out_of_range.stderr[-2000:]
+    assert out_of_range.returncode != 0 and "--iou-threshold: 1.5 is out of range" in out_of_range.stderr, (
+        out_of_range.stderr[-2000:]
+    )
     assert "Traceback" not in refused.stderr + out_of_range.stderr

@@ -34,6 +34,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -484,7 +485,7 @@ class DaemonConfig(_Section):
         check_interval_s: float | None = None,
         download_timeout_s: float | None = None,
         camera: dict[str, object] | None = None,
-        detection: dict[str, object] | None = None,
+        detection: Mapping[str, object] | None = None,
     ) -> DaemonConfig:
         """The command line wins over the file; the result is validated like the file.
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+from edgeline.arguments import add_detection_arguments, detection_overrides
 from edgeline.backends import RUNTIME_BACKENDS
 from edgeline.errors import EdgelineError
 
@@ -77,12 +78,7 @@ def register(subparsers: Any) -> None:
         help="runtime backend to run the model with instead of the manifest's: %(choices)s",
     )
     run.add_argument("--stdout", action="store_true", help="also print every answer as a JSON line on stdout")
-    detection = run.add_argument_group("a detector's answers (the bundle's own settings unless given)")
-    detection.add_argument("--score-threshold", type=float, metavar="T", help="keep boxes scoring over T (0 to 1)")
-    detection.add_argument(
-        "--iou-threshold", type=float, metavar="T", help="NMS suppresses a box overlapping a better one more (0 to 1)"
-    )
-    detection.add_argument("--max-detections", type=int, metavar="N", help="most detections per input")
+    add_detection_arguments(run, "a detector's answers (the bundle's own settings unless given)")
     updates = run.add_argument_group("signed updates (edgeline publish): hot swap, trial, commit or roll back")
     updates.add_argument(
         "--updates", metavar="REPO", help="repository to check: a directory, file:// or http(s):// URL"
@@ -234,11 +230,7 @@ def run_daemon(args: argparse.Namespace) -> int:
         trusted_root=args.trusted_root,
         check_interval_s=args.check_interval,
         download_timeout_s=args.download_timeout_s,
-        detection={
-            "score_threshold": args.score_threshold,
-            "iou_threshold": args.iou_threshold,
-            "max_detections": args.max_detections,
-        },
+        detection=detection_overrides(args),
         camera=camera,
     )
     # A setting of another source would be dropped without a word: refuse it.
