@@ -61,6 +61,7 @@ def _placement(placement: Placement | None) -> dict[str, Any] | None:
         accelerator_share=placement.accelerator_share,
         quantized_share=placement.quantized_share,
         summary=placement.describe(),
+        left_out=placement.describe_sources(),
     )
 
 
@@ -255,6 +256,10 @@ def format_description(info: dict[str, Any]) -> str:
     if info["estimates"] is not None:
         lines.insert(lines.index(f"placement:    {_placement_line(info['placement'])}") + 1,
                      f"estimates:    {_estimates_line(info['estimates'])}")  # fmt: skip
+    left_out = (info["placement"] or {}).get("left_out")
+    if left_out:
+        lines.insert(lines.index(f"placement:    {_placement_line(info['placement'])}") + 1,
+                     f"left out:     {left_out}")  # fmt: skip
     if info["window"] is not None:
         window = info["window"]
         lines.insert(4, f"window:       {window['size']} steps of {window['channels']} channels, hop {window['hop']}")

@@ -369,8 +369,9 @@ def _describe_report(document: dict[str, Any]) -> list[str]:
             if runtime.get("devices"):
                 state += f" (devices: {', '.join(runtime['devices'])})"
             if runtime.get("kind") == "python":
-                state += f" (Python runtime, imports torch; delegates: {', '.join(runtime['delegates'] or ())}; the "
-                state += "torch-free one: edgeline doctor --install executorch)"
+                state += f" (Python runtime, imports torch; delegates: {', '.join(runtime['delegates'] or ())}; "
+                state += runtime.get("location") or "the torch-free one: edgeline doctor --install executorch"
+                state += ")"
         elif runtime["version"] is None and runtime["imports"] is False:
             state = f"not installed: {backends[name].install}"
         else:

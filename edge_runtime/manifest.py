@@ -298,6 +298,19 @@ class Fidelity(_Frozen):
     map50_agreement: float | None = Field(default=None, ge=0, le=1)
     """mAP@0.5 of the bundle's detections against the float model's (those over the answers' score threshold) as
     the objects: how closely it finds what the float model finds, labelled images or not."""
+    lost_samples: int | None = Field(default=None, ge=0)
+    """Against labels: the samples the float model decides right and the bundle wrong."""
+    gained_samples: int | None = Field(default=None, ge=0)
+    """Against labels: the samples the bundle decides right and the float model wrong (the accuracy drop is
+    ``lost_samples - gained_samples`` of ``samples``: the budget is judged on these counts, never on a difference of
+    floats)."""
+    disagreeing_samples: int | None = Field(default=None, ge=0)
+    """The samples whose decision (top-1 class, anomaly flag) differs between the bundle and the float model."""
+    drop_interval: tuple[float, float] | None = None
+    """The 95% interval of the decisive measure's drop in points (accuracy lost against labels, else disagreement
+    with the float model), as far as ``samples`` validation samples can tell it; ``drop_interval_method`` says how.
+    A budget inside it is a verdict these samples cannot settle (docs/bundle.md, budgets)."""
+    drop_interval_method: str | None = None
     measured_with: str | None = None
     instruction_set: str | None = Field(default=None, max_length=256, pattern=r"^[A-Za-z0-9_. -]*$")
     """The measuring machine's architecture and the CPU features its runtime chose kernels by (``edgeline.isa``):
@@ -337,6 +350,10 @@ class Placement(_Frozen):
     accelerator_macs: int | None = Field(default=None, ge=0)
     quantized_macs: int | None = Field(default=None, ge=0)
     fallback: dict[str, int] = Field(default_factory=dict)
+    fallback_sources: dict[str, list[str]] = Field(default_factory=dict)
+    """Per operator in ``fallback``, the model's code that made those left there: its module and source line
+    (``pool1 (model.py:14)``, ``forward() (model.py:20)`` outside every module), where the converted model keeps
+    them (ExecuTorch's programs do): a share is never the only place an operator left out shows."""
     unknown: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -420,6 +437,21 @@ class Placement(_Frozen):
             shown = ", ".join(f"{op} x{count}" for op, count in items[:8])
             parts.append(f"fallback: {shown}" + (f" and {len(items) - 8} more" if len(items) > 8 else ""))
         return "; ".join(parts)
+
+    def describe_sources(self) -> str | None:
+        """One line naming where each fallback operator comes from (``fallback_sources``), e.g. ``float: CUMSUM x2
+        in spread (model.py:7), forward() (model.py:20); EXP in ...``; "off ethos-u" with an accelerator. None when
+        no source is recorded."""
+        if not self.fallback_sources:
+            return None
+        items = sorted(self.fallback.items(), key=lambda item: (-item[1], item[0]))
+        named = []
+        for op, count in items[:12]:
+            found = self.fallback_sources.get(op, [])
+            where = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+            named.append(f"{op}{f' x{count}' if count > 1 else ''} " + (f"in {where}" if found else "(not recorded)"))
+        more = f"; and {len(items) - 12} more operators" if len(items) > 12 else ""
+        return f"{'off ' + self.accelerator if self.accelerator else 'float'}: " + "; ".join(named) + more
 
 
 class Memory(_Frozen):

@@ -13,7 +13,7 @@ from edgeline.arguments import bounded_int
 from edgeline.device_profiles.precision import Precision
 from edgeline.errors import EdgelineError
 from edgeline.export.backends import EXPORT_BACKENDS
-from edgeline.export.errors import require_export_extra
+from edgeline.export.errors import ExportError, require_export_extra
 
 __all__ = ["register"]
 
@@ -237,8 +237,13 @@ def run(args: argparse.Namespace) -> int:
         preprocess=_preprocess(args.config, tables, args.preprocess),
         detection=_detection(tables, args.head),
     )
-    with Progress() as progress:
-        report = run_export(options, progress)
+    try:
+        with Progress() as progress:
+            report = run_export(options, progress)
+    except ExportError as exc:
+        if args.json and exc.report is not None:  # the error points at the target's outcome: print it, then fail
+            print(json.dumps(exc.report.as_dict(), indent=2))
+        raise
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

@@ -40,6 +40,7 @@ __all__ = [
     "module_path",
     "node_culprit",
     "on_micro_kernels",
+    "onnx_node_culprit",
     "target_error",
     "with_alternatives",
 ]
@@ -73,6 +74,20 @@ def node_culprit(node: Any, operator: str | None = None) -> Culprit:
     target = getattr(node, "target", None)
     name = operator or str(getattr(target, "__name__", target))
     return Culprit(operator=name.replace("::", "."), module=module, source=_source_line(meta.get("stack_trace")))
+
+
+def onnx_node_culprit(node: Any) -> Culprit:
+    """An ONNX node of the dynamo exporter's: its operator type, the module whose code made it and the model's line
+    (its ``pkg.torch.onnx`` metadata; a node of another exporter names its operator only)."""
+    import ast
+
+    meta = {prop.key: prop.value for prop in node.metadata_props}
+    try:
+        scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
+    except (ValueError, SyntaxError):
+        scopes = []
+    module = ".".join(str(scope) for scope in scopes[1:-1] if scope) if isinstance(scopes, list) else ""
+    return Culprit(node.op_type, module or None, _source_line(meta.get("pkg.torch.onnx.stack_trace")))
 
 
 def find_culprit(exc: BaseException) -> Culprit | None:

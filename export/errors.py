@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 from edgeline.device_profiles.errors import BackendUnavailableError, EdgelineError
+
+if TYPE_CHECKING:
+    from edgeline.export.report import ExportReport
 
 __all__ = [
     "BudgetError",
@@ -30,6 +34,10 @@ def require_export_extra(*modules: str) -> None:
 
 class ExportError(EdgelineError):
     """Export failed for a reason the user can act on."""
+
+    report: ExportReport | None = None
+    """The export's report when the error ends an export that tried its targets (an explicit target rejected or
+    failed): ``edgeline export --json`` prints it before the error."""
 
 
 class ModelLoadError(ExportError):

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from edgeline.detection import COCO_MAX_DETECTIONS, EVALUATION_SCORE_THRESHOLD, mean_average_precision
+from edgeline.export.budgets import drop_interval
 from edgeline.export.metrics import accuracy, confusion_matrix, cosine_similarity_rows, macro_f1
 from edgeline.export.progress import Progress
 from edgeline.isa import instruction_set
@@ -189,9 +190,11 @@ def compare_outputs(
         float_pred = np.array([int(np.argmax(outs[0])) for outs in reference])
         conv_pred = np.array([int(np.argmax(outs[0])) for outs in converted])
         fields["top1_agreement"] = float(np.mean(float_pred == conv_pred))
+        fields["disagreeing_samples"] = int(np.count_nonzero(float_pred != conv_pred))
         if labels is not None:
             classes = int(reference[0][0].size)
             truth = labels.astype(np.int64)
+            fields.update(_paired_counts(truth == float_pred, truth == conv_pred))
             fields.update(
                 accuracy=accuracy(truth, conv_pred),
                 accuracy_float=accuracy(truth, float_pred),
@@ -213,15 +216,31 @@ def compare_outputs(
         float_flags = np.array([f for f, _ in flags])
         conv_flags = np.array([c for _, c in flags])
         fields["anomaly_agreement"] = float(np.mean(float_flags == conv_flags))
+        fields["disagreeing_samples"] = int(np.count_nonzero(float_flags != conv_flags))
         if labels is not None:
             truth = labels.astype(bool)
             fields.update(accuracy=accuracy(truth, conv_flags), accuracy_float=accuracy(truth, float_flags))
+            fields.update(_paired_counts(truth == float_flags, truth == conv_flags))
     elif post.kind == "detect":
         fields.update(_detection_fields(reference, converted, samples, post))
-    return Fidelity(
+    fidelity = Fidelity(
         status="measured",
         reference=REFERENCE,
         samples=len(samples),
         measured_with=measured_with,
         **fields,
     )
+    interval = drop_interval(fidelity)
+    if interval is None:
+        return fidelity
+    (low, high), method = interval
+    return fidelity.model_copy(update={"drop_interval": (low, high), "drop_interval_method": method})
+
+
+def _paired_counts(float_right: np.ndarray, bundle_right: np.ndarray) -> dict[str, int]:
+    """The samples only the float model decides right (``lost_samples``) and only the bundle does
+    (``gained_samples``): the accuracy drop as counts, and its interval's discordant pairs."""
+    return {
+        "lost_samples": int(np.count_nonzero(float_right & ~bundle_right)),
+        "gained_samples": int(np.count_nonzero(bundle_right & ~float_right)),
+    }

@@ -18,14 +18,23 @@ TFLite has int8 kernels for, that TFLite Micro runs and vela (except LOG_SOFTMAX
   is the same function. An operator that consumes a fixed output quantization (TANH's, LOGISTIC's) takes it as it
   is: a second observer there would requantize for nothing, and the converter refused the TRANSPOSE that carried
   the requantization after a TANH ("quantization parameters violate the same scale constraint").
-- GELU, for targets whose kernels lack it (TFLite Micro: ``gelu_kernel=False``): the tanh approximation, from MUL,
-  ADD and TANH. It is not the same function as the exact GELU (0.0005 apart at most, in float); ``rewrites`` says
-  so, for the manifest and the report, and the fidelity check judges it like any other change.
+- DIV of two activations (int8 in LiteRT and TFLite Micro; vela leaves it to the CPU); EXP and LOG (lookup
+  tables) where the target has them, and RSQRT; PRELU (its alpha quantized per tensor) and ELU: see
+  ``edgeline.export.tflite_operators``, which makes the converter emit them.
+- The activations whose int8 form differs between targets (``Int8Kernels``): ELU that is not TFLite's (SELU,
+  CELU, an alpha), and ELU where the target has no ELU (the Ethos-U), as RELU, SUB, ELU or EXP, MUL and ADD;
+  Softplus as ``relu(x) + log(1 + exp(-|x|))``; Mish as ``x tanh(softplus(x))``, or without int8 EXP and LOG
+  (TFLite Micro) from LOGISTIC, MUL, ADD and DIV; LayerNorm as its MEAN (a linear layer of weights 1/C), SUB, MUL,
+  ADD, RSQRT and MUL. Each is the same function, and each piece gets its own quantization (ELU's exponential sees
+  only the negative inputs, where the converter's form clipped them at ELU's output range).
+- GELU, for targets whose kernels lack it (TFLite Micro): the tanh approximation, from MUL, ADD and TANH. It is not
+  the same function as the exact GELU (0.0005 apart at most, in float); ``rewrites`` says so, for the manifest and
+  the report, and the fidelity check judges it like any other change.
 
 This keeps the model's own arithmetic, so nothing but quantization separates it from the float model; folding the
 normalisation into the first layer instead would be exact only without padding, and only before a convolution or
-linear layer. Whatever still computes in float at an edge (a division by a value the model computes, an operator
-without an int8 kernel) is found in the quantized graph with the model's line (``float_edges``), and named
+linear layer. Whatever still computes in float at an edge (an operator without an int8 kernel on the target, such
+as LOG on TFLite Micro) is found in the quantized graph with the model's line (``float_edges``), and named
 when a full-integer target refuses the file it went into (``write_tflite(..., full_integer_for=...)``).
 """
 
@@ -50,9 +59,23 @@ from torchao.quantization.pt2e.quantizer import (
 
 from edgeline.export.conversion import Culprit, describe_culprit, module_path, node_culprit
 from edgeline.export.errors import LoweringError
+from edgeline.export.tflite_operators import (
+    ETHOS_U_KERNELS,
+    LITERT_KERNELS,
+    TFLITE_MICRO_KERNELS,
+    Int8Kernels,
+)
 from edgeline.manifest import Rewrite
 
-__all__ = ["FullIntegerQuantizer", "check_full_integer", "float_edges"]
+__all__ = [
+    "ETHOS_U_KERNELS",
+    "LITERT_KERNELS",
+    "TFLITE_MICRO_KERNELS",
+    "FullIntegerQuantizer",
+    "Int8Kernels",
+    "check_full_integer",
+    "float_edges",
+]
 
 _aten = torch.ops.aten
 _ELEMENTWISE = frozenset({_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor})
@@ -91,6 +114,11 @@ _ONE_INPUT = frozenset(
         _aten.relu.default,
     }
 )
+# Operators whose int8 kernels are lookup tables built from their input's and output's quantization (RSQRT is
+# computed, not a table, in TFLite Micro): any two quantizations go. ELU is here for the targets that keep it
+# (``_rewrite_for_int8`` decomposes it for the others).
+_ONE_INPUT |= {_aten.rsqrt.default, _aten.elu.default}
+_LOOKUP_TABLES = frozenset({_aten.exp.default, _aten.log.default})
 _FIXED_OUTPUT |= {_aten.sigmoid.default: _fixed(1 / 256, -128), _aten.tanh.default: _fixed(1 / 128, 0)}
 
 # Arithmetic on constants that is folded into one constant before annotation (aliases included: a tensor built in
@@ -115,13 +143,19 @@ def _is_number(value: Any) -> bool:
 
 
 def _constant(model: GraphModule, before: Node, value: Any) -> Node:
-    """A new constant (a buffer read by ``get_attr``) in the dtype of ``before``'s output, inserted before it."""
-    dtype = before.meta["val"].dtype
+    """A new constant (a buffer read by ``get_attr``) in the dtype of ``before``'s output, inserted before it. A
+    single number takes the rank of that output (all ones): litert-torch's layout pass keeps an operator with a
+    0-d operand in NCHW, and the TRANSPOSEs it then adds cut the NPU graph (and left a global MEAN reducing the
+    channels, which vela refuses)."""
+    result = before.meta["val"]
     index = 0
     while hasattr(model, f"_full_integer_constant_{index}"):
         index += 1
     name = f"_full_integer_constant_{index}"
-    model.register_buffer(name, torch.as_tensor(value, dtype=dtype))
+    constant = torch.as_tensor(value, dtype=result.dtype)
+    if constant.dim() == 0 and result.dim() > 0:
+        constant = constant.reshape([1] * result.dim())
+    model.register_buffer(name, constant)
     with model.graph.inserting_before(before):
         return model.graph.get_attr(name)
 
@@ -149,19 +183,36 @@ GELU_AS_TANH = Rewrite(
 )
 
 
-def _rewrite_for_int8(model: GraphModule, *, gelu_kernel: bool = True) -> list[Rewrite]:
+def _rewrite_for_int8(model: GraphModule, *, kernels: Int8Kernels = LITERT_KERNELS) -> list[Rewrite]:
     """Divisions by a constant into multiplications by its reciprocal; ``c - x`` into ``sub(c, x)``; numbers in
     ADD/SUB/MUL into float constants (litert-torch's quantizer makes ``x + 1`` an int64 constant its observer
-    rejects); activations without an annotation into the operators that have one (see the module). The rewrites
-    that change what the model computes, with their counts."""
+    rejects); activations without an annotation into the operators that have one (see the module), in the form the
+    target's ``kernels`` run in int8. The rewrites that change what the model computes, with their counts."""
     approximated = 0
     for node in list(model.graph.nodes):
         if node.op != "call_function" or not _floating(node):
             continue
-        if node.target is _aten.gelu.default and not gelu_kernel and isinstance(node.args[0], Node):
+        if node.target is _aten.gelu.default and not kernels.gelu and isinstance(node.args[0], Node):
             exact = (node.kwargs.get("approximate") or (node.args[1] if len(node.args) > 1 else "none")) == "tanh"
             _decompose_gelu(model, node)
             approximated += not exact
+            continue
+        if node.target in _ELU_FAMILY and isinstance(node.args[0], Node):
+            alpha, scale, input_scale = _elu_constants(node)
+            if not (kernels.elu and (alpha, scale, input_scale) == (1.0, 1.0, 1.0)):
+                _decompose_elu(model, node, alpha, scale, input_scale, native=kernels.elu)
+            elif node.target is not _aten.elu.default:  # CELU(1), the same function as ELU
+                node.target, node.args, node.kwargs = _aten.elu.default, (node.args[0],), {}
+            continue
+        if node.target is _aten.softplus.default and kernels.exp_log and isinstance(node.args[0], Node):
+            # (without int8 EXP and LOG, softplus stays float, in the converter's form: SELECT becomes SELECT_V2)
+            _decompose_softplus(model, node)
+            continue
+        if node.target is _aten.mish.default and isinstance(node.args[0], Node):
+            _decompose_mish(model, node, kernels)
+            continue
+        if node.target is _aten.layer_norm.default and isinstance(node.args[0], Node):
+            _decompose_layer_norm(model, node)
             continue
         if node.kwargs:
             continue
@@ -184,6 +235,141 @@ def _rewrite_for_int8(model: GraphModule, *, gelu_kernel: bool = True) -> list[R
     model.graph.eliminate_dead_code()
     model.recompile()
     return [GELU_AS_TANH.model_copy(update={"count": approximated})] if approximated else []
+
+
+_SELU = (1.6732632423543772848170429916717, 1.0507009873554804934193349852946)
+_ELU_FAMILY = frozenset({_aten.elu.default, _aten.selu.default, _aten.celu.default})
+
+
+def _argument(node: Node, position: int, name: str, default: float) -> float:
+    value: Any = node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+    return float(value)
+
+
+def _elu_constants(node: Node) -> tuple[float, float, float]:
+    """ELU, SELU and CELU as one function, ``scale * (x if x > 0 else alpha * (exp(input_scale * x) - 1))``:
+    its (alpha, scale, input_scale)."""
+    if node.target is _aten.selu.default:
+        return (*_SELU, 1.0)
+    if node.target is _aten.celu.default:
+        alpha = _argument(node, 1, "alpha", 1.0)
+        return alpha, 1.0, 1.0 / alpha
+    return (
+        _argument(node, 1, "alpha", 1.0),
+        _argument(node, 2, "scale", 1.0),
+        _argument(node, 3, "input_scale", 1.0),
+    )
+
+
+def _decompose_elu(
+    model: GraphModule, node: Node, alpha: float, scale: float, input_scale: float, *, native: bool
+) -> None:
+    """ELU that is not TFLite's ELU (alpha 1), or a target without an int8 ELU kernel (the Ethos-U NPU):
+    ``r + alpha (exp(s (x - r)) - 1)``, ``r = relu(x)``, times ``scale``: the same function, from RELU, SUB, MUL,
+    EXP (``native``: ELU, which is ``exp - 1`` where ``x - r`` lives, at or below 0) and ADD, which have int8
+    kernels, and no SELECT (TFLite Micro has none). EXP sees only ``min(x, 0)``, in its own quantization: the
+    lowering the converter makes requantized ELU's input to its output's range, clipping it at about -1."""
+    mul, add, sub = _aten.mul.Tensor, _aten.add.Tensor, _aten.sub.Tensor
+    steps: list[tuple[Any, tuple[Any, ...]]] = [(_aten.relu.default, (0,)), (sub, (0, 1))]  # 1: r, 2: min(x, 0)
+    if input_scale != 1.0:
+        steps.append((mul, (len(steps), input_scale)))
+    if native:
+        steps.append((_aten.elu.default, (len(steps),)))  # exp(m) - 1
+    else:
+        steps += [(_aten.exp.default, (len(steps),)), (add, (len(steps) + 1, -1.0))]
+    if alpha != 1.0:
+        steps.append((mul, (len(steps), alpha)))
+    steps.append((add, (1, len(steps))))
+    if scale != 1.0:
+        steps.append((mul, (len(steps), scale)))
+    _replace(model, node, steps)
+
+
+def _decompose_softplus(model: GraphModule, node: Node) -> None:
+    """``softplus(x) = r + log(1 + exp(x - 2r))``, ``r = relu(x)`` (``x - 2r = -|x|``), divided by ``beta`` on
+    ``beta x``: the same function (torch's ``threshold`` returns ``x`` where the two differ by under 2e-9), and EXP
+    sees ``-|x|``, whose ``exp`` int8 holds well (0 to 1), where the converter's form quantized ``exp(x)``."""
+    beta = _argument(node, 1, "beta", 1.0)
+    mul, add, sub = _aten.mul.Tensor, _aten.add.Tensor, _aten.sub.Tensor
+    steps: list[tuple[Any, tuple[Any, ...]]] = [(mul, (0, beta))] if beta != 1.0 else []
+    x = len(steps)
+    steps += [(_aten.relu.default, (x,))]
+    r = len(steps)
+    steps += [(mul, (r, 2.0)), (sub, (x, r + 1)), (_aten.exp.default, (r + 2,)), (add, (r + 3, 1.0))]
+    steps += [(_aten.log.default, (r + 4,)), (add, (r, r + 5))]
+    if beta != 1.0:
+        steps.append((mul, (len(steps), 1.0 / beta)))
+    _replace(model, node, steps)
+
+
+def _decompose_mish(model: GraphModule, node: Node, kernels: Int8Kernels) -> None:
+    """``mish(x) = x tanh(softplus(x))``. With int8 EXP and LOG: softplus as ``_decompose_softplus``, then TANH
+    and MUL. Without (TFLite Micro): ``tanh(softplus(x)) = s (2 - s) / (2 - 2s + s^2)``, ``s = sigmoid(x)`` (from
+    ``1 + e^x = 1 / (1 - s)``), from LOGISTIC, MUL, SUB, ADD and DIV: the same function, every piece int8."""
+    mul, add, sub = _aten.mul.Tensor, _aten.add.Tensor, _aten.sub.Tensor
+    if kernels.exp_log:
+        steps: list[tuple[Any, tuple[Any, ...]]] = [
+            (_aten.relu.default, (0,)), (mul, (1, 2.0)), (sub, (0, 2)), (_aten.exp.default, (3,)),
+            (add, (4, 1.0)), (_aten.log.default, (5,)), (add, (1, 6)),  # 7: softplus(x)
+            (_aten.tanh.default, (7,)), (mul, (0, 8)),
+        ]  # fmt: skip
+    else:
+        steps = [
+            (_aten.sigmoid.default, (0,)), (sub, (2.0, 1)), (mul, (1, 2)),  # 3: s (2 - s)
+            (mul, (1, 1)), (mul, (1, 2.0)), (sub, (4, 5)), (add, (6, 2.0)),  # 7: 2 - 2s + s^2
+            (_aten.div.Tensor, (3, 7)), (mul, (0, 8)),
+        ]  # fmt: skip
+    _replace(model, node, steps)
+
+
+def _decompose_layer_norm(model: GraphModule, node: Node) -> None:
+    """``layer_norm`` as MEAN, SUB, MUL, MEAN, ADD, RSQRT, MUL (and MUL, ADD for its weight and bias), a mean over
+    the last axis as a linear layer: every piece has an int8 kernel in LiteRT and TFLite Micro and an NPU form in
+    vela; as one operator the converter left all of it float (42 of 60 operators of a small transformer, the NPU
+    graph cut into 4)."""
+    source = node.args[0]
+    normalized: Any = node.args[1] if len(node.args) > 1 else node.kwargs["normalized_shape"]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    eps = _argument(node, 4, "eps", 1e-5)
+    dims = [-(i + 1) for i in range(len(list(normalized)))][::-1]
+    graph = model.graph
+    made: list[Node] = []
+
+    def call(target: Any, *args: Any) -> Node:
+        with graph.inserting_before(node):
+            result = graph.call_function(target, args)
+        made.append(result)
+        return result
+
+    channels = int(node.meta["val"].shape[-1])
+    if len(dims) == 1:
+        # the mean over the last axis as a linear layer of weights 1/C (exact in int8 per channel): vela maps a
+        # FULLY_CONNECTED to the NPU, but not a MEAN over the channels of a 4-D tensor
+        average = _constant(model, node, torch.full((1, channels), 1.0 / channels))
+        mean = call(_aten.linear.default, source, average)
+        centred = call(_aten.sub.Tensor, source, mean)
+        squared = call(_aten.mul.Tensor, centred, centred)
+        variance = call(_aten.linear.default, squared, average)
+    else:
+        mean = call(_aten.mean.dim, source, dims, True)
+        centred = call(_aten.sub.Tensor, source, mean)
+        squared = call(_aten.mul.Tensor, centred, centred)
+        variance = call(_aten.mean.dim, squared, dims, True)
+    shifted = call(_aten.add.Tensor, variance, _constant(model, node, eps))
+    inverse = call(_aten.rsqrt.default, shifted)
+    result = call(_aten.mul.Tensor, centred, inverse)
+    if isinstance(weight, Node):
+        result = call(_aten.mul.Tensor, result, weight)
+    if isinstance(bias, Node):
+        result = call(_aten.add.Tensor, result, bias)
+    value = node.meta["val"]
+    reduced = value.mean(dim=dims, keepdim=True)
+    for item in made:
+        shape = reduced if item in (mean, variance, shifted, inverse) else value
+        item.meta = {**node.meta, "val": shape}
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
 
 
 def _replace(model: GraphModule, node: Node, steps: list[tuple[Any, tuple[Any, ...]]]) -> None:
@@ -309,6 +495,19 @@ def _keep_float(model: GraphModule, modules: tuple[str, ...], activation: Any, i
                 annotation.input_qspec_map[source] = activation
 
 
+def _quantize_shared_fused_outputs(model: GraphModule, output: Any) -> None:
+    """litert-torch's patterns fuse a convolution or linear layer with the ReLU after it: the layer's output is not
+    quantized, the ReLU's is. When another operator also reads the layer's output (``relu(x)`` and ``x - relu(x)``
+    in the forms above, a residual branch), that output must be quantized too, or the layer runs in float: it gets
+    its own quantization, and the ReLU reads it like any other int8 input."""
+    for node in model.graph.nodes:
+        annotation = node.meta.get("quantization_annotation")
+        if annotation is None or annotation.output_qspec is not None or not _floating(node) or len(node.users) < 2:
+            continue
+        if any(_op_name(user) in ("relu", "relu_", "hardtanh", "hardtanh_") for user in node.users):
+            annotation.output_qspec = output
+
+
 def _annotated(node: Node) -> bool:
     annotation = node.meta.get("quantization_annotation")
     return annotation is not None and bool(annotation._annotated)
@@ -318,11 +517,14 @@ class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch
     """litert-torch's PT2E quantizer (symmetric per-channel weights, int8 activations) that also quantizes the
     element-wise arithmetic, SOFTMAX and LOG_SOFTMAX: see the module's docstring."""
 
-    def __init__(self, *, gelu_kernel: bool = True, keep_float: tuple[str, ...] = (), int8_edges: bool = True) -> None:
+    def __init__(
+        self, *, kernels: Int8Kernels = LITERT_KERNELS, keep_float: tuple[str, ...] = (), int8_edges: bool = True
+    ) -> None:
         super().__init__()
         self.set_global(get_symmetric_quantization_config(is_per_channel=True, is_dynamic=False))
-        self.gelu_kernel = gelu_kernel
-        """False: the target has no GELU kernel (TFLite Micro): GELU becomes its tanh approximation."""
+        self.kernels = kernels
+        """What the target runs in int8 (``Int8Kernels``): the form GELU, ELU and Mish take, and whether EXP and
+        LOG are quantized."""
         self.keep_float = keep_float
         """Module paths whose operators stay float (mixed precision): their annotations are taken back, so a
         dequantize comes before them and a quantize after."""
@@ -334,22 +536,28 @@ class FullIntegerQuantizer(PT2EQuantizer):  # type: ignore[misc]  # litert-torch
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         constant_fold(model, constraint_fn=lambda node: _op_name(node) in _FOLDED)
-        self.rewrites = _rewrite_for_int8(model, gelu_kernel=self.gelu_kernel)
+        self.rewrites = _rewrite_for_int8(model, kernels=self.kernels)
         return super().transform_for_annotation(model)
 
     def annotate(self, model: GraphModule) -> GraphModule:
         super().annotate(model)  # litert-torch's patterns first: they fuse a convolution with its ReLU, ...
         activation = self.global_config.input_activation
+        _quantize_shared_fused_outputs(model, self.global_config.output_activation)
+        one_input = _ONE_INPUT | _LOOKUP_TABLES if self.kernels.exp_log else _ONE_INPUT
         for node in model.graph.nodes:
             if node.op != "call_function" or _annotated(node) or not _floating(node):
                 continue
-            if node.target in _ELEMENTWISE:
+            if node.target in _ELEMENTWISE or node.target is _aten.div.Tensor:  # DIV: int8 everywhere
                 inputs = {arg: activation for arg in node.args[:2] if isinstance(arg, Node)}
                 output = self.global_config.output_activation
             elif node.target in _FIXED_OUTPUT and isinstance(node.args[0], Node):
                 inputs, output = {node.args[0]: activation}, _FIXED_OUTPUT[node.target]
-            elif node.target in _ONE_INPUT and isinstance(node.args[0], Node):
+            elif node.target in one_input and isinstance(node.args[0], Node):
                 inputs, output = {node.args[0]: activation}, self.global_config.output_activation
+            elif node.target is _aten.prelu.default and all(isinstance(arg, Node) for arg in node.args[:2]):
+                # PRELU's int8 kernel takes its alpha in int8, quantized per tensor like an activation
+                inputs = {node.args[0]: activation, node.args[1]: activation}
+                output = self.global_config.output_activation
             else:
                 continue
             node.meta["quantization_annotation"] = QuantizationAnnotation(

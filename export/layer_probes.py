@@ -173,11 +173,13 @@ class LiteRTProbe(LayerProbe):
                 }
                 if modules:  # a fused operator's output belongs to the last module it computes
                     self.tensors[max(modules, key=rank.__getitem__)] = detail
-        # The model's outputs are named after the signature, not the code: the module that returned each
+        # The model's outputs are named after the signature, not the code: the module that returned each. Its reading
+        # is the tensor the model really outputs, not the one before a last step its location names no module of
+        # (a microcontroller's int8 output: QUANTIZE after a layer mixed precision kept float).
         for index, detail in enumerate(self.interpreter.get_output_details()):
             found = re.search(r"output_(\d+)", str(detail["name"]))
             module = run.returned.get(int(found.group(1)) if found else index)
-            if module is not None and module not in self.tensors:
+            if module is not None:
                 self.tensors[module] = detail
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -393,7 +395,7 @@ class OpenVINOProbe(LayerProbe):
             program = export_program(module, arrays)
         program = program.run_decompositions()  # a new program: the caller's is left as it was
         wanted = set(run.order)
-        prefixes = {f"{node.name}/": name for name, node in last_nodes(program).items() if name in wanted}
+        prefixes = {f"{_ir_name(node)}/": name for name, node in last_nodes(program).items() if name in wanted}
         core = ov.Core()
         model = core.read_model(str(path))
         ops = model.get_ordered_ops()
@@ -437,6 +439,18 @@ class OpenVINOProbe(LayerProbe):
         return values
 
 
+def _ir_name(node: Any) -> str:
+    """The torch.export node whose name the IR's operators computing ``node``'s value carry: a module whose last node
+    takes the first value of a node of several outputs (LayerNorm's ``getitem`` of ``native_layer_norm``, a pool's
+    of ``max_pool2d_with_indices``) has no operator of its own; the operators made from that node compute it."""
+    import operator
+
+    source = node.args[0] if node.target is operator.getitem and len(node.args) == 2 else None
+    if source is not None and node.args[1] == 0 and hasattr(source, "name"):
+        return str(source.name)
+    return str(node.name)
+
+
 def _openvino_input_quantization(parameter: Any) -> tuple[Quantization, np.dtype] | None:
     """The FakeQuantize an OpenVINO model applies to its input ``parameter`` first (per tensor, 256 levels), as a
     uint8 scale and zero point; None where it takes the input float."""
@@ -470,7 +484,8 @@ class PT2EProbe(LayerProbe):
 
         self.inputs_quantized = _pt2e_input_quantization(converted)
         self.model = prepare_for_propagation_comparison(converted)
-        self.names = {value: path for value, path in names.items() if path in set(run.order)}
+        fused = _fused_with_activation(converted)
+        self.names = {value: path for value, path in names.items() if path in set(run.order) and value not in fused}
         self.measured_with = (
             f"torchao {version('torchao')}'s PT2E numeric debugger on the quantized graph the .pte was lowered from "
             "(XNNPACK computes it up to rounding; the .pte's own tensors are not read)"
@@ -497,6 +512,32 @@ class PT2EProbe(LayerProbe):
         if self._shapes is None:
             self._shapes = {path: tuple(value.shape) for path, value in values.items()}
         return values
+
+
+_FUSED_ACTIVATIONS = ("relu", "relu_")
+"""What XNNPACK's quantizer fuses into the operator before it (its conv, linear, add and mul + ReLU patterns)."""
+
+
+def _fused_with_activation(converted: Any) -> set[str]:
+    """The nodes of a PT2E-quantized graph whose output only an activation reads, unquantized, while the activation's
+    output is quantized: the quantizer annotated the pair as one pattern (a convolution or linear layer and its
+    ReLU), and XNNPACK computes it in one kernel, so the node has no tensor of its own in the deployed model (as a
+    LiteRT operator with a fused activation has none). The layer report leaves them out, and mixed precision keeps
+    them with their activation (``edgeline.export.layers.fused_into``): keeping the ReLU alone float would quantize
+    the output of the layer before it, the very tensor it was meant to keep."""
+    fused = set()
+    for node in converted.graph.nodes:
+        users = list(node.users)
+        if node.op != "call_function" or len(users) != 1 or users[0].op != "call_function":
+            continue
+        activation = users[0]
+        name = str(getattr(activation.target, "__name__", activation.target)).split(".")[0]
+        quantized = any(
+            "quantize_per_" in str(user.target) and "dequantize" not in str(user.target) for user in activation.users
+        )
+        if name in _FUSED_ACTIVATIONS and quantized:
+            fused.add(node.name)
+    return fused
 
 
 def _dequantized(value: str, consumers: dict[str, list[Any]]) -> str:

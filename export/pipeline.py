@@ -19,6 +19,7 @@ import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
@@ -376,10 +377,10 @@ def _destination(options: ExportOptions, out: Path, target: Target) -> Path:
 
 
 MIXED_STEPS = 4
-"""At most this many layers tried in float, one at a time, when int8 misses the accuracy budget."""
+"""At most this many groups tried in float (a build each), one at a time, when int8 misses the accuracy budget."""
 MIXED_MAX_WEIGHTS = 0.5
-"""Mixed precision stops before the layers kept in float hold more than this share of the weights: the profile's
-float target is the cheaper choice then."""
+"""Mixed precision skips a group that would make the layers kept in float hold more than this share of the weights
+(the profile's float target is the cheaper choice then) and tries the next one in the ranking."""
 
 
 @dataclass(frozen=True)
@@ -422,13 +423,28 @@ def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -
     """Mixed precision by the exporter's own quantizer (NNCF's accuracy control): the target built again with
     what it needs, the budget measured as edgeline judges it; the layers it reverted come back as ``kept_float``."""
     assert outcome.fidelity is not None
-    budgets, reference, validation = shared.profile.budgets, shared.reference, shared.validation
     measure = decisive_measure(outcome.fidelity)
     if measure is None:
         return
     first_reason = outcome.reason
+    control = _budget_score(shared, measure)
+    shared.progress(f"{target.backend} {target.precision.value}: {first_reason}; NNCF's accuracy control")
+    try:
+        _build(target, outcome, shared, int8_missed=first_reason, accuracy_control=control)
+    except ExportError as exc:
+        outcome.status = "rejected"
+        outcome.reason = f"{first_reason}; NNCF's accuracy control failed: {exc}"
+        return
+    if outcome.status != "selected":
+        kept = ", ".join(k.module for k in outcome.kept_float) or "no layer"
+        outcome.reason = f"{first_reason}; NNCF's accuracy control kept {kept} in float: {outcome.reason}"
+
+
+def _budget_score(shared: _Shared, measure: str) -> AccuracyControl:
+    """The validation samples and the score the budget judges ``measure`` by on some of them (higher better: the
+    measure itself, points of accuracy or agreement, or the minimum cosine), its largest drop the budget."""
+    budgets, reference, validation = shared.profile.budgets, shared.reference, shared.validation
     post = shared.common["postprocess"]
-    # the score is the measure itself (points of accuracy or agreement, or the minimum cosine), its drop the budget's
     perfect, max_drop = (
         (1.0, 1.0 - (budgets.min_cosine or 0.0))
         if measure == "cosine"
@@ -446,31 +462,31 @@ def _accuracy_control(target: Target, outcome: TargetOutcome, shared: _Shared) -
 
     names = {"accuracy": "accuracy", "top1": "top-1 agreement", "anomaly": "anomaly agreement", "cosine": "cosine",
              "map": "mAP@0.5", "map-agreement": "mAP@0.5 against the float model"}  # fmt: skip
-    control = AccuracyControl(
+    return AccuracyControl(
         samples=[tuple(validation.sample(i)) for i in range(len(validation))],
         score=score,
         max_drop=max_drop,
         measure=names[measure],
     )
-    shared.progress(f"{target.backend} {target.precision.value}: {first_reason}; NNCF's accuracy control")
-    try:
-        _build(target, outcome, shared, int8_missed=first_reason, accuracy_control=control)
-    except ExportError as exc:
-        outcome.status = "rejected"
-        outcome.reason = f"{first_reason}; NNCF's accuracy control failed: {exc}"
-        return
-    if outcome.status != "selected":
-        kept = ", ".join(k.module for k in outcome.kept_float) or "no layer"
-        outcome.reason = f"{first_reason}; NNCF's accuracy control kept {kept} in float: {outcome.reason}"
+
+
+def _labelled_score(target: Target, shared: _Shared) -> AccuracyControl | None:
+    """The accuracy budget's score on labelled validation samples, for an int8-static export that chooses among ways
+    of quantizing (``ExportRequest.validation_score``); None without labels or for a detector."""
+    kind = shared.common["postprocess"].kind
+    if target.precision is not Precision.INT8_STATIC or shared.validation.labels is None:
+        return None
+    return _budget_score(shared, "accuracy") if kind in ("classify", "anomaly") else None
 
 
 def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared, exporter: ExportTarget) -> None:
     """Mixed precision by the accuracy budget, as NNCF's accuracy control does it: the layers ranked by the noise
     they add (``quantization.layers``); the top one's output tensor kept in float, which takes the layer and every
     layer that reads that tensor (they share its quantization); the fidelity measured again, and a group that did
-    not help put back in int8; until the budget holds, ``MIXED_STEPS`` groups were tried, or the float layers would
-    hold more than ``MIXED_MAX_WEIGHTS`` of the weights (a float target is cheaper then). The outcome is the last
-    build's; one that never met the budget says what was tried."""
+    not help put back in int8; until the budget holds, ``MIXED_STEPS`` groups were tried, or no ranked layer is left.
+    A group that would make the float layers hold more than ``MIXED_MAX_WEIGHTS`` of the weights is skipped (a float
+    target is cheaper than that one) and the next is tried. The outcome is the last build's; one that never met the
+    budget says what was tried, what was skipped and why it stopped."""
     loaded, calibration, progress = shared.loaded, shared.calibration, shared.progress
     first_reason = outcome.reason
     best = fidelity_shortfall(outcome.fidelity) if outcome.fidelity is not None else math.inf
@@ -484,8 +500,12 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared, exporte
     macs = module_macs(program) if plain and plain.accelerator else None
     kept: list[KeptFloat] = []
     tried: list[str] = []
+    too_heavy: list[str] = []  # the groups skipped: they would have held more than MIXED_MAX_WEIGHTS float
     advice = ""
-    for rank, layer in enumerate(worst_layers(outcome.layers, count=len(outcome.layers))[:MIXED_STEPS], 1):
+    ranked = worst_layers(outcome.layers, count=len(outcome.layers))
+    for rank, layer in enumerate(ranked, 1):
+        if len(tried) == MIXED_STEPS:
+            break
         if layer.module.startswith(INPUT):  # the data itself: keeping it float means keeping its readers float
             lost = f"int8 keeps least of {layer.module} ({layer.channel_sqnr_db:.1f} dB SQNR in its worst channel)"
             if exporter.full_integer or not readers.get(layer.module):
@@ -507,8 +527,11 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared, exporte
         if not group:
             continue
         weights = {name: sum(p.numel() for p in modules[name].parameters()) for name in group}
-        if sum(k.added_bytes for k in kept) // 3 + sum(weights.values()) > MIXED_MAX_WEIGHTS * total:
-            break
+        float_weights = sum(k.added_bytes for k in kept) // 3 + sum(weights.values())
+        if Fraction(float_weights, total) > Fraction(str(MIXED_MAX_WEIGHTS)):  # in integers: 50% is allowed
+            # too much float with this group: a smaller one further down the ranking may still do
+            too_heavy.append(f"{', '.join(group)} ({float_weights / total:.0%} of the weights)")
+            continue
         why = f"its output ranked {rank} by the noise int8 adds to it ({layer.added_sqnr_db:.1f} dB SQNR)"
         candidates = [
             KeptFloat(
@@ -549,13 +572,25 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared, exporte
         if shortfall < best:  # it helped: kept, and the next group goes on from here
             kept.extend(candidates)
             best = shortfall
-    none = f"; no layer could be kept in float within {MIXED_MAX_WEIGHTS:.0%} of the weights"
-    outcome.reason = (
-        f"{first_reason}; keeping the outputs of {', '.join(tried)} in float one at a time (mixed precision) did "
-        f"not meet it{advice}"
+    outcome.reason = f"{first_reason}; {_why_mixed_stopped(tried, too_heavy, len(ranked))}{advice}"
+
+
+def _why_mixed_stopped(tried: list[str], too_heavy: list[str], ranked: int) -> str:
+    """Why mixed precision stopped short of the budget: the groups it tried, those it skipped for the weight limit,
+    and whether it ran out of steps or of ranked layers."""
+    said = (
+        f"keeping the outputs of {', '.join(tried)} in float one at a time (mixed precision) did not meet it"
         if tried
-        else f"{first_reason}{advice or none}"
+        else "no layer could be kept in float (mixed precision)"
     )
+    if too_heavy:
+        said += (
+            f"; skipped, as more than {MIXED_MAX_WEIGHTS:.0%} of the weights would be float (a float target is "
+            f"cheaper then): {'; '.join(too_heavy)}"
+        )
+    if len(tried) == MIXED_STEPS:
+        return f"{said}; stopped after {MIXED_STEPS} groups tried (the most it tries)"
+    return f"{said}; no other layer of the {ranked} ranked by the noise int8 adds was left to try"
 
 
 def _ranking_subset(errors: list[float]) -> tuple[int, ...]:
@@ -630,6 +665,7 @@ def _build(
         profile=profile,
         keep_float=tuple(k.module for k in kept),
         accuracy_control=accuracy_control,
+        validation_score=_labelled_score(target, shared),
     )
     progress(f"{target.backend} {target.precision.value}: converting")
     exported = convert(request, target)
@@ -780,9 +816,15 @@ def _has_every_tflite_kernel(target: Target, profile: Profile) -> bool:
         return False
 
 
+def _made_at(missing: MissingKernel) -> str:
+    """Where the model makes the operator a kernel is missing for: "; the model makes SIGN at aten.sign in head
+    (model.py:31: ...)", or "; the model makes SIGN in head"."""
+    where = missing.where if missing.where.startswith("in ") else f"at {missing.where}"
+    return f"; the model makes {missing.operator} {where}" if missing.where else ""
+
+
 def _missing_reason(reason: str, missing: MissingKernel, profile: Profile) -> str:
-    where = f"; the model makes {missing.operator} at {missing.where}" if missing.where else ""
-    return f"{reason}{where}; {_supported_by(profile)}"
+    return f"{reason}{_made_at(missing)}; {_supported_by(profile)}"
 
 
 def _not_again(missing: MissingKernel, profile: Profile) -> str:
@@ -897,8 +939,15 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
             except Exception as exc:  # whatever fails inside one target (a runtime refusing its model, ...) is its own
                 logger.debug("%s %s failed", target.backend, target.precision.value, exc_info=exc)
                 reason = failure_reason(exc, staging)
+                if explicit and on_micro_kernels(target, profile):  # name where the model makes what is missing
+                    example = tuple(torch.from_numpy(a) for a in calibration.sample(0))
+                    named = missing_kernel(reason, target, staging, loaded.module, example)
+                    if named is not None and named.where:
+                        reason = f"{reason}{_made_at(named)}"
                 if explicit:
+                    outcome.status, outcome.reason = "failed", reason
                     error = target_error(exc, reason, target, loaded, calibration, profile)
+                    error.report = report  # what --json prints
                     if error is exc:
                         raise
                     raise error from exc
@@ -940,10 +989,12 @@ def run_export(options: ExportOptions, progress: Progress | None = None) -> Expo
             else ""
         )
         boxes = f"; the boxes were {report.box_scaling}" if (report.box_scaling or "").startswith("left") else ""
-        raise BudgetError(
+        missed = BudgetError(
             f"{targets[0].backend} {targets[0].precision.value} misses the {profile.id} budgets: "
             f"{report.outcomes[0].reason}{where}{boxes}"
         )
+        missed.report = report  # what --json prints: the target's outcome and every layer
+        raise missed
     return report
 
 

@@ -22,16 +22,26 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgeline.device_profiles import Precision
+from edgeline.export.graph import module_path
 from edgeline.manifest import Placement
 
-__all__ = ["OpRecord", "executorch_placement", "fx_macs", "placement_of", "tflite_macs", "tflite_placement"]
+__all__ = [
+    "GraphOperator",
+    "ModelSources",
+    "OpRecord",
+    "executorch_placement",
+    "fx_macs",
+    "placement_of",
+    "tflite_macs",
+    "tflite_placement",
+]
 
 TFLITE_CONVERSIONS = frozenset({"QUANTIZE", "DEQUANTIZE"})
 _FLOAT = frozenset({np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.float64)})
@@ -48,6 +58,7 @@ class OpRecord:
     quantized: bool
     macs: int | None = None
     output: str = ""  # the name of its first output tensor, where the format names tensors
+    source: str = ""  # the model's code that made it, "pool1 (model.py:14)", where the format keeps it
 
 
 def placement_of(
@@ -58,11 +69,14 @@ def placement_of(
     whose work could not be counted)."""
     records = list(records)
     fallback: Counter[str] = Counter()
+    sources: dict[str, list[str]] = {}
     for record in records:
         off = accelerator is not None and not record.on_accelerator
         in_float = precision.integer and not record.quantized
         if off or in_float:
             fallback[record.name] += 1
+            if record.source and record.source not in sources.setdefault(record.name, []):
+                sources[record.name].append(record.source)
     uncounted = sorted({r.name for r in records if r.macs is None})
     unknown: dict[str, str] = {}
     if macs_unknown is None and uncounted:
@@ -81,6 +95,7 @@ def placement_of(
         else None,
         quantized_macs=sum(r.macs or 0 for r in records if r.quantized) if counted and precision.integer else None,
         fallback=dict(sorted(fallback.items())),
+        fallback_sources={name: found for name, found in sorted(sources.items()) if found},
         unknown=unknown,
     )
 
@@ -122,12 +137,14 @@ def _reduced_length(left: int, right: int, out: int) -> int:
 WEIGHT_PRECISIONS = frozenset({Precision.INT8_DYNAMIC, Precision.INT8_WEIGHTS})
 
 
-def tflite_placement(path: Path, precision: Precision) -> Placement:
-    """A LiteRT model run by the CPU (LiteRT's kernels or XNNPACK, chosen when it loads): operators and precision."""
+def tflite_placement(path: Path, precision: Precision, sources: ModelSources | None = None) -> Placement:
+    """A LiteRT model run by the CPU (LiteRT's kernels or XNNPACK, chosen when it loads): operators and precision;
+    with ``sources`` (of the graph it was converted from), the model's code that made those it leaves float."""
     from ai_edge_litert.interpreter import Interpreter
 
     interpreter = Interpreter(model_path=str(path))
-    return placement_of(tflite_records(interpreter, precision), precision, accelerator=None)
+    records = tflite_records(interpreter, precision)
+    return placement_of(sources.name(records) if sources else records, precision, accelerator=None)
 
 
 def tflite_records(interpreter: Any, precision: Precision, on_accelerator: Iterable[int] = ()) -> list[OpRecord]:
@@ -157,6 +174,146 @@ def tflite_records(interpreter: Any, precision: Precision, on_accelerator: Itera
         first = next((details[i]["name"] for i in op["outputs"] if i >= 0), "")
         records.append(OpRecord(op["op_name"], op.get("index", position) in delegated, quantized, macs, first))
     return records
+
+
+# TFLite operators whose torch operator has another name; the others are named alike (CUMSUM: aten.cumsum).
+_TFLITE_KINDS: dict[str, frozenset[str]] = {
+    "FULLY_CONNECTED": frozenset({"linear", "addmm", "mm", "matmul"}),
+    "CONV_2D": frozenset({"convolution", "conv2d", "conv1d"}),
+    "DEPTHWISE_CONV_2D": frozenset({"convolution", "conv2d", "conv1d"}),
+    "TRANSPOSE_CONV": frozenset({"convolution", "convtranspose2d", "convtranspose1d"}),
+    "BATCH_MATMUL": frozenset({"bmm", "matmul", "baddbmm"}),
+    "LOGISTIC": frozenset({"sigmoid"}),
+    "PRELU": frozenset({"prelukernel", "prelu"}),
+    "REDUCE_MAX": frozenset({"amax", "max"}),
+    "REDUCE_MIN": frozenset({"amin", "min"}),
+    "REDUCE_PROD": frozenset({"prod"}),
+    "SUM": frozenset({"sum"}),
+    "MEAN": frozenset({"mean", "adaptiveavgpool2d", "adaptiveavgpool1d"}),
+    "AVERAGE_POOL_2D": frozenset({"avgpool2d", "avgpool1d", "adaptiveavgpool2d"}),
+    "MAX_POOL_2D": frozenset({"maxpool2d", "maxpool2dwithindices", "maxpool1d"}),
+    "RESHAPE": frozenset({"view", "reshape", "flatten", "unsqueeze", "squeeze"}),
+    "TRANSPOSE": frozenset({"permute", "transpose", "t"}),
+    "CONCATENATION": frozenset({"cat", "concat"}),
+    "SQUARED_DIFFERENCE": frozenset({"sub", "pow"}),
+    "HARD_SWISH": frozenset({"hardswish"}),
+    "LOG_SOFTMAX": frozenset({"logsoftmax"}),
+    "SELECT": frozenset({"where"}),
+    "SELECT_V2": frozenset({"where"}),
+    "ATAN2": frozenset({"atan", "atan2"}),
+    "GREATER_EQUAL": frozenset({"ge"}),
+    "GREATER": frozenset({"gt"}),
+    "LESS": frozenset({"lt"}),
+    "LESS_EQUAL": frozenset({"le"}),
+    "MAXIMUM": frozenset({"maximum", "clamp", "clampmin"}),
+    "MINIMUM": frozenset({"minimum", "clamp", "clampmax"}),
+    "RELU6": frozenset({"hardtanh", "relu6"}),
+    "LEAKY_RELU": frozenset({"leakyrelu"}),
+}
+
+
+def _plain(name: str) -> str:
+    """``aten._prelu_kernel.default`` and ``PRELU`` -> ``prelukernel`` and ``prelu``: an operator's bare kind."""
+    return name.split(".")[-2 if name.count(".") >= 2 else 0].replace("_", "").lower()
+
+
+@dataclass(frozen=True)
+class GraphOperator:
+    """An operator of the torch graph a model file was converted from: its kind (``cumsum``), the module whose code
+    made it (``spread``; "" outside every module) and where (``spread (model.py:7)``, see ``_source``)."""
+
+    kind: str
+    module: str
+    source: str
+
+
+@dataclass(frozen=True)
+class ModelSources:
+    """Names the operators of a LiteRT model by the model's code, from the PT2E-converted graph it was converted from.
+
+    The model file keeps no source lines; each operator's output tensor is named after the modules whose code made
+    it (``__main__.Net/__main__.Spread_spread``), and the graph's nodes carry their module and stack trace
+    (torch.export's ``nn_module_stack`` and ``stack_trace``). An operator is tied to the graph's operators of that
+    module: the one of its own kind (CUMSUM: ``aten.cumsum``), the n-th of a module's operators of one kind to the
+    n-th of the graph's; where the module has none of its kind (a torch operator the converter wrote as several,
+    PReLU as RELU, MUL and SUB), to the module's first torch operator, whose module and line are named. An operator
+    whose tensor names no module (a model output, named after the signature) is tied by its kind alone to the
+    graph's first operator of that kind not yet tied; with neither, it is left unnamed (never guessed).
+
+    Which operators compute in float is the model file's to say (``tflite_records``): the graph's quantize and
+    dequantize nodes frame every operator the quantizer annotated, including those the converter then leaves in
+    float (CUMSUM, DIV of two activations), so the graph only names them."""
+
+    operators: tuple[GraphOperator, ...] = ()
+    locations: tuple[tuple[str, str], ...] = ()
+    """Each module's location as LiteRT names it, with its path (``("__main__.Net/..._spread", "spread")``)."""
+
+    @classmethod
+    def of(cls, converted: Any, root: Any) -> ModelSources:
+        """From the PT2E-converted GraphModule ``converted`` of the torch module ``root``."""
+        operators = tuple(
+            GraphOperator(_plain(_op_name(node)), module_path(node) or "", _source(node))
+            for node in converted.graph.nodes
+            if node.op == "call_function" and _op_name(node) not in _SKIPPED and not _is_conversion(_op_name(node))
+        )
+        return cls(operators, tuple(_locations(root)))
+
+    def modules(self, tensor: str) -> tuple[str, ...]:
+        """The modules a LiteRT tensor's name places it in: the innermost ones it names, "" for the model's own
+        forward(); () when it names none."""
+        by_location = dict(self.locations)
+        found = {by_location[part] for part in tensor.split(";") if part in by_location}
+        inner = {module for module in found if module}
+        return tuple(sorted(inner or found))
+
+    def name(self, records: list[OpRecord]) -> list[OpRecord]:
+        """``records`` with their ``source``: see the class."""
+        named = list(records)
+        tied: set[int] = set()
+        seen: Counter[tuple[str, tuple[str, ...]]] = Counter()
+        unplaced = []
+        for position, record in enumerate(records):
+            modules = self.modules(record.output)
+            if not modules:
+                unplaced.append(position)
+                continue
+            here = [i for i, op in enumerate(self.operators) if op.module in modules]
+            alike = [i for i in here if self._alike(record.name, i)]
+            if alike:
+                pick = alike[min(seen[record.name, modules], len(alike) - 1)]
+                seen[record.name, modules] += 1
+            elif here:
+                pick = next((i for i in here if i not in tied), here[0])
+            else:
+                continue
+            tied.add(pick)
+            named[position] = replace(record, source=self.operators[pick].source)
+        for position in unplaced:
+            alike = [i for i in range(len(self.operators)) if self._alike(records[position].name, i)]
+            free = next((i for i in alike if i not in tied), None)
+            if free is not None:
+                tied.add(free)
+                named[position] = replace(records[position], source=self.operators[free].source)
+        return named
+
+    def _alike(self, tflite: str, index: int) -> bool:
+        kind = self.operators[index].kind
+        return kind in _TFLITE_KINDS.get(tflite, frozenset()) or kind == _plain(tflite)
+
+
+def _locations(root: Any) -> list[tuple[str, str]]:
+    """Every module of ``root`` as LiteRT's tensor names locate it (``edgeline.export.graph.module_of_location``
+    reads them back): the root's class, then each child's class and attribute name."""
+    kind = type(root)
+    pending = [(f"{kind.__module__}.{kind.__qualname__}", "", root)]
+    found: list[tuple[str, str]] = []
+    while pending and len(found) < 100_000:  # bounded: a model's modules, each visited once
+        location, path, module = pending.pop()
+        found.append((location, path))
+        for attribute, child in module.named_children():
+            segment = f"{type(child).__module__}.{type(child).__qualname__}_{attribute}"
+            pending.append((f"{location}/{segment}", f"{path}.{attribute}" if path else attribute, child))
+    return found
 
 
 _CONVERSION_MARKERS = ("quantize_per_", "dequantize_per_", "choose_qparams")
@@ -199,8 +356,29 @@ def _fx_records(graph: Any, on_accelerator: bool, precision: Precision) -> list[
         weightless = precision in WEIGHT_PRECISIONS and not any(_is_parameter(a) for a in node.all_input_nodes)
         if from_dequantize or fused or weightless:
             quantized.add(node)
-        records.append(OpRecord(name, on_accelerator, node in quantized, fx_macs(node, name), node.name))
+        where = _source(node)
+        records.append(OpRecord(name, on_accelerator, node in quantized, fx_macs(node, name), node.name, where))
     return records
+
+
+def _source(node: Any) -> str:
+    """``pool1 (model.py:14)``: the module whose code made a torch graph node and the model's own line that called
+    it (the innermost frame of its stack trace outside torch and the installed packages); ``forward()`` for code
+    outside every module; "" when the graph kept neither."""
+    meta = getattr(node, "meta", {}) or {}
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+', str(meta.get("stack_trace") or ""))
+    line = next(
+        (
+            f"{Path(path).name}:{number}"
+            for path, number in reversed(frames)
+            if not any(part in path for part in ("site-packages", "dist-packages", "/torch/", "<"))
+        ),
+        None,
+    )
+    module = module_path(node)
+    if module is None and line is None:
+        return ""
+    return f"{module or 'forward()'}" + (f" ({line})" if line else "")
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from edgeline.export.budgets import decisive_measure, fidelity_shortfall, uncertain_verdict
 from edgeline.manifest import (
     Budgets,
     Estimates,
@@ -143,6 +144,25 @@ def fidelity_summary(outcome: TargetOutcome) -> str:
     return f"cos min {fid.cosine_min:.4f}"
 
 
+def _drop_interval_line(outcome: TargetOutcome, budgets: Budgets | None) -> str | None:
+    """The budget's uncertainty: the decisive drop with its 95% interval on the validation samples, a warning when
+    the budget lies inside it (``budgets.uncertain_verdict``); None where there is no interval (mAP, cosine)."""
+    fid = outcome.fidelity
+    if fid is None or fid.status != "measured" or fid.drop_interval is None:
+        return None
+    warning = uncertain_verdict(budgets, fid) if budgets is not None else None
+    if warning is not None:
+        return f"WARNING: {warning}"
+    what = {"accuracy": "accuracy drop", "top1": "top-1 disagreement", "anomaly": "anomaly flag disagreement"}
+    kind = decisive_measure(fid)
+    low, high = fid.drop_interval
+    budget = f" (budget {budgets.max_accuracy_drop:g})" if budgets is not None else ""
+    return (
+        f"{what.get(kind or '', 'drop')} {fidelity_shortfall(fid):.2f} points, 95% interval {low:.2f} to {high:.2f} "
+        f"on {fid.samples} validation samples{budget}"
+    )
+
+
 def _share_cell(placement: Placement, kind: str, judged: bool) -> str:
     """E.g. "99.9% work*, 7/8 ops": the share of the work (multiply-accumulates) and the operator count; ``*`` marks
     the share a budget judged (the work's when it was counted, else the operators')."""
@@ -273,6 +293,10 @@ def format_report(report: ExportReport) -> str:
                 )
                 + (f" ({e.covers})" if e.covers else "")
             )
+    for o in report.outcomes:  # a share is never the only place an operator left out shows: its module and line
+        left_out = o.placement.describe_sources() if o.placement is not None else None
+        if left_out and o.status in ("selected", "passed", "rejected"):
+            lines.append(f"{o.backend} {o.precision}: {left_out}")
     for o in report.outcomes:
         for rewrite in o.rewrites if o.status in ("selected", "passed", "rejected") else ():
             lines.append(
@@ -297,6 +321,10 @@ def format_report(report: ExportReport) -> str:
                             for k in o.kept_float)
                 + "; every other layer int8"
             )  # fmt: skip
+    for o in report.outcomes:
+        interval = _drop_interval_line(o, report.budgets) if o.status in ("selected", "passed", "rejected") else None
+        if interval is not None:
+            lines.append(f"{o.backend} {o.precision}: {interval}")
     for o in report.outcomes:
         if o.memory is not None and o.status in ("selected", "passed"):
             lines.append(f"{o.backend} {o.precision}: memory: {memory_summary(o.memory, report.budgets)}")

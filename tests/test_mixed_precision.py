@@ -353,11 +353,11 @@ def test_executorch_keeps_the_outlier_tensor_float_by_the_pt2e_numeric_debugger_
     report = _export(model, samples, tmp_path / "bundle", "rpi4", **explicit)
     outcome = report.outcomes[0]
     assert outcome.status == "selected", outcome.reason
-    # In the PT2E graph conv1 has a tensor of its own (XNNPACK fuses it with its ReLU later, when it lowers): the
-    # group is the outlier tensor's maker act1 and its reader mix, and conv1 stays int8
-    assert [kept.module for kept in outcome.kept_float] == ["act1", "mix"]
+    # XNNPACK's quantizer takes conv1 and its ReLU act1 as one pattern (one kernel): conv1's output is no tensor of
+    # its own, and the group is LiteRT's, the outlier tensor's makers conv1 and act1 and its reader mix
+    assert [kept.module for kept in outcome.kept_float] == list(KEPT)
     # no "input x": XNNPACK's quantizer leaves forward()'s division float, so the model takes its input float
-    assert outcome.layers[0].module == "conv1" and "numeric debugger" in _measured(outcome)
+    assert outcome.layers[0].module == "act1" and "numeric debugger" in _measured(outcome)
     assert _held_out_accuracy(outcome.bundle) >= _float_accuracy(model) - 0.01
     with pytest.raises(BudgetError) as caught:
         _export(model, samples, tmp_path / "plain", "rpi4", mixed_precision=False, **explicit)

@@ -218,6 +218,9 @@ def test_an_explicit_target_that_fails_to_load_is_one_error_line(
     assert len(errors) == 1 and done.stderr.rstrip("\n").endswith(errors[0]), done.stderr
     message = errors[0].removeprefix("edgeline export: error: ")
     assert message.startswith("tflite-micro int8-static: ") and "SIGN" in message, message
+    # named where the model makes it, as the profile's own run of its targets does (issue 53: with --backend the
+    # refusal named no module or line)
+    assert "the model makes SIGN at aten.sign" in message and "tiny_transformer.py:" in message, message
     assert not out.exists()
 
 

@@ -305,17 +305,29 @@ class ExecuTorchBackend(RuntimeBackend):
     file_suffixes = (".pte",)
 
     def probe(self, *, try_import: bool) -> RuntimeFacts:
-        """The torch-free runtime when there is one (loaded, with ``try_import``), the Python runtime's facts
-        otherwise; each names the other when both are here."""
+        """The runtime ``open`` will take: the torch-free one when there is one (loaded, with ``try_import``), the
+        Python runtime's facts otherwise, each naming the other when both are here; ``EDGELINE_EXECUTORCH_RUNTIME``
+        chooses one, as it does for ``open``."""
         import importlib.util
 
         from edgeline.executorch_native import NativeRuntime, built_shim, compiler, runtimes
 
         python = super().probe(try_import=False)
+        try:
+            wanted = _choice()
+        except BackendUnavailableError as exc:
+            return replace(python, imports=False, error=str(exc))
         python_there = python.version is not None and importlib.util.find_spec("torch") is not None
+        if wanted == "python":
+            return self._python_chosen(python, python_there, try_import=try_import)
         also = f"ExecuTorch's Python runtime {python.version} (imports torch)" if python_there else None
+        if wanted == "native":
+            also = None  # asked for by name: ``open`` fails rather than take the Python runtime
         found = runtimes()
         if not found:
+            if wanted == "native":
+                error = f"{RUNTIME_CHOICE}=native: no torch-free ExecuTorch runtime here ({self.install})"
+                return RuntimeFacts(python.version, False, error, kind="torch-free")
             if python.version is None:
                 return python
             python = super().probe(try_import=try_import)
@@ -341,6 +353,18 @@ class ExecuTorchBackend(RuntimeBackend):
             loaded.version, True, kind="torch-free", location=where, delegates=loaded.backends(), fallback=also
         )
 
+    def _python_chosen(self, python: RuntimeFacts, torch_there: bool, *, try_import: bool) -> RuntimeFacts:
+        """``EDGELINE_EXECUTORCH_RUNTIME=python``: ExecuTorch's Python runtime or nothing, as ``open`` takes it."""
+        chosen = f"chosen by {RUNTIME_CHOICE}=python"
+        if python.version is None:
+            return replace(python, kind="python", error=f"{RUNTIME_CHOICE}=python: {python.error}")
+        if not torch_there:
+            error = f"{RUNTIME_CHOICE}=python: ExecuTorch's Python runtime imports torch, which is not installed"
+            return RuntimeFacts(python.version, False, error, kind="python", location=chosen)
+        if try_import:
+            python = super().probe(try_import=True)
+        return replace(python, kind="python", location=chosen, fallback=None)
+
     def imported(self, module: Any, version: str | None) -> RuntimeFacts:
         registry = module.Runtime.get().backend_registry
         return RuntimeFacts(version, True, kind="python", delegates=tuple(registry.registered_backend_names))
@@ -364,7 +388,9 @@ class ExecuTorchBackend(RuntimeBackend):
             lacks = f"the program is delegated to {needed}, which {label} lacks (it has: {has})"
             return asked.refused(self.name, lacks)
         why = label + (f" with its {needed} delegate" if needed else "") + " runs it"
-        if runtime.kind == "python":
+        if runtime.kind == "python" and runtime.location:
+            why += f" (it imports torch; {runtime.location})"
+        elif runtime.kind == "python":
             why += " (it imports torch: `edgeline doctor --install executorch` gives the torch-free one)"
         return asked.runs(self.name, asked.model, accelerator, None, why)
 

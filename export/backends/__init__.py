@@ -85,6 +85,10 @@ class ExportRequest:
     accuracy_control: AccuracyControl | None = None
     """For the targets that declare ``own_accuracy_control``: make int8-static with their quantizer's accuracy
     control."""
+    validation_score: AccuracyControl | None = None
+    """The labelled validation samples and the score the accuracy budget judges on them (``max_drop``: the budget),
+    for an exporter that chooses among ways of quantizing (OpenVINO's activation range estimators); None without
+    labels."""
 
     def profile_section(self, name: str, backend: str, needs: str) -> Any:
         """The profile's ``[name]`` section, which ``backend`` cannot export without (``needs`` says what it takes

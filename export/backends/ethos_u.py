@@ -27,9 +27,10 @@ from edgeline.device_profiles import Precision, Profile
 from edgeline.device_profiles.schema import EthosU
 from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.backends.litert import tool_versions, write_tflite
-from edgeline.export.errors import ExportError
+from edgeline.export.errors import ExportError, LoweringError
 from edgeline.export.layer_probes import LayerProbe, LayerReading, litert_layers
-from edgeline.export.placement import TFLITE_CONVERSIONS, placement_of, tflite_records
+from edgeline.export.placement import TFLITE_CONVERSIONS, ModelSources, placement_of, tflite_records
+from edgeline.export.tflite_operators import ETHOS_U_KERNELS
 from edgeline.manifest import Estimates, Placement, RuntimeRequirement
 
 __all__ = [
@@ -166,13 +167,39 @@ def read_per_layer(path: Path) -> dict[tuple[str, str], tuple[str, int]]:
     return layers
 
 
-def _placement(int8_model: Path, compiled: Path, layers: dict[tuple[str, str], tuple[str, int]]) -> Placement:
+NO_MICRO_INT8 = frozenset({"GELU", "EXP", "LOG"})
+"""The int8 operators vela maps to the Ethos-U that TFLite Micro, which runs the rest, has no kernel for."""
+
+
+def _check_micro_kernels(int8_model: Path) -> None:
+    """That TFLite Micro has a kernel for every operator of ``int8_model`` but the lookup tables vela maps to the NPU
+    (``NO_MICRO_INT8``), which a microcontroller's CPU never runs: TFLite Micro loads a copy with those in float (a
+    ``BundleError`` naming the first kernel it lacks otherwise, as verifying on it would have)."""
+    from edgeline.backends import open_session
+    from edgeline.export.tflite_operators import micro_kernel_probe
+
+    probe = int8_model.with_name("micro-kernels.tflite")
+    shutil.copyfile(int8_model, probe)
+    try:
+        micro_kernel_probe(probe, NO_MICRO_INT8)
+        open_session("tflite-micro", probe)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _placement(
+    int8_model: Path,
+    compiled: Path,
+    layers: dict[tuple[str, str], tuple[str, int]],
+    sources: ModelSources | None = None,
+) -> Placement:
     """The int8 model's operators, those vela left to the CPU counted off the NPU.
 
     vela's per-layer report names each original operator by its output tensor, with where it runs and its
     multiply-accumulates: those are used when they account for every operator the compiled model keeps for the CPU.
     Otherwise: the compiled model keeps the CPU's operators as they were; a float one among same-named operators is
-    taken as the one left (the NPU computes in integers only)."""
+    taken as the one left (the NPU computes in integers only). ``sources``: to name the model's code behind those
+    left to the CPU."""
     from ai_edge_litert.interpreter import Interpreter
 
     records = tflite_records(Interpreter(model_path=str(int8_model)), Precision.INT8_STATIC)
@@ -192,6 +219,7 @@ def _placement(int8_model: Path, compiled: Path, layers: dict[tuple[str, str], t
                 left[records[index].name] -= 1
                 on_cpu.add(index)
     records = [replace(record, on_accelerator=index not in on_cpu) for index, record in enumerate(records)]
+    records = sources.name(records) if sources else records
     return placement_of(records, Precision.INT8_STATIC, accelerator=ETHOS_U)
 
 
@@ -226,9 +254,9 @@ class EthosUExporter(ExportTarget):
         clock = core_clock_mhz(config, settings)
         int8_model = request.out_dir / CPU_MODEL
         on_linux = request.profile is not None and request.profile.daemon
-        # A microcontroller runs what vela leaves to its CPU with TFLite Micro, which has no GELU kernel (and a
-        # device without the NPU runs the int8 model there); LiteRT on a Linux device has one
-        written = write_tflite(request, int8_model, full_integer_for=self.name, gelu_kernel=on_linux)
+        # GELU, EXP and LOG in int8: vela maps them to the NPU's lookup tables (TFLite Micro has no int8 kernel for
+        # them, so none may be left to a microcontroller's CPU: checked below)
+        written = write_tflite(request, int8_model, full_integer_for=self.name, kernels=ETHOS_U_KERNELS)
         with tempfile.TemporaryDirectory(prefix="vela-") as scratch:
             _run_vela(int8_model, settings, config, Path(scratch))
             stem = int8_model.stem
@@ -236,9 +264,22 @@ class EthosUExporter(ExportTarget):
             layers = read_per_layer(Path(scratch) / f"{stem}_per-layer.csv")
             shutil.move(Path(scratch) / f"{stem}_vela.tflite", request.out_dir / MODEL_FILE)
         tflm = version("tflite-micro")
-        placement = _placement(int8_model, request.out_dir / MODEL_FILE, layers)
+        placement = _placement(int8_model, request.out_dir / MODEL_FILE, layers, written.sources)
+        beyond_micro = sorted(NO_MICRO_INT8 & set(operator_names(int8_model)))
+        if not on_linux and beyond_micro:  # TFLite Micro cannot check the rest of the CPU's operators as it is
+            _check_micro_kernels(int8_model)
+        if not on_linux:
+            stranded = sorted(NO_MICRO_INT8 & set(placement.fallback))
+            if stranded:
+                raise LoweringError(
+                    f"ethos-u: vela left {', '.join(stranded)} to the CPU, where TFLite Micro has no int8 kernel for "
+                    f"{'it' if len(stranded) == 1 else 'them'}; choose the tflite-micro target (which writes them in "
+                    "other operators)",
+                    operators=tuple(stranded),
+                )
         # What runs the operators vela leaves to the CPU on the device runs the int8 model here: LiteRT on a Linux
-        # device (the delegate hands the rest to LiteRT's kernels), TFLite Micro on a microcontroller.
+        # device (the delegate hands the rest to LiteRT's kernels), TFLite Micro on a microcontroller, unless the
+        # model has operators only the NPU runs in int8 there (then LiteRT's kernels, which TFLite Micro's match)
         verification = (
             Verification(
                 backend="litert",
@@ -247,6 +288,14 @@ class EthosUExporter(ExportTarget):
                 "the device's CPU runs the operators vela leaves to it (the Ethos-U NPU is not here)",
             )
             if on_linux
+            else Verification(
+                backend="litert",
+                model_file=CPU_MODEL,
+                measured_with=f"LiteRT {version('ai-edge-litert')} CPU kernels on the int8 model vela compiled: its "
+                f"{', '.join(beyond_micro)} run on the Ethos-U NPU, and TFLite Micro has no int8 kernel to run them "
+                "here (the NPU is not here)",
+            )
+            if beyond_micro
             else Verification(
                 backend="tflite-micro",
                 model_file=CPU_MODEL,

@@ -11,8 +11,13 @@ about the device's speed. CPU fallback is disabled there, so an operator QNN ref
 
 from __future__ import annotations
 
+import json
+import logging
 import platform
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from importlib.metadata import version
@@ -44,6 +49,8 @@ from edgeline.export.layer_probes import LayerProbe, LayerReading, onnx_layers
 from edgeline.manifest import Placement, RuntimeRequirement
 
 __all__ = ["QnnHtpExporter", "refused_operators"]
+
+logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
 QDQ_FILE = MODEL_FILE.removesuffix(".onnx") + CPU_COPY_SUFFIX
@@ -95,16 +102,104 @@ def _check_whole_model_on_htp(qdq_path: Path) -> None:
     try:
         ort.InferenceSession(str(qdq_path), qnn_session_options(1))
     except Exception as exc:  # onnxruntime's errors derive from Exception only
-        try:
-            refused = refused_operators(qdq_path)
-        except Exception:  # the diagnosis is a courtesy: the first error is the one to report
-            refused = Counter()
+        raise _htp_failure(qdq_path, str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)) from exc
+
+
+_QNN_STATUS = re.compile(r"Error: (QNN_[A-Z0-9_]+): ([^,]*)[.,]*\s*Code: (\d+)")
+"""onnxruntime's message for a QNN call that failed: the status's name, QNN's words for it and its number."""
+_LOG_NAMES = re.compile(r'"([^"]+)"')
+"""A node QNN's own error lines name (``<E> "node_gru__1_cell_t0_forward" generated: could not create op``)."""
+QNN_LOG_TIMEOUT_S = 300
+_QNN_LOG = """\
+import json, sys
+from edgeline.backends.onnxruntime import import_onnxruntime, qnn_session_options
+ort = import_onnxruntime()
+errors = []
+def keep(severity, category, logid, location, message):
+    if len(errors) < 200 and ("<E>" in message or "::ERROR:" in message):
+        errors.append(message.strip())
+ort.set_default_logger_callback(keep, 0)
+options = qnn_session_options(1)
+options.log_severity_level = 0
+try:
+    ort.InferenceSession(sys.argv[1], options)
+except Exception:
+    pass
+ort.set_default_logger_callback(None)
+print(json.dumps(errors))
+"""
+"""Opens a QDQ model on the HTP as ``_check_whole_model_on_htp`` does, QNN's log at its most verbose, and prints its
+error lines. In a process of its own: QNN sets its log level once per process, when its backend is first set up."""
+
+
+def qnn_log_errors(qdq_path: Path) -> list[str]:
+    """The error lines QNN's HTP backend logs while it takes ``qdq_path`` (CPU fallback disabled); none when the
+    log cannot be read."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _QNN_LOG, str(qdq_path)],
+            capture_output=True, text=True, timeout=QNN_LOG_TIMEOUT_S, check=False,
+        )  # fmt: skip
+        found = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else []
+    except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
+        logger.debug("QNN's log could not be read: %s", exc)
+        return []
+    return [str(line) for line in found] if isinstance(found, list) else []
+
+
+def _unbuilt_nodes(qdq_path: Path, errors: list[str]) -> list[Any]:
+    """The QDQ model's nodes QNN's error lines name, in graph order: QNN names what it builds from a node after it
+    (``node_gru__1_cell_t0_forward`` from ``node_gru__1``), so a name is the longest node name it starts with."""
+    import onnx
+
+    nodes = [node for node in onnx.load(str(qdq_path), load_external_data=False).graph.node if node.name]
+    by_length = sorted(nodes, key=lambda node: len(node.name), reverse=True)
+    found: set[str] = set()
+    for name in {name for line in errors for name in _LOG_NAMES.findall(line)}:
+        node = next((node for node in by_length if name.startswith(node.name)), None)
+        if node is not None:
+            found.add(node.name)
+    return [node for node in nodes if node.name in found]
+
+
+def _htp_failure(qdq_path: Path, first_line: str) -> LoweringError:
+    """Why the HTP did not take the QDQ model: the operators it refused (left to a CPU it may not use), or the
+    status of the graph it took but could not prepare (a memory-allocation error is not a refusal), with the
+    operators QNN's log says it could not create, their module and the model's line."""
+    from edgeline.export.conversion import describe_culprit, onnx_node_culprit
+
+    try:
+        refused = refused_operators(qdq_path)
+    except Exception:  # the diagnosis is a courtesy: the first error is the one to report
+        refused = Counter()
+    whole = "CPU fallback is disabled, so the whole model must run on the NPU"
+    if refused:
         named = ", ".join(f"{op} x{count}" for op, count in sorted(refused.items()))
-        raise LoweringError(
-            f"qnn-htp: QNN's HTP backend refused {named or 'part of the model'} (CPU fallback is disabled, so the "
-            f"whole model must run on the NPU): {str(exc).strip().splitlines()[0][:300]}",
-            operators=tuple(sorted(refused)),
-        ) from exc
+        return LoweringError(f"qnn-htp: QNN's HTP backend refused {named} ({whole}): {first_line}",
+                             operators=tuple(sorted(refused)))  # fmt: skip
+    try:
+        culprits = [onnx_node_culprit(node) for node in _unbuilt_nodes(qdq_path, qnn_log_errors(qdq_path))]
+    except Exception as exc:  # a model that does not load again: said without its operators
+        logger.debug("QNN's failing operators not found: %s", exc)
+        culprits = []
+    status = _QNN_STATUS.search(first_line)
+    if status is None:
+        what = f"QNN's HTP backend failed on the model ({whole}): {first_line}"
+    else:
+        name, words, code = status.groups()
+        kind = "a memory-allocation error" if "MEM_ALLOC" in name else "an error"
+        stage = "prepare" if "finalize" in first_line.lower() else "set up"
+        what = (
+            f"QNN's HTP backend took every operator, then could not {stage} the graph: {kind} ({name}, code {code}: "
+            f"{words.strip().rstrip('.')})"
+        )
+    where = (
+        f"; QNN's log says it could not create {', '.join(describe_culprit(c) for c in culprits)}"
+        if culprits
+        else "; QNN's log names no operator"
+    )
+    operators = tuple(dict.fromkeys(culprit.operator for culprit in culprits))
+    return LoweringError(f"qnn-htp: {what}{where}", operators=operators)
 
 
 def _context_binary(context_path: Path) -> str:

@@ -15,6 +15,7 @@ from edgeline.export.backends.litert import MODEL_FILE, tool_versions, write_tfl
 from edgeline.export.errors import ExportError
 from edgeline.export.layer_probes import LayerProbe, LayerReading, litert_layers
 from edgeline.export.placement import tflite_placement
+from edgeline.export.tflite_operators import TFLITE_MICRO_KERNELS
 from edgeline.manifest import RuntimeRequirement
 
 __all__ = ["TFLiteMicroExporter"]
@@ -38,7 +39,7 @@ class TFLiteMicroExporter(ExportTarget):
         if request.precision not in self.precisions:
             raise ExportError(f"tflite-micro exports int8-static only, not {request.precision.value}")
         path = request.out_dir / MODEL_FILE
-        written = write_tflite(request, path, full_integer_for=self.name, gelu_kernel=False)
+        written = write_tflite(request, path, full_integer_for=self.name, kernels=TFLITE_MICRO_KERNELS)
         tflm = version("tflite-micro")
         return ExportedModel(
             model_file=MODEL_FILE,
@@ -46,7 +47,7 @@ class TFLiteMicroExporter(ExportTarget):
             runtime=RuntimeRequirement(package="tflite-micro", min_version=tflm),
             input_names=written.input_names,
             rewrites=written.rewrites,
-            placement=tflite_placement(path, request.precision),
+            placement=tflite_placement(path, request.precision, written.sources),
             tool_versions={**tool_versions(), "tflite-micro": tflm},
             flash_files=(MODEL_FILE,),  # what the firmware stores is the model array; its C sources are text
             verification=Verification(
