@@ -569,9 +569,14 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared, exporte
             )
             return
         shortfall = fidelity_shortfall(outcome.fidelity) if outcome.fidelity is not None else math.inf
+        missed = fidelity_violations(shared.profile.budgets, outcome.fidelity) if outcome.fidelity else []
+        verdict = missed[0] if missed else "not measured"
         if shortfall < best:  # it helped: kept, and the next group goes on from here
             kept.extend(candidates)
             best = shortfall
+            tried[-1] = f"{tried[-1]} ({', '.join(group)}: {verdict}, kept)"
+        else:
+            tried[-1] = f"{tried[-1]} ({', '.join(group)}: {verdict}, no better: put back in int8)"
     outcome.reason = f"{first_reason}; {_why_mixed_stopped(tried, too_heavy, len(ranked))}{advice}"
 
 
