@@ -184,17 +184,14 @@ def _layout_noop(op: Any) -> Iterator[None]:
     if rewriters is None or not callable(noop) or not callable(getattr(rewriters, "register", None)):
         yield
         return
-    had = op in rewriters
-    previous = rewriters.get(op) if had and hasattr(rewriters, "get") else None
-    if not had:
-        rewriters.register(op)(noop)
+    if op in rewriters:  # a litert-torch that knows it already
+        yield
+        return
+    rewriters.register(op)(noop)
     try:
         yield
     finally:
-        if not had:
-            rewriters.pop(op, None)
-        elif previous is not None:
-            rewriters[op] = previous
+        rewriters.pop(op, None)
 
 
 def fuse_int8_islands(
@@ -219,8 +216,7 @@ def fuse_int8_islands(
     changed: dict[str, int] = {}
 
     def code_of(op: Any) -> int:
-        opcode = model.operatorCodes[op.opcodeIndex]
-        return max(int(opcode.builtinCode), int(opcode.deprecatedBuiltinCode))
+        return _builtin(model.operatorCodes[op.opcodeIndex])
 
     for graph in model.subgraphs:
         producer = {out: op for op in graph.operators for out in op.outputs}
@@ -288,8 +284,7 @@ def micro_kernel_probe(path: Path, npu_only: frozenset[str]) -> None:
     model = flatbuffer_utils.read_model(str(path))
     for graph in model.subgraphs:
         for op in graph.operators:
-            opcode = model.operatorCodes[op.opcodeIndex]
-            if max(int(opcode.builtinCode), int(opcode.deprecatedBuiltinCode)) == schema.BuiltinOperator.GELU:
+            if _builtin(model.operatorCodes[op.opcodeIndex]) == schema.BuiltinOperator.GELU:
                 op.opcodeIndex = _opcode(model, schema, schema.BuiltinOperator.TANH)
                 op.builtinOptionsType, op.builtinOptions = schema.BuiltinOptions.NONE, None
     flatbuffer_utils.write_model(model, str(path))
@@ -331,10 +326,15 @@ def _in_float(model: Any, graph: Any, op: Any, schema: Any) -> None:
     graph.operators[position : position + 1] = [*before, op, *after]
 
 
+def _builtin(opcode: Any) -> int:
+    """An operator code's builtin operator: the schema keeps codes over 127 in a second field."""
+    return max(int(opcode.builtinCode), int(opcode.deprecatedBuiltinCode))
+
+
 def _opcode(model: Any, schema: Any, code: int) -> int:
     """The index of ``code``'s entry in ``model``'s operator codes, added when it has none."""
     for index, opcode in enumerate(model.operatorCodes):
-        if max(int(opcode.builtinCode), int(opcode.deprecatedBuiltinCode)) == code:
+        if _builtin(opcode) == code:
             return index
     entry = schema.OperatorCodeT()
     entry.builtinCode = code

@@ -17,9 +17,9 @@ import hashlib
 import inspect
 from pathlib import Path
 
-import numpy as np
-
 from tests.cache import cached
+from tests.training import digit_features as digits_flat
+from tests.training import train_classifier
 
 __all__ = ["OUTLIER", "SOURCE", "TRAIN", "digits_flat", "smaller_models"]
 
@@ -100,14 +100,6 @@ def gru_tagger():
 """
 
 
-def digits_flat() -> tuple[np.ndarray, np.ndarray]:
-    """sklearn's 8x8 digits as 64 features (0..16), and their labels."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    return data.data.astype(np.float32), data.target.astype(np.int64)
-
-
 def smaller_models() -> Path:
     """The models' source file, ``outlier_mlp``'s trained weights beside it: made once for this code
     (tests/cache.py); never modified by its users."""
@@ -123,19 +115,7 @@ def smaller_models() -> Path:
         torch.manual_seed(0)
         module = load_model(f"{source}:outlier_mlp").module
         x, y = torch.from_numpy(features[:TRAIN]), torch.from_numpy(labels[:TRAIN])
-        optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            module.train()
-            for _ in range(30):
-                for start in range(0, len(x), 64):
-                    optimizer.zero_grad()
-                    torch.nn.functional.cross_entropy(module(x[start : start + 64]), y[start : start + 64]).backward()
-                    optimizer.step()
-        finally:
-            torch.set_num_threads(threads)
-        module.eval()
+        train_classifier(module, x, y, epochs=30)
         with torch.no_grad():
             hidden = module.act1(module.fc1(module.act0(module.fc0(x / 16.0))))
             unit = int(module.act2(module.fc2(hidden)).mean(0).argmax())  # a live one

@@ -14,9 +14,8 @@ import hashlib
 import inspect
 from pathlib import Path
 
-import numpy as np
-
 from tests.cache import cached
+from tests.training import digit_images as digits
 
 __all__ = ["CALIBRATION", "KEPT", "OUTLIER", "SOURCE", "TRAIN", "digits", "trained_outlier_model"]
 
@@ -62,13 +61,6 @@ def outlier():
 """
 
 
-def digits() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    return data.images.astype(np.float32)[:, None], data.target.astype(np.int64)
-
-
 def trained_outlier_model() -> Path:
     """The model's source file, its trained weights beside it (``outlier.pt``): trained once for this code
     (tests/cache.py); never modified by its users."""
@@ -78,25 +70,14 @@ def trained_outlier_model() -> Path:
         import torch
 
         from edgeline.export.loading import load_model
+        from tests.training import train_classifier
 
         source = directory / "outlier_model.py"
         source.write_text(SOURCE, encoding="utf-8")
         torch.manual_seed(0)
         module = load_model(f"{source}:outlier").module
         x, y = torch.from_numpy(images[:TRAIN]), torch.from_numpy(labels[:TRAIN])
-        optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            module.train()
-            for _ in range(25):
-                for start in range(0, len(x), 64):
-                    optimizer.zero_grad()
-                    torch.nn.functional.cross_entropy(module(x[start : start + 64]), y[start : start + 64]).backward()
-                    optimizer.step()
-        finally:
-            torch.set_num_threads(threads)
-        module.eval()
+        train_classifier(module, x, y)
         scale = OUTLIER
         with torch.no_grad():
             module.conv1.weight[8] *= scale

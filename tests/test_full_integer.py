@@ -22,6 +22,7 @@ import pytest
 
 from edgeline.device_profiles import Precision, load_profile
 from tests.cache import cached
+from tests.training import train_classifier
 
 pytestmark = pytest.mark.export
 
@@ -115,20 +116,7 @@ def _train(module: Any, images: np.ndarray, labels: np.ndarray, log_probabilitie
 
     torch.manual_seed(0)
     x, y = torch.from_numpy(images), torch.from_numpy(labels)
-    optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
-    loss = torch.nn.functional.nll_loss if log_probabilities else torch.nn.functional.cross_entropy
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # batches this small train many times slower on two threads of a shared machine
-    try:
-        module.train()
-        for _ in range(25):
-            for start in range(0, len(x), 64):
-                optimizer.zero_grad()
-                loss(module(x[start : start + 64]), y[start : start + 64]).backward()
-                optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
-    module.eval()
+    train_classifier(module, x, y, loss=torch.nn.functional.nll_loss if log_probabilities else None)
 
 
 @pytest.fixture(scope="module")

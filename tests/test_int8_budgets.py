@@ -174,13 +174,6 @@ MAIN_OUTLIER = 300.0  # conv1's channel 8 (mix reads it divided by as much): pla
 SIDE_OUTLIER = 3000.0  # probe's channel 8, made positive: int8 crushes the other channels, and it costs nothing
 
 
-def _digits() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    return data.images.astype(np.float32)[:, None], data.target.astype(np.int64)
-
-
 def _trained_heavy_model() -> Path:
     """The model's source with its weights beside it: the main path trained on the digits (seed 0), the side branch
     left as initialised; then each branch's outlier planted: the main path computes the same function (ReLU commutes
@@ -192,8 +185,9 @@ def _trained_heavy_model() -> Path:
     import inspect
 
     from tests.cache import cached
+    from tests.training import digit_images, train_classifier
 
-    images, labels = _digits()
+    images, labels = digit_images()
 
     def make(directory: Path) -> None:
         import torch
@@ -206,19 +200,7 @@ def _trained_heavy_model() -> Path:
         module = load_model(f"{source}:heavy").module
         main = [p for name, p in module.named_parameters() if not name.startswith(("probe", "side"))]
         x, y = torch.from_numpy(images[:HEAVY_TRAIN]), torch.from_numpy(labels[:HEAVY_TRAIN])
-        optimizer = torch.optim.Adam(main, lr=0.01)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            module.train()
-            for _ in range(25):
-                for start in range(0, len(x), 64):
-                    optimizer.zero_grad()
-                    torch.nn.functional.cross_entropy(module(x[start : start + 64]), y[start : start + 64]).backward()
-                    optimizer.step()
-        finally:
-            torch.set_num_threads(threads)
-        module.eval()
+        train_classifier(module, x, y, parameters=main)
         with torch.no_grad():
             module.conv1.weight[8] *= MAIN_OUTLIER
             module.conv1.bias[8] *= MAIN_OUTLIER
@@ -267,8 +249,9 @@ def _openvino_choice(model_file: Path, judge_labels: bool) -> dict[str, Any]:
         to_openvino,
     )
     from edgeline.export.loading import load_model
+    from tests.training import digit_images
 
-    images, labels = _digits()
+    images, labels = digit_images()
     calibration = images[:32]
     held, held_labels = images[HEAVY_TRAIN : HEAVY_TRAIN + 300], labels[HEAVY_TRAIN : HEAVY_TRAIN + 300]
     module = load_model(f"{model_file}:heavy").module

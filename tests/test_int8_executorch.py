@@ -23,6 +23,7 @@ import pytest
 from edgeline.device_profiles import Precision
 from tests.cache import cached
 from tests.outlier_model import digits
+from tests.training import train_classifier
 
 pytestmark = pytest.mark.export
 
@@ -71,19 +72,7 @@ def _trained_fragile_model() -> Path:
         torch.manual_seed(0)
         module = load_model(f"{source}:fragile").module
         x, y = torch.from_numpy(images[:TRAIN] / 16.0), torch.from_numpy(labels[:TRAIN])
-        optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            module.train()
-            for _ in range(30):
-                for start in range(0, len(x), 64):
-                    optimizer.zero_grad()
-                    torch.nn.functional.cross_entropy(module(x[start : start + 64]), y[start : start + 64]).backward()
-                    optimizer.step()
-        finally:
-            torch.set_num_threads(threads)
-        module.eval()
+        train_classifier(module, x, y, epochs=30)
         with torch.no_grad():
             module.head[0].weight[0] *= OUTLIER
             module.head[0].bias[0] *= OUTLIER

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from tests.cache import cached
+from tests.training import digit_features, train_classifier
 
 SOURCE = """\
 from pathlib import Path
@@ -62,17 +63,10 @@ TRAIN = 1400  # the digits before are trained on (and calibrate); those after ar
 VALIDATION = 200
 
 
-def _digits() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    return data.data.astype(np.float32), data.target.astype(np.int64)
-
-
 @pytest.fixture(scope="module")
 def model() -> Path:
     """The model's source file, its trained weights beside it: made once for this code (tests/cache.py)."""
-    features, labels = _digits()
+    features, labels = digit_features()
 
     def make(directory: Path) -> None:
         import torch
@@ -84,22 +78,11 @@ def model() -> Path:
         torch.manual_seed(0)
         module = load_model(f"{source}:naming_mlp").module
         x, y = torch.from_numpy(features[:TRAIN]), torch.from_numpy(labels[:TRAIN])
-        optimizer = torch.optim.Adam(module.parameters(), lr=0.003)  # a running sum's scale wants a small step
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            module.train()
-            for _ in range(30):
-                for start in range(0, len(x), 64):
-                    optimizer.zero_grad()
-                    torch.nn.functional.cross_entropy(module(x[start : start + 64]), y[start : start + 64]).backward()
-                    optimizer.step()
-        finally:
-            torch.set_num_threads(threads)
+        train_classifier(module, x, y, epochs=30, lr=0.003)  # a running sum's scale wants a small step
         torch.save(module.state_dict(), directory / "naming_mlp.pt")
 
     data = hashlib.sha256(features.tobytes() + labels.tobytes()).hexdigest()
-    return cached("trained", [SOURCE, TRAIN, data, inspect.getsource(_digits)], make) / FILE
+    return cached("trained", [SOURCE, TRAIN, data, inspect.getsource(digit_features)], make) / FILE
 
 
 def _edgeline(*args: str) -> subprocess.CompletedProcess[str]:
@@ -112,7 +95,7 @@ def _edgeline(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def litert(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """``edgeline export`` of the model for rpi5, LiteRT int8-static: the bundle, and the report it printed."""
-    features, labels = _digits()
+    features, labels = digit_features()
     folder = tmp_path_factory.mktemp("naming")
     np.savez(folder / "cal.npz", x=features[:32])
     np.savez(folder / "val.npz", x=features[TRAIN : TRAIN + VALIDATION], labels=labels[TRAIN : TRAIN + VALIDATION])
@@ -163,7 +146,7 @@ def ethos_u(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from edgeline.export.backends.ethos_u import EthosUExporter
     from edgeline.export.loading import load_model
 
-    features, _ = _digits()
+    features, _ = digit_features()
     calibration = [(torch.from_numpy(features[i : i + 1]),) for i in range(32)]
     request = ExportRequest(
         module=load_model(f"{model}:naming_mlp").module,

@@ -22,6 +22,7 @@ import pytest
 
 from tests.cache import cached
 from tests.test_full_integer import CALIBRATION, TRAIN, _float_predictions, _predictions, _request, _train, digits
+from tests.test_int8_activations import _agrees
 
 __all__ = ["digits"]  # the fixture, shared with test_full_integer
 
@@ -138,18 +139,6 @@ def _operators(path: Path) -> list[tuple[str, bool]]:
 
 def _float_operators(path: Path) -> Counter[str]:
     return Counter(name for name, quantized in _operators(path) if not quantized)
-
-
-def _agrees(module: Any, backend: str, path: Path, digits: tuple[np.ndarray, np.ndarray]) -> None:
-    """The int8 model classifies the held-out digits within 2 points of the float model, agreeing on 95%."""
-    images, labels = digits
-    held_out, truth = images[TRAIN:], labels[TRAIN:]
-    expected = _float_predictions(module, held_out).argmax(1)
-    found = _predictions(backend, path, held_out).argmax(1)
-    float_accuracy, int8_accuracy = np.mean(expected == truth), np.mean(found == truth)
-    assert float_accuracy >= 0.9
-    assert np.mean(found == expected) >= 0.95, (float_accuracy, int8_accuracy)
-    assert int8_accuracy >= float_accuracy - 0.02, (float_accuracy, int8_accuracy)
 
 
 class _Exports:

@@ -30,7 +30,7 @@ from edgeline.export.backends.litert import tool_versions, write_tflite
 from edgeline.export.errors import ExportError, LoweringError
 from edgeline.export.layer_probes import LayerProbe, LayerReading, litert_layers
 from edgeline.export.placement import TFLITE_CONVERSIONS, ModelSources, placement_of, tflite_records
-from edgeline.export.tflite_operators import ETHOS_U_KERNELS
+from edgeline.export.tflite_operators import ETHOS_U_KERNELS, TFLITE_MICRO_KERNELS
 from edgeline.manifest import Estimates, Placement, RuntimeRequirement
 
 __all__ = [
@@ -167,7 +167,7 @@ def read_per_layer(path: Path) -> dict[tuple[str, str], tuple[str, int]]:
     return layers
 
 
-NO_MICRO_INT8 = frozenset({"GELU", "EXP", "LOG"})
+NO_MICRO_INT8 = TFLITE_MICRO_KERNELS.float_only  # GELU, EXP, LOG
 """The int8 operators vela maps to the Ethos-U that TFLite Micro, which runs the rest, has no kernel for."""
 
 

@@ -164,7 +164,7 @@ def write_tflite(
             kernels=kernels,
             int8_edges=full_integer_for is not None,
         )
-    with operator_forms(elu=static and kernels.elu) if static else contextlib.nullcontext():
+    with operator_forms(elu=kernels.elu) if static else contextlib.nullcontext():
         litert_torch.convert(module, request.example_inputs, quant_config=config).export(str(path))
     if static:
         fuse_int8_islands(
