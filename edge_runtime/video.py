@@ -18,12 +18,18 @@ of the library (one socket read) fails with ``timeout`` when nothing came within
 data that never makes a frame, such as garbage, or a stream of another kind only). Undecodable packets and frames
 are counted in ``reader.corrupt`` and skipped (each takes its frame number); ``MAX_CORRUPT_IN_ROW`` of them in a row
 give up.
+The process's end: PyAV calls back into Python from inside FFmpeg (its timeout's interrupt callback) while it opens,
+reads or closes a stream, so such a call still running once the interpreter has finalized crashes the process
+(SIGSEGV in ``PyGILState_Ensure``). Every such call goes through ``LIBRARY_CALLS``; a process leaving closes it
+(``leave_library``: no new call enters, the running ones are given a moment) and, if one is still inside, ends with
+``os._exit`` after its own orderly stop (``edgeline run`` does).
 A URL's credentials (``user:password@``, and query values such as ``password=``) are in ``CameraSpec.target`` only:
 every text meant for people (``shown``, exceptions, logs) has ``***`` in their place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.metadata
 import importlib.util
@@ -51,6 +57,7 @@ __all__ = [
     "FrameReader",
     "camera_extra",
     "cameras_seen",
+    "leave_library",
     "open_reader",
     "parse_camera",
     "v4l2_open_args",
@@ -91,6 +98,46 @@ MAX_CORRUPT_IN_ROW = 100
 OPEN_GRACE_S = 0.25
 SECRET_KEYS = re.compile(r"pass|pwd|token|secret|key|auth|sig", re.IGNORECASE)
 _USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+class _LibraryCalls:
+    """The calls into PyAV that can call back into Python from FFmpeg (see the module): counted, and refused once
+    the process is leaving."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._running = 0
+        self._closed = False
+
+    @contextlib.contextmanager
+    def call(self, name: str) -> Iterator[None]:
+        with self._changed:
+            if self._closed:
+                raise CameraError(f"camera {name}: the process is stopping", reason="ended")
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._running -= 1
+                self._changed.notify_all()
+
+    def close(self, timeout_s: float) -> int:
+        """No call enters from now on; the number still running after at most ``timeout_s``."""
+        with self._changed:
+            self._closed = True
+            self._changed.wait_for(lambda: self._running == 0, timeout_s)
+            return self._running
+
+
+LIBRARY_CALLS = _LibraryCalls()
+
+
+def leave_library(timeout_s: float) -> int:
+    """For a process about to exit: no camera enters PyAV again; how many calls are still inside it after at most
+    ``timeout_s`` (an open or a read against a server that does not answer, bounded by its own deadline). Non-zero:
+    the process must end with ``os._exit`` once its own state is safe, not through the interpreter's shutdown."""
+    return LIBRARY_CALLS.close(timeout_s)
 
 
 class FrameReader(Protocol):
@@ -323,8 +370,9 @@ def _open_container(av: Any, spec: CameraSpec, open_timeout_s: float, read_timeo
 
     def run() -> None:
         try:
-            container = av.open(target, format=form, container_options=container_options,
-                                timeout=(open_timeout_s, read_timeout_s))  # fmt: skip
+            with LIBRARY_CALLS.call(spec.name):
+                container = av.open(target, format=form, container_options=container_options,
+                                    timeout=(open_timeout_s, read_timeout_s))  # fmt: skip
         except BaseException as exc:
             outcome["error"] = exc
         else:
@@ -332,7 +380,7 @@ def _open_container(av: Any, spec: CameraSpec, open_timeout_s: float, read_timeo
         with lock:
             done.set()
             if outcome.get("abandoned") and "container" in outcome:
-                _close_quietly(outcome["container"])
+                _close_quietly(outcome["container"], spec.name)
 
     began = time.monotonic()
     threading.Thread(target=run, name=f"open camera {spec.name}", daemon=True).start()
@@ -345,6 +393,8 @@ def _open_container(av: Any, spec: CameraSpec, open_timeout_s: float, read_timeo
     if "container" in outcome:
         return outcome["container"]
     exc = outcome["error"]
+    if isinstance(exc, CameraError):  # the process is stopping
+        raise exc
     if isinstance(exc, av.ExitError) or time.monotonic() - began >= open_timeout_s:
         raise CameraError(f"camera {spec.name}: {spec.shown} did not open within {open_timeout_s:g} s",
                           reason="timeout") from None  # fmt: skip
@@ -357,9 +407,12 @@ def _open_container(av: Any, spec: CameraSpec, open_timeout_s: float, read_timeo
                       reason="unreachable") from None  # fmt: skip
 
 
-def _close_quietly(thing: Any) -> None:
+def _close_quietly(thing: Any, name: str) -> None:
     try:
-        thing.close()
+        with LIBRARY_CALLS.call(name):  # an RTSP close says TEARDOWN, under the interrupt callback
+            thing.close()
+    except CameraError:  # the process is leaving: what was not closed goes with it
+        pass
     except Exception as exc:  # closing a broken stream may fail in the library: it is closed as far as we care
         log.debug("closing a camera stream: %s", _library_reason(exc))
 
@@ -444,7 +497,8 @@ class _AvReader:
         av = self._av
         began = time.monotonic()
         try:
-            packet = next(self._packets)
+            with LIBRARY_CALLS.call(self.spec.name):
+                packet = next(self._packets)
             if self.spec.live and time.monotonic() - began >= self._read_timeout_s:
                 # The demuxer hit its read deadline, yet returned a packet: what H.264's parser held back, which
                 # libavformat hands out instead of the error (the next read would wait a whole deadline more). A
@@ -505,10 +559,9 @@ class _AvReader:
             return
         self._closed = True
         self._pending.clear()
-        close = getattr(self, "_packets", None)
-        if close is not None:
-            _close_quietly(self._packets)
-        _close_quietly(self._container)
+        if getattr(self, "_packets", None) is not None:
+            _close_quietly(self._packets, self.spec.name)
+        _close_quietly(self._container, self.spec.name)
 
 
 class _ImagesReader:
@@ -539,7 +592,7 @@ class _ImagesReader:
             path = self._files.popleft()
             index, self._index = self._index, self._index + 1
             try:
-                with self._av.open(path, timeout=self._read_timeout_s) as container:
+                with LIBRARY_CALLS.call(self.spec.name), self._av.open(path, timeout=self._read_timeout_s) as container:
                     decoded = next(container.decode(video=0))
                     pixel = _pixel_of(decoded.format.name)
                     return Frame(_array(decoded, pixel), pixel, index, time.monotonic())

@@ -329,7 +329,14 @@ class _Daemon:
     """``edgeline run`` as a process, answers to a broker, status and metrics read while it runs."""
 
     def __init__(
-        self, bundle: Path, broker: Broker, tmp_path: Path, *args: str, config: str = "", metrics: bool = False
+        self,
+        bundle: Path,
+        broker: Broker,
+        tmp_path: Path,
+        *args: str,
+        config: str = "",
+        metrics: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.metrics_port = free_port() if metrics else 0  # the device tier has no prometheus-client
         self.config = tmp_path / "daemon.toml"
@@ -343,7 +350,9 @@ class _Daemon:
         self.results = Collector(broker, "edgeline/colour/+/result")
         self.status_messages = Collector(broker, f"edgeline/colour/{self.instance}/status")
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+            self.process = subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, **(env or {})}
+            )
 
     def status(self) -> dict[str, Any]:
         payloads = self.status_messages.payloads
@@ -377,8 +386,8 @@ class _Daemon:
 def run_daemon(bundle: Path, broker: Broker, tmp_path: Path) -> Iterator[Callable[..., _Daemon]]:
     made: list[_Daemon] = []
 
-    def start(*args: str, config: str = "", metrics: bool = False) -> _Daemon:
-        daemon = _Daemon(bundle, broker, tmp_path / f"d{len(made)}", *args, config=config, metrics=metrics)
+    def start(*args: str, config: str = "", metrics: bool = False, env: dict[str, str] | None = None) -> _Daemon:
+        daemon = _Daemon(bundle, broker, tmp_path / f"d{len(made)}", *args, config=config, metrics=metrics, env=env)
         made.append(daemon)
         return daemon
 
@@ -481,6 +490,32 @@ def test_a_frozen_camera_is_a_stall_and_the_daemon_stops_at_once_whatever_a_came
     stopped_at = time.monotonic()
     assert daemon.stop() == 0
     assert time.monotonic() - stopped_at < 30  # not the mute camera's 60 s open deadline (a hang guard)
+
+
+SLOW_EXIT_C = "#include <unistd.h>\n__attribute__((destructor)) static void slow_exit(void) { usleep(800000); }\n"
+
+
+@pytest.mark.integration
+def test_a_daemon_stopped_while_its_cameras_are_inside_ffmpeg_exits_cleanly(
+    run_daemon: Callable[..., _Daemon], silent_server: SilentServer, tmp_path: Path
+) -> None:
+    """PyAV calls back into Python from inside FFmpeg while a stream opens (its deadline's interrupt callback, every
+    0.1 s): a camera still opening after the interpreter had shut down crashed the process (SIGSEGV in
+    ``PyGILState_Ensure``; the device tier saw a clean stop end with -11 under load). A library whose destructor
+    takes its time at exit, as a big runtime's may on a loaded machine, holds that window open here."""
+    source = tmp_path / "slow_exit.c"
+    source.write_text(SLOW_EXIT_C)
+    library = tmp_path / "libslow_exit.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True, timeout=60)
+    cameras = [f"mute{index}" for index in range(4)]
+    daemon = run_daemon(
+        *(arg for name in cameras for arg in ("--camera", f"{name}={silent_server.rtsp_url}")),
+        config="[camera]\nopen_timeout_s = 60\n", env={"LD_PRELOAD": str(library)},
+    )  # fmt: skip
+    assert wait_until(lambda: len(silent_server.connections) >= len(cameras)), daemon.log_text()  # all opening
+    assert wait_until(lambda: all(daemon.camera(name).get("state") == "connecting" for name in cameras))
+    assert daemon.stop() == 0, daemon.log_text()
+    assert "4 camera calls still inside FFmpeg: leaving without waiting for them" in daemon.log_text()
 
 
 @pytest.mark.integration

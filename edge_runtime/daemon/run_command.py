@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
@@ -257,4 +257,26 @@ def run_daemon(args: argparse.Namespace) -> int:
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     if daemon.echo is None and to_stdout:  # stdout was closed under us: keep the interpreter's exit quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if getattr(args, "from_process_argv", False):
+        _leave_cameras(status)
     return status
+
+
+LIBRARY_GRACE_S = 0.5
+"""How long a stopped daemon gives a camera's call into PyAV to come back before leaving without it."""
+
+
+def _leave_cameras(status: int) -> None:
+    """A camera thread still inside PyAV (an open or a read against a server that does not answer, bounded only by
+    its own deadline) would crash the interpreter's shutdown (``edgeline.video``): the daemon has stopped in order
+    (answers delivered, outbox closed), so the process ends here, with ``status``, without that shutdown."""
+    video = sys.modules.get("edgeline.video")
+    if video is None or not (inside := video.leave_library(LIBRARY_GRACE_S)):
+        return
+    log.info("%d camera call%s still inside FFmpeg: leaving without waiting for %s", inside,
+             "s" if inside > 1 else "", "them" if inside > 1 else "it")  # fmt: skip
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(status)
