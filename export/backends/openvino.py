@@ -5,6 +5,11 @@ quantized by NNCF on our samples, with its accuracy control when plain int8 miss
   core ATen, as every exporter of ours takes it) directly: no ONNX exporter in between, and each IR operator keeps the
   name of the torch.export node it came from (``convolution_1/aten.convolution.default/Convolution``), which says
   which torch module it computes (the layers NNCF's accuracy control reverts, listed by module in ``kept_float``).
+- **What stays float, named.** The placement counts the nodes of the CPU plugin's runtime graph, whose kinds are
+  often only containers (``Subgraph``: a Snippets kernel of fused element-wise operators): a float one is named by the
+  IR's operators it fused (its ``originalLayersNames``: ``Greater+Multiply+Select``, PReLU as torch.export decomposes
+  it), and ``fallback_sources`` names the module and the model's line that made them (``features.1
+  (model.py:23)``), from the torch.export node each operator is named after; the IR itself keeps no source lines.
 - **Precision.** ``save_model`` compresses weights to fp16 unless told not to: fp32 bundles are saved with
   ``compress_to_fp16=False``, fp16 ones with it. The precision fidelity was measured with is written into the IR
   (``rt_info`` ``edgeline/inference_precision``) and the runtime sets ``INFERENCE_PRECISION_HINT`` to it, so the CPU
@@ -37,7 +42,7 @@ import platform
 import re
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from importlib.metadata import version
 from typing import Any
 
@@ -49,6 +54,7 @@ from edgeline.export.backends import AccuracyControl, ExportedModel, ExportReque
 from edgeline.export.errors import ExportError
 from edgeline.export.graph import module_path
 from edgeline.export.layer_probes import LayerProbe, LayerReading, openvino_layers
+from edgeline.export.placement import _source
 from edgeline.manifest import KeptFloat, Placement, RuntimeRequirement
 
 __all__ = [
@@ -58,6 +64,7 @@ __all__ = [
     "import_export_tools",
     "int8_operators",
     "openvino_placement",
+    "operator_sources",
     "unsupported_operators",
 ]
 
@@ -74,6 +81,11 @@ _NOT_COMPUTE = frozenset({"Input", "Output", "Const", "Reorder", "Convert"})
 """Nodes of a plugin's runtime graph that compute nothing of the model: its inputs, outputs, constants, and the
 layout and type conversions the plugin inserts (as Q/DQ nodes are left out of an ONNX model's count)."""
 _INTEGER = frozenset({"i8", "u8"})
+_CONTAINERS = frozenset({"Subgraph", "Eltwise", "Math"})
+"""Kinds of the CPU plugin's runtime-graph nodes that say only that operators were fused, not what they compute (a
+Snippets kernel, a chain of element-wise operators, a unary function): a float one is named by the IR's operators it
+computes (``originalLayersNames``). The other kinds name a computation (RMS, MVN, Convolution, FakeQuantize), one the
+names it lists may not cover (an RMS node lists only the Multiply it ends with): kept."""
 _FX_NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)/aten\.")
 
 
@@ -137,6 +149,13 @@ def operator_modules(model: Any, program: Any, module: Any) -> dict[str, str]:
             if owner is not None:
                 found[name] = owner
     return found
+
+
+def operator_sources(program: Any) -> dict[str, str]:
+    """torch.export node name -> the model's code that made it: its module and the model's line that called it
+    (``act1 (model.py:14)``, ``forward() (model.py:20)`` outside every module; the LiteRT and ExecuTorch placements'
+    ``source``). The IR keeps no source lines, but each operator keeps the name of its node (``operator_modules``)."""
+    return {node.name: where for node in program.graph.nodes if node.op == "call_function" and (where := _source(node))}
 
 
 def _rebuilt_owner(op: Any, nodes: dict[str, Any], paths: dict[str, str], named: dict[str, Any]) -> str | None:
@@ -217,7 +236,10 @@ class OpenVINOExporter(ExportTarget):
         core = ov.Core()
         accelerator = self.accelerator
         here = accelerator is None or has_device(core.available_devices, accelerator)
-        placement = openvino_placement(core, core.read_model(str(path)), request.precision, accelerator, here, hint)
+        saved = core.read_model(str(path))
+        placement = openvino_placement(
+            core, saved, request.precision, accelerator, here, hint, sources=operator_sources(program)
+        )
         return ExportedModel(
             model_file=MODEL_FILE,
             runtime_backend=self.runtime_backend,
@@ -460,30 +482,77 @@ def _macs(op: Any) -> int | None:
 def unsupported_operators(core: Any, model: Any, device: str) -> Counter[str]:
     """The IR's operators, by type, that ``device``'s plugin does not support (``query_model``), its parameters,
     results and constants aside."""
+    return Counter(op.get_type_name() for op in _unsupported(core, model, device))
+
+
+def _unsupported(core: Any, model: Any, device: str) -> list[Any]:
     supported = core.query_model(model, device)
-    return Counter(
-        op.get_type_name()
+    return [
+        op
         for op in model.get_ordered_ops()
         if op.get_type_name() not in ("Parameter", "Result", "Constant") and op.get_friendly_name() not in supported
-    )
+    ]
+
+
+def _float_kernel(op: Any, types: Mapping[str, str]) -> tuple[str, list[str]]:
+    """How ``fallback`` names a runtime-graph node left in float, and the IR operators it computes (their names):
+    the node's kind, or for a fusion container (``_CONTAINERS``) the types of the IR operators it fused, in its order
+    (``Greater+Multiply+Select``: PReLU as torch.export decomposes it). A FakeQuantize fused into a node is the
+    requantization of its result or input, not its work: left out where the node computes anything else. Names the
+    IR lacks (operators the plugin made while compiling) say nothing: a container none of whose names the IR has
+    keeps its kind."""
+    kind = _info(op, "layerType")
+    fused = [name for name in _info(op, "originalLayersNames").split(",") if name]
+    known = [name for name in fused if name in types]
+    computed = [name for name in known if types[name] != "FakeQuantize"] or known
+    if kind in _CONTAINERS and computed:
+        kind = "+".join(dict.fromkeys(types[name] for name in computed))
+    return kind, computed or fused
+
+
+def _named(operators: Iterable[str], sources: Mapping[str, str], inputs: Container[str]) -> list[str]:
+    """The model's code that made IR operators, by the torch.export node each is named after, each said once; the
+    quantization of a model input NNCF added (``x/fq_output_0``) as ``input x``."""
+    found: list[str] = []
+    for name in operators:
+        match = _FX_NAME.match(name)
+        where = sources.get(match.group(1)) if match is not None else None
+        if match is None and name.partition("/")[0] in inputs:
+            where = f"input {name.partition('/')[0]}"
+        if where is not None and where not in found:
+            found.append(where)
+    return found
 
 
 def openvino_placement(
-    core: Any, model: Any, precision: Precision, accelerator: str | None, here: bool, hint: str
+    core: Any,
+    model: Any,
+    precision: Precision,
+    accelerator: str | None,
+    here: bool,
+    hint: str,
+    sources: Mapping[str, str] | None = None,
 ) -> Placement:
     """Placement read from the runtime graph of the plugin that compiles the model here (its nodes are fused
     operators: a convolution with its bias, activation and requantization is one), each node's ``runtimePrecision``
     saying whether it computes in int8. An accelerator's plugin present here is asked first which operators it
     supports (``query_model``): it compiles the whole model or nothing (no fallback without HETERO), so one it lacks
     puts the model on the CPU, the missing operators in ``fallback``. An accelerator absent here leaves its share
-    unknown, said so."""
-    missing = unsupported_operators(core, model, accelerator) if accelerator is not None and here else Counter()
+    unknown, said so.
+
+    ``fallback`` counts runtime-graph nodes, as ``ops`` does, each named by what it computes (``_float_kernel``:
+    ``Greater+Multiply+Select`` rather than the plugin's ``Subgraph``); with ``sources`` (``operator_sources`` of the
+    program the IR was converted from), ``fallback_sources`` names the model's code that made each: a node's
+    ``originalLayersNames`` lists the IR operators it fused, each named after its torch.export node."""
+    code = sources or {}
+    inputs = {op.get_friendly_name() for op in model.get_parameters()}
+    missing = _unsupported(core, model, accelerator) if accelerator is not None and here else []
     device = accelerator if accelerator is not None and here and not missing else CPU
     graph = _runtime_graph(core, model, device, hint)
     constant = {id(op) for op in graph if _info(op, "layerType") == "Const"}
     for op in graph:  # nodes that compute on constants alone (weights' reshapes) are the weights' preparation
-        sources = [op.input(i).get_source_output().get_node() for i in range(op.get_input_size())]
-        if sources and all(id(source) in constant for source in sources):
+        feeding = [op.input(i).get_source_output().get_node() for i in range(op.get_input_size())]
+        if feeding and all(id(source) in constant for source in feeding):
             constant.add(id(op))
     nodes = [op for op in graph if _info(op, "layerType") not in _NOT_COMPUTE and id(op) not in constant]
     quantized = [op for op in nodes if _info(op, "runtimePrecision") in _INTEGER]
@@ -492,11 +561,21 @@ def openvino_placement(
     unknown: dict[str, str] = {}
     if not counted:
         unknown["macs"] = "the plugin's runtime graph has dynamic shapes"
-    fallback: dict[str, int] = dict(missing)
+    fallback: Counter[str] = Counter()
+    where: dict[str, list[str]] = {}
+
+    def left(kind: str, operators: list[str]) -> None:
+        fallback[kind] += 1
+        named = where.setdefault(kind, [])
+        named.extend(found for found in _named(operators, code, inputs) if found not in named)
+
+    for op in missing:
+        left(op.get_type_name(), [op.get_friendly_name()])
     if precision.integer:
+        types = {op.get_friendly_name(): op.get_type_name() for op in model.get_ordered_ops()}
         for op in nodes:
             if op not in quantized:
-                fallback[_info(op, "layerType")] = fallback.get(_info(op, "layerType"), 0) + 1
+                left(*_float_kernel(op, types))
     accelerator_ops = None
     if accelerator is not None:
         if here:
@@ -514,6 +593,7 @@ def openvino_placement(
         macs=sum(work[id(op)] or 0 for op in nodes) if counted else None,
         quantized_macs=sum(work[id(op)] or 0 for op in quantized) if counted and precision.integer else None,
         fallback=dict(sorted(fallback.items())),
+        fallback_sources={kind: found for kind, found in sorted(where.items()) if found},
         unknown=unknown,
     )
 
