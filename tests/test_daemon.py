@@ -150,7 +150,7 @@ def test_systemd_ready_watchdog_and_stopping(broker: Broker, built_litert_bundle
     path = str(tmp_path / "notify.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
         receiver.bind(path)
-        receiver.settimeout(TIMEOUT_S)
+        receiver.settimeout(3 * TIMEOUT_S)  # a hang guard: a start on a loaded CI machine took over 20 s
         env = {**os.environ, "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}
         args = [sys.executable, "-m", "edgeline.cli", "run", str(built_litert_bundle), "--broker", broker.address,
                 "--state-dir", str(tmp_path / "state")]  # fmt: skip
