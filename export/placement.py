@@ -14,6 +14,9 @@ The rules, the same for every format:
   quantize and is not held against the share.
 - ``fallback`` counts, per operator, those left off the accelerator (when there is one) or in float (when the
   precision is an integer one); an operator both off the accelerator and in float counts once.
+- A delegate may compute an operator in float between a dequantize and a quantize of its own (XNNPACK's EXP, LOG,
+  TANH...: conversions, then its fp32 kernel). Where the exporter says which delegated operators its delegate
+  computes on integers (``executorch_placement``'s ``integer_kernel``), the others count as float, on the accelerator.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -333,11 +336,15 @@ def _is_parameter(node: Any) -> bool:
     return bool(node.op == "get_attr" or (node.op == "placeholder" and re.match(r"^(p_|b_|_frozen)", node.name)))
 
 
-def _fx_records(graph: Any, on_accelerator: bool, precision: Precision) -> list[OpRecord]:
+def _fx_records(
+    graph: Any, on_accelerator: bool, precision: Precision, integer_kernel: Callable[[Any], bool] | None = None
+) -> list[OpRecord]:
     """A PT2E graph's operators: quantized when an input comes through a dequantize (static or dynamic), or when
     its output is quantized and every operator feeding it is quantized (an activation fused after a quantized
     convolution). A float operator whose output is quantized on the fly (dynamic quantization) stays float.
-    For weight precisions, an operator without weights is not held against the share (see the module's rules)."""
+    For weight precisions, an operator without weights is not held against the share (see the module's rules).
+    ``integer_kernel`` (int8-static): whether the delegate computes an operator so framed on integers; one it
+    computes in float between conversions counts as float, and so does an activation fused after it."""
     records = []
     quantized: set[Any] = set()
     for node in graph.nodes:
@@ -354,7 +361,8 @@ def _fx_records(graph: Any, on_accelerator: bool, precision: Precision) -> list[
         )
         fused = into_quantize and feeding and all(arg in quantized for arg in feeding)
         weightless = precision in WEIGHT_PRECISIONS and not any(_is_parameter(a) for a in node.all_input_nodes)
-        if from_dequantize or fused or weightless:
+        integer = integer_kernel is None or precision is not Precision.INT8_STATIC or integer_kernel(node)
+        if (from_dequantize or fused or weightless) and integer:
             quantized.add(node)
         where = _source(node)
         records.append(OpRecord(name, on_accelerator, node in quantized, fx_macs(node, name), node.name, where))
@@ -422,14 +430,25 @@ def fx_macs(node: Any, name: str) -> int | None:
     return elements
 
 
-def executorch_placement(graph_module: Any, precision: Precision, accelerator: str) -> Placement:
+def _never(node: Any) -> bool:
+    return False
+
+
+def executorch_placement(
+    graph_module: Any, precision: Precision, accelerator: str, integer_kernel: Callable[[Any], bool] | None = None
+) -> Placement:
     """An ExecuTorch edge program after lowering: the delegates' operators (from each lowered module's original
-    graph) count as on the accelerator, the rest as left to ExecuTorch's CPU kernels."""
-    records = _fx_records(graph_module.graph, False, precision)
+    graph) count as on the accelerator, the rest as left to ExecuTorch's CPU kernels. ``integer_kernel``: whether
+    the delegate computes one of its operators (a node of a lowered module's graph) on integers (see ``_fx_records``);
+    with it, an operator left to ExecuTorch's portable kernels counts as float (they compute aten operators on the
+    float tensors a dequantize gives them); without it, every operator between a dequantize and a quantize counts as
+    integer."""
+    portable = None if integer_kernel is None else _never
+    records = _fx_records(graph_module.graph, False, precision, portable)
     for node in graph_module.graph.nodes:
         if node.op == "get_attr":
             lowered = getattr(graph_module, str(node.target))
             original = getattr(lowered, "original_module", None)
             if original is not None:
-                records.extend(_fx_records(original.graph_module.graph, True, precision))
+                records.extend(_fx_records(original.graph_module.graph, True, precision, integer_kernel))
     return placement_of(records, precision, accelerator)

@@ -263,8 +263,8 @@ def test_the_rewritten_graph_is_the_same_function(pool_model: Any) -> None:
     the module (and source line) of the pool it replaces."""
     import torch
 
-    from edgeline.export.backends.executorch_xnnpack import xnnpack_pools
     from edgeline.export.graph import module_path
+    from edgeline.export.xnnpack_forms import xnnpack_pools
 
     signals = _signals(4)
     graph = torch.export.export(pool_model, (torch.from_numpy(signals[0]),)).module()

@@ -356,8 +356,10 @@ def test_executorch_keeps_the_outlier_tensor_float_by_the_pt2e_numeric_debugger_
     # XNNPACK's quantizer takes conv1 and its ReLU act1 as one pattern (one kernel): conv1's output is no tensor of
     # its own, and the group is LiteRT's, the outlier tensor's makers conv1 and act1 and its reader mix
     assert [kept.module for kept in outcome.kept_float] == list(KEPT)
-    # no "input x": XNNPACK's quantizer leaves forward()'s division float, so the model takes its input float
-    assert outcome.layers[0].module == "act1" and "numeric debugger" in _measured(outcome)
+    # forward()'s division by 16 is a multiplication by 1/16 in int8 (xnnpack_int8_forms): the model takes its input
+    # in int8, and its layers start, as LiteRT's do, with input x
+    assert [layer.module for layer in outcome.layers][:2] == ["input x", "act1"]
+    assert "numeric debugger" in _measured(outcome)
     assert _held_out_accuracy(outcome.bundle) >= _float_accuracy(model) - 0.01
     with pytest.raises(BudgetError) as caught:
         _export(model, samples, tmp_path / "plain", "rpi4", mixed_precision=False, **explicit)

@@ -1,9 +1,18 @@
 """ExecuTorch programs (.pte) delegated to XNNPACK; int8 through PT2E with the XNNPACK quantizer. The 1-D pools
-XNNPACK has no kernel for are expressed as the 2-D ones it has first (``xnnpack_pools``), so they run on it too."""
+XNNPACK has no kernel for are expressed as the 2-D ones it has first (``xnnpack_pools``), so they run on it too; for
+int8, the activations and LayerNorm its quantizer does not annotate are written in forms it annotates and its
+partitioner takes (``xnnpack_int8_forms``).
+
+What XNNPACK computes in int8 is what ExecuTorch's XNNPACK partitioner declares it takes quantized (its configs'
+``STATIC_QUANT``) and finds in a quantized pattern (dequantize -> operator -> quantize, the dequantize and quantize
+tagged "implicit": the operator reads and writes int8). Every other operator it takes computes in fp32, between a
+dequantize and a quantize that it turns into XNNPACK conversions: EXP, LOG, TANH, SIGMOID, RSQRT, ABS, DIV, GELU,
+HARDSWISH, LEAKY_RELU, SOFTMAX among them. ``xnnpack_int8_kernel`` reads that back for the placement."""
 
 from __future__ import annotations
 
-import contextlib
+import weakref
+from functools import cache
 from importlib.metadata import version
 from typing import Any
 
@@ -13,9 +22,10 @@ from edgeline.export.errors import ExportError
 from edgeline.export.graph import module_path
 from edgeline.export.layer_probes import LayerProbe, LayerReading, pt2e_layers
 from edgeline.export.placement import executorch_placement
+from edgeline.export.xnnpack_forms import xnnpack_int8_forms, xnnpack_pools
 from edgeline.manifest import RuntimeRequirement
 
-__all__ = ["XnnpackExporter", "quantized_module", "xnnpack_pools"]
+__all__ = ["XnnpackExporter", "partitioner_configs", "quantized_module", "xnnpack_int8_kernel"]
 
 MODEL_FILE = "model.pte"
 
@@ -39,7 +49,7 @@ def quantized_module(
     )
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    quantizer = XNNPACKQuantizer().set_global(
+    quantizer = _quantizer_class(XNNPACKQuantizer)().set_global(
         get_symmetric_quantization_config(is_per_channel=True, is_dynamic=dynamic)
     )
     if keep_float:
@@ -51,6 +61,8 @@ def quantized_module(
         quantizer.set_filter_function(quantized)
     graph = torch.export.export(module, example_inputs).module()
     xnnpack_pools(graph)
+    if not dynamic:
+        xnnpack_int8_forms(graph, elu=_elu_config() is not None)
     prepared = prepare_pt2e(graph, quantizer)
     with torch.no_grad():
         for sample in calibration if not dynamic else calibration[:1]:
@@ -58,78 +70,145 @@ def quantized_module(
     return convert_pt2e(prepared)
 
 
-def xnnpack_pools(graph: Any) -> int:
-    """Rewrites, in place, the 1-D pools of a torch.export graph (``program.module()``) that XNNPACK has no kernel
-    for as the 2-D ones it has, on an axis of one: ``max_pool1d`` as ``max_pool2d`` with a 1 x k window, a global
-    average pool (``adaptive_avg_pool1d`` to one, a ``mean`` over the last axis) as ``mean`` over the last two axes
-    (XNNPACK's global average pool), each between two reshapes. The same values, computed by XNNPACK in fp32 and
-    int8 (its quantizer shares the pools' scale with their input) instead of by ExecuTorch's portable kernels; each
-    new node keeps the metadata of the node it replaces (its module, source line and origin, which the layer report
-    and the placement read). Only 3-D inputs of static shape. Returns how many it rewrote."""
+def _quantizer_class(base: Any) -> Any:
+    """XNNPACK's quantizer that also annotates the one-input activations it leaves to their neighbours, within its
+    filter (the layers mixed precision keeps float): ELU, which XNNPACK computes in int8, and those it
+    computes in fp32 between conversions, so that what reads them (a flatten before a linear layer) reads int8. An
+    ELU, TANH or SIGMOID before a flatten left the flatten, and the ELU, in fp32."""
     import torch
+    from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
 
     aten = torch.ops.aten
-    rewritten = 0
-    for node in list(graph.graph.nodes):
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+    activations = {aten.elu.default, aten.tanh.default, aten.sigmoid.default, aten.gelu.default}
+    activations |= {aten.hardswish.default, aten.leaky_relu.default}
+
+    class XnnpackInt8Quantizer(base):  # type: ignore[misc]  # executorch ships no type information
+        def annotate(self, model: Any) -> Any:
+            model = super().annotate(model)
+            config = getattr(self, "global_config", None)
+            activation = getattr(config, "input_activation", None)
+            output = getattr(config, "output_activation", None)
+            if activation is None or output is None or activation.is_dynamic:
+                return model
+            keep = getattr(self, "filter_fn", None)
+            annotated = False
+            for node in model.graph.nodes:
+                if node.op != "call_function" or node.target not in activations:
+                    continue
+                if "quantization_annotation" in node.meta or not isinstance(node.args[0], torch.fx.Node):
+                    continue
+                if keep is not None and not keep(node):
+                    continue
+                node.meta["quantization_annotation"] = QuantizationAnnotation(
+                    input_qspec_map={node.args[0]: activation},
+                    output_qspec=output,
+                    _annotated=True,
+                )
+                annotated = True
+            if annotated:  # the reshapes after them share their quantization, as after any annotated operator
+                self.propagate(model)
+            return model
+
+        @staticmethod
+        def propagate(model: Any) -> None:
+            """The quantizer's own propagation to the operators that share their input's quantization (reshapes,
+            pools); where its module no longer has it, they stay as the quantizer left them (fp32 around those)."""
+            try:
+                from executorch.backends.xnnpack.quantizer.xnnpack_quantizer_utils import propagate_annotation
+            except ImportError:
+                return
+            propagate_annotation(model)
+
+    return XnnpackInt8Quantizer
+
+
+def _elu_config() -> Any:
+    """ExecuTorch's XNNPACK ELU config (int8 and fp32), which its partitioner's default list leaves out ("waiting for
+    PyTorch pin update"); None where it is not there."""
+    try:
+        from executorch.backends.xnnpack.partition.config.generic_node_configs import EluConfig
+    except ImportError:
+        return None
+    return EluConfig
+
+
+def partitioner_configs() -> list[Any]:
+    """The XNNPACK partitioner's public config list, with its ELU config (see ``_elu_config``): for a graph
+    ``xnnpack_int8_forms`` rewrote, whose every ELU has an explicit alpha and no scales (XNNPACK's ELU node reads its
+    alpha and ignores the rest)."""
+    from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
+
+    elu = _elu_config()
+    return [*ALL_PARTITIONER_CONFIGS, *([elu] if elu is not None and elu not in ALL_PARTITIONER_CONFIGS else [])]
+
+
+# -- what XNNPACK computes in int8 -------------------------------------------------------------------------------------
+
+
+def xnnpack_int8_kernel(node: Any) -> bool:
+    """Whether XNNPACK computes a delegated operator (a node of a lowered module's graph) on int8 tensors: each
+    dequantize it reads and each quantize it feeds is one the partitioner tagged implicit (its node visitors emit no
+    conversion for those: the operator takes and gives int8). Otherwise they are conversions and it computes in fp32.
+    Where the tags cannot be read (an ExecuTorch that no longer keeps them in the lowered module's graph, or moved the
+    function that reads them), whether the partitioner's config for the operator declares ``STATIC_QUANT``."""
+    tagged = _implicit_tags(node.graph)
+    if tagged is None:
+        return _static_quant_targets().get(_target_name(node), False)
+    dequantized = [arg for arg in node.all_input_nodes if _is_conversion(arg, "dequantize")]
+    quantized = [user for user in node.users if _is_conversion(user, "quantize")]
+    return all(tagged(n) for n in dequantized) and all(tagged(n) for n in quantized)
+
+
+def _is_conversion(node: Any, kind: str) -> bool:
+    name = _target_name(node)
+    if kind == "quantize":
+        return node.op == "call_function" and name.startswith("quantize_per_")
+    return node.op == "call_function" and name.startswith("dequantize_per_")
+
+
+def _target_name(node: Any) -> str:
+    """``exp.default`` for ``aten.exp.default`` (as the partitioner's configs name their targets)."""
+    name = str(getattr(node.target, "__name__", node.target))
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if len(parts) > 2 else name
+
+
+_TAG_READERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _implicit_tags(graph: Any) -> Any:
+    """The partitioner's reader of its "implicit" tag on quantize and dequantize nodes, when ``graph`` (a lowered
+    module's) shows any: a quantized graph XNNPACK took has at least its weights' dequantizations tagged. None when
+    the reader is gone or the graph shows no tag (its conversions then read from the configs)."""
+    if graph not in _TAG_READERS:
+        try:
+            from executorch.backends.xnnpack.utils.quant_utils import is_tagged_as_implicit_q_dq
+        except ImportError:
+            is_tagged_as_implicit_q_dq = None
+        conversions = [n for n in graph.nodes if _is_conversion(n, "quantize") or _is_conversion(n, "dequantize")]
+        visible = is_tagged_as_implicit_q_dq is not None and any(is_tagged_as_implicit_q_dq(n) for n in conversions)
+        _TAG_READERS[graph] = is_tagged_as_implicit_q_dq if visible else None
+    return _TAG_READERS[graph]
+
+
+@cache
+def _static_quant_targets() -> dict[str, bool]:
+    """Per target the partitioner's configs name (``exp.default``): whether it takes it in int8 (``STATIC_QUANT``);
+    none where the configs no longer say (then nothing counts as int8 on XNNPACK: the placement never overclaims)."""
+    try:
+        from executorch.backends.xnnpack.partition.config.xnnpack_config import ConfigPrecisionType
+    except ImportError:
+        return {}
+
+    found: dict[str, bool] = {}
+    for config in partitioner_configs():
+        try:
+            precisions = config().supported_precision_types()
+        except TypeError:  # a config that needs arguments: not counted as int8
             continue
-        source = node.args[0]
-        value = source.meta.get("val")
-        shape = tuple(getattr(value, "shape", ()))
-        if len(shape) != 3 or not all(isinstance(d, int) for d in shape):
-            continue
-        batch, channels, length = shape
-        pool: tuple[Any, tuple[Any, ...]]
-        if node.target == aten.max_pool1d.default and 2 <= len(node.args) <= 6 and not node.kwargs:
-            given = list(node.args[1:])
-            kernel, stride, padding, dilation, ceil = given + [[], [0], [1], False][len(given) - 1 :]
-            stride = stride or kernel
-            pool = aten.max_pool2d.default, ([1, *kernel], [1, *stride], [0, *padding], [1, *dilation], ceil)
-        elif _global_average(node, aten):
-            pool = aten.mean.dim, ([2, 3], True)
-        else:
-            continue
-        out = node.meta.get("val")
-        if out is None:
-            continue
-        with graph.graph.inserting_before(node):
-            current = _like(graph, node, aten.reshape.default, (source, [batch, channels, 1, length]))
-            current = _like(graph, node, pool[0], (current, *pool[1]))
-            current = _like(graph, node, aten.reshape.default, (current, list(out.shape)))
-        node.replace_all_uses_with(current)
-        graph.graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        graph.graph.lint()
-        graph.recompile()
-    return rewritten
-
-
-def _global_average(node: Any, aten: Any) -> bool:
-    """``adaptive_avg_pool1d`` to one, or ``mean`` over the last axis of a 3-D tensor (without a dtype)."""
-    if node.target == aten.adaptive_avg_pool1d.default:
-        return list(node.args[1]) == [1]
-    axes = node.args[1] if len(node.args) > 1 else None
-    return bool(
-        node.target == aten.mean.dim
-        and not node.kwargs.get("dtype")
-        and isinstance(axes, list | tuple)
-        and [int(axis) % 3 for axis in axes] == [2]
-    )
-
-
-def _like(graph: Any, original: Any, target: Any, arguments: tuple[Any, ...]) -> Any:
-    """A new node computing ``target`` on ``arguments`` with ``original``'s metadata, its value's shape worked out on
-    the graph's fake tensors."""
-    import torch
-
-    node = graph.graph.call_function(target, arguments)
-    node.meta.update({key: value for key, value in original.meta.items() if key not in ("val", "tensor_meta")})
-    values = tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in arguments)
-    mode = getattr(values[0], "fake_mode", None)  # torch.export's values are fake tensors of one mode
-    with mode if mode is not None else contextlib.nullcontext():
-        node.meta["val"] = target(*values)
-    return node
+        name = str(getattr(config, "target_name", ""))
+        found[name] = found.get(name, False) or ConfigPrecisionType.STATIC_QUANT in precisions
+    return found
 
 
 class XnnpackExporter(ExportTarget):
@@ -174,8 +253,12 @@ class XnnpackExporter(ExportTarget):
                 program = torch.export.export(graph, request.example_inputs)
         else:
             program = torch.export.export(quantized, request.example_inputs)
-        edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
-        placement = executorch_placement(edge.exported_program().graph_module, request.precision, self.accelerator)
+        # XNNPACK's ELU node reads alpha alone: only a graph whose ELUs xnnpack_int8_forms wrote may go to it
+        configs = partitioner_configs() if request.precision is Precision.INT8_STATIC else None
+        edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner(configs=configs)])
+        placement = executorch_placement(
+            edge.exported_program().graph_module, request.precision, self.accelerator, xnnpack_int8_kernel
+        )
         executorch_program = edge.to_executorch()
         (request.out_dir / MODEL_FILE).write_bytes(executorch_program.buffer)
         return ExportedModel(
