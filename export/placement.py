@@ -41,6 +41,7 @@ __all__ = [
     "OpRecord",
     "executorch_placement",
     "fx_macs",
+    "node_source",
     "placement_of",
     "tflite_macs",
     "tflite_placement",
@@ -223,7 +224,7 @@ def _plain(name: str) -> str:
 @dataclass(frozen=True)
 class GraphOperator:
     """An operator of the torch graph a model file was converted from: its kind (``cumsum``), the module whose code
-    made it (``spread``; "" outside every module) and where (``spread (model.py:7)``, see ``_source``)."""
+    made it (``spread``; "" outside every module) and where (``spread (model.py:7)``, see ``node_source``)."""
 
     kind: str
     module: str
@@ -255,7 +256,7 @@ class ModelSources:
     def of(cls, converted: Any, root: Any) -> ModelSources:
         """From the PT2E-converted GraphModule ``converted`` of the torch module ``root``."""
         operators = tuple(
-            GraphOperator(_plain(_op_name(node)), module_path(node) or "", _source(node))
+            GraphOperator(_plain(_op_name(node)), module_path(node) or "", node_source(node))
             for node in converted.graph.nodes
             if node.op == "call_function" and _op_name(node) not in _SKIPPED and not _is_conversion(_op_name(node))
         )
@@ -364,12 +365,12 @@ def _fx_records(
         integer = integer_kernel is None or precision is not Precision.INT8_STATIC or integer_kernel(node)
         if (from_dequantize or fused or weightless) and integer:
             quantized.add(node)
-        where = _source(node)
+        where = node_source(node)
         records.append(OpRecord(name, on_accelerator, node in quantized, fx_macs(node, name), node.name, where))
     return records
 
 
-def _source(node: Any) -> str:
+def node_source(node: Any) -> str:
     """``pool1 (model.py:14)``: the module whose code made a torch graph node and the model's own line that called
     it (the innermost frame of its stack trace outside torch and the installed packages); ``forward()`` for code
     outside every module; "" when the graph kept neither."""

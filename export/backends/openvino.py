@@ -54,7 +54,7 @@ from edgeline.export.backends import AccuracyControl, ExportedModel, ExportReque
 from edgeline.export.errors import ExportError
 from edgeline.export.graph import module_path
 from edgeline.export.layer_probes import LayerProbe, LayerReading, openvino_layers
-from edgeline.export.placement import _source
+from edgeline.export.placement import node_source
 from edgeline.manifest import KeptFloat, Placement, RuntimeRequirement
 
 __all__ = [
@@ -155,7 +155,9 @@ def operator_sources(program: Any) -> dict[str, str]:
     """torch.export node name -> the model's code that made it: its module and the model's line that called it
     (``act1 (model.py:14)``, ``forward() (model.py:20)`` outside every module; the LiteRT and ExecuTorch placements'
     ``source``). The IR keeps no source lines, but each operator keeps the name of its node (``operator_modules``)."""
-    return {node.name: where for node in program.graph.nodes if node.op == "call_function" and (where := _source(node))}
+    return {
+        node.name: where for node in program.graph.nodes if node.op == "call_function" and (where := node_source(node))
+    }
 
 
 def _rebuilt_owner(op: Any, nodes: dict[str, Any], paths: dict[str, str], named: dict[str, Any]) -> str | None:
