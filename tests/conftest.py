@@ -106,6 +106,24 @@ def needs_torch(what: str) -> None:
         )
 
 
+_EXIT_STATUS = [0]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _EXIT_STATUS[0] = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A camera open a test gave up on (its deadline passed) goes on inside PyAV until PyAV's own bound, and one still
+    there when this process's interpreter shuts down crashes it (``edgeline.video``): wait for them, bounded, last
+    of all (an xdist worker has sent its results by now)."""
+    video = sys.modules.get("edgeline.video")
+    if video is not None and video.leave_library(60.0):
+        print("conftest: a camera call still inside PyAV after 60 s: leaving without the interpreter's shutdown")
+        sys.stdout.flush()
+        os._exit(_EXIT_STATUS[0])
+
+
 @pytest.fixture(autouse=True)
 def private_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test's daemons (in this process or started from it) keep their outbox in a state folder of the test's
