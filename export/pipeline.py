@@ -58,6 +58,7 @@ from edgeline.export.detection_data import is_detection_dataset, read_detection_
 from edgeline.export.errors import BudgetError, CalibrationError, ExportError
 from edgeline.export.fidelity import REFERENCE, FloatReference, compare_outputs, measure_fidelity, run_float
 from edgeline.export.images import image_input, read_class_folders, read_image_folder
+from edgeline.export.kept_float import file_operators, verify_kept
 from edgeline.export.layers import (
     INPUT,
     LAYER_SAMPLES,
@@ -571,6 +572,10 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared, exporte
         shortfall = fidelity_shortfall(outcome.fidelity) if outcome.fidelity is not None else math.inf
         missed = fidelity_violations(shared.profile.budgets, outcome.fidelity) if outcome.fidelity else []
         verdict = missed[0] if missed else "not measured"
+        claimed = {k.module for k in outcome.kept_float}  # this build's, as its model file bears them out
+        in_int8 = [c.module for c in candidates if c.module not in claimed] if missed else []
+        if in_int8:  # the converter computed them in integer all the same (edgeline.export.kept_float)
+            verdict = f"{verdict}; the converter computes {', '.join(in_int8)} in int8 all the same"
         if shortfall < best:  # it helped: kept, and the next group goes on from here
             kept.extend(candidates)
             best = shortfall
@@ -639,6 +644,24 @@ def _off_accelerator(
     )
 
 
+def _kept_in_file(
+    kept: tuple[KeptFloat, ...], model_file: Path, target: Target, shared: _Shared
+) -> tuple[KeptFloat, ...]:
+    """The kept layers the converted model file bears out (``edgeline.export.kept_float``): a module the converter
+    computes in integer all the same is not claimed float, and the progress line says so; one the file names no
+    operator after keeps its claim, said unverified."""
+    if not kept:
+        return kept
+    program = export_program(shared.loaded.module, shared.calibration.sample(0))
+    verified = verify_kept(kept, file_operators(model_file, target.precision, program, shared.loaded.module))
+    if verified.int8:
+        shared.progress(
+            f"{target.backend} {target.precision.value}: asked to stay float, the converter computes in integer "
+            f"(not listed as kept float): {verified.said()}"
+        )
+    return verified.kept
+
+
 def _build(
     target: Target,
     outcome: TargetOutcome,
@@ -676,9 +699,10 @@ def _build(
     exported = convert(request, target)
     if accuracy_control is not None:  # what the exporter's own accuracy control left in float
         kept = exported.kept_float
-    kept = _off_accelerator(kept, plain, exported.placement, macs)
+    asked = _off_accelerator(kept, plain, exported.placement, macs)  # what the quantizer was asked to keep float
     check = exported.verification or Verification(backend=exported.runtime_backend)
     measured_file = check.model_file or exported.model_file
+    kept = _kept_in_file(asked, staging / measured_file, target, shared)  # what the manifest may claim
     inputs, outputs = exported.inputs, exported.outputs
     accelerator = exported.placement.accelerator if exported.placement else None
     if check.backend is not None:
@@ -740,7 +764,7 @@ def _build(
         golden = write_golden(staging, model, validation, exported.output_steps)
         if target.precision.integer:
             progress(f"{target.backend} {target.precision.value}: comparing each layer with the float model's")
-            if not kept:  # the ranking subset (NNCF's): the samples plain int8 does worst on; mixed builds reuse it
+            if not asked:  # the ranking subset (NNCF's): the samples plain int8 does worst on; mixed builds reuse it
                 outcome.ranking = _ranking_subset(errors)
             layers = measure_layers(
                 loaded.module,
@@ -751,7 +775,7 @@ def _build(
                 exported.input_names,
                 calibration,
                 dynamic=target.precision is Precision.INT8_DYNAMIC,
-                keep_float=tuple(k.module for k in kept),
+                keep_float=tuple(k.module for k in asked),
                 labels=request.input_names,
                 quantized_graph=exported.quantized_graph,
             )
@@ -768,7 +792,7 @@ def _build(
                 activation_ranges=exported.activation_ranges,
                 **layers.fields(),
             )
-            if not kept:  # the ranking mixed precision goes by is plain int8's
+            if not asked:  # the ranking mixed precision goes by is plain int8's
                 outcome.layers = layers.layers
             outcome.kept_float, outcome.int8_missed = kept, int8_missed
         manifest = write_bundle(staging, exported, dict(fields, fidelity=fidelity, golden=golden))
