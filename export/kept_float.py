@@ -125,13 +125,9 @@ def _onnx_operators(path: Path, modules: set[str]) -> list[FileOperator]:
 
     graph = onnx.load(str(path), load_external_data=False).graph
     quantized, left_in_float = quantized_nodes(graph)
-    # a node between a DequantizeLinear and QuantizeLinears that takes float weights of its own (a convolution the
-    # quantizer was told to leave alone) is no integer kernel: it computes in float
-    float_weights = {
-        t.name for t in graph.initializer if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
-    }
+    # a node between a DequantizeLinear and QuantizeLinears is an integer kernel even with float weights of its own:
+    # ONNX Runtime quantizes them itself (tests/test_onnx_qdq_counts.py)
     floating = {id(node) for node in left_in_float}
-    floating |= {id(node) for node in quantized if any(name in float_weights for name in node.input)}
     operators = []
     for node in (*quantized, *left_in_float):
         scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
