@@ -79,15 +79,10 @@ def node_culprit(node: Any, operator: str | None = None) -> Culprit:
 def onnx_node_culprit(node: Any) -> Culprit:
     """An ONNX node of the dynamo exporter's: its operator type, the module whose code made it and the model's line
     (its ``pkg.torch.onnx`` metadata; a node of another exporter names its operator only)."""
-    import ast
+    from edgeline.export.backends.onnxruntime import onnx_node_module
 
     meta = {prop.key: prop.value for prop in node.metadata_props}
-    try:
-        scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
-    except (ValueError, SyntaxError):
-        scopes = []
-    module = ".".join(str(scope) for scope in scopes[1:-1] if scope) if isinstance(scopes, list) else ""
-    return Culprit(node.op_type, module or None, _source_line(meta.get("pkg.torch.onnx.stack_trace")))
+    return Culprit(node.op_type, onnx_node_module(node), _source_line(meta.get("pkg.torch.onnx.stack_trace")))
 
 
 def find_culprit(exc: BaseException) -> Culprit | None:

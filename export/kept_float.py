@@ -16,7 +16,7 @@ Ties: a LiteRT operator to the module whose torch operator made it (``ModelSourc
 ``fallback_sources``), and also to each module its tensor's name places it in that has no operator of its own in
 the file (a ReLU fused into the convolution before it computes in that convolution's kernel); an ONNX node to the
 modules of its ``name_scopes``. Which operators compute in float is the file's to say: ``tflite_records``, and
-``quantized_nodes`` for ONNX (a node between a DequantizeLinear and QuantizeLinears is an integer kernel).
+for ONNX the nodes ONNX Runtime's CPU provider fuses into integer kernels (``quantized_nodes``, ``cpu_float_nodes``).
 """
 
 from __future__ import annotations
@@ -121,13 +121,15 @@ def _onnx_operators(path: Path, modules: set[str]) -> list[FileOperator]:
     operators' own names, ``conv2d_1``)."""
     import onnx
 
-    from edgeline.export.backends.onnxruntime import quantized_nodes
+    from edgeline.export.backends.onnxruntime import cpu_float_nodes, quantized_nodes
 
     graph = onnx.load(str(path), load_external_data=False).graph
     quantized, left_in_float = quantized_nodes(graph)
-    # a node between a DequantizeLinear and QuantizeLinears is an integer kernel even with float weights of its own:
-    # ONNX Runtime quantizes them itself (tests/test_onnx_qdq_counts.py)
-    floating = {id(node) for node in left_in_float}
+    # a node between a DequantizeLinear and QuantizeLinears is an integer kernel where ONNX Runtime's CPU provider
+    # fuses it (even with float weights of its own: it quantizes them itself, tests/test_onnx_qdq_counts.py), and
+    # float where it has no kernel to fuse it into (cpu_float_nodes)
+    unfused = cpu_float_nodes(path)
+    floating = {id(node) for node in left_in_float} | {id(node) for node in quantized if node.name in unfused}
     operators = []
     for node in (*quantized, *left_in_float):
         scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)

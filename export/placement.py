@@ -39,6 +39,7 @@ __all__ = [
     "GraphOperator",
     "ModelSources",
     "OpRecord",
+    "code_source",
     "executorch_placement",
     "fx_macs",
     "node_source",
@@ -372,10 +373,15 @@ def _fx_records(
 
 def node_source(node: Any) -> str:
     """``pool1 (model.py:14)``: the module whose code made a torch graph node and the model's own line that called
-    it (the innermost frame of its stack trace outside torch and the installed packages); ``forward()`` for code
-    outside every module; "" when the graph kept neither."""
+    it (``code_source``); ``forward()`` for code outside every module; "" when the graph kept neither."""
     meta = getattr(node, "meta", {}) or {}
-    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+', str(meta.get("stack_trace") or ""))
+    return code_source(module_path(node), str(meta.get("stack_trace") or ""))
+
+
+def code_source(module: str | None, stack_trace: str) -> str:
+    """``pool1 (model.py:14)`` from a module path and a torch stack trace: the innermost frame outside torch and the
+    installed packages is the model's own line; ``forward()`` without a module; "" without either."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+', stack_trace)
     line = next(
         (
             f"{Path(path).name}:{number}"
@@ -384,8 +390,7 @@ def node_source(node: Any) -> str:
         ),
         None,
     )
-    module = module_path(node)
-    if module is None and line is None:
+    if not module and line is None:
         return ""
     return f"{module or 'forward()'}" + (f" ({line})" if line else "")
 

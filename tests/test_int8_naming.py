@@ -169,6 +169,41 @@ def test_ethos_u_names_the_module_and_line_of_what_vela_leaves_to_the_cpu(ethos_
     assert placement.describe_sources() == f"off ethos-u: CUMSUM in {WHERE}"
 
 
+@pytest.fixture(scope="module")
+def onnx_placement(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The ONNX Runtime exporter's int8 model (QDQ): ONNX Runtime's quantizer has no int8 CumSum either."""
+    import torch
+
+    from edgeline.device_profiles import Precision
+    from edgeline.export.backends import ExportRequest
+    from edgeline.export.backends.onnxruntime import OnnxRuntimeExporter
+    from edgeline.export.loading import load_model
+
+    features, _ = digit_features()
+    calibration = [(torch.from_numpy(features[i : i + 1]),) for i in range(32)]
+    request = ExportRequest(
+        module=load_model(f"{model}:naming_mlp").module,
+        example_inputs=calibration[0],
+        calibration=calibration,
+        precision=Precision.INT8_STATIC,
+        out_dir=tmp_path_factory.mktemp("naming-onnx"),
+        input_names=("x",),
+    )
+    return OnnxRuntimeExporter().export(request).placement
+
+
+@pytest.mark.export
+def test_onnx_runtime_names_the_module_and_line_of_the_float_node(onnx_placement: Any) -> None:
+    """Its nodes keep the module paths and the stack trace torch's dynamo exporter wrote (``name_scopes``, one full
+    path per module level: ``spread``, not ``forward()`` nor a doubled path)."""
+    scaling = f"forward() ({FILE}:{SOURCE.splitlines().index('        x = torch.relu(self.fc1(x / 16.0))') + 1})"
+    # CumSum sits between a DequantizeLinear and a QuantizeLinear, yet ONNX Runtime has no integer kernel to fuse
+    # it into: float (the input's scaling by 16 is float before the model's first quantization)
+    assert onnx_placement.fallback == {"CumSum": 1, "Div": 1}, onnx_placement
+    assert onnx_placement.fallback_sources == {"CumSum": [WHERE], "Div": [scaling]}, onnx_placement
+    assert onnx_placement.describe_sources() == f"float: CumSum in {WHERE}; Div in {scaling}"
+
+
 @pytest.mark.quick
 def test_litert_operators_are_tied_to_the_model_s_code_by_module_then_kind() -> None:
     """The rules of ``ModelSources.name`` on a LiteRT model's records as the converter names their tensors."""

@@ -20,13 +20,17 @@ from edgeline.device_profiles import Precision, Profile
 from edgeline.export.backends import ExportedModel, ExportRequest, ExportTarget, Verification
 from edgeline.export.errors import ExportError
 from edgeline.export.layer_probes import LayerProbe, LayerReading, onnx_layers
+from edgeline.export.placement import code_source
 from edgeline.manifest import Placement, RuntimeRequirement
 
 __all__ = [
     "OnnxRuntimeExporter",
     "calibration_reader",
     "check_export_tools",
+    "cpu_float_nodes",
     "module_nodes",
+    "onnx_node_module",
+    "onnx_node_source",
     "onnx_placement",
     "profile_accelerator",
     "quantized_nodes",
@@ -186,6 +190,7 @@ def onnx_placement(
     accelerator: str | None = None,
     accelerator_ops: int | None = None,
     unknown: dict[str, str] | None = None,
+    cpu_fusions: bool = False,
 ) -> Placement:
     """Placement read from the ONNX graph at ``model_path``. ``fallback`` lists the nodes left in float (integer
     precisions only: in fp32 nothing is meant to be quantized)."""
@@ -194,7 +199,16 @@ def onnx_placement(
     model = onnx.load(str(model_path), load_external_data=False)
     graph = model.graph
     quantized, left_in_float = quantized_nodes(graph)
+    if cpu_fusions and precision.integer:  # what ONNX Runtime's CPU provider really fuses: the rest is float
+        unfused = cpu_float_nodes(model_path)
+        left_in_float += [node for node in quantized if node.name in unfused]
+        quantized = [node for node in quantized if node.name not in unfused]
     fallback = Counter(node.op_type for node in left_in_float) if precision.integer else Counter()
+    sources: dict[str, list[str]] = {}
+    for node in left_in_float if precision.integer else ():
+        where = onnx_node_source(node)
+        if where and where not in sources.setdefault(node.op_type, []):
+            sources[node.op_type].append(where)
     work = onnx_macs(model)
     nodes = quantized + left_in_float
     counted = all(work.get(id(node)) is not None for node in nodes)
@@ -211,8 +225,56 @@ def onnx_placement(
         macs=macs,
         quantized_macs=sum(work[id(node)] or 0 for node in quantized) if counted and precision.integer else None,
         fallback=dict(sorted(fallback.items())),
+        fallback_sources={op: found for op, found in sorted(sources.items()) if found},
         unknown=unknown,
     )
+
+
+def cpu_float_nodes(model_path: Path) -> set[str]:
+    """The names of the nodes of a QDQ model that ONNX Runtime's CPU provider computes in float: those still reading a
+    DequantizeLinear's output once its graph optimizer has fused every pattern it has an integer kernel for (read
+    from the model it optimizes, at the level that does the QDQ fusions and no hardware-specific layout). A node
+    between a DequantizeLinear and a QuantizeLinear it has no kernel for (CumSum) stays so: float, with conversions
+    around it."""
+    import tempfile
+
+    import onnx
+
+    ort = import_onnxruntime()
+    with tempfile.TemporaryDirectory(prefix="edgeline-ort-") as folder:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.optimized_model_filepath = str(Path(folder) / "optimized.onnx")
+        ort.InferenceSession(str(model_path), options, providers=[CPU])
+        graph = onnx.load(options.optimized_model_filepath, load_external_data=False).graph
+    producer = {output: node for node in graph.node for output in node.output}
+    return {
+        node.name
+        for node in graph.node
+        if node.op_type not in CONVERSIONS
+        and any(getattr(producer.get(name), "op_type", None) == "DequantizeLinear" for name in node.input)
+    }
+
+
+def onnx_node_module(node: Any) -> str | None:
+    """The module whose code made a node of torch's dynamo ONNX exporter: the innermost module path of its
+    ``name_scopes`` (``['', 'features', 'features.1', 'prelu']``: the model, each module's full path, the torch
+    operator's own name); None outside every module, or for a node of another exporter."""
+    import ast
+
+    meta = {prop.key: prop.value for prop in node.metadata_props}
+    try:
+        scopes = ast.literal_eval(meta.get("pkg.torch.onnx.name_scopes", "[]"))
+    except (ValueError, SyntaxError):
+        return None
+    return str(scopes[-2]) or None if isinstance(scopes, list) and len(scopes) >= 3 else None
+
+
+def onnx_node_source(node: Any) -> str:
+    """``features.1 (model.py:14)`` for a node of torch's dynamo ONNX exporter: its module (``onnx_node_module``)
+    and the model's line in its ``stack_trace``; "" for a node of another exporter."""
+    meta = {prop.key: prop.value for prop in node.metadata_props}
+    return code_source(onnx_node_module(node), meta.get("pkg.torch.onnx.stack_trace", ""))
 
 
 def onnx_macs(model: Any) -> dict[int, int | None]:
@@ -298,7 +360,9 @@ class OnnxRuntimeExporter(ExportTarget):
             runtime_backend=self.runtime_backend,
             runtime=RuntimeRequirement(package="onnxruntime", min_version="1.17"),  # opset 20 (the dynamo exporter's)
             input_names=tuple(request.input_names),
-            placement=onnx_placement(path, request.precision, accelerator=accelerator, unknown=unknown),
+            placement=onnx_placement(
+                path, request.precision, accelerator=accelerator, unknown=unknown, cpu_fusions=accelerator is None
+            ),
             tool_versions={"torch": version("torch"), "onnx": version("onnx"), "onnxruntime": version("onnxruntime")},
             verification=verification,
             output_steps=qdq_output_steps(path) if request.precision is Precision.INT8_STATIC else (),
