@@ -136,14 +136,12 @@ def test_bundle_show_prints_where_the_float_operator_comes_from(litert: tuple[Pa
     assert as_json["placement"]["left_out"] == f"float: CUMSUM in {WHERE}"
 
 
-@pytest.fixture(scope="module")
-def ethos_u(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The ethos-u exporter's model for the i.MX 93 (its Cortex-A55 runs what vela leaves to the CPU with LiteRT)."""
+def _exported(model: Path, exporter: Any, out_dir: Path, profile: str | None = None) -> Any:
+    """The model exported int8-static by ``exporter`` alone (no pipeline), calibrated on 32 training digits."""
     import torch
 
     from edgeline.device_profiles import Precision, load_profile
     from edgeline.export.backends import ExportRequest
-    from edgeline.export.backends.ethos_u import EthosUExporter
     from edgeline.export.loading import load_model
 
     features, _ = digit_features()
@@ -153,11 +151,19 @@ def ethos_u(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         example_inputs=calibration[0],
         calibration=calibration,
         precision=Precision.INT8_STATIC,
-        out_dir=tmp_path_factory.mktemp("naming-ethos-u"),
+        out_dir=out_dir,
         input_names=("x",),
-        profile=load_profile("imx93"),
+        profile=load_profile(profile) if profile else None,
     )
-    return EthosUExporter().export(request)
+    return exporter.export(request)
+
+
+@pytest.fixture(scope="module")
+def ethos_u(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The ethos-u exporter's model for the i.MX 93 (its Cortex-A55 runs what vela leaves to the CPU with LiteRT)."""
+    from edgeline.export.backends.ethos_u import EthosUExporter
+
+    return _exported(model, EthosUExporter(), tmp_path_factory.mktemp("naming-ethos-u"), "imx93")
 
 
 @pytest.mark.export
@@ -172,24 +178,9 @@ def test_ethos_u_names_the_module_and_line_of_what_vela_leaves_to_the_cpu(ethos_
 @pytest.fixture(scope="module")
 def onnx_placement(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The ONNX Runtime exporter's int8 model (QDQ): ONNX Runtime's quantizer has no int8 CumSum either."""
-    import torch
-
-    from edgeline.device_profiles import Precision
-    from edgeline.export.backends import ExportRequest
     from edgeline.export.backends.onnxruntime import OnnxRuntimeExporter
-    from edgeline.export.loading import load_model
 
-    features, _ = digit_features()
-    calibration = [(torch.from_numpy(features[i : i + 1]),) for i in range(32)]
-    request = ExportRequest(
-        module=load_model(f"{model}:naming_mlp").module,
-        example_inputs=calibration[0],
-        calibration=calibration,
-        precision=Precision.INT8_STATIC,
-        out_dir=tmp_path_factory.mktemp("naming-onnx"),
-        input_names=("x",),
-    )
-    return OnnxRuntimeExporter().export(request).placement
+    return _exported(model, OnnxRuntimeExporter(), tmp_path_factory.mktemp("naming-onnx")).placement
 
 
 @pytest.mark.export
