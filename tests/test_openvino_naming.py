@@ -4,8 +4,9 @@ never the only place it shows. Real torch.export, OpenVINO's converter, NNCF and
 
 The model is one of its own: a CNN on sklearn's 8x8 digits (scaled to [0, 1] outside it) with a PReLU inside an
 ``nn.Sequential`` (``features.1``) and ``gate``, a module of the model's file computing Mish written out
-(``x * tanh(softplus(x))``). NNCF quantizes the convolutions and the head; the CPU plugin computes PReLU (decomposed by
-torch.export into greater, multiply and select) and the gate's softplus, tanh and products in float.
+(``x * tanh(softplus(x))``). NNCF quantizes the convolutions and the head; the PReLU runs inside the int8 convolution
+before it (``restore_prelu``: tests/test_openvino_int8_forms.py), and the CPU plugin computes the gate's softplus, tanh
+and products in float.
 """
 
 from __future__ import annotations
@@ -61,8 +62,6 @@ def gated_cnn():
 """
 
 FILE = "openvino_naming_models.py"
-PRELU = f"features.1 ({FILE}:{SOURCE.splitlines().index('        x = self.gate(self.features(x))') + 1})"
-"""The PReLU's module, and the model's line that called it (nn.Sequential's and PReLU's own lines are torch's)."""
 GATE = f"gate ({FILE}:{SOURCE.splitlines().index('        return x * torch.tanh(F.softplus(x))') + 1})"
 TRAIN = 1400  # the digits before are trained on (and calibrate); those after are held out
 VALIDATION = 200
@@ -119,17 +118,11 @@ def _placement(bundle: Path) -> dict[str, Any]:
     return placement
 
 
-FALLBACK = {"FakeQuantize": 1, "Greater+Multiply+Select": 1, "Greater+Select+Tanh+Multiply": 1, "SoftPlus": 1}
-"""The runtime graph's float nodes, by what each computes: the input's quantization, PReLU (one Snippets kernel), and
-the gate's softplus (an Eltwise) and the rest of it (a second kernel). Before, ``Subgraph x3, Eltwise``, unnamed."""
-SOURCES = {
-    "FakeQuantize": ["input x"], "Greater+Multiply+Select": [PRELU], "Greater+Select+Tanh+Multiply": [GATE],
-    "SoftPlus": [GATE],
-}  # fmt: skip
-LEFT_OUT = (
-    f"float: FakeQuantize in input x; Greater+Multiply+Select in {PRELU}; Greater+Select+Tanh+Multiply in {GATE}; "
-    f"SoftPlus in {GATE}"
-)
+FALLBACK = {"FakeQuantize": 1, "Greater+Select+Tanh+Multiply": 1, "SoftPlus": 1}
+"""The runtime graph's float nodes, by what each computes: the input's quantization, and the gate's softplus (an
+Eltwise) and the rest of it (a Snippets kernel). Before, ``Subgraph x3, Eltwise``, unnamed (PReLU among them)."""
+SOURCES = {"FakeQuantize": ["input x"], "Greater+Select+Tanh+Multiply": [GATE], "SoftPlus": [GATE]}
+LEFT_OUT = f"float: FakeQuantize in input x; Greater+Select+Tanh+Multiply in {GATE}; SoftPlus in {GATE}"
 
 
 @pytest.mark.export
@@ -153,7 +146,7 @@ def test_bundle_show_prints_where_what_stays_float_comes_from(openvino: tuple[Pa
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
     placement = next(i for i, line in enumerate(lines) if line.startswith("placement:"))
-    assert "fallback: FakeQuantize x1, Greater+Multiply+Select x1" in lines[placement], shown.stdout
+    assert "fallback: FakeQuantize x1, Greater+Select+Tanh+Multiply x1, SoftPlus x1" in lines[placement], shown.stdout
     assert lines[placement + 1] == f"left out:     {LEFT_OUT}", shown.stdout
     as_json = json.loads(_edgeline("bundle", "show", str(bundle), "--json").stdout)
     assert as_json["placement"]["fallback_sources"] == SOURCES

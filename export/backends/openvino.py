@@ -7,9 +7,13 @@ quantized by NNCF on our samples, with its accuracy control when plain int8 miss
   which torch module it computes (the layers NNCF's accuracy control reverts, listed by module in ``kept_float``).
 - **What stays float, named.** The placement counts the nodes of the CPU plugin's runtime graph, whose kinds are
   often only containers (``Subgraph``: a Snippets kernel of fused element-wise operators): a float one is named by the
-  IR's operators it fused (its ``originalLayersNames``: ``Greater+Multiply+Select``, PReLU as torch.export decomposes
-  it), and ``fallback_sources`` names the module and the model's line that made them (``features.1
+  IR's operators it fused (its ``originalLayersNames``: ``Greater+Select+Tanh+Multiply``, Mish as torch.export
+  decomposes it), and ``fallback_sources`` names the module and the model's line that made them (``features.1
   (model.py:23)``), from the torch.export node each operator is named after; the IR itself keeps no source lines.
+- **PReLU in int8.** torch.export decomposes PReLU into ``where(x > 0, x, weight * x)``, which the CPU plugin ran as
+  a float kernel between int8 layers (5 of 9 operators int8 on a digits CNN with three PReLUs); the IR gets
+  OpenVINO's PRelu back (``restore_prelu``), which the plugin computes as a post-op of the int8 layer before it (6
+  of 6; held-out accuracy unchanged): ``tests/test_openvino_int8_forms.py``.
 - **Precision.** ``save_model`` compresses weights to fp16 unless told not to: fp32 bundles are saved with
   ``compress_to_fp16=False``, fp16 ones with it. The precision fidelity was measured with is written into the IR
   (``rt_info`` ``edgeline/inference_precision``) and the runtime sets ``INFERENCE_PRECISION_HINT`` to it, so the CPU
@@ -65,6 +69,7 @@ __all__ = [
     "int8_operators",
     "openvino_placement",
     "operator_sources",
+    "restore_prelu",
     "unsupported_operators",
 ]
 
@@ -122,11 +127,70 @@ def to_openvino(ov: Any, request: ExportRequest) -> tuple[Any, Any]:
     except Exception as exc:  # its frontend raises OpConversionFailure and others, naming the aten operators
         lines = [line for line in str(exc).splitlines() if line.strip()]
         raise ExportError(f"openvino: convert_model failed: {' '.join(lines[-3:])[:600]}") from exc
+    restore_prelu(model)
     for port, name in zip(model.inputs, request.input_names, strict=True):
         port.get_tensor().set_names({name})
     for index, port in enumerate(model.outputs):
         port.get_tensor().set_names({f"output_{index}"})
     return model, program
+
+
+def restore_prelu(model: Any) -> int:
+    """Each PReLU as torch.export decomposes it (``where(x > 0, x, weight * x)``: Greater, Multiply, Select) made
+    OpenVINO's PRelu again, in place; how many. OpenVINO's PyTorch frontend decomposes the program with torch's
+    default table (and has no translator for ``aten.prelu`` on an FX graph), so a program that kept ``aten.prelu``
+    would reach the IR decomposed all the same; the CPU plugin runs the Select form as a float Snippets kernel
+    between int8 layers, and PRelu as a post-op of the int8 convolution or fully connected layer before it. Only the
+    exact form is taken: the comparison with a constant 0, the same tensor selected and scaled, a constant slope per
+    channel (axis 1) or one for all; the PRelu keeps the Select's name, the torch.export node's, with its type."""
+    import openvino.opset13 as ops
+
+    found = 0
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "Select":
+            continue
+        slope = _prelu_slope(op)
+        if slope is None:
+            continue
+        prelu = ops.prelu(op.input(1).get_source_output(), ops.constant(slope))
+        prelu.set_friendly_name(op.get_friendly_name().rpartition("/")[0] + "/PRelu")
+        op.output(0).replace(prelu.output(0))
+        found += 1
+    if found:
+        model.validate_nodes_and_infer_types()
+    return found
+
+
+def _constant(output: Any) -> np.ndarray | None:
+    node = output.get_node()
+    return np.asarray(node.get_data()) if node.get_type_name() == "Constant" else None
+
+
+def _prelu_slope(select: Any) -> np.ndarray | None:
+    """The slope, as PRelu takes it (one value, or one per channel), of a Select computing
+    ``where(x > 0, x, slope * x)``; None if it computes anything else."""
+    condition, chosen, other = (select.input(i).get_source_output() for i in range(3))
+    greater, scaled = condition.get_node(), other.get_node()
+    if greater.get_type_name() != "Greater" or scaled.get_type_name() != "Multiply":
+        return None
+    x = greater.input(0).get_source_output()
+    zero = _constant(greater.input(1).get_source_output())
+    if chosen != x or zero is None or zero.size != 1 or zero.reshape(-1)[0] != 0:
+        return None
+    factors = [scaled.input(i).get_source_output() for i in range(2)]
+    if x not in factors:
+        return None
+    slope = _constant(factors[1] if factors[0] == x else factors[0])
+    shape = x.get_partial_shape()
+    if slope is None or shape.is_dynamic or slope.dtype != x.get_element_type().to_dtype():
+        return None
+    dims = [int(d) for d in shape.to_shape()]
+    if slope.size == 1:
+        return slope.reshape(1)
+    aligned = (1,) * (len(dims) - slope.ndim) + slope.shape  # numpy's broadcast: trailing axes line up
+    if len(dims) < 2 or len(aligned) != len(dims) or aligned[1] != dims[1] or slope.size != dims[1]:
+        return None
+    return slope.reshape(-1)
 
 
 def operator_modules(model: Any, program: Any, module: Any) -> dict[str, str]:

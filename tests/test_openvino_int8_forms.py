@@ -1,0 +1,205 @@
+"""OpenVINO int8 runs PReLU inside its int8 layers (issue 53): real torch.export, OpenVINO's PyTorch frontend, NNCF
+and the CPU plugin; nothing mocked.
+
+torch.export decomposes ``nn.PReLU`` into ``where(x > 0, x, weight * x)`` before OpenVINO's frontend sees it (the
+frontend decomposes the program with torch's table again, and has no FX translator for ``aten.prelu``), and the CPU
+plugin ran that Greater, Multiply and Select as a float kernel between int8 layers: 5 of 9 operators int8 on a
+digits CNN with three PReLUs. ``restore_prelu`` makes them OpenVINO's PRelu again, which the plugin computes as a
+post-op of the int8 convolution or fully connected layer before it.
+
+The model: a small CNN of sklearn's 8x8 digits with a PReLU after each hidden layer (per channel after the two
+convolutions and the hidden Linear), its input centred so the PReLUs see negative values; trained here, cached by
+content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.cache import cached, cached_export
+from tests.training import digit_images, train_classifier
+
+TRAIN = 1400  # the digits before are trained on (the first CALIBRATION calibrate); those after are held out
+CALIBRATION = 64
+BUDGET = 1.0  # x86-64's max_accuracy_drop, in points
+
+MODEL = """\
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class PReLUCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 3, padding=1)
+        self.act1 = nn.PReLU(6)
+        self.conv2 = nn.Conv2d(6, 12, 3, stride=2, padding=1)
+        self.act2 = nn.PReLU(12)
+        self.fc1 = nn.Linear(12 * 4 * 4, 24)
+        self.act3 = nn.PReLU(24)
+        self.fc2 = nn.Linear(24, 10)
+
+    def forward(self, x):
+        x = (x - 8.0) / 4.0
+        x = self.act2(self.conv2(self.act1(self.conv1(x))))
+        return self.fc2(self.act3(self.fc1(torch.flatten(x, 1))))
+
+
+def prelu():
+    model = PReLUCNN()
+    weights = Path(__file__).with_name("prelu.pt")
+    if weights.exists():
+        model.load_state_dict(torch.load(weights))
+    return model.eval()
+"""
+
+
+@pytest.fixture(scope="module")
+def model_file() -> Path:
+    """The model's source file, its trained weights beside it (trained once for this code)."""
+    images, labels = digit_images()
+
+    def make(directory: Path) -> None:
+        import torch
+
+        from edgeline.export.loading import load_model
+
+        source = directory / "openvino_prelu.py"
+        source.write_text(MODEL, encoding="utf-8")
+        torch.manual_seed(0)
+        module = load_model(f"{source}:prelu").module
+        train_classifier(module, torch.from_numpy(images[:TRAIN]), torch.from_numpy(labels[:TRAIN]), epochs=15)
+        torch.save(module.state_dict(), directory / "prelu.pt")
+        weights = hashlib.sha256((directory / "prelu.pt").read_bytes()).hexdigest()
+        # the bundle's cache key holds the source file's contents: the weights are part of it
+        source.write_text(MODEL + f"\n# weights: {weights}\n", encoding="utf-8")
+
+    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
+    inputs = [MODEL, TRAIN, data, inspect.getsource(train_classifier)]
+    return cached("trained", inputs, make) / "openvino_prelu.py"
+
+
+@pytest.fixture(scope="module")
+def bundle(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``edgeline export --profile x86-64 --backend openvino --precision int8-static`` (plain int8), once for this
+    code."""
+    images, labels = digit_images()
+    folder = tmp_path_factory.mktemp("samples")
+    np.savez(folder / "calibration.npz", x=images[:CALIBRATION])
+    np.savez(folder / "validation.npz", x=images[TRAIN:], labels=labels[TRAIN:])
+    target = ("--profile", "x86-64", "--backend", "openvino", "--precision", "int8-static")
+    options = ("--calibration", folder / "calibration.npz", "--validation", folder / "validation.npz")
+    return cached_export(f"{model_file}:prelu", *target, *options, "--no-mixed-precision")
+
+
+@pytest.mark.export
+def test_prelu_runs_inside_the_int8_layers_and_the_bundle_keeps_the_accuracy(model_file: Path, bundle: Path) -> None:
+    """No float part of the placement computes a PReLU (before: ``Greater+Multiply+Select`` x3, one per PReLU, 5 of 9
+    operators int8), none is tied to a PReLU module; the bundle classifies the held-out digits within the profile's
+    budget of the float model."""
+    import torch
+
+    from edgeline.bundle import read_bundle
+    from edgeline.export.loading import load_model
+    from edgeline.model import load
+
+    placement = read_bundle(bundle).manifest.placement
+    assert placement is not None and placement.ops is not None and placement.quantized_ops is not None
+    for kind in placement.fallback:
+        assert not {"Greater", "Select", "PRelu"} & set(kind.split("+")), placement.fallback
+    for kind, where in placement.fallback_sources.items():
+        assert not any(place.startswith("act") for place in where), (kind, where)
+    assert placement.ops - placement.quantized_ops == sum(placement.fallback.values())
+    assert sum(placement.fallback.values()) <= 1, placement.fallback  # at most the input's quantization
+
+    images, labels = digit_images()
+    held_out, truth = images[TRAIN:], labels[TRAIN:]
+    module = load_model(f"{model_file}:prelu").module
+    with torch.no_grad():
+        expected = module(torch.from_numpy(held_out)).argmax(1).numpy()
+    deployed = load(bundle)
+    found = np.array([int(np.argmax(deployed.predict(image[None])[0])) for image in held_out])
+    float_accuracy, int8_accuracy = np.mean(expected == truth), np.mean(found == truth)
+    assert float_accuracy >= 0.9
+    assert 100 * (float_accuracy - int8_accuracy) <= BUDGET, (float_accuracy, int8_accuracy)
+
+
+@pytest.mark.export
+def test_the_ir_holds_one_prelu_per_module_computing_what_torch_does(model_file: Path) -> None:
+    """The IR ``to_openvino`` converts (as every OpenVINO export does) has three PRelu operators, named after the
+    torch.export node the Select was (so placement names their module), and no Select; in f32 it computes the torch
+    module's outputs."""
+    import openvino as ov
+    import torch
+
+    from edgeline.device_profiles import Precision
+    from edgeline.export.backends import ExportRequest
+    from edgeline.export.backends.openvino import operator_modules, to_openvino
+    from edgeline.export.loading import load_model
+
+    images, _ = digit_images()
+    module = load_model(f"{model_file}:prelu").module
+    example = (torch.from_numpy(images[:1]),)
+    request = ExportRequest(
+        module=module,
+        example_inputs=example,
+        calibration=[],
+        precision=Precision.FP32,
+        out_dir=Path("."),
+        input_names=("x",),
+    )
+    model, program = to_openvino(ov, request)
+    kinds = [op.get_type_name() for op in model.get_ordered_ops()]
+    assert kinds.count("PRelu") == 3 and "Select" not in kinds and "Greater" not in kinds, kinds
+    modules = operator_modules(model, program, module)
+    prelus = [op.get_friendly_name() for op in model.get_ordered_ops() if op.get_type_name() == "PRelu"]
+    assert sorted(modules.get(name, "") for name in prelus) == ["act1", "act2", "act3"], prelus
+
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    batch = images[TRAIN : TRAIN + 16]
+    with torch.no_grad():
+        wanted = module(torch.from_numpy(batch)).numpy()
+    got = np.concatenate([compiled(image[None])[0] for image in batch])
+    np.testing.assert_allclose(got, wanted, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("slope_shape", "made"),
+    [((1, 8, 1, 1), 1), ((8, 1, 1), 1), ((1,), 1), ((1, 1, 1, 4), 0), ((1, 8, 4, 4), 0)],
+    ids=["per channel", "per channel unbatched", "one for all", "along the last axis", "per element"],
+)
+def test_only_a_prelu_s_exact_form_becomes_prelu(slope_shape: tuple[int, ...], made: int) -> None:
+    """``where(x > 0, x, slope * x)`` built here as OpenVINO's frontend converts it: made PRelu where the slope is one
+    value or one per channel (PRelu's axis 1), left as it is otherwise (a slope along another axis, one per element);
+    the model computes the same either way."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from edgeline.export.backends.openvino import restore_prelu
+
+    rng = np.random.default_rng(0)
+    x = ops.parameter([1, 8, 4, 4], np.float32, name="x")
+    above = ops.greater(x, ops.constant(np.float32(0)))
+    slope = ops.constant(rng.uniform(0.05, 0.5, slope_shape).astype(np.float32))
+    chosen = ops.select(above, x, ops.multiply(slope, x))
+    chosen.set_friendly_name("where/aten.where.self/Select")
+    model = ov.Model([ops.result(ops.relu(ops.negative(chosen)))], [x])
+    sample = rng.normal(size=(1, 8, 4, 4)).astype(np.float32)
+    before = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(sample)[0]
+
+    assert restore_prelu(model) == made
+    kinds = [op.get_type_name() for op in model.get_ordered_ops()]
+    assert kinds.count("PRelu") == made and kinds.count("Select") == 1 - made, kinds
+    if made:
+        prelu = next(op for op in model.get_ordered_ops() if op.get_type_name() == "PRelu")
+        assert prelu.get_friendly_name() == "where/aten.where.self/PRelu"
+    after = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(sample)[0]
+    np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
