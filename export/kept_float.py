@@ -82,13 +82,16 @@ def verify_kept(kept: Sequence[KeptFloat], operators: Sequence[FileOperator] | N
     return Verified(tuple(left), tuple(int8))
 
 
-def file_operators(path: Path, precision: Precision, program: Any, root: Any) -> list[FileOperator] | None:
+def file_operators(
+    path: Path, precision: Precision, program: Any, root: Any, cpu_fusions: bool = False
+) -> list[FileOperator] | None:
     """The operators of the model file ``path`` with their modules (``program``: the torch.export program of the
-    torch module ``root`` it was converted from); None for a format edgeline does not read here."""
+    torch module ``root`` it was converted from); None for a format edgeline does not read here. ``cpu_fusions``:
+    an ONNX model ONNX Runtime's CPU provider runs (``cpu_float_nodes``), not QNN's context binary."""
     if path.suffix == ".tflite":
         return _tflite_operators(path, precision, program, root)
     if path.suffix == ".onnx":
-        return _onnx_operators(path, {name for name, _ in root.named_modules() if name})
+        return _onnx_operators(path, {name for name, _ in root.named_modules() if name}, cpu_fusions)
     return None
 
 
@@ -116,7 +119,7 @@ def _module_of(source: str) -> str:
     return "" if module in ("", "forward()") else module
 
 
-def _onnx_operators(path: Path, modules: set[str]) -> list[FileOperator]:
+def _onnx_operators(path: Path, modules: set[str], cpu_fusions: bool) -> list[FileOperator]:
     """The ONNX graph's nodes, tied to the module paths among their ``name_scopes`` (which also hold the torch
     operators' own names, ``conv2d_1``)."""
     import onnx
@@ -128,7 +131,7 @@ def _onnx_operators(path: Path, modules: set[str]) -> list[FileOperator]:
     # a node between a DequantizeLinear and QuantizeLinears is an integer kernel where ONNX Runtime's CPU provider
     # fuses it (even with float weights of its own: it quantizes them itself, tests/test_onnx_qdq_counts.py), and
     # float where it has no kernel to fuse it into (cpu_float_nodes)
-    unfused = cpu_float_nodes(path)
+    unfused = cpu_float_nodes(path) if cpu_fusions else set()  # QNN's file is its context binary: the HTP runs it
     floating = {id(node) for node in left_in_float} | {id(node) for node in quantized if node.name in unfused}
     operators = []
     for node in (*quantized, *left_in_float):

@@ -653,7 +653,10 @@ def _kept_in_file(
     if not kept:
         return kept
     program = export_program(shared.loaded.module, shared.calibration.sample(0))
-    verified = verify_kept(kept, file_operators(model_file, target.precision, program, shared.loaded.module))
+    operators = file_operators(
+        model_file, target.precision, program, shared.loaded.module, cpu_fusions=target.backend == "onnxruntime"
+    )
+    verified = verify_kept(kept, operators)
     if verified.int8:
         shared.progress(
             f"{target.backend} {target.precision.value}: asked to stay float, the converter computes in integer "

@@ -216,7 +216,7 @@ def onnx_operators(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
     path = _mixed_file(tmp_path_factory.mktemp("onnx"), ("pool1", "mix"), "onnxruntime")
     module = load_model(f"{_trained_model()}:branch").module
     program = export_program(module, (digit_images()[0][:1],))
-    operators = file_operators(path, Precision.INT8_STATIC, program, module)
+    operators = file_operators(path, Precision.INT8_STATIC, program, module, cpu_fusions=True)
     assert operators is not None
     return operators
 
