@@ -7,6 +7,7 @@ Used by ``edgeline.export.backends.executorch_xnnpack``."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["xnnpack_int8_forms", "xnnpack_pools"]
@@ -23,15 +24,13 @@ def xnnpack_pools(graph: Any) -> int:
     import torch
 
     aten = torch.ops.aten
-    rewritten = 0
-    for node in list(graph.graph.nodes):
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            continue
+
+    def as_2d(node: Any) -> Any:
         source = node.args[0]
         value = source.meta.get("val")
         shape = tuple(getattr(value, "shape", ()))
         if len(shape) != 3 or not all(isinstance(d, int) for d in shape):
-            continue
+            return None
         batch, channels, length = shape
         pool: tuple[Any, tuple[Any, ...]]
         if node.target == aten.max_pool1d.default and 2 <= len(node.args) <= 6 and not node.kwargs:
@@ -42,15 +41,31 @@ def xnnpack_pools(graph: Any) -> int:
         elif _global_average(node, aten):
             pool = aten.mean.dim, ([2, 3], True)
         else:
-            continue
+            return None
         out = node.meta.get("val")
         if out is None:
+            return None
+        current = _like(graph, node, aten.reshape.default, (source, [batch, channels, 1, length]))
+        current = _like(graph, node, pool[0], (current, *pool[1]))
+        return _like(graph, node, aten.reshape.default, (current, list(out.shape)))
+
+    return _rewrite(graph, as_2d)
+
+
+def _rewrite(graph: Any, replacement: Callable[[Any], Any]) -> int:
+    """Each operator of ``graph`` whose first argument is a node, replaced by what ``replacement`` builds for it
+    (inserted before it; None: left as it is); the graph checked and recompiled. How many were replaced."""
+    import torch
+
+    rewritten = 0
+    for node in list(graph.graph.nodes):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
             continue
         with graph.graph.inserting_before(node):
-            current = _like(graph, node, aten.reshape.default, (source, [batch, channels, 1, length]))
-            current = _like(graph, node, pool[0], (current, *pool[1]))
-            current = _like(graph, node, aten.reshape.default, (current, list(out.shape)))
-        node.replace_all_uses_with(current)
+            made = replacement(node)
+        if made is None:
+            continue
+        node.replace_all_uses_with(made)
         graph.graph.erase_node(node)
         rewritten += 1
     if rewritten:
@@ -113,25 +128,7 @@ def xnnpack_int8_forms(graph: Any, *, elu: bool = True) -> int:
 
     Each new node keeps the metadata of the node it replaces (its module, source line and origin). Returns how many
     operators it rewrote."""
-    import torch
-
-    rewritten = 0
-    for node in list(graph.graph.nodes):
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            continue
-        if not _floating(node):
-            continue
-        with graph.graph.inserting_before(node):
-            made = _int8_form(graph, node, elu)
-        if made is None:
-            continue
-        node.replace_all_uses_with(made)
-        graph.graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        graph.graph.lint()
-        graph.recompile()
-    return rewritten
+    return _rewrite(graph, lambda node: _int8_form(graph, node, elu) if _floating(node) else None)
 
 
 def _int8_form(graph: Any, node: Any, elu: bool) -> Any:
