@@ -535,9 +535,9 @@ class LayerFidelity(_Frozen):
     Accumulated: the layer computes from the deployed model's own inputs, so its figures include what every layer
     before it lost. ``sqnr_db`` is the whole tensor's, ``channel_sqnr_db`` its worst channel's (axis 1): an outlier
     channel that takes the quantization range crushes the others, which the whole tensor's SQNR hides.
-    ``added_sqnr_db`` is the SQNR of the noise the layer adds itself: its worst channel's relative noise less that of
-    the layer before it in execution order (None: it adds none, or the signal was already lost before it: worst-channel
-    SQNR under 3 dB). The lowest names the layer that lost accuracy.
+    ``added_sqnr_db`` is the SQNR of the noise the layer adds itself: its worst channel's relative noise less the
+    largest of the layers it computes from (None: it adds none, or the signal was already lost in one of them:
+    worst-channel SQNR under 3 dB). The lowest names the layer that lost accuracy.
     ``None`` SQNRs: no difference at all; -999: the float values are all zero and the deployed ones not."""
 
     module: str  # the torch module's path in the model, e.g. "features.2"

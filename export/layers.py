@@ -10,7 +10,8 @@ target without one (Core ML) says its layers were not measured, and why.
 A layer whose output no tensor of the deployed model holds (a convolution fused with its ReLU holds only the
 ReLU's) is not listed. The figures are accumulated: each layer computes from the deployed model's own inputs, so a
 layer's figure includes what every layer before it lost. ``added_sqnr_db``, the SQNR of the noise the layer adds (its
-accumulated noise less that of the layer before it in execution order), points at the layer that loses.
+accumulated noise less that of the layers it computes from: two branches of a model are each ranked on their own),
+points at the layer that loses.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class LayerReport:
         }
 
 
+DEAD = 1e-4
+"""A channel whose float signal (its sum of squares) is under this share of the median channel's is dead."""
+
+
 @dataclass
 class _Sums:
     """Running sums over samples, of the whole tensor and per channel (axis 1 of the torch layout)."""
@@ -112,10 +117,13 @@ class _Sums:
 
     def relative_noise(self) -> float:
         """Noise over signal of the worst channel (of the whole tensor, without channels). A channel whose float
-        values are near zero (a dead ReLU's) is left out: any noise on it is infinitely relative."""
+        values are near zero (a dead ReLU's) is left out: any noise on it is infinitely relative. Near zero is
+        against the median channel's signal, not the mean: an outlier channel makes the mean thousands of times the
+        others, which would leave out the very channels it crushes."""
         if self.channel_signal is None or self.channel_noise is None:
             return self.noise / self.signal if self.signal else (0.0 if self.noise == 0.0 else math.inf)
-        alive = self.channel_signal >= 1e-4 * float(self.channel_signal.mean())
+        live = self.channel_signal[self.channel_signal > 0.0]
+        alive = self.channel_signal >= DEAD * float(np.median(live)) if live.size else self.channel_signal > 0.0
         if not alive.any():
             return 0.0 if self.noise == 0.0 else math.inf
         return float((self.channel_noise[alive] / self.channel_signal[alive]).max())
@@ -298,6 +306,37 @@ def input_readers(module: Any, program: Any, input_names: Sequence[str]) -> dict
     return found
 
 
+def layer_sources(program: Any, leaves: set[str], input_names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Per leaf module, the leaf modules and model inputs (``input x``, named by ``input_names`` in forward()'s
+    order) whose values it computes from, through every operator outside a leaf module (``x / 16``, an addition in
+    forward): the layers whose noise reaches it. Two branches of a model are each other's sources only where they
+    meet."""
+    user_inputs = program.graph_signature.user_inputs
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+    inputs = {node: input_layer(name) for name, node in zip(input_names, placeholders, strict=False)}
+    found: dict[str, set[str]] = {}
+    for node in program.graph.nodes:
+        path = module_path(node) if node.op == "call_function" else None
+        if path not in leaves:
+            continue
+        sources = found.setdefault(path, set())
+        pending, seen = list(node.all_input_nodes), set()
+        while pending:  # each graph node once: bounded by the graph
+            source = pending.pop()
+            if source in seen:
+                continue
+            seen.add(source)
+            owner = module_path(source) if source.op == "call_function" else None
+            if source in inputs:
+                sources.add(inputs[source])
+            elif owner in leaves:
+                if owner != path:  # the module's own operators: walked from themselves
+                    sources.add(owner)
+            else:
+                pending.extend(source.all_input_nodes)
+    return {path: tuple(sorted(sources)) for path, sources in found.items()}
+
+
 def fused_into(layer: str, readers: dict[str, tuple[str, ...]], measured: set[str]) -> tuple[str, ...]:
     """The layers whose output only ``layer`` reads and that have no tensor of their own in the deployed model (a
     convolution fused with the ReLU after it): they compute in the same kernel as ``layer``."""
@@ -385,6 +424,7 @@ def measure_layers(
         probe: LayerProbe = found
         layers: dict[str, _Layer] = {}
         leaves = _leaves(module)
+        sources = layer_sources(program, set(leaves), labels or input_names)
         entries = {  # each quantized input, as the model reads it: what int8 keeps of the data itself
             input_layer(name): (position, quantized)
             for position, (name, quantized) in enumerate(
@@ -428,7 +468,7 @@ def measure_layers(
     if len(layers) == len(entries):
         return not_measured_layers(f"no tensor of the {exporter} model could be tied to a layer of the torch model")
     return LayerReport(
-        layers=_ranked(layers, [*entries, *first.order]),
+        layers=_ranked(layers, [*entries, *first.order], sources),
         samples=count,
         measured_with=f"{probe.measured_with}; accumulated: each layer computes from the deployed model's own inputs",
     )
@@ -438,20 +478,47 @@ LOST = 0.5
 """Relative noise (of the worst channel) past which the signal is lost: no later layer is blamed for adding noise."""
 
 
-def _ranked(layers: dict[str, _Layer], order: list[str]) -> tuple[LayerFidelity, ...]:
+def _ranked(
+    layers: dict[str, _Layer], order: list[str], sources: dict[str, tuple[str, ...]] | None = None
+) -> tuple[LayerFidelity, ...]:
     """In execution order, each with the SQNR of the noise it adds: the relative noise of its worst channel less
-    that of the listed layer before it (the first adds all of its own; None: it adds none, or the signal was lost
-    before it)."""
+    the largest of the listed layers it computes from (``sources``: ``layer_sources``, through layers not listed;
+    without them, or for a layer they do not cover, the listed layer before it). A layer that computes from none adds
+    all of its own; None: it adds none, or the signal was lost before it (in a layer it computes from)."""
     result = []
-    before, lost = 0.0, False  # no noise at the input
+    noise: dict[str, float] = {}  # each listed layer's relative noise
+    lost: set[str] = set()  # the listed layers computed from a lost signal, or that lost it
+    previous: str | None = None
+
+    def listed(name: str) -> set[str]:  # the listed layers ``name`` computes from, through those not listed
+        assert sources is not None
+        found: set[str] = set()
+        pending, seen = list(sources.get(name, ())), set()
+        while pending:
+            source = pending.pop()
+            if source in seen:
+                continue
+            seen.add(source)
+            if source in noise:
+                found.add(source)
+            elif source not in layers:
+                pending.extend(sources.get(source, ()))
+        return found
+
     for name in order:
         layer = layers.get(name)
         if layer is None:
             continue
         relative = layer.sums.relative_noise()
+        if sources is not None and name in sources:
+            before_layers = listed(name)
+        else:
+            before_layers = {previous} if previous is not None else set()
+        before = max((noise[source] for source in before_layers), default=0.0)
         # Once the noise is half the signal (SQNR under 3 dB), what a later layer adds cannot be told apart
-        lost = lost or before >= LOST
-        added = 0.0 if lost else relative - before
+        if before >= LOST or before_layers & lost:
+            lost.add(name)
+        added = 0.0 if name in lost else relative - before
         sqnr, channel = layer.sums.sqnr_db(), layer.sums.channel_sqnr_db()
         result.append(
             LayerFidelity(
@@ -467,7 +534,8 @@ def _ranked(layers: dict[str, _Layer], order: list[str]) -> tuple[LayerFidelity,
                 isolated_sqnr_db=_rounded(layer.isolated.channel_sqnr_db()) if layer.isolated.signal else None,
             )
         )
-        before = relative
+        noise[name] = relative
+        previous = name
     return tuple(result)
 
 

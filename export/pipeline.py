@@ -532,8 +532,15 @@ def _keep_float(target: Target, outcome: TargetOutcome, shared: _Shared, exporte
         if Fraction(float_weights, total) > Fraction(str(MIXED_MAX_WEIGHTS)):  # in integers: 50% is allowed
             # too much float with this group: a smaller one further down the ranking may still do
             too_heavy.append(f"{', '.join(group)} ({float_weights / total:.0%} of the weights)")
+            progress(
+                f"{target.backend} {target.precision.value}: {first_reason}; not keeping {', '.join(group)} in float: "
+                f"{float_weights / total:.0%} of the weights would be float (at most {MIXED_MAX_WEIGHTS:.0%})"
+            )
             continue
         why = f"its output ranked {rank} by the noise int8 adds to it ({layer.added_sqnr_db:.1f} dB SQNR)"
+        if too_heavy:
+            why += f"; skipped before it, as more than {MIXED_MAX_WEIGHTS:.0%} of the weights would be float: "
+            why += "; ".join(too_heavy)
         candidates = [
             KeptFloat(
                 module=name,

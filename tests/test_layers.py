@@ -18,6 +18,7 @@ from edgeline.export.layers import (
     _Sums,
     export_program,
     fused_into,
+    layer_sources,
     measure_layers,
     module_macs,
     module_of_location,
@@ -142,6 +143,54 @@ def test_the_noise_a_layer_adds_ranks_the_layer_that_lost_accuracy_first() -> No
 
 
 @pytest.mark.quick
+def test_an_outlier_channel_does_not_make_the_channels_it_crushes_look_dead() -> None:
+    """A channel thousands of times the others (a planted outlier) made the mean channel's signal millions of times
+    theirs: measured against the mean, the channels it crushes were left out as dead, and the layer read 53 dB."""
+    rng = np.random.default_rng(0)
+    reference = np.abs(rng.standard_normal((4, 16, 8, 8)))
+    reference[:, 8] *= 3000.0
+    step = float(reference.max()) / 255.0  # one int8 range for the tensor: the outlier's
+    crushed = _Sums()
+    crushed.add(reference, np.round(reference / step) * step)
+    assert crushed.channel_sqnr_db() == pytest.approx(0.0, abs=0.01)  # every other channel rounds to zero
+    dead = _Sums()  # a dead channel is still left out: all zeros, or under 1e-4 of the median channel's signal
+    reference[:, 3] = 0.0
+    reference[:, 5] *= 1e-3
+    dead.add(reference, reference + 1e-4)
+    alive = [c for c in range(16) if c not in (3, 5)]
+    worst = min(10 * np.log10(np.sum(reference[:, c] ** 2) / (4 * 64 * 1e-8)) for c in alive)
+    assert dead.channel_sqnr_db() == pytest.approx(worst, rel=1e-9)
+
+
+@pytest.mark.quick
+def test_two_branches_are_ranked_each_on_its_own_noise() -> None:
+    """The noise a layer adds is measured against the layers it computes from, not the one run before it: a branch
+    that lost its signal neither hides nor blames the other branch; where they meet, the lost signal is lost."""
+
+    def layer(name: str, relative_noise: float) -> Any:
+        from edgeline.export.layers import _Layer
+
+        made = _Layer(name, "Conv2d", (1, 1), (1, 1), (0, 1))
+        made.sums.add(np.array([[1.0]]), np.array([[1.0 + math.sqrt(relative_noise)]]))
+        return made
+
+    layers = {"side": layer("side", 0.9), "side_out": layer("side_out", 0.95), "main": layer("main", 0.1),
+              "main_out": layer("main_out", 0.11), "both": layer("both", 0.96)}  # fmt: skip
+    order = ["side", "side_out", "main", "main_out", "both"]
+    sources = {"side": ("input x",), "side_out": ("side",), "main": ("input x",), "hidden": ("main",),
+               "main_out": ("hidden",), "both": ("main_out", "side_out")}  # fmt: skip
+    ranked = {entry.module: entry.added_sqnr_db for entry in _ranked(layers, order, sources)}
+    assert ranked["side"] == pytest.approx(-10 * math.log10(0.9), abs=0.01)
+    assert ranked["side_out"] is None  # it computes from a lost signal
+    assert ranked["main"] == pytest.approx(10.0, abs=0.01)  # against the input, not the lost side branch
+    assert ranked["main_out"] == pytest.approx(20.0, abs=0.01)  # through the layer not listed ("hidden")
+    assert ranked["both"] is None
+    # in execution order alone, the main branch is hidden behind the lost side branch
+    alone = {entry.module: entry.added_sqnr_db for entry in _ranked(layers, order)}
+    assert alone["main"] is None and alone["main_out"] is None
+
+
+@pytest.mark.quick
 def test_a_layer_fused_into_another_is_kept_with_it() -> None:
     readers = {"conv1": ("act1",), "act1": ("mix",), "mix": ("act2",), "shared": ("act1", "other")}
     assert fused_into("act1", readers, measured={"act1", "act2"}) == ("conv1",)
@@ -248,6 +297,39 @@ def test_an_input_is_kept_float_through_the_layers_that_read_it_directly() -> No
     torch.manual_seed(0)
     scaled = Scaled().eval()
     assert input_readers(scaled, export_program(scaled, arrays), ("image",)) == {"input image": ()}
+
+
+@pytest.mark.export
+def test_each_layer_s_sources_are_read_from_the_graph_through_operators_outside_modules() -> None:
+    import torch
+    from torch import nn
+
+    class TwoBranches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.probe = nn.Conv2d(1, 2, 3, padding=1)
+            self.act_probe = nn.ReLU()
+            self.conv = nn.Conv2d(1, 2, 3, padding=1)
+            self.act = nn.ReLU()
+            self.head = nn.Linear(2 * 6 * 6, 3)
+
+        def forward(self, x: Any) -> Any:
+            x = x / 16.0
+            side = self.act_probe(self.probe(x))
+            main = self.act(self.conv(x))
+            return self.head(torch.flatten(main + side * 1e-5, 1))
+
+    torch.manual_seed(0)
+    network = TwoBranches().eval()
+    program = export_program(network, [np.zeros((1, 1, 6, 6), np.float32)])
+    leaves = {"probe", "act_probe", "conv", "act", "head"}
+    assert layer_sources(program, leaves, ("image",)) == {
+        "probe": ("input image",),
+        "act_probe": ("probe",),
+        "conv": ("input image",),
+        "act": ("conv",),
+        "head": ("act", "act_probe"),
+    }
 
 
 # --- an export target is one class: what the layer report and the pipeline ask it ----------------------------------
