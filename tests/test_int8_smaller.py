@@ -236,10 +236,16 @@ def test_the_openvino_layer_report_names_every_layernorm(openvino_layernorm: Any
 
 
 @pytest.mark.export
-def test_a_qnn_graph_preparation_failure_is_not_a_refusal_and_names_the_operator(model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("after_another", [False, True], ids=["first", "after-another-qnn-export"])
+def test_a_qnn_graph_preparation_failure_is_not_a_refusal_and_names_the_operator(
+    model: Path, tmp_path: Path, after_another: bool
+) -> None:
     """QNN's HTP backend takes every node of the GRU model, then fails to finalize the graph with
     QNN_COMMON_ERROR_MEM_ALLOC; its own log says which operators it could not create (the GRU, and the Gather of the
-    last step). The error says so, with the model's line, and never "refused"."""
+    last step). The error says so, with the model's line, and never "refused". In a process that exported another
+    model to QNN for another SoC before (HTP v75), the check's session prepares the graph and the context binary's
+    compile fails instead (seen in the whole suite): the same diagnosis (it was "compiling the context binary ...
+    failed", with no operator)."""
     import torch
 
     from edgeline.device_profiles import Precision, Target, load_profile
@@ -250,6 +256,14 @@ def test_a_qnn_graph_preparation_failure_is_not_a_refusal_and_names_the_operator
 
     pytest.importorskip("onnxruntime_qnn")
     loaded = load_model(f"{model}:gru_tagger")
+    if after_another:
+        mlp = load_model(f"{model}:outlier_mlp").module
+        inputs = [(torch.randn(1, 64, generator=torch.Generator().manual_seed(i)),) for i in range(4)]
+        v75 = load_profile("snapdragon-8-gen-3")
+        first = ExportRequest(module=mlp, example_inputs=inputs[0], calibration=inputs, precision=Precision.INT8_STATIC,
+                              out_dir=tmp_path / "first", input_names=("x",), profile=v75)  # fmt: skip
+        (tmp_path / "first").mkdir()
+        convert(first, Target(backend="qnn-htp", precision=Precision.INT8_STATIC, threads=1))
     generator = torch.Generator().manual_seed(53)
     samples = [(torch.randn(1, 16, 3, generator=generator),) for _ in range(8)]
     request = ExportRequest(

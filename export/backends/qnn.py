@@ -162,10 +162,11 @@ def _unbuilt_nodes(qdq_path: Path, errors: list[str]) -> list[Any]:
     return [node for node in nodes if node.name in found]
 
 
-def _htp_failure(qdq_path: Path, first_line: str) -> LoweringError:
+def _htp_failure(qdq_path: Path, first_line: str, during: str | None = None) -> LoweringError:
     """Why the HTP did not take the QDQ model: the operators it refused (left to a CPU it may not use), or the
     status of the graph it took but could not prepare (a memory-allocation error is not a refusal), with the
-    operators QNN's log says it could not create, their module and the model's line."""
+    operators QNN's log says it could not create, their module and the model's line. ``during``: the step that
+    failed, when not opening the model."""
     from edgeline.export.conversion import describe_culprit, onnx_node_culprit
 
     try:
@@ -193,6 +194,8 @@ def _htp_failure(qdq_path: Path, first_line: str) -> LoweringError:
             f"QNN's HTP backend took every operator, then could not {stage} the graph: {kind} ({name}, code {code}: "
             f"{words.strip().rstrip('.')})"
         )
+    if during:
+        what = f"{what}, {during}"
     where = (
         f"; QNN's log says it could not create {', '.join(describe_culprit(c) for c in culprits)}"
         if culprits
@@ -265,10 +268,14 @@ class QnnHtpExporter(ExportTarget):
                 # same command gives the same bytes; a second compile in one library process differs inside.)
                 ort.InferenceSession(qdq_path.read_bytes(), _compile_options(qnn, compiled))
             except Exception as exc:  # onnxruntime's errors derive from Exception only
-                raise ExportError(
-                    f"qnn-htp: compiling the context binary for soc_model {qnn.soc_model} "
-                    f"(HTP v{qnn.htp_arch}) failed: {str(exc).strip().splitlines()[0][:300]}"
-                ) from exc
+                first_line = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)
+                compiling = f"compiling the context binary for soc_model {qnn.soc_model} (HTP v{qnn.htp_arch})"
+                if _QNN_STATUS.search(first_line):
+                    # QNN's own status on a graph the check above opened: in a process that had compiled for
+                    # another SoC before (a second export in one library process), the check's session can prepare
+                    # the graph and this one not; diagnosed as the check's failure is, its operators from QNN's log
+                    raise _htp_failure(qdq_path, first_line, during=compiling) from exc
+                raise ExportError(f"qnn-htp: {compiling} failed: {first_line}") from exc
             binary = _context_binary(compiled)
             shutil.move(compiled, context_path)
             shutil.move(Path(scratch) / binary, out / binary)
