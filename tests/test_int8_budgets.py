@@ -367,10 +367,13 @@ def openvino_choice() -> dict[str, Any]:
 def test_openvino_keeps_the_range_estimator_with_the_best_validation_accuracy(openvino_choice: dict[str, Any]) -> None:
     """The choice by the calibration samples' output error is checked on the accuracy the budget judges: the
     estimator kept has the best held-out accuracy (recomputed here, each estimator quantized again), the least output
-    error winning only a tie; the manifest's sentence gives every score."""
+    error winning only a tie; the manifest's sentence gives every score. On this model the two measures disagree
+    (min-max's outputs are nearest the float model's, mean-min-max decides one more held-out digit right), so a choice
+    by the output error alone fails here."""
     errors, scores = openvino_choice["errors"], openvino_choice["scores"]
     nearest = min(errors, key=lambda name: errors[name])
     best = max(scores, key=lambda name: (scores[name], name == nearest))
+    assert nearest != best, f"the estimators agree on this model: the test no longer tells the measures apart: {scores}"
     assert openvino_choice["chosen"] == best, openvino_choice
     said = openvino_choice["said"]
     assert "accuracy on the 300 validation samples" in said and all(f"{n} {s:.2f}" in said for n, s in scores.items())
