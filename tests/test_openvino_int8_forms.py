@@ -10,6 +10,16 @@ post-op of the int8 convolution or fully connected layer before it.
 The model: a small CNN of sklearn's 8x8 digits with a PReLU after each hidden layer (per channel after the two
 convolutions and the hidden Linear), its input centred so the PReLUs see negative values; trained here, cached by
 content.
+
+LayerNorm runs in int8 too. OpenVINO's frontend makes ``nn.LayerNorm`` an MVN over the array's last axes, with its
+weight's Multiply and bias's Add. Over the channels of a convolution's output, permuted as ConvNeXt does, that MVN
+normalises the last axis of a 4-D array, which the CPU plugin's MVN does not take: it decomposed it into an int8
+ReduceMean and Subtract and a float RMS and Add (beside a float requantization; 13 of 19 operators int8 on a digits CNN
+with two such norms and one over a Linear's features, whose MVN ran in int8 but left its requantization alone in
+float). ``row_layer_norms`` makes each an MVN over a [rows, features, 1] array, with the activation after it moved
+next to it, which the plugin computes in int8 with the weight, bias, activation and requantization fused. Its model:
+a CNN of its own with a GELU after the first permuted LayerNorm and a ReLU after the second and after the one over
+the Linear's features.
 """
 
 from __future__ import annotations
@@ -203,3 +213,235 @@ def test_only_a_prelu_s_exact_form_becomes_prelu(slope_shape: tuple[int, ...], m
         assert prelu.get_friendly_name() == "where/aten.where.self/PRelu"
     after = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(sample)[0]
     np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
+
+
+LAYER_NORM_MODEL = """\
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class ChannelNorm(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.norm = nn.LayerNorm(channels, eps=1e-6)
+
+    def forward(self, x):
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class NormCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 3, padding=1)
+        self.norm1 = ChannelNorm(6)
+        self.act1 = nn.GELU()
+        self.conv2 = nn.Conv2d(6, 12, 3, stride=2, padding=1)
+        self.norm2 = ChannelNorm(12)
+        self.act2 = nn.ReLU()
+        self.fc1 = nn.Linear(12 * 4 * 4, 24)
+        self.norm3 = nn.LayerNorm(24)
+        self.act3 = nn.ReLU()
+        self.fc2 = nn.Linear(24, 10)
+
+    def forward(self, x):
+        x = (x - 8.0) / 4.0
+        x = self.act2(self.norm2(self.conv2(self.act1(self.norm1(self.conv1(x))))))
+        return self.fc2(self.act3(self.norm3(self.fc1(torch.flatten(x, 1)))))
+
+
+def layer_norm():
+    model = NormCNN()
+    weights = Path(__file__).with_name("layer_norm.pt")
+    if weights.exists():
+        model.load_state_dict(torch.load(weights))
+    return model.eval()
+"""
+
+
+@pytest.fixture(scope="module")
+def layer_norm_file() -> Path:
+    """The LayerNorm model's source file, its trained weights beside it (trained once for this code)."""
+    images, labels = digit_images()
+
+    def make(directory: Path) -> None:
+        import torch
+
+        from edgeline.export.loading import load_model
+
+        source = directory / "openvino_layer_norm.py"
+        source.write_text(LAYER_NORM_MODEL, encoding="utf-8")
+        torch.manual_seed(0)
+        module = load_model(f"{source}:layer_norm").module
+        train_classifier(module, torch.from_numpy(images[:TRAIN]), torch.from_numpy(labels[:TRAIN]), epochs=15)
+        torch.save(module.state_dict(), directory / "layer_norm.pt")
+        weights = hashlib.sha256((directory / "layer_norm.pt").read_bytes()).hexdigest()
+        # the bundle's cache key holds the source file's contents: the weights are part of it
+        source.write_text(LAYER_NORM_MODEL + f"\n# weights: {weights}\n", encoding="utf-8")
+
+    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
+    inputs = [LAYER_NORM_MODEL, TRAIN, data, inspect.getsource(train_classifier)]
+    return cached("trained", inputs, make) / "openvino_layer_norm.py"
+
+
+@pytest.fixture(scope="module")
+def layer_norm_bundle(layer_norm_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``edgeline export --profile x86-64 --backend openvino --precision int8-static`` (plain int8), once for this
+    code."""
+    images, labels = digit_images()
+    folder = tmp_path_factory.mktemp("samples")
+    np.savez(folder / "calibration.npz", x=images[:CALIBRATION])
+    np.savez(folder / "validation.npz", x=images[TRAIN:], labels=labels[TRAIN:])
+    target = ("--profile", "x86-64", "--backend", "openvino", "--precision", "int8-static")
+    options = ("--calibration", folder / "calibration.npz", "--validation", folder / "validation.npz")
+    return cached_export(f"{layer_norm_file}:layer_norm", *target, *options, "--no-mixed-precision")
+
+
+@pytest.mark.export
+def test_layer_norms_run_in_int8_and_the_bundle_keeps_the_accuracy(
+    layer_norm_file: Path, layer_norm_bundle: Path
+) -> None:
+    """No float part of the placement computes a LayerNorm or the activation after it (before: ``RMS`` x2 and
+    ``Add`` x2 in the two permuted norms, ``FakeQuantize`` after the third; 13 of 19 operators int8), none is tied to
+    a norm or activation module; at most the input's quantization is float; every layer is in the layer report; the
+    bundle classifies the held-out digits within the profile's budget of the float model."""
+    import torch
+
+    from edgeline.bundle import read_bundle
+    from edgeline.export.loading import load_model
+    from edgeline.model import load
+
+    manifest = read_bundle(layer_norm_bundle).manifest
+    placement = manifest.placement
+    assert placement is not None and placement.ops is not None and placement.quantized_ops is not None
+    for kind in placement.fallback:
+        assert not {"RMS", "MVN", "ReduceMean", "Add", "Multiply", "Gelu", "Relu"} & set(kind.split("+")), kind
+    for kind, where in placement.fallback_sources.items():
+        assert not any(place.startswith(("norm", "act")) for place in where), (kind, where)
+    assert placement.ops - placement.quantized_ops == sum(placement.fallback.values())
+    assert sum(placement.fallback.values()) <= 1, placement.fallback  # at most the input's quantization
+    assert manifest.quantization is not None
+    reported = {layer.module for layer in manifest.quantization.layers}
+    assert {"norm1.norm", "act1", "norm2.norm", "act2", "norm3", "act3"} <= reported, reported
+
+    images, labels = digit_images()
+    held_out, truth = images[TRAIN:], labels[TRAIN:]
+    module = load_model(f"{layer_norm_file}:layer_norm").module
+    with torch.no_grad():
+        expected = module(torch.from_numpy(held_out)).argmax(1).numpy()
+    deployed = load(layer_norm_bundle)
+    found = np.array([int(np.argmax(deployed.predict(image[None])[0])) for image in held_out])
+    float_accuracy, int8_accuracy = np.mean(expected == truth), np.mean(found == truth)
+    assert float_accuracy >= 0.9
+    assert 100 * (float_accuracy - int8_accuracy) <= BUDGET, (float_accuracy, int8_accuracy)
+
+
+@pytest.mark.export
+def test_the_ir_normalises_rows_computing_what_torch_does(layer_norm_file: Path) -> None:
+    """The IR ``to_openvino`` converts has three MVNs, each over axes [1, 2] of a [rows, features, 1] array (the
+    pixels' channels, the Linear's features), each named after its LayerNorm's torch.export node, the activation
+    after each reading its bias's Add; in f32 it computes the torch module's outputs."""
+    import openvino as ov
+    import torch
+
+    from edgeline.device_profiles import Precision
+    from edgeline.export.backends import ExportRequest
+    from edgeline.export.backends.openvino import operator_modules, to_openvino
+    from edgeline.export.loading import load_model
+
+    images, _ = digit_images()
+    module = load_model(f"{layer_norm_file}:layer_norm").module
+    request = ExportRequest(
+        module=module,
+        example_inputs=(torch.from_numpy(images[:1]),),
+        calibration=[],
+        precision=Precision.FP32,
+        out_dir=Path("."),
+        input_names=("x",),
+    )
+    model, program = to_openvino(ov, request)
+    mvns = [op for op in model.get_ordered_ops() if op.get_type_name() == "MVN"]
+    shapes = [[int(d) for d in op.get_output_partial_shape(0).to_shape()] for op in mvns]
+    assert shapes == [[64, 6, 1], [16, 12, 1], [1, 24, 1]], shapes
+    for mvn in mvns:
+        assert list(mvn.input(1).get_source_output().get_node().get_data()) == [1, 2]
+    modules = operator_modules(model, program, module)
+    assert [modules.get(op.get_friendly_name()) for op in mvns] == ["norm1.norm", "norm2.norm", "norm3"]
+    activations = {op.get_type_name(): op for op in model.get_ordered_ops() if op.get_type_name() in ("Gelu", "Relu")}
+    gelu = activations["Gelu"]
+    assert gelu.input(0).get_source_output().get_node().get_type_name() == "Add"
+    assert modules.get(gelu.get_friendly_name()) == "act1"
+
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    batch = images[TRAIN : TRAIN + 16]
+    with torch.no_grad():
+        wanted = module(torch.from_numpy(batch)).numpy()
+    got = np.concatenate([compiled(image[None])[0] for image in batch])
+    np.testing.assert_allclose(got, wanted, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("shape", "axes", "weight_shape", "after", "made"),
+    [
+        ((1, 4, 4, 8), [-1], (8,), "permute, relu", 1),
+        ((1, 4, 4, 8), [3], (8,), "", 1),
+        ((1, 24), [1], (24,), "relu", 1),
+        ((1, 4, 4, 8), [-1], (1, 4, 1, 8), "permute, relu", 1),
+        ((1, 6, 24), [2], (24,), "relu", 0),
+        ((1, 8, 4, 4), [2, 3], (1, 8, 1, 1), "relu", 0),
+    ],
+    ids=[
+        "permuted channels",
+        "channels, nothing after",
+        "features",
+        "weight along another axis",
+        "a sequence's features",
+        "instance norm",
+    ],
+)
+def test_only_layer_norms_the_plugin_would_not_run_as_an_int8_mvn_are_made_rows(
+    shape: tuple[int, ...], axes: list[int], weight_shape: tuple[int, ...], after: str, made: int
+) -> None:
+    """A layer norm built here as OpenVINO's frontend converts it (MVN, the weight's Multiply, the bias's Add, then
+    what follows): made an MVN over [rows, features, 1] where the CPU plugin would decompose it (a 4-D array's last
+    axis) or fuse no requantization into it (2-D), the activation after it (through a permute) moved next to it; a
+    weight that varies along an axis it does not normalise left after it, with what follows; left as it is where the
+    plugin runs it as an MVN with post-ops (a 3-D array's last axis, an instance norm's [2, 3]); the model computes
+    the same either way."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from edgeline.export.backends.openvino import row_layer_norms
+
+    rng = np.random.default_rng(0)
+    x = ops.parameter(list(shape), np.float32, name="x")
+    normed = ops.mvn(x, ops.constant(np.array(axes, np.int64)), True, 1e-5, "inside_sqrt")
+    normed.set_friendly_name("native_layer_norm/aten.native_layer_norm.default/MVN")
+    scaled = ops.multiply(normed, ops.constant(rng.uniform(0.5, 1.5, weight_shape).astype(np.float32)))
+    value = ops.add(scaled, ops.constant(rng.normal(size=shape[-1]).astype(np.float32)))
+    if "permute" in after:
+        value = ops.transpose(value, ops.constant(np.array([0, 3, 1, 2], np.int64)))
+    if "relu" in after:
+        value = ops.relu(value)
+        value.set_friendly_name("relu/aten.relu.default/Relu")
+    model = ov.Model([ops.result(value)], [x])
+    sample = rng.normal(size=shape).astype(np.float32)
+    before = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(sample)[0]
+
+    assert row_layer_norms(model) == made
+    mvn = next(op for op in model.get_ordered_ops() if op.get_type_name() == "MVN")
+    rows = [int(d) for d in mvn.get_output_partial_shape(0).to_shape()]
+    if made:
+        assert rows == [int(np.prod(shape[:-1])), shape[-1], 1], rows
+        assert list(mvn.input(1).get_source_output().get_node().get_data()) == [1, 2]
+        assert mvn.get_friendly_name() == "native_layer_norm/aten.native_layer_norm.default/MVN"
+    else:
+        assert rows == list(shape), rows
+    if made and "relu" in after:
+        relu = next(op for op in model.get_ordered_ops() if op.get_type_name() == "Relu")
+        reads = relu.input(0).get_source_output().get_node().get_type_name()
+        assert reads == ("Add" if len(weight_shape) == 1 else "Transpose"), reads  # next to the norm's Add, or left
+    after_ = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(sample)[0]
+    np.testing.assert_allclose(after_, before, rtol=1e-5, atol=1e-5)
