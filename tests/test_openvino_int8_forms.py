@@ -193,7 +193,7 @@ def test_only_a_prelu_s_exact_form_becomes_prelu(slope_shape: tuple[int, ...], m
     import openvino as ov
     import openvino.opset13 as ops
 
-    from edgeline.export.backends.openvino import restore_prelu
+    from edgeline.export.openvino_forms import restore_prelu
 
     rng = np.random.default_rng(0)
     x = ops.parameter([1, 8, 4, 4], np.float32, name="x")
@@ -413,7 +413,7 @@ def test_only_layer_norms_the_plugin_would_not_run_as_an_int8_mvn_are_made_rows(
     import openvino as ov
     import openvino.opset13 as ops
 
-    from edgeline.export.backends.openvino import row_layer_norms
+    from edgeline.export.openvino_forms import row_layer_norms
 
     rng = np.random.default_rng(0)
     x = ops.parameter(list(shape), np.float32, name="x")
