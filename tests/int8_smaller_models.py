@@ -13,13 +13,11 @@ each LayerNorm. ``gru_tagger``: a GRU of its own (16 steps x 3 channels, 12 unit
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from pathlib import Path
+from typing import Any
 
-from tests.cache import cached
 from tests.training import digit_features as digits_flat
-from tests.training import train_classifier
+from tests.training import trained_model
 
 __all__ = ["OUTLIER", "SOURCE", "TRAIN", "digits_flat", "smaller_models"]
 
@@ -104,26 +102,17 @@ def smaller_models() -> Path:
     """The models' source file, ``outlier_mlp``'s trained weights beside it: made once for this code
     (tests/cache.py); never modified by its users."""
     features, labels = digits_flat()
+    x, y = features[:TRAIN], labels[:TRAIN]
 
-    def make(directory: Path) -> None:
+    def plant(module: Any) -> None:
         import torch
 
-        from edgeline.export.loading import load_model
+        hidden = module.act1(module.fc1(module.act0(module.fc0(torch.from_numpy(x) / 16.0))))
+        unit = int(module.act2(module.fc2(hidden)).mean(0).argmax())  # a live one
+        module.fc2.weight[unit] *= OUTLIER
+        module.fc2.bias[unit] *= OUTLIER
+        module.head.weight[:, unit] /= OUTLIER
 
-        source = directory / "smaller_models.py"
-        source.write_text(SOURCE, encoding="utf-8")
-        torch.manual_seed(0)
-        module = load_model(f"{source}:outlier_mlp").module
-        x, y = torch.from_numpy(features[:TRAIN]), torch.from_numpy(labels[:TRAIN])
-        train_classifier(module, x, y, epochs=30)
-        with torch.no_grad():
-            hidden = module.act1(module.fc1(module.act0(module.fc0(x / 16.0))))
-            unit = int(module.act2(module.fc2(hidden)).mean(0).argmax())  # a live one
-            module.fc2.weight[unit] *= OUTLIER
-            module.fc2.bias[unit] *= OUTLIER
-            module.head.weight[:, unit] /= OUTLIER
-        torch.save(module.state_dict(), directory / "outlier_mlp.pt")
-
-    data = hashlib.sha256(features.tobytes() + labels.tobytes()).hexdigest()
-    inputs = [SOURCE, TRAIN, OUTLIER, data, inspect.getsource(digits_flat)]
-    return cached("trained", inputs, make) / "smaller_models.py"
+    return trained_model(
+        SOURCE, "smaller_models.py", "outlier_mlp", "outlier_mlp.pt", x, y, key=[OUTLIER], epochs=30, edit=plant
+    )

@@ -10,12 +10,11 @@ other layer stays int8. Shared by ``tests/test_mixed_precision.py`` and ``benchm
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from pathlib import Path
+from typing import Any
 
-from tests.cache import cached
 from tests.training import digit_images as digits
+from tests.training import trained_model
 
 __all__ = ["CALIBRATION", "KEPT", "OUTLIER", "SOURCE", "TRAIN", "digits", "trained_outlier_model"]
 
@@ -66,24 +65,10 @@ def trained_outlier_model() -> Path:
     (tests/cache.py); never modified by its users."""
     images, labels = digits()
 
-    def make(directory: Path) -> None:
-        import torch
+    def plant(module: Any) -> None:
+        module.conv1.weight[8] *= OUTLIER
+        module.conv1.bias[8] *= OUTLIER
+        module.mix.weight[:, 8] /= OUTLIER
 
-        from edgeline.export.loading import load_model
-        from tests.training import train_classifier
-
-        source = directory / "outlier_model.py"
-        source.write_text(SOURCE, encoding="utf-8")
-        torch.manual_seed(0)
-        module = load_model(f"{source}:outlier").module
-        x, y = torch.from_numpy(images[:TRAIN]), torch.from_numpy(labels[:TRAIN])
-        train_classifier(module, x, y)
-        scale = OUTLIER
-        with torch.no_grad():
-            module.conv1.weight[8] *= scale
-            module.conv1.bias[8] *= scale
-            module.mix.weight[:, 8] /= scale
-        torch.save(module.state_dict(), directory / "outlier.pt")
-
-    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
-    return cached("trained", [SOURCE, TRAIN, OUTLIER, data, inspect.getsource(digits)], make) / "outlier_model.py"
+    x, y = images[:TRAIN], labels[:TRAIN]
+    return trained_model(SOURCE, "outlier_model.py", "outlier", "outlier.pt", x, y, key=[OUTLIER], edit=plant)

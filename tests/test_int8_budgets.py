@@ -178,41 +178,28 @@ SIDE_OUTLIER = 3000.0  # probe's channel 8, made positive: int8 crushes the othe
 def _trained_heavy_model() -> Path:
     """The model's source with its weights beside it: the main path trained on the digits (seed 0), the side branch
     left as initialised; then each branch's outlier planted: the main path computes the same function (ReLU commutes
-    with a positive scale); the side branch's channel 8 is made large and positive, so its output (what the side
-    Linear mostly reads, which keeps its SQNR above 3 dB and lets the layers after it be ranked) survives int8 and
-    the other channels do not. The side branch runs first: a layer is ranked by the noise it adds to what the one
-    before it in execution order had."""
-    import hashlib
-    import inspect
-
-    from tests.cache import cached
-    from tests.training import digit_images, train_classifier
+    with a positive scale); the side branch's channel 8 is made large and positive, so it survives int8 and the other
+    channels do not (act_probe's worst channel: 0 dB). Each branch is ranked on its own: a layer by the noise it adds
+    to what the layers it computes from had, so the side branch's lost signal hides nothing on the main path."""
+    from tests.training import digit_images, trained_model
 
     images, labels = digit_images()
 
-    def make(directory: Path) -> None:
-        import torch
+    def main_path(module: Any) -> list[Any]:
+        return [p for name, p in module.named_parameters() if not name.startswith(("probe", "side"))]
 
-        from edgeline.export.loading import load_model
+    def plant(module: Any) -> None:
+        module.conv1.weight[8] *= MAIN_OUTLIER
+        module.conv1.bias[8] *= MAIN_OUTLIER
+        module.mix.weight[:, 8] /= MAIN_OUTLIER
+        module.probe.weight[8] = module.probe.weight[8].abs() * SIDE_OUTLIER
+        module.probe.bias[8] = 0.5 * SIDE_OUTLIER
 
-        source = directory / "heavy_model.py"
-        source.write_text(HEAVY_SOURCE, encoding="utf-8")
-        torch.manual_seed(0)
-        module = load_model(f"{source}:heavy").module
-        main = [p for name, p in module.named_parameters() if not name.startswith(("probe", "side"))]
-        x, y = torch.from_numpy(images[:HEAVY_TRAIN]), torch.from_numpy(labels[:HEAVY_TRAIN])
-        train_classifier(module, x, y, parameters=main)
-        with torch.no_grad():
-            module.conv1.weight[8] *= MAIN_OUTLIER
-            module.conv1.bias[8] *= MAIN_OUTLIER
-            module.mix.weight[:, 8] /= MAIN_OUTLIER
-            module.probe.weight[8] = module.probe.weight[8].abs() * SIDE_OUTLIER
-            module.probe.bias[8] = 0.5 * SIDE_OUTLIER
-        torch.save(module.state_dict(), directory / "heavy.pt")
-
-    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
-    key = [HEAVY_SOURCE, HEAVY_TRAIN, MAIN_OUTLIER, SIDE_OUTLIER, data, inspect.getsource(_trained_heavy_model)]
-    return cached("trained", key, make) / "heavy_model.py"
+    x, y = images[:HEAVY_TRAIN], labels[:HEAVY_TRAIN]
+    key = [MAIN_OUTLIER, SIDE_OUTLIER]
+    return trained_model(
+        HEAVY_SOURCE, "heavy_model.py", "heavy", "heavy.pt", x, y, key=key, parameters=main_path, edit=plant
+    )
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ and partitioner, litert-torch and LiteRT, ExecuTorch's runtime; nothing mocked.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +19,8 @@ import numpy as np
 import pytest
 
 from edgeline.device_profiles import Precision
-from tests.cache import cached
 from tests.outlier_model import digits
-from tests.training import train_classifier
+from tests.training import trained_model
 
 pytestmark = pytest.mark.export
 
@@ -62,25 +59,15 @@ def _trained_fragile_model() -> Path:
     """The MLP trained on the digits (scaled to [0, 1] outside the model), then its outlier planted."""
     images, labels = digits()
 
-    def make(directory: Path) -> None:
-        import torch
+    def plant(module: Any) -> None:
+        module.head[0].weight[0] *= OUTLIER
+        module.head[0].bias[0] *= OUTLIER
+        module.head[2].weight[:, 0] /= OUTLIER
 
-        from edgeline.export.loading import load_model
-
-        source = directory / "fragile_model.py"
-        source.write_text(MLP_SOURCE, encoding="utf-8")
-        torch.manual_seed(0)
-        module = load_model(f"{source}:fragile").module
-        x, y = torch.from_numpy(images[:TRAIN] / 16.0), torch.from_numpy(labels[:TRAIN])
-        train_classifier(module, x, y, epochs=30)
-        with torch.no_grad():
-            module.head[0].weight[0] *= OUTLIER
-            module.head[0].bias[0] *= OUTLIER
-            module.head[2].weight[:, 0] /= OUTLIER
-        torch.save(module.state_dict(), directory / "fragile.pt")
-
-    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
-    return cached("trained", [MLP_SOURCE, TRAIN, OUTLIER, data, inspect.getsource(make)], make) / "fragile_model.py"
+    x, y = images[:TRAIN] / 16.0, labels[:TRAIN]
+    return trained_model(
+        MLP_SOURCE, "fragile_model.py", "fragile", "fragile.pt", x, y, key=[OUTLIER], epochs=30, edit=plant
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ computes it in float between a DEQUANTIZE and a QUANTIZE, and vela leaves it to 
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import os
 import subprocess
@@ -21,8 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.cache import cached
-from tests.training import digit_features, train_classifier
+from tests.training import digit_features, trained_model
 
 SOURCE = """\
 from pathlib import Path
@@ -67,22 +64,9 @@ VALIDATION = 200
 def model() -> Path:
     """The model's source file, its trained weights beside it: made once for this code (tests/cache.py)."""
     features, labels = digit_features()
-
-    def make(directory: Path) -> None:
-        import torch
-
-        from edgeline.export.loading import load_model
-
-        source = directory / FILE
-        source.write_text(SOURCE, encoding="utf-8")
-        torch.manual_seed(0)
-        module = load_model(f"{source}:naming_mlp").module
-        x, y = torch.from_numpy(features[:TRAIN]), torch.from_numpy(labels[:TRAIN])
-        train_classifier(module, x, y, epochs=30, lr=0.003)  # a running sum's scale wants a small step
-        torch.save(module.state_dict(), directory / "naming_mlp.pt")
-
-    data = hashlib.sha256(features.tobytes() + labels.tobytes()).hexdigest()
-    return cached("trained", [SOURCE, TRAIN, data, inspect.getsource(digit_features)], make) / FILE
+    x, y = features[:TRAIN], labels[:TRAIN]
+    # a running sum's scale wants a small step
+    return trained_model(SOURCE, FILE, "naming_mlp", "naming_mlp.pt", x, y, epochs=30, lr=0.003)
 
 
 def _edgeline(*args: str) -> subprocess.CompletedProcess[str]:

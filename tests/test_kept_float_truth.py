@@ -15,8 +15,6 @@ is an integer kernel all the same, and is not claimed float.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import io
 import re
 from pathlib import Path
@@ -26,8 +24,7 @@ import numpy as np
 import pytest
 
 from edgeline.device_profiles import Precision
-from tests.cache import cached
-from tests.training import digit_images
+from tests.training import digit_images, trained_model
 
 pytestmark = pytest.mark.export
 
@@ -84,26 +81,14 @@ def branch():
 def _trained_model() -> Path:
     images, labels = digit_images()
 
-    def make(directory: Path) -> None:
-        import torch
+    def plant(module: Any) -> None:  # the same function, one channel of act1's output OUTLIER times the others
+        module.conv1.weight[8] *= OUTLIER
+        module.conv1.bias[8] *= OUTLIER
+        module.mix.weight[:, 8] /= OUTLIER
+        module.side.weight[:, 8] /= OUTLIER
 
-        from edgeline.export.loading import load_model
-        from tests.training import train_classifier
-
-        source = directory / "branch_model.py"
-        source.write_text(SOURCE, encoding="utf-8")
-        torch.manual_seed(0)
-        module = load_model(f"{source}:branch").module
-        train_classifier(module, torch.from_numpy(images[:TRAIN]), torch.from_numpy(labels[:TRAIN]))
-        with torch.no_grad():  # the same function, one channel of act1's output OUTLIER times the others
-            module.conv1.weight[8] *= OUTLIER
-            module.conv1.bias[8] *= OUTLIER
-            module.mix.weight[:, 8] /= OUTLIER
-            module.side.weight[:, 8] /= OUTLIER
-        torch.save(module.state_dict(), directory / "branch.pt")
-
-    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
-    return cached("trained", [SOURCE, TRAIN, OUTLIER, data, inspect.getsource(digit_images)], make) / "branch_model.py"
+    x, y = images[:TRAIN], labels[:TRAIN]
+    return trained_model(SOURCE, "branch_model.py", "branch", "branch.pt", x, y, key=[OUTLIER], edit=plant)
 
 
 @pytest.fixture(scope="module")

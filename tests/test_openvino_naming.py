@@ -11,8 +11,6 @@ and products in float.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import os
 import subprocess
@@ -23,8 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.cache import cached
-from tests.training import digit_images, train_classifier
+from tests.training import digit_images, trained_model
 
 SOURCE = """\
 from pathlib import Path
@@ -71,22 +68,8 @@ VALIDATION = 200
 def model() -> Path:
     """The model's source file, its trained weights beside it: made once for this code (tests/cache.py)."""
     images, labels = digit_images()
-
-    def make(directory: Path) -> None:
-        import torch
-
-        from edgeline.export.loading import load_model
-
-        source = directory / FILE
-        source.write_text(SOURCE, encoding="utf-8")
-        torch.manual_seed(0)
-        module = load_model(f"{source}:gated_cnn").module
-        x, y = torch.from_numpy(images[:TRAIN] / 16.0), torch.from_numpy(labels[:TRAIN])
-        train_classifier(module, x, y, epochs=15)
-        torch.save(module.state_dict(), directory / "gated_cnn.pt")
-
-    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
-    return cached("trained", [SOURCE, TRAIN, data, inspect.getsource(digit_images)], make) / FILE
+    x, y = images[:TRAIN] / 16.0, labels[:TRAIN]
+    return trained_model(SOURCE, FILE, "gated_cnn", "gated_cnn.pt", x, y, epochs=15)
 
 
 def _edgeline(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,13 +1,65 @@
 """sklearn's digits, and training the tests' small classifiers of them: one loop for every test that trains one
 (deterministic for a seed set before the model is built; one thread, which batches this small train many times
-faster on a shared machine)."""
+faster on a shared machine), and one scaffold for a test's model of its own, trained once and cached."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import hashlib
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["digit_features", "digit_images", "train_classifier"]
+from tests.cache import cached
+
+__all__ = ["digit_features", "digit_images", "train_classifier", "trained_model"]
+
+
+def trained_model(
+    source: str,
+    file: str,
+    factory: str,
+    weights: str,
+    x: Any,
+    y: Any,
+    *,
+    key: Sequence[object] = (),
+    epochs: int = 25,
+    lr: float = 0.01,
+    parameters: Callable[[Any], Iterable[Any]] | None = None,
+    edit: Callable[[Any], None] | None = None,
+) -> Path:
+    """A model of a test's own: ``source`` written as ``file``, the module its ``factory`` builds (seed 0 set just
+    before) trained on the numpy arrays ``x``, ``y`` by ``train_classifier`` (``epochs``, ``lr``; only
+    ``parameters(module)`` when given), ``edit(module)`` run under ``torch.no_grad()`` (an outlier planted), and the
+    state dict saved beside it as ``weights``, the name the factory loads. Returns the source file's path, made once
+    (tests/cache.py) for the source, the data, the settings, the code of this function, of ``train_classifier``, of
+    ``parameters`` and ``edit``, and ``key``: what those read from outside (an outlier's scale). Never modify it."""
+    import numpy as np
+
+    data = hashlib.sha256()
+    for array in map(np.ascontiguousarray, (x, y)):
+        data.update(f"{array.dtype.str}\0{array.shape}\0".encode() + array.tobytes())
+
+    def make(directory: Path) -> None:
+        import torch
+
+        from edgeline.export.loading import load_model
+
+        path = directory / file
+        path.write_text(source, encoding="utf-8")
+        torch.manual_seed(0)
+        module = load_model(f"{path}:{factory}").module
+        chosen = None if parameters is None else parameters(module)
+        train_classifier(module, torch.from_numpy(x), torch.from_numpy(y), epochs=epochs, lr=lr, parameters=chosen)
+        if edit is not None:
+            with torch.no_grad():
+                edit(module)
+        torch.save(module.state_dict(), directory / weights)
+
+    code = [inspect.getsource(f) for f in (trained_model, train_classifier, parameters, edit) if f is not None]
+    inputs = [source, file, factory, weights, data.hexdigest(), epochs, lr, *code, *key]
+    return cached("trained", inputs, make) / file
 
 
 def train_classifier(
