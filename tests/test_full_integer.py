@@ -139,7 +139,8 @@ def models(digits: tuple[np.ndarray, np.ndarray]) -> Path:
             torch.save(module.state_dict(), source.with_name(f"{cls}.pt"))
 
     data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
-    inputs = [MODELS, repr(sorted(FACTORIES.items())), SCALED, TRAIN, inspect.getsource(_train), data]
+    code = [inspect.getsource(_train), inspect.getsource(train_classifier)]
+    inputs = [MODELS, repr(sorted(FACTORIES.items())), SCALED, TRAIN, *code, data]
     return cached("trained", inputs, make) / "digits_models.py"
 
 
