@@ -24,15 +24,13 @@ the Linear's features.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.cache import cached, cached_export
-from tests.training import digit_images, train_classifier
+from tests.cache import cached_export
+from tests.training import digit_images, trained_model
 
 TRAIN = 1400  # the digits before are trained on (the first CALIBRATION calibrate); those after are held out
 CALIBRATION = 64
@@ -75,25 +73,7 @@ def prelu():
 def model_file() -> Path:
     """The model's source file, its trained weights beside it (trained once for this code)."""
     images, labels = digit_images()
-
-    def make(directory: Path) -> None:
-        import torch
-
-        from edgeline.export.loading import load_model
-
-        source = directory / "openvino_prelu.py"
-        source.write_text(MODEL, encoding="utf-8")
-        torch.manual_seed(0)
-        module = load_model(f"{source}:prelu").module
-        train_classifier(module, torch.from_numpy(images[:TRAIN]), torch.from_numpy(labels[:TRAIN]), epochs=15)
-        torch.save(module.state_dict(), directory / "prelu.pt")
-        weights = hashlib.sha256((directory / "prelu.pt").read_bytes()).hexdigest()
-        # the bundle's cache key holds the source file's contents: the weights are part of it
-        source.write_text(MODEL + f"\n# weights: {weights}\n", encoding="utf-8")
-
-    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
-    inputs = [MODEL, TRAIN, data, inspect.getsource(train_classifier)]
-    return cached("trained", inputs, make) / "openvino_prelu.py"
+    return trained_model(MODEL, "openvino_prelu.py", "prelu", "prelu.pt", images[:TRAIN], labels[:TRAIN], epochs=15)
 
 
 @pytest.fixture(scope="module")
@@ -264,25 +244,15 @@ def layer_norm():
 def layer_norm_file() -> Path:
     """The LayerNorm model's source file, its trained weights beside it (trained once for this code)."""
     images, labels = digit_images()
-
-    def make(directory: Path) -> None:
-        import torch
-
-        from edgeline.export.loading import load_model
-
-        source = directory / "openvino_layer_norm.py"
-        source.write_text(LAYER_NORM_MODEL, encoding="utf-8")
-        torch.manual_seed(0)
-        module = load_model(f"{source}:layer_norm").module
-        train_classifier(module, torch.from_numpy(images[:TRAIN]), torch.from_numpy(labels[:TRAIN]), epochs=15)
-        torch.save(module.state_dict(), directory / "layer_norm.pt")
-        weights = hashlib.sha256((directory / "layer_norm.pt").read_bytes()).hexdigest()
-        # the bundle's cache key holds the source file's contents: the weights are part of it
-        source.write_text(LAYER_NORM_MODEL + f"\n# weights: {weights}\n", encoding="utf-8")
-
-    data = hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()
-    inputs = [LAYER_NORM_MODEL, TRAIN, data, inspect.getsource(train_classifier)]
-    return cached("trained", inputs, make) / "openvino_layer_norm.py"
+    return trained_model(
+        LAYER_NORM_MODEL,
+        "openvino_layer_norm.py",
+        "layer_norm",
+        "layer_norm.pt",
+        images[:TRAIN],
+        labels[:TRAIN],
+        epochs=15,
+    )
 
 
 @pytest.fixture(scope="module")

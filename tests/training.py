@@ -32,9 +32,11 @@ def trained_model(
     """A model of a test's own: ``source`` written as ``file``, the module its ``factory`` builds (seed 0 set just
     before) trained on the numpy arrays ``x``, ``y`` by ``train_classifier`` (``epochs``, ``lr``; only
     ``parameters(module)`` when given), ``edit(module)`` run under ``torch.no_grad()`` (an outlier planted), and the
-    state dict saved beside it as ``weights``, the name the factory loads. Returns the source file's path, made once
-    (tests/cache.py) for the source, the data, the settings, the code of this function, of ``train_classifier``, of
-    ``parameters`` and ``edit``, and ``key``: what those read from outside (an outlier's scale). Never modify it."""
+    state dict saved beside it as ``weights``, the name the factory loads, its sha256 written at the end of the source
+    (a comment: a bundle cached by the source's contents is made again for other weights). Returns the source file's
+    path, made once (tests/cache.py) for the source, the data, the settings, the code of this function, of
+    ``train_classifier``, of ``parameters`` and ``edit``, and ``key``: what those read from outside (an outlier's
+    scale). Never modify it."""
     import numpy as np
 
     data = hashlib.sha256()
@@ -56,6 +58,9 @@ def trained_model(
             with torch.no_grad():
                 edit(module)
         torch.save(module.state_dict(), directory / weights)
+        # an export's cache key holds the source file's contents (tests/cache.py cached_export): so the weights too
+        digest = hashlib.sha256((directory / weights).read_bytes()).hexdigest()
+        path.write_text(f"{source}\n# weights: {digest}\n", encoding="utf-8")
 
     code = [inspect.getsource(f) for f in (trained_model, train_classifier, parameters, edit) if f is not None]
     inputs = [source, file, factory, weights, data.hexdigest(), epochs, lr, *code, *key]
