@@ -19,7 +19,9 @@ with two such norms and one over a Linear's features, whose MVN ran in int8 but 
 float). ``row_layer_norms`` makes each an MVN over a [rows, features, 1] array, with the activation after it moved
 next to it, which the plugin computes in int8 with the weight, bias, activation and requantization fused. Its model:
 a CNN of its own with a GELU after the first permuted LayerNorm and a ReLU after the second and after the one over
-the Linear's features.
+the Linear's features. A transformer's LayerNorm, over the features of a [batch, tokens, features] array, ran its MVN
+in int8 but its weight and bias apart in float (the plugin's post-ops are per channel, axis 1: the tokens); made
+rows too, they fuse: a two-block ViT-like model of its own, patches of the digits, 49 of 59 operators int8 before.
 """
 
 from __future__ import annotations
@@ -359,7 +361,8 @@ def test_the_ir_normalises_rows_computing_what_torch_does(layer_norm_file: Path)
         ((1, 4, 4, 8), [3], (8,), "", 1),
         ((1, 24), [1], (24,), "relu", 1),
         ((1, 4, 4, 8), [-1], (1, 4, 1, 8), "permute, relu", 1),
-        ((1, 6, 24), [2], (24,), "relu", 0),
+        ((1, 6, 24), [2], (24,), "relu", 1),
+        ((1, 6, 24), [2], (), "relu", 0),
         ((1, 8, 4, 4), [2, 3], (1, 8, 1, 1), "relu", 0),
     ],
     ids=[
@@ -368,6 +371,7 @@ def test_the_ir_normalises_rows_computing_what_torch_does(layer_norm_file: Path)
         "features",
         "weight along another axis",
         "a sequence's features",
+        "a sequence's features, no weight or bias",
         "instance norm",
     ],
 )
@@ -377,9 +381,10 @@ def test_only_layer_norms_the_plugin_would_not_run_as_an_int8_mvn_are_made_rows(
     """A layer norm built here as OpenVINO's frontend converts it (MVN, the weight's Multiply, the bias's Add, then
     what follows): made an MVN over [rows, features, 1] where the CPU plugin would decompose it (a 4-D array's last
     axis) or fuse no requantization into it (2-D), the activation after it (through a permute) moved next to it; a
-    weight that varies along an axis it does not normalise left after it, with what follows; left as it is where the
-    plugin runs it as an MVN with post-ops (a 3-D array's last axis, an instance norm's [2, 3]); the model computes
-    the same either way."""
+    weight that varies along an axis it does not normalise left after it, with what follows; a 3-D array's last axis
+    (a transformer's features), whose weight and bias the plugin would compute apart in float (its post-ops are per
+    channel, axis 1); left as it is where the plugin runs it as an MVN with its post-ops (a 3-D array's last axis with
+    no weight or bias, an instance norm's [2, 3]); the model computes the same either way."""
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -389,8 +394,10 @@ def test_only_layer_norms_the_plugin_would_not_run_as_an_int8_mvn_are_made_rows(
     x = ops.parameter(list(shape), np.float32, name="x")
     normed = ops.mvn(x, ops.constant(np.array(axes, np.int64)), True, 1e-5, "inside_sqrt")
     normed.set_friendly_name("native_layer_norm/aten.native_layer_norm.default/MVN")
-    scaled = ops.multiply(normed, ops.constant(rng.uniform(0.5, 1.5, weight_shape).astype(np.float32)))
-    value = ops.add(scaled, ops.constant(rng.normal(size=shape[-1]).astype(np.float32)))
+    value = normed
+    if weight_shape:  # () for a layer norm without weight and bias (elementwise_affine=False)
+        scaled = ops.multiply(normed, ops.constant(rng.uniform(0.5, 1.5, weight_shape).astype(np.float32)))
+        value = ops.add(scaled, ops.constant(rng.normal(size=shape[-1]).astype(np.float32)))
     if "permute" in after:
         value = ops.transpose(value, ops.constant(np.array([0, 3, 1, 2], np.int64)))
     if "relu" in after:
@@ -415,3 +422,111 @@ def test_only_layer_norms_the_plugin_would_not_run_as_an_int8_mvn_are_made_rows(
         assert reads == ("Add" if len(weight_shape) == 1 else "Transpose"), reads  # next to the norm's Add, or left
     after_ = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(sample)[0]
     np.testing.assert_allclose(after_, before, rtol=1e-5, atol=1e-5)
+
+
+TRANSFORMER_MODEL = """\
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, width, heads=2):
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(width, width) for _ in range(4))
+        self.heads = heads
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = (f(x).reshape(b, n, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        weights = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, n, d))
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = Attention(width)
+        self.norm2 = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+class PatchTransformer(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.patch = nn.Conv2d(1, width, 2, stride=2)
+        self.position = nn.Parameter(torch.zeros(1, 16, width))
+        self.blocks = nn.Sequential(Block(width), Block(width))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        x = self.patch(x / 16.0).flatten(2).transpose(1, 2) + self.position
+        return self.head(self.norm(self.blocks(x)).mean(dim=1))
+
+
+def transformer():
+    model = PatchTransformer()
+    weights = Path(__file__).with_name("transformer.pt")
+    if weights.exists():
+        model.load_state_dict(torch.load(weights))
+    return model.eval()
+"""
+
+
+@pytest.fixture(scope="module")
+def transformer_file() -> Path:
+    """The transformer's source file, its trained weights beside it (trained once for this code)."""
+    images, labels = digit_images()
+    source, name = TRANSFORMER_MODEL, "openvino_transformer.py"
+    return trained_model(source, name, "transformer", "transformer.pt", images[:TRAIN], labels[:TRAIN], epochs=30,
+                         lr=0.003)  # fmt: skip
+
+
+@pytest.mark.export
+def test_a_transformer_s_layer_norms_run_in_int8_with_their_weight_and_bias(
+    transformer_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """No float part of the placement is tied to a LayerNorm (before: ``Multiply+Add`` x5, one per norm); the layer
+    report names every norm; the bundle classifies the held-out digits within the profile's budget of the float
+    model."""
+    import torch
+
+    from edgeline.bundle import read_bundle
+    from edgeline.export.loading import load_model
+    from edgeline.model import load
+
+    images, labels = digit_images()
+    folder = tmp_path_factory.mktemp("samples")
+    np.savez(folder / "calibration.npz", x=images[:CALIBRATION])
+    np.savez(folder / "validation.npz", x=images[TRAIN:], labels=labels[TRAIN:])
+    target = ("--profile", "x86-64", "--backend", "openvino", "--precision", "int8-static")
+    options = ("--calibration", folder / "calibration.npz", "--validation", folder / "validation.npz")
+    bundle = cached_export(f"{transformer_file}:transformer", *target, *options, "--no-mixed-precision")
+
+    manifest = read_bundle(bundle).manifest
+    placement = manifest.placement
+    assert placement is not None and manifest.quantization is not None
+    reported = {layer.module for layer in manifest.quantization.layers}
+    assert {"blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2", "norm"} <= reported, reported
+    norms = [(kind, where) for kind, where in placement.fallback_sources.items() if "norm" in " ".join(where)]
+    assert not norms, norms
+    assert not {"MVN", "RMS"} & {op for kind in placement.fallback for op in kind.split("+")}, placement.fallback
+
+    held_out, truth = images[TRAIN:], labels[TRAIN:]
+    module = load_model(f"{transformer_file}:transformer").module
+    with torch.no_grad():
+        expected = module(torch.from_numpy(held_out)).argmax(1).numpy()
+    deployed = load(bundle)
+    found = np.array([int(np.argmax(deployed.predict(image[None])[0])) for image in held_out])
+    float_accuracy, int8_accuracy = np.mean(expected == truth), np.mean(found == truth)
+    assert float_accuracy >= 0.8
+    assert 100 * (float_accuracy - int8_accuracy) <= BUDGET, (float_accuracy, int8_accuracy)
