@@ -247,6 +247,10 @@ class MqttConnection:
         self._closing = threading.Event()
         self._outcome = threading.Event()  # the first connection attempt has succeeded or failed
         self._failure: str | None = None
+        self._subscribed = threading.Event()  # the broker has answered the first connection's subscriptions
+        self._filters: dict[int, str] = {}  # SUBSCRIBE mid -> its filter, until its SUBACK (network thread)
+        self._awaited: set[int] = set()  # the SUBACKs the first connection waits for
+        self._refused: list[str] = []  # the first connection's filters the broker refused, and why
         self._last_error: str | None = None
         self._lost_at: float | None = None
         self._thread: threading.Thread | None = None
@@ -284,12 +288,19 @@ class MqttConnection:
                 return
             self._subscriptions.append((pattern, qos))
             if self.connected.is_set():
-                self._client.subscribe(pattern, qos=qos)
+                self._subscribe(self._client, pattern, qos)
 
         if self._thread is None:
             add()
         else:
             self.call_soon(add)
+
+    def _subscribe(self, client: Any, pattern: str, qos: int) -> int | None:
+        """Network thread: SUBSCRIBE to one filter; its mid, by which its SUBACK names it."""
+        _, mid = client.subscribe(pattern, qos=qos)
+        if mid is not None:
+            self._filters[mid] = pattern
+        return mid
 
     def remove_subscription(self, pattern: str) -> None:
         """Undo ``add_subscription``, from any thread, in the order of the calls: unsubscribed now when connected,
@@ -315,8 +326,9 @@ class MqttConnection:
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self, run: Callable[[Callable[[], None]], threading.Thread]) -> None:
-        """Connect, and return once the broker has accepted us; ``run(target)`` starts the network thread (the
-        supervisor's). Raises ``BrokerRefused`` naming the cause when the first attempt fails."""
+        """Connect, and return once the broker has accepted us and taken our subscriptions; ``run(target)`` starts
+        the network thread (the supervisor's). Raises ``BrokerRefused`` naming the cause when the first attempt
+        fails, or the broker refuses or leaves unanswered a subscription within ``connect_timeout_s``."""
         config = self.config
         if config.tls_insecure_skip_verify:
             log.warning("broker %s: TLS certificate verification is OFF (tls_insecure_skip_verify)", self.address)
@@ -331,6 +343,7 @@ class MqttConnection:
         self._client.connect_timeout = min(config.connect_timeout_s, 5.0)
         self._client.connect_async(config.host, config.port, **kwargs)
         self._thread = run(self._network)
+        deadline = time.monotonic() + config.connect_timeout_s
         if not self._outcome.wait(config.connect_timeout_s):
             self.close(0)
             raise BrokerRefused(
@@ -340,6 +353,16 @@ class MqttConnection:
         if self._failure is not None:
             self.close(0)
             raise BrokerRefused(f"broker {self.address}: {self._failure}")
+        # Subscribed, not only connected: a message published after we say we are up reaches us (a session new to
+        # the broker holds nothing for filters it has not taken yet; a session it kept holds them)
+        if not self._subscribed.wait(max(0.0, deadline - time.monotonic())):
+            self.close(0)
+            raise BrokerRefused(
+                f"broker {self.address}: no answer to our subscriptions within {config.connect_timeout_s:g} s"
+            )
+        if self._refused:
+            self.close(0)
+            raise BrokerRefused(f"broker {self.address}: refused the subscription {'; '.join(self._refused)}")
 
     def close(self, timeout: float = 5.0) -> None:
         """Disconnect cleanly (MQTT 5: the session stays for its expiry interval) and stop the network thread."""
@@ -534,8 +557,20 @@ class MqttConnection:
             self._drop_expired_resends(client)
             receive_maximum = getattr(properties, "ReceiveMaximum", None)
             self.window = min(self.config.max_inflight, receive_maximum or self.config.max_inflight)
+            # The first connection's (or its retry's) subscriptions, when the session is new to the broker: one it
+            # kept has them already, and sends what it held for us at once, which waits on the network thread for
+            # the daemon's source (so the SUBACK after it would never be read before start returned)
+            if getattr(flags, "session_present", False) and not self._subscribed.is_set():
+                self._subscribed.set()
+            awaiting = not self._subscribed.is_set()
+            self._awaited.clear()
+            self._filters.clear()  # a SUBACK of a connection that ended never comes
             for pattern, qos in self._subscriptions:
-                client.subscribe(pattern, qos=qos)
+                mid = self._subscribe(client, pattern, qos)
+                if awaiting and mid is not None:
+                    self._awaited.add(mid)
+            if awaiting and not self._awaited:
+                self._subscribed.set()
             self.connected.set()
             if not self._outcome.is_set():
                 self._outcome.set()
@@ -574,9 +609,20 @@ class MqttConnection:
             log.exception("on_disconnect failed")
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, properties: Any) -> None:
-        for reason, (pattern, _) in zip(reasons, self._subscriptions, strict=False):
-            if getattr(reason, "is_failure", False):
-                log.error("broker %s refused the subscription %r: %s", self.address, pattern, reason)
+        try:
+            pattern = self._filters.pop(mid, None)  # one filter per SUBSCRIBE: one reason per SUBACK
+            awaited = mid in self._awaited
+            self._awaited.discard(mid)
+            for reason in reasons:
+                if getattr(reason, "is_failure", False):
+                    named = repr(pattern) if pattern is not None else f"of message {mid}"
+                    log.error("broker %s refused the subscription %s: %s", self.address, named, reason)
+                    if awaited:
+                        self._refused.append(f"{named}: {reason}")
+            if awaited and not self._awaited:
+                self._subscribed.set()
+        except Exception:
+            log.exception("on_subscribe failed")
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         try:
