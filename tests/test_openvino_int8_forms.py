@@ -38,6 +38,36 @@ TRAIN = 1400  # the digits before are trained on (the first CALIBRATION calibrat
 CALIBRATION = 64
 BUDGET = 1.0  # x86-64's max_accuracy_drop, in points
 
+
+def _plain_int8(model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``edgeline export MODEL --profile x86-64 --backend openvino --precision int8-static --no-mixed-precision``
+    (plain int8: mixed precision would move layers to float), calibrated on the first CALIBRATION digits, validated on
+    the held-out ones; once for this code."""
+    images, labels = digit_images()
+    folder = tmp_path_factory.mktemp("samples")
+    np.savez(folder / "calibration.npz", x=images[:CALIBRATION])
+    np.savez(folder / "validation.npz", x=images[TRAIN:], labels=labels[TRAIN:])
+    target = ("--profile", "x86-64", "--backend", "openvino", "--precision", "int8-static")
+    options = ("--calibration", folder / "calibration.npz", "--validation", folder / "validation.npz")
+    return cached_export(model, *target, *options, "--no-mixed-precision")
+
+
+def _held_out_accuracies(model: str, bundle: Path) -> tuple[float, float]:
+    """The float model's and the bundle's accuracy on the held-out digits, each computed here."""
+    import torch
+
+    from edgeline.export.loading import load_model
+    from edgeline.model import load
+
+    images, labels = digit_images()
+    held_out, truth = images[TRAIN:], labels[TRAIN:]
+    with torch.no_grad():
+        expected = load_model(model).module(torch.from_numpy(held_out)).argmax(1).numpy()
+    deployed = load(bundle)
+    found = np.array([int(np.argmax(deployed.predict(image[None])[0])) for image in held_out])
+    return float(np.mean(expected == truth)), float(np.mean(found == truth))
+
+
 MODEL = """\
 from pathlib import Path
 
@@ -82,13 +112,7 @@ def model_file() -> Path:
 def bundle(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``edgeline export --profile x86-64 --backend openvino --precision int8-static`` (plain int8), once for this
     code."""
-    images, labels = digit_images()
-    folder = tmp_path_factory.mktemp("samples")
-    np.savez(folder / "calibration.npz", x=images[:CALIBRATION])
-    np.savez(folder / "validation.npz", x=images[TRAIN:], labels=labels[TRAIN:])
-    target = ("--profile", "x86-64", "--backend", "openvino", "--precision", "int8-static")
-    options = ("--calibration", folder / "calibration.npz", "--validation", folder / "validation.npz")
-    return cached_export(f"{model_file}:prelu", *target, *options, "--no-mixed-precision")
+    return _plain_int8(f"{model_file}:prelu", tmp_path_factory)
 
 
 @pytest.mark.export
@@ -96,11 +120,7 @@ def test_prelu_runs_inside_the_int8_layers_and_the_bundle_keeps_the_accuracy(mod
     """No float part of the placement computes a PReLU (before: ``Greater+Multiply+Select`` x3, one per PReLU, 5 of 9
     operators int8), none is tied to a PReLU module; the bundle classifies the held-out digits within the profile's
     budget of the float model."""
-    import torch
-
     from edgeline.bundle import read_bundle
-    from edgeline.export.loading import load_model
-    from edgeline.model import load
 
     placement = read_bundle(bundle).manifest.placement
     assert placement is not None and placement.ops is not None and placement.quantized_ops is not None
@@ -111,14 +131,7 @@ def test_prelu_runs_inside_the_int8_layers_and_the_bundle_keeps_the_accuracy(mod
     assert placement.ops - placement.quantized_ops == sum(placement.fallback.values())
     assert sum(placement.fallback.values()) <= 1, placement.fallback  # at most the input's quantization
 
-    images, labels = digit_images()
-    held_out, truth = images[TRAIN:], labels[TRAIN:]
-    module = load_model(f"{model_file}:prelu").module
-    with torch.no_grad():
-        expected = module(torch.from_numpy(held_out)).argmax(1).numpy()
-    deployed = load(bundle)
-    found = np.array([int(np.argmax(deployed.predict(image[None])[0])) for image in held_out])
-    float_accuracy, int8_accuracy = np.mean(expected == truth), np.mean(found == truth)
+    float_accuracy, int8_accuracy = _held_out_accuracies(f"{model_file}:prelu", bundle)
     assert float_accuracy >= 0.9
     assert 100 * (float_accuracy - int8_accuracy) <= BUDGET, (float_accuracy, int8_accuracy)
 
@@ -261,13 +274,7 @@ def layer_norm_file() -> Path:
 def layer_norm_bundle(layer_norm_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``edgeline export --profile x86-64 --backend openvino --precision int8-static`` (plain int8), once for this
     code."""
-    images, labels = digit_images()
-    folder = tmp_path_factory.mktemp("samples")
-    np.savez(folder / "calibration.npz", x=images[:CALIBRATION])
-    np.savez(folder / "validation.npz", x=images[TRAIN:], labels=labels[TRAIN:])
-    target = ("--profile", "x86-64", "--backend", "openvino", "--precision", "int8-static")
-    options = ("--calibration", folder / "calibration.npz", "--validation", folder / "validation.npz")
-    return cached_export(f"{layer_norm_file}:layer_norm", *target, *options, "--no-mixed-precision")
+    return _plain_int8(f"{layer_norm_file}:layer_norm", tmp_path_factory)
 
 
 @pytest.mark.export
@@ -278,11 +285,7 @@ def test_layer_norms_run_in_int8_and_the_bundle_keeps_the_accuracy(
     ``Add`` x2 in the two permuted norms, ``FakeQuantize`` after the third; 13 of 19 operators int8), none is tied to
     a norm or activation module; at most the input's quantization is float; every layer is in the layer report; the
     bundle classifies the held-out digits within the profile's budget of the float model."""
-    import torch
-
     from edgeline.bundle import read_bundle
-    from edgeline.export.loading import load_model
-    from edgeline.model import load
 
     manifest = read_bundle(layer_norm_bundle).manifest
     placement = manifest.placement
@@ -297,14 +300,7 @@ def test_layer_norms_run_in_int8_and_the_bundle_keeps_the_accuracy(
     reported = {layer.module for layer in manifest.quantization.layers}
     assert {"norm1.norm", "act1", "norm2.norm", "act2", "norm3", "act3"} <= reported, reported
 
-    images, labels = digit_images()
-    held_out, truth = images[TRAIN:], labels[TRAIN:]
-    module = load_model(f"{layer_norm_file}:layer_norm").module
-    with torch.no_grad():
-        expected = module(torch.from_numpy(held_out)).argmax(1).numpy()
-    deployed = load(layer_norm_bundle)
-    found = np.array([int(np.argmax(deployed.predict(image[None])[0])) for image in held_out])
-    float_accuracy, int8_accuracy = np.mean(expected == truth), np.mean(found == truth)
+    float_accuracy, int8_accuracy = _held_out_accuracies(f"{layer_norm_file}:layer_norm", layer_norm_bundle)
     assert float_accuracy >= 0.9
     assert 100 * (float_accuracy - int8_accuracy) <= BUDGET, (float_accuracy, int8_accuracy)
 
@@ -498,20 +494,9 @@ def test_a_transformer_s_layer_norms_run_in_int8_with_their_weight_and_bias(
     """No float part of the placement is tied to a LayerNorm (before: ``Multiply+Add`` x5, one per norm); the layer
     report names every norm; the bundle classifies the held-out digits within the profile's budget of the float
     model."""
-    import torch
-
     from edgeline.bundle import read_bundle
-    from edgeline.export.loading import load_model
-    from edgeline.model import load
 
-    images, labels = digit_images()
-    folder = tmp_path_factory.mktemp("samples")
-    np.savez(folder / "calibration.npz", x=images[:CALIBRATION])
-    np.savez(folder / "validation.npz", x=images[TRAIN:], labels=labels[TRAIN:])
-    target = ("--profile", "x86-64", "--backend", "openvino", "--precision", "int8-static")
-    options = ("--calibration", folder / "calibration.npz", "--validation", folder / "validation.npz")
-    bundle = cached_export(f"{transformer_file}:transformer", *target, *options, "--no-mixed-precision")
-
+    bundle = _plain_int8(f"{transformer_file}:transformer", tmp_path_factory)
     manifest = read_bundle(bundle).manifest
     placement = manifest.placement
     assert placement is not None and manifest.quantization is not None
@@ -521,12 +506,6 @@ def test_a_transformer_s_layer_norms_run_in_int8_with_their_weight_and_bias(
     assert not norms, norms
     assert not {"MVN", "RMS"} & {op for kind in placement.fallback for op in kind.split("+")}, placement.fallback
 
-    held_out, truth = images[TRAIN:], labels[TRAIN:]
-    module = load_model(f"{transformer_file}:transformer").module
-    with torch.no_grad():
-        expected = module(torch.from_numpy(held_out)).argmax(1).numpy()
-    deployed = load(bundle)
-    found = np.array([int(np.argmax(deployed.predict(image[None])[0])) for image in held_out])
-    float_accuracy, int8_accuracy = np.mean(expected == truth), np.mean(found == truth)
+    float_accuracy, int8_accuracy = _held_out_accuracies(f"{transformer_file}:transformer", bundle)
     assert float_accuracy >= 0.8
     assert 100 * (float_accuracy - int8_accuracy) <= BUDGET, (float_accuracy, int8_accuracy)
