@@ -10,7 +10,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -147,19 +147,23 @@ def test_a_backlog_of_50000_waits_at_the_broker_and_every_input_is_answered(
     assert most_held <= MAX_HELD
 
 
-class SlowAckRelay:
-    """A TCP relay between the daemon and the broker that lets the broker's PUBACKs through at ``acks_per_s`` at
-    most (every other packet passes at once): a broker slow to acknowledge the daemon's answers."""
+class PacketRelay:
+    """A TCP relay between the daemon and the broker, packet by packet: ``up(packet)`` (daemon to broker) and
+    ``down(packet)`` (broker to daemon) give what passes on, and may hold it; as they are, every packet passes."""
 
-    def __init__(self, broker: Broker, acks_per_s: float) -> None:
+    def __init__(self, broker: Broker) -> None:
         self.broker = broker
-        self.interval = 1.0 / acks_per_s
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self.held = 0
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def up(self, packet: bytes) -> bytes:
+        return packet
+
+    def down(self, packet: bytes) -> bytes:
+        return packet
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -169,33 +173,17 @@ class SlowAckRelay:
                 return
             upstream = socket.create_connection((self.broker.host, self.broker.port))
             self._sockets += [client, upstream]
-            threading.Thread(target=self._copy, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client), daemon=True).start()
+            threading.Thread(target=self._relay, args=(client, upstream, self.up), daemon=True).start()
+            threading.Thread(target=self._relay, args=(upstream, client, self.down), daemon=True).start()
 
-    def _copy(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for side in (source, sink):
-                side.close()
-
-    def _down(self, source: socket.socket, sink: socket.socket) -> None:
-        """Broker to daemon, packet by packet: a PUBACK waits for its turn."""
+    def _relay(self, source: socket.socket, sink: socket.socket, change: Callable[[bytes], bytes]) -> None:
         buffer = b""
-        next_ack = time.monotonic()
         try:
             while data := source.recv(65536):
                 buffer += data
                 while (packet := _one_packet(buffer)) is not None:
                     buffer = buffer[len(packet) :]
-                    if packet[0] >> 4 == 4:  # PUBACK
-                        self.held += 1
-                        next_ack = max(next_ack + self.interval, time.monotonic())
-                        time.sleep(max(0.0, next_ack - time.monotonic()))
-                    sink.sendall(packet)
+                    sink.sendall(change(packet))
         except OSError:
             pass
         finally:
@@ -207,6 +195,24 @@ class SlowAckRelay:
         self.listener.close()
         for sock in self._sockets:
             sock.close()
+
+
+class SlowAckRelay(PacketRelay):
+    """Lets the broker's PUBACKs through at ``acks_per_s`` at most (every other packet passes at once): a broker slow
+    to acknowledge the daemon's answers."""
+
+    def __init__(self, broker: Broker, acks_per_s: float) -> None:
+        self.interval = 1.0 / acks_per_s
+        self.held = 0
+        self._next_ack = time.monotonic()
+        super().__init__(broker)
+
+    def down(self, packet: bytes) -> bytes:
+        if packet[0] >> 4 == 4:  # PUBACK: waits for its turn
+            self.held += 1
+            self._next_ack = max(self._next_ack + self.interval, time.monotonic())
+            time.sleep(max(0.0, self._next_ack - time.monotonic()))
+        return packet
 
 
 def _one_packet(buffer: bytes) -> bytes | None:

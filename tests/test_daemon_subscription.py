@@ -10,19 +10,16 @@ there does (MQTT 5 reason code 0x87)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from edgeline.daemon.service import Daemon
 from tests.mqtt_broker import Broker, Collector
-from tests.test_daemon_backpressure import _one_packet, answered, config_for, publish_all
+from tests.test_daemon_backpressure import PacketRelay, answered, config_for, publish_all
 
 pytestmark = pytest.mark.device  # the device tier runs these (scripts/test_device.sh)
 
@@ -32,43 +29,27 @@ SUBSCRIBE, SUBACK = 8, 9
 NOT_AUTHORIZED = 0x87
 
 
-class SubscriptionRelay:
-    """A TCP relay between the daemon and the broker that holds the daemon's first SUBSCRIBE ``hold_s`` seconds
-    (the bytes after it wait behind it), or answers every SUBSCRIBE's SUBACK with "Not authorized" (``refuse``);
-    every other packet passes as it is."""
+class SubscriptionRelay(PacketRelay):
+    """Holds the daemon's first SUBSCRIBE ``hold_s`` seconds (the bytes after it wait behind it), or answers every
+    SUBSCRIBE's SUBACK with "Not authorized" (``refuse``); every other packet passes as it is."""
 
     def __init__(self, broker: Broker, *, hold_s: float = 0.0, refuse: bool = False) -> None:
-        self.broker, self.hold_s, self.refuse = broker, hold_s, refuse
+        self.hold_s, self.refuse = hold_s, refuse
         self.held = 0  # SUBSCRIBEs held
         self.refused = 0  # SUBACKs rewritten
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(broker)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection((self.broker.host, self.broker.port))
-            self._sockets += [client, upstream]
-            threading.Thread(target=self._relay, args=(client, upstream, self._up), daemon=True).start()
-            threading.Thread(target=self._relay, args=(upstream, client, self._down), daemon=True).start()
-
-    def _up(self, packet: bytes) -> bytes:
+    def up(self, packet: bytes) -> bytes:
         if packet[0] >> 4 == SUBSCRIBE and self.hold_s and not self.held:
             self.held += 1
             time.sleep(self.hold_s)
         return packet
 
-    def _down(self, packet: bytes) -> bytes:
+    def down(self, packet: bytes) -> bytes:
         if packet[0] >> 4 != SUBACK or not self.refuse:
             return packet
         # MQTT 5 SUBACK: fixed header, packet id, properties (length first), one reason code per filter
-        header = len(packet) - len(_body(packet))
-        at = header + 2
+        at = len(packet) - len(_body(packet)) + 2
         length, shift = 0, 0
         while True:
             digit = packet[at]
@@ -79,25 +60,6 @@ class SubscriptionRelay:
         codes = at + length
         self.refused += 1
         return packet[:codes] + bytes([NOT_AUTHORIZED]) * (len(packet) - codes)
-
-    def _relay(self, source: socket.socket, sink: socket.socket, change: Callable[[bytes], bytes]) -> None:
-        buffer = b""
-        try:
-            while data := source.recv(65536):
-                buffer += data
-                while (packet := _one_packet(buffer)) is not None:
-                    buffer = buffer[len(packet) :]
-                    sink.sendall(change(packet))
-        except OSError:
-            pass
-        finally:
-            for side in (source, sink):
-                side.close()
-
-    def close(self) -> None:
-        self.listener.close()
-        for sock in self._sockets:
-            sock.close()
 
 
 def _body(packet: bytes) -> bytes:
